@@ -1,0 +1,1 @@
+//! Distributed data-parallel training for Burn 0.22.

@@ -1,0 +1,1 @@
+//! Process groups for multi-process data-parallel training.
