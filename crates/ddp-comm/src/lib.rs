@@ -1,1 +1,28 @@
-//! Process groups for multi-process data-parallel training.
+//! Process groups for multi-process data-parallel training, with no Burn dependency.
+//!
+//! - [`env`]: the launch contract (torchrun's variables, Slurm's as a fallback).
+//! - [`store`]: the rendezvous key-value store rank 0 serves at `MASTER_ADDR:MASTER_PORT`.
+//! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
+//!   barrier) over TCP between hosts and shared memory between ranks of one host.
+//! - [`launcher`]: starts, watches and stops rank processes (the `ddprun` binary).
+//!
+//! ```no_run
+//! use ddp_comm::{ProcessGroup, ReduceOp};
+//! # fn main() -> Result<(), ddp_comm::CommError> {
+//! let mut pg = ProcessGroup::from_env()?; // world size 1 when no launch variables are set
+//! let mut grads = vec![1.0f32; 1024];
+//! pg.all_reduce(&mut grads, ReduceOp::Mean)?;
+//! pg.barrier()?;
+//! # Ok(()) }
+//! ```
+
+pub mod env;
+pub mod error;
+pub mod group;
+pub mod launcher;
+pub mod store;
+
+pub use env::{EnvError, LaunchEnv};
+pub use error::{CommError, Result};
+pub use group::{Element, GroupOptions, ProcessGroup, ReduceOp};
+pub use store::{StoreClient, StoreServer};
