@@ -1,1 +1,3 @@
 //! Distributed data-parallel training for Burn 0.22.
+
+pub mod comm;

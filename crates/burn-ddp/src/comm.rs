@@ -1,0 +1,39 @@
+//! The process-wide process group that burn-ddp's modules and helpers communicate through.
+//!
+//! [`install`] is called once (by `burn_ddp::init`); layers such as `SyncBatchNorm` reach the
+//! group with [`group`] and make no collective call when there is none or its world size is 1.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ddp_comm::ProcessGroup;
+
+/// A process group shared by everything in this process that communicates.
+pub type SharedGroup = Arc<Mutex<ProcessGroup>>;
+
+static GROUP: OnceLock<SharedGroup> = OnceLock::new();
+
+/// Makes `pg` the process-wide group. Returns the installed group; if one was installed
+/// before, `pg` is dropped and the earlier one is returned with `false`.
+pub fn install(pg: ProcessGroup) -> (SharedGroup, bool) {
+    let mut fresh = false;
+    let g = GROUP.get_or_init(|| {
+        fresh = true;
+        Arc::new(Mutex::new(pg))
+    });
+    (g.clone(), fresh)
+}
+
+/// The process-wide group, if [`install`] has been called.
+pub fn group() -> Option<SharedGroup> {
+    GROUP.get().cloned()
+}
+
+/// The world size of the process-wide group (1 when none is installed).
+pub fn world_size() -> usize {
+    group().map_or(1, |g| lock(&g).world_size())
+}
+
+/// Locks a shared group, recovering from a poisoned mutex (the group itself tracks errors).
+pub fn lock(g: &SharedGroup) -> std::sync::MutexGuard<'_, ProcessGroup> {
+    g.lock().unwrap_or_else(|e| e.into_inner())
+}
