@@ -114,7 +114,11 @@ pub(crate) fn nccl_error(what: &str, code: ncclResult_t, after: Duration) -> Com
 
 /// Maps a CUDA driver error to the crate's error type.
 pub(crate) fn cuda_error(what: &str, e: DriverError) -> CommError {
-    CommError::io(format!("CUDA {what}"), None, io::Error::other(e.to_string()))
+    CommError::io(
+        format!("CUDA {what}"),
+        None,
+        io::Error::other(e.to_string()),
+    )
 }
 
 /// Polls with a growing pause: yield for the first polls (a small collective finishes in
@@ -180,8 +184,9 @@ impl RawComm {
         let mut ptr: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `ptr` and `config` are valid for the call; NCCL copies the config before
         // returning; rank < nranks is checked by the caller (NCCL checks it again).
-        let res =
-            unsafe { sys::ncclCommInitRankConfig(&mut ptr, nranks, uid, rank as c_int, &mut config) };
+        let res = unsafe {
+            sys::ncclCommInitRankConfig(&mut ptr, nranks, uid, rank as c_int, &mut config)
+        };
         let started = match res {
             ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => !ptr.is_null(),
             _ => false,

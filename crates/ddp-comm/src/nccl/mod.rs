@@ -55,6 +55,8 @@ use cudarc::driver::{
 use cudarc::nccl::NcclType;
 use cudarc::nccl::sys::{self, ncclComm_t, ncclRedOp_t, ncclResult_t};
 
+/// The cudarc this transport is built on, so callers allocate buffers with the same version.
+pub use cudarc;
 pub use cudarc::driver::{CudaView, CudaViewMut};
 pub use library::{Libraries, MIN_NCCL_VERSION, NcclVersion, check_libraries};
 
@@ -278,9 +280,8 @@ impl NcclGroup {
 
         let start = Instant::now();
         let make_id = || -> Result<[u8; rendezvous::ID_BYTES]> {
-            let id = cudarc::nccl::Id::new().map_err(|e| {
-                comm::nccl_error("ncclGetUniqueId", e.0, Duration::ZERO)
-            })?;
+            let id = cudarc::nccl::Id::new()
+                .map_err(|e| comm::nccl_error("ncclGetUniqueId", e.0, Duration::ZERO))?;
             Ok(id.internal().map(|c| c as u8))
         };
         let (id, mut store, generation) = match ids {
@@ -305,13 +306,10 @@ impl NcclGroup {
             Ok(c) => c,
             Err(InitFailure::Error(e)) => return Err(e),
             Err(InitFailure::TimedOut(after)) => {
-                let missing: Vec<usize> = match store.as_deref_mut() {
-                    Some(s) => rendezvous::missing_ranks(
-                        s,
-                        &opts.store_prefix,
-                        generation,
-                        world_size,
-                    ),
+                let missing: Vec<usize> = match store.as_mut() {
+                    Some(s) => {
+                        rendezvous::missing_ranks(s, &opts.store_prefix, generation, world_size)
+                    }
                     None => Vec::new(),
                 };
                 let detail = if missing.is_empty() {
@@ -449,7 +447,10 @@ impl NcclGroup {
         if let Err(e) = &result {
             self.comm.abort();
             self.broken = Some(format!("rank {}: {e}", self.rank));
-            tracing::error!(rank = self.rank, "NCCL {what} failed, communicator aborted: {e}");
+            tracing::error!(
+                rank = self.rank,
+                "NCCL {what} failed, communicator aborted: {e}"
+            );
         }
         result
     }
