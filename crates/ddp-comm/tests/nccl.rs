@@ -118,7 +118,12 @@ where
 #[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
 fn world1_device_collectives_f32_f64_i64() {
     let mut g = NcclGroup::single(&opts()).unwrap();
-    eprintln!("NCCL {} on device {}", g.nccl_version(), g.device_ordinal());
+    println!(
+        "OUTCOME NCCL {} on CUDA device {} ({})",
+        g.nccl_version(),
+        g.device_ordinal(),
+        g.context().name().unwrap_or_default()
+    );
     device_collectives_world1(&mut g, ramp(1001, |i| i as f32 * 0.5 - 100.0), f32::NAN);
     device_collectives_world1(&mut g, ramp(4099, |i| (i as f64).sin() * 1e6), -7.0);
     device_collectives_world1(
@@ -344,6 +349,7 @@ fn two_processes_on_one_gpu_work_or_fail_cleanly() {
     // NCCL normally refuses two ranks on one GPU ("Duplicate GPU detected"). Either outcome is
     // acceptable here; a hang, a panic or a wrong result is not. When NCCL accepts, rank 1
     // then dies and rank 0 must report the dead peer within its 10 s timeout.
+    check_libraries().expect("this test needs CUDA and NCCL");
     let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
     let port = server.local_addr().port();
     let mut children = Children(vec![spawn_rank(0, port), spawn_rank(1, port)]);
