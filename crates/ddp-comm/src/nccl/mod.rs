@@ -111,7 +111,8 @@ pub struct NcclOptions {
     /// Deadline for the rendezvous and the communicator's creation, i.e. for every rank to
     /// arrive (default 120 s).
     pub init_timeout: Duration,
-    /// CUDA device ordinal; `None` uses `LOCAL_RANK` (device 0 for [`NcclGroup::single`]).
+    /// CUDA device ordinal; `None` uses `LOCAL_RANK` (device 0 for [`NcclGroup::single`]),
+    /// or device 0 when the rank sees exactly one device (`CUDA_VISIBLE_DEVICES` set per rank).
     pub device: Option<usize>,
     /// Prefix of the rendezvous store keys (default `nccl`); groups created in the same order
     /// on every rank may share it.
@@ -196,6 +197,39 @@ impl fmt::Debug for NcclGroup {
     }
 }
 
+/// Which CUDA device a rank uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeviceChoice {
+    /// Set in [`NcclOptions::device`].
+    Explicit(usize),
+    /// `LOCAL_RANK`, unless exactly one device is visible (a launcher that gives each rank
+    /// its own GPU through `CUDA_VISIBLE_DEVICES`, e.g. `srun --gpus-per-task=1`): then 0.
+    LocalRank(usize),
+}
+
+impl DeviceChoice {
+    fn from_options(opts: &NcclOptions, local_rank: usize) -> Self {
+        match opts.device {
+            Some(d) => DeviceChoice::Explicit(d),
+            None => DeviceChoice::LocalRank(local_rank),
+        }
+    }
+
+    fn resolve(self, visible: usize) -> usize {
+        match self {
+            DeviceChoice::Explicit(d) => d,
+            DeviceChoice::LocalRank(r) if visible == 1 && r > 0 => {
+                tracing::info!(
+                    local_rank = r,
+                    "one CUDA device visible to this rank: using device 0 instead of LOCAL_RANK"
+                );
+                0
+            }
+            DeviceChoice::LocalRank(r) => r,
+        }
+    }
+}
+
 /// Where a new group's unique id comes from.
 enum IdSource<'a> {
     /// Made locally (world size 1).
@@ -217,11 +251,10 @@ impl NcclGroup {
     /// Missing libraries (see [`check_libraries`]), a device ordinal beyond the visible
     /// devices, store errors, NCCL errors, the timeout above.
     pub fn init(env: &LaunchEnv, store: &mut StoreClient, opts: &NcclOptions) -> Result<Self> {
-        let device = opts.device.unwrap_or(env.local_rank);
         Self::create(
             env.rank,
             env.world_size,
-            device,
+            DeviceChoice::from_options(opts, env.local_rank),
             IdSource::Store(store),
             opts,
         )
@@ -244,13 +277,19 @@ impl NcclGroup {
     /// A group of one rank on device [`NcclOptions::device`] (default 0), without a store.
     /// Its collectives are real NCCL calls on the device (the results equal the inputs).
     pub fn single(opts: &NcclOptions) -> Result<Self> {
-        Self::create(0, 1, opts.device.unwrap_or(0), IdSource::Local, opts)
+        Self::create(
+            0,
+            1,
+            DeviceChoice::from_options(opts, 0),
+            IdSource::Local,
+            opts,
+        )
     }
 
     fn create(
         rank: usize,
         world_size: usize,
-        device: usize,
+        device: DeviceChoice,
         ids: IdSource<'_>,
         opts: &NcclOptions,
     ) -> Result<Self> {
@@ -262,7 +301,9 @@ impl NcclGroup {
         }
         let count = CudaContext::device_count()
             .map_err(|e| cuda_error("counting devices (cuInit/cuDeviceGetCount)", e))?;
-        if device >= count.max(0) as usize {
+        let count = count.max(0) as usize;
+        let device = device.resolve(count);
+        if device >= count {
             return Err(CommError::InvalidArgument(format!(
                 "CUDA device {device} requested (LOCAL_RANK or NcclOptions::device) but only \
                  {count} device(s) are visible (CUDA_VISIBLE_DEVICES={})",
@@ -836,6 +877,17 @@ mod tests {
         assert_eq!(o.timeout, Duration::from_secs(7));
         assert_eq!(o.init_timeout, Duration::from_secs(9));
         assert_eq!(o.store_prefix, "nccl");
+    }
+
+    #[test]
+    fn device_choice_follows_local_rank_unless_one_device_is_visible() {
+        let mut o = NcclOptions::default();
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(4), 3);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1), 0);
+        // Out of range with several devices: left for the caller's clear error.
+        assert_eq!(DeviceChoice::from_options(&o, 5).resolve(4), 5);
+        o.device = Some(2);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1), 2);
     }
 
     #[test]
