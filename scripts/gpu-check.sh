@@ -155,8 +155,15 @@ setup_libraries() {
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
   fi
 
-  # libcuda.so.1 comes with the driver; usually in the ldconfig cache.
-  CUDA_LIB=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+  # libcuda.so.1 comes with the driver: on LD_LIBRARY_PATH, in the ldconfig cache, or in one of
+  # the driver's usual folders (then added to LD_LIBRARY_PATH).
+  CUDA_LIB=""
+  local dir
+  local ldp=${LD_LIBRARY_PATH:-}
+  for dir in ${ldp//:/ }; do
+    if [ -e "$dir/libcuda.so.1" ]; then CUDA_LIB="$dir/libcuda.so.1"; break; fi
+  done
+  [ -n "$CUDA_LIB" ] || CUDA_LIB=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
   if [ -z "$CUDA_LIB" ]; then
     local d
     d=$(add_lib_dir /usr/local/nvidia/lib64/libcuda.so.1 /usr/local/nvidia/lib/libcuda.so.1 \
@@ -190,6 +197,15 @@ EOF
       if [ -e "$d/libnccl.so.2" ]; then NCCL_LIB="$d/libnccl.so.2"; break 2; fi
     done
   done
+  if [ -z "$NCCL_LIB" ]; then
+    # Any other layout of a wheel: search the nvidia/ folders of the site-packages.
+    local sp
+    for sp in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true); do
+      [ -d "$sp/nvidia" ] || continue
+      NCCL_LIB=$(find "$sp/nvidia" -maxdepth 4 -name 'libnccl.so.2' 2>/dev/null | head -n1)
+      [ -z "$NCCL_LIB" ] || break
+    done
+  fi
   if [ -z "$NCCL_LIB" ]; then
     NCCL_LIB=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')
   fi
