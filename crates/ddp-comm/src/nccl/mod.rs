@@ -197,6 +197,12 @@ impl fmt::Debug for NcclGroup {
     }
 }
 
+// A group may be moved to (and used from) another thread, e.g. behind a `Mutex`.
+const _: () = {
+    fn assert_send<T: Send>() {}
+    let _ = assert_send::<NcclGroup>;
+};
+
 /// Which CUDA device a rank uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum DeviceChoice {
