@@ -268,10 +268,19 @@ impl NcclGroup {
 
     /// Like [`NcclGroup::init`], connecting its own client to the job's store at
     /// `MASTER_ADDR:MASTER_PORT` with the job token. The store must be served already —
-    /// [`crate::ProcessGroup::init`] serves it on rank 0.
+    /// [`crate::ProcessGroup::init`] serves it on rank 0. A world of one needs no store.
     pub fn connect(env: &LaunchEnv, opts: &NcclOptions) -> Result<Self> {
         // Check first: a machine without CUDA should hear about that, not about the store.
         check_libraries()?;
+        if env.world_size == 1 {
+            return Self::create(
+                0,
+                1,
+                DeviceChoice::from_options(opts, env.local_rank),
+                IdSource::Local,
+                opts,
+            );
+        }
         let mut store = StoreClient::connect(
             &env.master_endpoint(),
             env.job_token.as_deref(),
