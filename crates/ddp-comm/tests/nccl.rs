@@ -172,6 +172,14 @@ fn world1_host_helpers_and_argument_errors() {
     assert!(g.broken_reason().is_none());
     g.barrier().unwrap();
 
+    // A world of one through the launcher-facing constructor: no store needed. Two
+    // single-rank communicators may share the device.
+    let mut solo = NcclGroup::connect(&LaunchEnv::single_process(), &opts()).unwrap();
+    let mut v = vec![3i64, -4, 5];
+    solo.all_reduce_host(&mut v, ReduceOp::Max).unwrap();
+    assert_eq!(v, [3, -4, 5]);
+    drop(solo);
+
     // After an explicit abort every call reports the broken group.
     g.abort();
     let err = g.barrier().unwrap_err();
