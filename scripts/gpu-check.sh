@@ -14,7 +14,8 @@
 # What `build` registers lives in .gpu-bin/manifest.tsv, one check per line:
 #   libtest<TAB>LABEL<TAB>BINARY            every #[ignore]d test of a libtest binary, one row each
 #   cmd<TAB>LABEL<TAB>TIMEOUT_S<TAB>COMMAND  a command; exit status 0 = pass
-# Output lines a check prints starting with "BENCH |" or "OUTCOME" are shown under the table.
+# Output a check prints from "BENCH |" or "OUTCOME" to the end of a line is shown under the table
+# (libtest may print "test NAME ... " before it on the same line).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -258,13 +259,13 @@ run_libtest() {
     secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}')
     local status note
     case $rc in
-      0) status=PASS; note=$(grep -m1 '^OUTCOME' "$log" | cut -c9- || true) ;;
+      0) status=PASS; note=$(grep -m1 -o 'OUTCOME.*' "$log" | cut -c9- || true) ;;
       124|137) status=TIMEOUT; note="killed after ${t}s"; FAILED=1 ;;
       *) status=FAIL; FAILED=1
          note=$(grep -m1 -A1 'panicked at' "$log" | tail -n1 | cut -c1-120 || true) ;;
     esac
     row "$label::$name" "$status" "$secs" "$note"
-    while IFS= read -r l; do NOTES+=("$l"); done < <(grep -E '^(BENCH \||OUTCOME)' "$log" || true)
+    while IFS= read -r l; do NOTES+=("$l"); done < <(grep -oE '(BENCH \||OUTCOME).*' "$log" || true)
     if [ "$status" != PASS ]; then
       NOTES+=("--- $label::$name")
       while IFS= read -r l; do NOTES+=("    $l"); done < <(failure_excerpt "$log")
@@ -294,7 +295,7 @@ run_cmd() {
     *) status=FAIL; note="exit $rc"; FAILED=1 ;;
   esac
   row "$label" "$status" "$secs" "$note"
-  while IFS= read -r l; do NOTES+=("$l"); done < <(grep -E '^(BENCH \||OUTCOME)' "$log" || true)
+  while IFS= read -r l; do NOTES+=("$l"); done < <(grep -oE '(BENCH \||OUTCOME).*' "$log" || true)
   if [ "$status" != PASS ]; then
     NOTES+=("--- $label")
     while IFS= read -r l; do NOTES+=("    $l"); done < <(failure_excerpt "$log")

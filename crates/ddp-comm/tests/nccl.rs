@@ -361,6 +361,19 @@ fn two_processes_on_one_gpu_work_or_fail_cleanly() {
     let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
     let port = server.local_addr().port();
     let mut children = Children(vec![spawn_rank(0, port), spawn_rank(1, port)]);
+    // Drain the pipes while the ranks run, so a chatty rank can never block on a full pipe.
+    let readers: Vec<_> = children
+        .0
+        .iter_mut()
+        .map(|c| {
+            let mut out = c.stdout.take().unwrap();
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut codes = [None, None];
     while codes.iter().any(Option::is_none) {
@@ -376,14 +389,13 @@ fn two_processes_on_one_gpu_work_or_fail_cleanly() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let codes = codes.map(|c| c.expect("both exited"));
-    let mut outs = Vec::new();
-    for c in &mut children.0 {
-        let mut s = String::new();
-        c.stdout.take().unwrap().read_to_string(&mut s).unwrap();
-        outs.push(s);
-    }
+    let outs: Vec<String> = readers.into_iter().map(|r| r.join().unwrap()).collect();
     for (i, o) in outs.iter().enumerate() {
-        for line in o.lines().filter(|l| l.starts_with("CHILD")) {
+        // libtest may print "test NAME ... " on the same line before the child's output.
+        for line in o
+            .lines()
+            .filter_map(|l| l.find("CHILD rank=").map(|at| &l[at..]))
+        {
             println!("rank {i} (exit {:?}): {line}", codes[i]);
         }
     }
