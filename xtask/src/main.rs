@@ -1,5 +1,147 @@
-//! `cargo xtask …`: the project's task runner.
-fn main() {
-    eprintln!("xtask: no commands yet");
-    std::process::exit(2);
+//! `cargo xtask …`: the project's task runner, a thin CLI over the libraries.
+//!
+//! ```text
+//! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm|tcp]
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "cargo xtask", about = "burn-ddp task runner")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Benchmarks (release builds, launched through `ddprun`).
+    Bench {
+        #[command(subcommand)]
+        what: Bench,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum Bench {
+    /// All-reduce of f32 data: size, median/min/max time, algbw and busbw per world size,
+    /// and the time from launch to the first barrier.
+    Allreduce {
+        /// Ranks per run; several values run one after the other.
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        nproc: Vec<u32>,
+        /// Message sizes (K, M, G suffixes = KiB, MiB, GiB).
+        #[arg(long, value_delimiter = ',', default_value = "8K,1M,25M,100M")]
+        sizes: Vec<String>,
+        /// shm (shared memory between ranks of this host) or tcp; several values run each.
+        #[arg(long, value_delimiter = ',', default_value = "shm")]
+        transport: Vec<String>,
+        /// Timed iterations per size (default: scaled to the size).
+        #[arg(long)]
+        iters: Option<usize>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Bench {
+            what:
+                Bench::Allreduce {
+                    nproc,
+                    sizes,
+                    transport,
+                    iters,
+                },
+        } => bench_allreduce(&nproc, &sizes, &transport, iters),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|p| if p.is_absolute() { p } else { root.join(p) })
+        .unwrap_or_else(|| root.join("target"))
+}
+
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed: {status}"))
+    }
+}
+
+fn bench_allreduce(
+    nprocs: &[u32],
+    sizes: &[String],
+    transports: &[String],
+    iters: Option<usize>,
+) -> Result<(), String> {
+    for t in transports {
+        if t != "shm" && t != "tcp" {
+            return Err(format!("unknown transport {t:?} (shm or tcp)"));
+        }
+    }
+    let root = workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(&cargo).current_dir(&root).args([
+        "build",
+        "--release",
+        "-p",
+        "ddp-comm",
+        "--example",
+        "allreduce_bench",
+        "--bin",
+        "ddprun",
+    ]))?;
+    let release = target_dir(&root).join("release");
+    let ddprun = release.join("ddprun");
+    let bench = release.join("examples").join("allreduce_bench");
+    for t in transports {
+        for &n in nprocs {
+            println!();
+            let launch_ns = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_err(|e| e.to_string())?
+                .as_nanos();
+            let mut cmd = Command::new(&ddprun);
+            cmd.arg("--nproc-per-node")
+                .arg(n.to_string())
+                .arg("--no-prefix")
+                .arg("--")
+                .arg(&bench)
+                .arg("--sizes")
+                .arg(sizes.join(","))
+                .arg("--transport")
+                .arg(t)
+                .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
+            if let Some(i) = iters {
+                cmd.arg("--iters").arg(i.to_string());
+            }
+            run(&mut cmd)?;
+        }
+    }
+    Ok(())
 }

@@ -73,7 +73,11 @@ pub(crate) fn name_of_tag(tag: u32) -> Option<&'static str> {
 /// `Mean` reduces like `Sum`; the division happens once at the end.
 pub(crate) fn reduce_into<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
     let sz = std::mem::size_of::<T>();
-    assert_eq!(src.len(), dst.len() * sz, "reduce_into: length mismatch");
+    assert_eq!(
+        src.len(),
+        std::mem::size_of_val(dst),
+        "reduce_into: length mismatch"
+    );
     let p = src.as_ptr();
     // The loops are kept simple so they vectorise; `read_unaligned` because shared-memory and
     // staging positions are only element- not type-aligned.

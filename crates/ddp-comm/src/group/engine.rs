@@ -24,7 +24,7 @@ const ZEROS: [u8; 8] = [0; 8];
 const MAX_INLINE: u64 = 64 << 20;
 
 /// Busy-spin this long before yielding (only when ranks are not oversubscribed).
-const SPIN: Duration = Duration::from_micros(30);
+const SPIN: Duration = Duration::from_micros(3);
 /// Yield this long before sleeping.
 const YIELD: Duration = Duration::from_micros(300);
 /// Longest single sleep on a shared-memory futex before re-checking liveness.
@@ -216,7 +216,11 @@ pub(crate) enum Op<'a> {
         done: usize,
     },
     /// Receive `dst.len()` bytes (plus padding).
-    Recv { peer: usize, dst: Dst<'a>, done: usize },
+    Recv {
+        peer: usize,
+        dst: Dst<'a>,
+        done: usize,
+    },
     /// Receive `buf` from `from` and forward every byte to `to` as it arrives.
     Relay {
         from: usize,
@@ -253,11 +257,7 @@ impl Op<'_> {
             Op::Send { peer, .. } => (None, Some(*peer)),
             Op::Recv { peer, .. } | Op::Msg { peer, .. } => (Some(*peer), None),
             Op::Relay {
-                from,
-                to,
-                buf,
-                got,
-                ..
+                from, to, buf, got, ..
             } => {
                 let w = buf.len() + pad8(buf.len());
                 if *got < w {

@@ -107,6 +107,9 @@ fn same_token(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// A connection to a lower rank awaiting its reply, with the segment offered to it.
+type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>);
+
 /// Settings for [`establish`].
 pub(crate) struct MeshConfig<'a> {
     pub rank: usize,
@@ -160,7 +163,7 @@ pub(crate) fn establish(
     let token = cfg.token.unwrap_or("").as_bytes();
 
     // 1. Hellos to every lower rank.
-    let mut outgoing: Vec<(usize, TcpStream, Option<(ShmPair, PathBuf)>)> = Vec::new();
+    let mut outgoing: Vec<Outgoing> = Vec::new();
     for (peer, info) in infos.iter().enumerate().take(rank) {
         let op = || format!("rendezvous: connecting to rank {peer} at {}", info.addr);
         let mut s = connect_retry(info.addr, cfg.deadline).map_err(|e| {
@@ -178,7 +181,9 @@ pub(crate) fn establish(
             match ShmPair::create(rank, peer) {
                 Ok(x) => Some(x),
                 Err(e) => {
-                    tracing::warn!("rank {rank}: no shared memory with rank {peer} ({e}); using TCP");
+                    tracing::warn!(
+                        "rank {rank}: no shared memory with rank {peer} ({e}); using TCP"
+                    );
                     None
                 }
             }
@@ -235,7 +240,9 @@ pub(crate) fn establish(
         };
         let hello = s
             .set_nonblocking(false)
-            .and_then(|()| s.set_read_timeout(Some(left(cfg.deadline).min(Duration::from_secs(10)))))
+            .and_then(|()| {
+                s.set_read_timeout(Some(left(cfg.deadline).min(Duration::from_secs(10))))
+            })
             .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(5))))
             .and_then(|()| read_hello(&mut s));
         let hello = match hello {
@@ -280,7 +287,8 @@ pub(crate) fn establish(
         s.write_all(&[OK, shm.is_some() as u8])
             .map_err(|e| CommError::io("rendezvous: answering a peer", Some(peer), e))?;
         links[peer] = Some(
-            Link::new(s, shm).map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
+            Link::new(s, shm)
+                .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
         );
         pending.retain(|&p| p != peer);
     }
@@ -297,7 +305,12 @@ pub(crate) fn establish(
         let op = || format!("rendezvous: handshake with rank {peer}");
         match got {
             Ok(()) => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 return Err(CommError::Timeout {
                     op: op(),
                     peer: Some(peer),
@@ -329,9 +342,14 @@ pub(crate) fn establish(
                 ));
             }
         }
-        let shm = if reply[1] == 1 { shm.map(|(p, _)| p) } else { None };
+        let shm = if reply[1] == 1 {
+            shm.map(|(p, _)| p)
+        } else {
+            None
+        };
         links[peer] = Some(
-            Link::new(s, shm).map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
+            Link::new(s, shm)
+                .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
         );
     }
     Ok(links)

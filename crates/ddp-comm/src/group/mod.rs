@@ -167,16 +167,15 @@ impl ProcessGroup {
         } else {
             None
         };
-        let mut store = StoreClient::connect(&endpoint, token, opts.connect_timeout).map_err(
-            |e| match e {
+        let mut store =
+            StoreClient::connect(&endpoint, token, opts.connect_timeout).map_err(|e| match e {
                 CommError::Timeout { after, .. } => CommError::Timeout {
                     op: format!("rendezvous: reaching the store of rank 0 at {endpoint}"),
                     peer: Some(0),
                     after,
                 },
                 e => e,
-            },
-        )?;
+            })?;
 
         let ip = mesh::local_ip_towards(&endpoint)
             .map_err(|e| CommError::io(format!("finding the interface to {endpoint}"), None, e))?;
@@ -192,7 +191,14 @@ impl ProcessGroup {
 
         let keys: Vec<String> = (0..world).map(addr_key).collect();
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        // Ranks other than 0 give up a little earlier, while rank 0 still serves the store, so
+        // every rank can name the missing ranks itself.
+        let margin = if rank == 0 {
+            Duration::ZERO
+        } else {
+            (opts.connect_timeout / 10).min(Duration::from_millis(500))
+        };
+        let remaining = deadline.saturating_duration_since(Instant::now() + margin);
         if let Err(e) = store.wait(&key_refs, remaining) {
             if !matches!(e, CommError::Timeout { .. }) {
                 return Err(e);
@@ -202,6 +208,10 @@ impl ProcessGroup {
                 if store.try_get(k)?.is_none() {
                     missing.push(r);
                 }
+            }
+            if rank == 0 {
+                // Keep serving briefly for ranks that started later than us.
+                std::thread::sleep(Duration::from_millis(300));
             }
             return Err(CommError::Timeout {
                 op: format!(
@@ -296,11 +306,13 @@ impl ProcessGroup {
     /// How this rank reaches each rank (index = rank).
     pub fn transports(&self) -> Vec<Transport> {
         (0..self.world_size)
-            .map(|r| match self.mesh.as_ref().and_then(|m| m.links[r].as_ref()) {
-                None => Transport::SelfRank,
-                Some(l) if l.is_shm() => Transport::SharedMemory,
-                Some(_) => Transport::Tcp,
-            })
+            .map(
+                |r| match self.mesh.as_ref().and_then(|m| m.links[r].as_ref()) {
+                    None => Transport::SelfRank,
+                    Some(l) if l.is_shm() => Transport::SharedMemory,
+                    Some(_) => Transport::Tcp,
+                },
+            )
             .collect()
     }
 
@@ -525,7 +537,7 @@ impl ProcessGroup {
         }
         let sz = std::mem::size_of::<T>();
         let mut hdr = self.header::<T>(Kind::AllReduce, seq, buf.len(), 0, op_code(op));
-        hdr.inline = buf.len() * sz * (n - 1) <= INLINE_BYTES;
+        hdr.inline = std::mem::size_of_val(buf) * (n - 1) <= INLINE_BYTES;
         if hdr.inline {
             self.exchange(&hdr, bytemuck::cast_slice(buf))?;
             // Reduce in rank order so every rank computes exactly the same values.
@@ -636,7 +648,11 @@ impl ProcessGroup {
     fn chain(&mut self, bytes: &mut [u8], root: usize) -> Result<()> {
         let n = self.world_size;
         let r = self.rank;
-        let what = format!("broadcast #{} on rank {r} ({} bytes)", self.seq, bytes.len());
+        let what = format!(
+            "broadcast #{} on rank {r} ({} bytes)",
+            self.seq,
+            bytes.len()
+        );
         let wait = self.waiting();
         let pos = (r + n - root) % n;
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -848,7 +864,7 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
     s
 }
 
-const _: () = assert!(HDR % 8 == 0);
+const _: () = assert!(HDR.is_multiple_of(8));
 
 #[cfg(test)]
 mod tests;

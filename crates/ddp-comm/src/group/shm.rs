@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use memmap2::{MmapMut, MmapOptions};
 
-/// Bytes of data in each ring (a multiple of 8; small enough to stay in the L2/L3 cache).
+/// Default bytes of data in each ring (a multiple of 8). `DDP_SHM_RING_KIB` overrides it on
+/// the creating side; the other side reads the size from the segment.
 pub(crate) const RING_CAPACITY: usize = 512 * 1024;
 /// Most bytes moved by one `write`/`read` call, so producer and consumer interleave.
 pub(crate) const MAX_STEP: usize = 64 * 1024;
@@ -27,8 +28,18 @@ pub(crate) const MAX_STEP: usize = 64 * 1024;
 const FILE_MAGIC: u64 = 0x6464_705f_7368_6d31; // "ddp_shm1"
 const FILE_HEADER: usize = 64;
 const RING_HEADER: usize = 256;
-const RING_BYTES: usize = RING_HEADER + RING_CAPACITY;
-const FILE_BYTES: usize = FILE_HEADER + 2 * RING_BYTES;
+
+fn ring_capacity() -> usize {
+    std::env::var("DDP_SHM_RING_KIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&k| (64..=1 << 20).contains(&k))
+        .map_or(RING_CAPACITY, |k| k * 1024)
+}
+
+fn file_bytes(cap: usize) -> usize {
+    FILE_HEADER + 2 * (RING_HEADER + cap)
+}
 
 // Offsets inside a ring header (each group on its own cache line).
 const OFF_HEAD: usize = 0;
@@ -47,6 +58,7 @@ const SHM_PREFIX: &str = "ddp-pg-";
 /// One direction of a pair: a view into the mapping.
 struct Ring {
     base: *mut u8,
+    cap: usize,
 }
 
 impl Ring {
@@ -131,16 +143,17 @@ impl ShmPair {
             .create_new(true)
             .mode(0o600)
             .open(&path)?;
+        let cap = ring_capacity();
         let setup = || -> io::Result<MmapMut> {
-            file.set_len(FILE_BYTES as u64)?;
-            let mut map = map_file(&file)?;
+            file.set_len(file_bytes(cap) as u64)?;
+            let mut map = map_file(&file, file_bytes(cap))?;
             map[..8].copy_from_slice(&FILE_MAGIC.to_le_bytes());
-            map[8..16].copy_from_slice(&(RING_CAPACITY as u64).to_le_bytes());
+            map[8..16].copy_from_slice(&(cap as u64).to_le_bytes());
             Ok(map)
         };
         match setup() {
             // The creator produces into ring 0 and consumes from ring 1.
-            Ok(map) => Ok((Self::from_map(map, 0), path)),
+            Ok(map) => Ok((Self::from_map(map, 0, cap), path)),
             Err(e) => {
                 let _ = std::fs::remove_file(&path);
                 Err(e)
@@ -162,36 +175,41 @@ impl ShmPair {
             ));
         }
         let file = OpenOptions::new().read(true).write(true).open(p)?;
-        if file.metadata()?.len() != FILE_BYTES as u64 {
+        let size = file.metadata()?.len() as usize;
+        if size < FILE_HEADER {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                "shared-memory segment has the wrong size",
+                "shared-memory segment is too small",
             ));
         }
-        let map = map_file(&file)?;
+        let map = map_file(&file, size)?;
         let magic = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
-        let cap = u64::from_le_bytes(map[8..16].try_into().expect("8 bytes"));
-        if magic != FILE_MAGIC || cap != RING_CAPACITY as u64 {
+        let cap = u64::from_le_bytes(map[8..16].try_into().expect("8 bytes")) as usize;
+        if magic != FILE_MAGIC || !cap.is_multiple_of(8) || cap == 0 || file_bytes(cap) != size {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "shared-memory segment has a different layout (another ddp-comm version?)",
             ));
         }
-        Ok(Self::from_map(map, 1))
+        Ok(Self::from_map(map, 1, cap))
     }
 
     /// Removes a segment file (after both sides mapped it, or on failure).
     pub(crate) fn unlink(path: &Path) {
         if let Err(e) = std::fs::remove_file(path) {
-            tracing::warn!("could not remove shared-memory segment {}: {e}", path.display());
+            tracing::warn!(
+                "could not remove shared-memory segment {}: {e}",
+                path.display()
+            );
         }
     }
 
-    fn from_map(mut map: MmapMut, tx_index: usize) -> Self {
+    fn from_map(mut map: MmapMut, tx_index: usize, cap: usize) -> Self {
         let base = map.as_mut_ptr();
-        // SAFETY: both rings lie inside the mapping (FILE_BYTES long).
+        // SAFETY: both rings lie inside the mapping (file_bytes(cap) long).
         let ring = |i: usize| Ring {
-            base: unsafe { base.add(FILE_HEADER + i * RING_BYTES) },
+            base: unsafe { base.add(FILE_HEADER + i * (RING_HEADER + cap)) },
+            cap,
         };
         ShmPair {
             tx: ring(tx_index),
@@ -210,12 +228,8 @@ impl ShmPair {
         let head = r.head().load(Ordering::Relaxed);
         let tail = r.tail().load(Ordering::Acquire);
         let used = (head - tail) as usize;
-        let pos = (head % RING_CAPACITY as u64) as usize;
-        let n = data
-            .len()
-            .min(RING_CAPACITY - used)
-            .min(RING_CAPACITY - pos)
-            .min(MAX_STEP);
+        let pos = (head % r.cap as u64) as usize;
+        let n = data.len().min(r.cap - used).min(r.cap - pos).min(MAX_STEP);
         if n == 0 {
             return Ok(0);
         }
@@ -244,16 +258,16 @@ impl ShmPair {
             }
             return Avail::Empty;
         }
-        let pos = (tail % RING_CAPACITY as u64) as usize;
-        Avail::Bytes(avail.min(RING_CAPACITY - pos).min(max).min(MAX_STEP))
+        let pos = (tail % r.cap as u64) as usize;
+        Avail::Bytes(avail.min(r.cap - pos).min(max).min(MAX_STEP))
     }
 
     /// The `n` readable bytes at the read position (call after [`Self::readable`]).
     pub(crate) fn peek(&self, n: usize) -> &[u8] {
         let r = &self.rx;
         let tail = r.tail().load(Ordering::Relaxed);
-        let pos = (tail % RING_CAPACITY as u64) as usize;
-        debug_assert!(pos + n <= RING_CAPACITY);
+        let pos = (tail % r.cap as u64) as usize;
+        debug_assert!(pos + n <= r.cap);
         // SAFETY: `readable` said these bytes are published by the producer (Acquire on head)
         // and they stay ours until `consume` moves the tail.
         unsafe { std::slice::from_raw_parts(r.data().add(pos), n) }
@@ -289,7 +303,7 @@ impl ShmPair {
         r.writer_waiting().store(1, Ordering::SeqCst);
         let seq = r.space_seq().load(Ordering::SeqCst);
         let full = (r.head().load(Ordering::Relaxed) - r.tail().load(Ordering::SeqCst)) as usize
-            == RING_CAPACITY
+            == r.cap
             && r.closed().load(Ordering::SeqCst) == 0;
         if full {
             futex_wait(r.space_seq(), seq, timeout);
@@ -310,10 +324,10 @@ impl Drop for ShmPair {
     }
 }
 
-fn map_file(file: &File) -> io::Result<MmapMut> {
-    // SAFETY: the file is a private /dev/shm segment of exactly FILE_BYTES; the only other
-    // process mapping it is the peer, and all shared state is accessed through atomics.
-    unsafe { MmapOptions::new().len(FILE_BYTES).populate().map_mut(file) }
+fn map_file(file: &File, len: usize) -> io::Result<MmapMut> {
+    // SAFETY: the file is a private /dev/shm segment of `len` bytes; the only other process
+    // mapping it is the peer, and all shared state is accessed through atomics.
+    unsafe { MmapOptions::new().len(len).populate().map_mut(file) }
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {

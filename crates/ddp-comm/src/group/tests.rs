@@ -207,10 +207,7 @@ fn a_stalled_peer_times_out_naming_it() {
         Some(pg.barrier().unwrap_err())
     });
     let e = res[0].as_ref().unwrap();
-    assert!(
-        matches!(e, CommError::Timeout { peer: Some(1), .. }),
-        "{e}"
-    );
+    assert!(matches!(e, CommError::Timeout { peer: Some(1), .. }), "{e}");
 }
 
 #[test]

@@ -1,0 +1,163 @@
+//! All-reduce benchmark: a rank program (launch it with `ddprun`, or `cargo xtask bench
+//! allreduce`). Rank 0 prints a table of size, median/min/max time, algbw and busbw
+//! (busbw = algbw · 2(n−1)/n, the nccl-tests convention). Each timed call is preceded by a
+//! barrier; its time is the slowest rank's.
+//!
+//! ```text
+//! ddprun --nproc-per-node 2 -- target/release/examples/allreduce_bench --sizes 8K,1M,25M
+//! ```
+//!
+//! If `DDP_BENCH_LAUNCH_NS` holds the launch time (Unix nanoseconds), rank 0 also reports the
+//! time from launch to the end of the first barrier.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use clap::Parser;
+use ddp_comm::{GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
+
+#[derive(Parser, Debug)]
+#[command(about = "All-reduce benchmark (run one process per rank)")]
+struct Args {
+    /// Message sizes in bytes of f32 data (suffixes K, M, G = KiB, MiB, GiB).
+    #[arg(long, value_delimiter = ',', default_value = "8K,1M,25M,100M")]
+    sizes: Vec<String>,
+    /// shm (shared memory between same-host ranks) or tcp.
+    #[arg(long, default_value = "shm")]
+    transport: String,
+    /// Timed iterations per size (default: scaled to the size).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Do not run a barrier before each timed call (times then include rank skew).
+    #[arg(long)]
+    no_barrier: bool,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("bad size {s:?} (expected e.g. 8K, 1M, 25M)"))
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 && bytes.is_multiple_of(1 << 10) {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("allreduce_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let sizes = args
+        .sizes
+        .iter()
+        .map(|s| parse_size(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    let shm = match args.transport.as_str() {
+        "shm" => true,
+        "tcp" => false,
+        t => return Err(format!("unknown transport {t:?} (shm or tcp)").into()),
+    };
+    let env = LaunchEnv::from_env()?;
+    let opts = GroupOptions {
+        shared_memory: shm,
+        ..GroupOptions::default()
+    };
+    let mut pg = ProcessGroup::init(&env, opts)?;
+    pg.barrier()?;
+    let first_barrier = SystemTime::now();
+    let n = pg.world_size();
+    let rank = pg.rank();
+
+    // Launch → first barrier, the slowest rank's view.
+    if let Some(launch) = std::env::var("DDP_BENCH_LAUNCH_NS")
+        .ok()
+        .and_then(|v| v.parse::<u128>().ok())
+    {
+        let done = first_barrier.duration_since(UNIX_EPOCH)?.as_nanos();
+        let mut t = [done.saturating_sub(launch) as f64 / 1e6];
+        pg.all_reduce(&mut t, ReduceOp::Max)?;
+        if rank == 0 {
+            println!("launch -> first barrier done ({n} ranks): {:.1} ms", t[0]);
+        }
+    }
+
+    // A correctness check before timing.
+    let mut check = vec![(rank + 1) as f32; 1000];
+    pg.all_reduce(&mut check, ReduceOp::Sum)?;
+    let want = (n * (n + 1) / 2) as f32;
+    if check.iter().any(|&v| v != want) {
+        return Err(format!("wrong all_reduce result: {} != {want}", check[0]).into());
+    }
+
+    if rank == 0 {
+        let kinds = pg.transports();
+        let shm_peers = kinds
+            .iter()
+            .filter(|k| **k == ddp_comm::group::Transport::SharedMemory)
+            .count();
+        println!(
+            "all_reduce(f32, sum): {n} ranks, transport {} ({} shared-memory peers of rank 0)",
+            args.transport, shm_peers
+        );
+        println!(
+            "{:>10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "size", "count", "median(us)", "min(us)", "max(us)", "algbw(GB/s)", "busbw(GB/s)"
+        );
+    }
+    for &bytes in &sizes {
+        let count = bytes / 4;
+        let mut buf = vec![0.0f32; count];
+        let iters = args
+            .iters
+            .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(10, 1000));
+        let warmup = (iters / 10).max(2);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            if !args.no_barrier {
+                pg.barrier()?;
+            }
+            let t = Instant::now();
+            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+            let dt = t.elapsed();
+            if i >= warmup {
+                times.push(dt.as_secs_f64());
+            }
+        }
+        pg.all_reduce(&mut times, ReduceOp::Max)?;
+        if rank == 0 {
+            times.sort_by(|a, b| a.total_cmp(b));
+            let med = times[times.len() / 2];
+            let algbw = (count * 4) as f64 / med / 1e9;
+            let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
+            println!(
+                "{:>10} {:>10} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3}",
+                human(bytes),
+                count,
+                med * 1e6,
+                times[0] * 1e6,
+                times[times.len() - 1] * 1e6,
+                algbw,
+                busbw
+            );
+        }
+    }
+    pg.barrier()?;
+    Ok(())
+}

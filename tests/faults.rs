@@ -1,0 +1,141 @@
+//! Failure behaviour with real rank processes: a rank killed with SIGKILL mid all-reduce, a
+//! rank that never arrives, a wrong job token, mismatched calls and a stalled rank. Every
+//! surviving rank must report an error (exit code 3 from `comm_worker`), never hang.
+
+use std::time::{Duration, Instant};
+
+use ddp_tests::RankJob;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
+
+fn kill_mid_allreduce(world: usize, tcp: bool) {
+    let victim = 1;
+    let mut job = RankJob::new(WORKER, world)
+        .arg("loop-big")
+        // Only liveness detection, not the collective timeout, can end the survivors in time.
+        .args(["--timeout-secs", "100"])
+        .deadline(Duration::from_secs(120));
+    if tcp {
+        job = job.arg("--tcp");
+    }
+    let mut job = job.spawn().expect("spawning ranks");
+    let all: Vec<usize> = (0..world).collect();
+    assert!(
+        job.wait_for_output(&all, "iter 2", Duration::from_secs(90)),
+        "ranks did not reach iteration 2:\n{}",
+        (0..world)
+            .map(|r| job.output_so_far(r))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let killed_at = job.kill(victim).expect("kill");
+    let res = job.wait();
+    for r in res.ranks.iter().filter(|r| r.rank != victim) {
+        assert_eq!(
+            r.code(),
+            Some(3),
+            "rank {} should fail with a comm error:\n{}",
+            r.rank,
+            res.report()
+        );
+        assert!(r.stderr.contains("comm error"), "{}", res.report());
+        let after = r
+            .exited_at
+            .expect("exited")
+            .saturating_duration_since(killed_at);
+        assert!(
+            after < Duration::from_secs(2),
+            "rank {} took {after:?} after the kill to exit:\n{}",
+            r.rank,
+            res.report()
+        );
+    }
+}
+
+#[test]
+fn sigkill_mid_allreduce_shm_4_ranks() {
+    kill_mid_allreduce(4, false);
+}
+
+#[test]
+fn sigkill_mid_allreduce_tcp_3_ranks() {
+    kill_mid_allreduce(3, true);
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named() {
+    let res = RankJob::new(WORKER, 3)
+        .arg("barrier")
+        .args(["--connect-timeout-secs", "2"])
+        .only_ranks([0, 1])
+        .deadline(Duration::from_secs(60))
+        .run()
+        .expect("spawning ranks");
+    for r in &res.ranks {
+        assert_eq!(r.code(), Some(3), "{}", res.report());
+        assert!(
+            r.stderr.contains("rank(s) 2") && r.stderr.contains("timed out"),
+            "the error must name rank 2:\n{}",
+            res.report()
+        );
+    }
+}
+
+#[test]
+fn a_wrong_token_is_refused() {
+    let res = RankJob::new(WORKER, 2)
+        .arg("barrier")
+        .args(["--connect-timeout-secs", "3"])
+        .rank_env(1, "DDP_JOB_TOKEN", "not-the-job-token")
+        .deadline(Duration::from_secs(60))
+        .run()
+        .expect("spawning ranks");
+    let (r0, r1) = (res.rank(0), res.rank(1));
+    assert_eq!(r1.code(), Some(3), "{}", res.report());
+    assert!(
+        r1.stderr.to_lowercase().contains("token"),
+        "rank 1 should be told its token was refused:\n{}",
+        res.report()
+    );
+    assert_eq!(r0.code(), Some(3), "{}", res.report());
+    assert!(
+        r0.stderr.contains("rank(s) 1"),
+        "rank 0 must time out naming rank 1:\n{}",
+        res.report()
+    );
+}
+
+#[test]
+fn mismatched_lengths_fail_on_every_rank() {
+    for tcp in [false, true] {
+        let mut job = RankJob::new(WORKER, 3)
+            .arg("mismatch-len")
+            .deadline(Duration::from_secs(60));
+        if tcp {
+            job = job.arg("--tcp");
+        }
+        // comm_worker exits 0 only if it received a Mismatch error.
+        job.run().expect("spawning ranks").assert_success();
+    }
+}
+
+#[test]
+fn a_stalled_rank_times_out_naming_it() {
+    let started = Instant::now();
+    let res = RankJob::new(WORKER, 3)
+        .arg("stall")
+        .args(["--timeout-secs", "1", "--stall-ms", "4000"])
+        .deadline(Duration::from_secs(60))
+        .run()
+        .expect("spawning ranks");
+    let r0 = res.rank(0);
+    assert_eq!(r0.code(), Some(3), "{}", res.report());
+    assert!(
+        r0.stderr.contains("timed out") && r0.stderr.contains("rank 1"),
+        "{}",
+        res.report()
+    );
+    // Rank 1 wakes up to a broken group instead of hanging.
+    assert_eq!(res.rank(1).code(), Some(3), "{}", res.report());
+    assert!(started.elapsed() < Duration::from_secs(55));
+}
