@@ -1,6 +1,6 @@
 //! Process groups for multi-process data-parallel training, with no Burn dependency.
 //!
-//! - [`env`]: the launch contract (torchrun's variables, Slurm's as a fallback).
+//! - [`env`](mod@env): the launch contract (torchrun's variables, Slurm's as a fallback).
 //! - [`store`]: the rendezvous key-value store rank 0 serves at `MASTER_ADDR:MASTER_PORT`.
 //! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
@@ -27,4 +27,5 @@ pub mod store;
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
 pub use group::{Element, GroupOptions, ProcessGroup, ReduceOp};
+pub use launcher::{LaunchConfig, LaunchError, LaunchReport, launch};
 pub use store::{StoreClient, StoreServer};
