@@ -184,28 +184,6 @@ impl Msg {
 /// A reduction of raw received bytes into a byte view of a typed buffer.
 pub(crate) type ReduceFn = fn(&mut [u8], &[u8], ReduceOp);
 
-/// Where received bytes go.
-pub(crate) enum Dst<'a> {
-    /// Copied as they are.
-    Copy(&'a mut [u8]),
-    /// Reduced into the buffer, whole elements at a time.
-    Reduce {
-        dst: &'a mut [u8],
-        f: ReduceFn,
-        op: ReduceOp,
-        elem: usize,
-    },
-}
-
-impl Dst<'_> {
-    fn len(&self) -> usize {
-        match self {
-            Dst::Copy(d) => d.len(),
-            Dst::Reduce { dst, .. } => dst.len(),
-        }
-    }
-}
-
 /// One transfer the engine drives.
 pub(crate) enum Op<'a> {
     /// Send `hdr` (if any), then `data`, then padding.
@@ -218,7 +196,7 @@ pub(crate) enum Op<'a> {
     /// Receive `dst.len()` bytes (plus padding).
     Recv {
         peer: usize,
-        dst: Dst<'a>,
+        dst: &'a mut [u8],
         done: usize,
     },
     /// Receive `buf` from `from` and forward every byte to `to` as it arrives.
@@ -231,6 +209,170 @@ pub(crate) enum Op<'a> {
     },
     /// Receive a header and the inline payload it announces.
     Msg { peer: usize, msg: &'a mut Msg },
+    /// A whole ring algorithm as one pipeline (see [`RingPipe`]).
+    Ring(RingPipe<'a>),
+}
+
+/// One chunk a ring pipeline receives: a byte range of the buffer, reduced or copied.
+#[derive(Debug, Clone)]
+pub(crate) struct RingItem {
+    pub range: std::ops::Range<usize>,
+    pub reduce: bool,
+    /// Apply the pipeline's `finish` to the elements once reduced (the last reduction of a
+    /// chunk, e.g. the division of a mean), before they are forwarded.
+    pub finish: bool,
+}
+
+/// A ring algorithm (reduce-scatter + all-gather, or all-gather) as one stream per direction:
+/// the rank sends `first` to `next`, then forwards each received item except the last, each
+/// byte as soon as it has been received (and reduced). Receiving never waits for sending, so
+/// the ring cannot deadlock, and every step overlaps with the next: NCCL's ring pipeline.
+pub(crate) struct RingPipe<'a> {
+    pub prev: usize,
+    pub next: usize,
+    pub buf: &'a mut [u8],
+    pub first: std::ops::Range<usize>,
+    pub items: Vec<RingItem>,
+    pub reduce: Option<(ReduceFn, ReduceOp, usize)>,
+    /// Applied to finished elements of `finish` items, with its argument (the world size).
+    pub finish: Option<(fn(&mut [u8], usize), usize)>,
+    /// Receive cursor: item and wire offset inside it.
+    pub ri: usize,
+    pub ro: usize,
+    /// Send cursor: item (0 = `first`, k = `items[k-1]`) and wire offset.
+    pub si: usize,
+    pub so: usize,
+}
+
+impl<'a> RingPipe<'a> {
+    /// A pipeline over `buf`, cursors at the start.
+    pub(crate) fn new(
+        prev: usize,
+        next: usize,
+        buf: &'a mut [u8],
+        first: std::ops::Range<usize>,
+        items: Vec<RingItem>,
+    ) -> Self {
+        RingPipe {
+            prev,
+            next,
+            buf,
+            first,
+            items,
+            reduce: None,
+            finish: None,
+            ri: 0,
+            ro: 0,
+            si: 0,
+            so: 0,
+        }
+    }
+
+    fn sends(&self) -> usize {
+        self.items.len()
+    }
+
+    fn send_range(&self, k: usize) -> std::ops::Range<usize> {
+        if k == 0 {
+            self.first.clone()
+        } else {
+            self.items[k - 1].range.clone()
+        }
+    }
+
+    /// Skips finished (and empty) items on both cursors.
+    fn settle(&mut self) {
+        while self.ri < self.items.len() {
+            let l = self.items[self.ri].range.len();
+            if self.ro == l + pad8(l) {
+                self.ri += 1;
+                self.ro = 0;
+            } else {
+                break;
+            }
+        }
+        while self.si < self.sends() {
+            let l = self.send_range(self.si).len();
+            if self.so == l + pad8(l) {
+                self.si += 1;
+                self.so = 0;
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.ri == self.items.len() && self.si == self.sends()
+    }
+
+    /// Bytes of send item `k` that are ready to go.
+    fn ready(&self, k: usize) -> usize {
+        let len = self.send_range(k).len();
+        if k == 0 || k - 1 < self.ri {
+            len
+        } else if k - 1 == self.ri {
+            self.ro.min(len)
+        } else {
+            0
+        }
+    }
+
+    fn progress(&mut self, links: &mut [Option<Link>], what: &str) -> Result<usize, CommError> {
+        self.settle();
+        let mut moved = 0;
+        if self.ri < self.items.len() {
+            let item = self.items[self.ri].clone();
+            let len = item.range.len();
+            let link = link_of(links, self.prev);
+            let n = if self.ro < len {
+                let at = item.range.start + self.ro;
+                match (item.reduce, self.reduce) {
+                    (true, Some((f, op, elem))) => link.readable(elem, len - self.ro).map(|a| {
+                        let a = a - a % elem;
+                        if a > 0 {
+                            let dst = &mut self.buf[at..at + a];
+                            f(dst, link.peek(a), op);
+                            if item.finish
+                                && let Some((fin, arg)) = self.finish
+                            {
+                                fin(dst, arg);
+                            }
+                            link.consume(a);
+                        }
+                        a
+                    }),
+                    _ => link.recv_into(&mut self.buf[at..item.range.end]),
+                }
+            } else {
+                skip(link, len + pad8(len) - self.ro)
+            }
+            .map_err(|e| link_err(e, self.prev, what))?;
+            self.ro += n;
+            moved += n;
+            self.settle();
+        }
+        if self.si < self.sends() {
+            let range = self.send_range(self.si);
+            let len = range.len();
+            let ready = self.ready(self.si);
+            let link = link_of(links, self.next);
+            let n = if self.so < len {
+                if ready > self.so {
+                    link.send_some(&self.buf[range.start + self.so..range.start + ready])
+                } else {
+                    Ok(0)
+                }
+            } else {
+                link.send_some(&ZEROS[..len + pad8(len) - self.so])
+            }
+            .map_err(|e| link_err(e, self.next, what))?;
+            self.so += n;
+            moved += n;
+            self.settle();
+        }
+        Ok(moved)
+    }
 }
 
 impl Op<'_> {
@@ -248,6 +390,8 @@ impl Op<'_> {
                 *got == w && *sent == w
             }
             Op::Msg { msg, .. } => msg.want.is_some_and(|w| msg.got == HDR + w),
+            // Cursors are settled at the end of every `progress` call.
+            Op::Ring(p) => p.finished(),
         }
     }
 
@@ -256,6 +400,10 @@ impl Op<'_> {
         match self {
             Op::Send { peer, .. } => (None, Some(*peer)),
             Op::Recv { peer, .. } | Op::Msg { peer, .. } => (Some(*peer), None),
+            Op::Ring(p) => (
+                (p.ri < p.items.len()).then_some(p.prev),
+                (p.si < p.sends()).then_some(p.next),
+            ),
             Op::Relay {
                 from, to, buf, got, ..
             } => {
@@ -340,20 +488,7 @@ fn progress(op: &mut Op<'_>, links: &mut [Option<Link>], what: &str) -> Result<u
             let link = link_of(links, *peer);
             let len = dst.len();
             let n = if *done < len {
-                match dst {
-                    Dst::Copy(d) => link.recv_into(&mut d[*done..]),
-                    Dst::Reduce { dst, f, op, elem } => {
-                        let avail = link.readable(*elem, len - *done);
-                        avail.map(|a| {
-                            let a = a - a % *elem;
-                            if a > 0 {
-                                f(&mut dst[*done..*done + a], link.peek(a), *op);
-                                link.consume(a);
-                            }
-                            a
-                        })
-                    }
-                }
+                link.recv_into(&mut dst[*done..])
             } else {
                 skip(link, len + pad8(len) - *done)
             }
@@ -395,6 +530,7 @@ fn progress(op: &mut Op<'_>, links: &mut [Option<Link>], what: &str) -> Result<u
             }
             Ok(moved)
         }
+        Op::Ring(pipe) => pipe.progress(links, what),
         Op::Msg { peer, msg } => {
             let link = link_of(links, *peer);
             let mut moved = 0;

@@ -31,7 +31,7 @@ use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::{StoreClient, StoreServer};
 
-use engine::{Dst, HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
+use engine::{HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
 use link::Link;
 use mesh::{MeshConfig, PeerInfo};
 
@@ -571,60 +571,35 @@ impl ProcessGroup {
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let len = buf.len();
         let range = |c: usize| chunk(len, n, c);
-        let links = &mut self.mesh_mut().links;
-        // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1.
-        {
-            let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-            for s in 0..n - 1 {
-                let sc = (r + n - s) % n;
-                let rc = (r + 2 * n - s - 1) % n;
-                let (sb, rb) = disjoint(bytes, bytes_of(range(sc), sz), bytes_of(range(rc), sz));
-                let mut ops = [
-                    Op::Send {
-                        peer: next,
-                        hdr: None,
-                        data: sb,
-                        done: 0,
-                    },
-                    Op::Recv {
-                        peer: prev,
-                        dst: Dst::Reduce {
-                            dst: rb,
-                            f: element::reduce_bytes::<T>,
-                            op,
-                            elem: sz,
-                        },
-                        done: 0,
-                    },
-                ];
-                drive(links, &mut ops, &wait, &what)?;
-            }
-        }
-        if op == ReduceOp::Mean {
-            element::divide(&mut buf[range((r + 1) % n)], n);
-        }
-        // All-gather of the reduced chunks.
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        // Reduce-scatter then all-gather as one pipeline: rank r sends its chunk r, then
+        // forwards each chunk as soon as it is reduced (or received), so all 2(n-1) steps
+        // overlap. After the reduce-scatter rank r holds the full reduction of chunk r+1.
+        let mut items = Vec::with_capacity(2 * (n - 1));
         for s in 0..n - 1 {
-            let sc = (r + 1 + n - s) % n;
-            let rc = (r + n - s) % n;
-            let (sb, rb) = disjoint(bytes, bytes_of(range(sc), sz), bytes_of(range(rc), sz));
-            let mut ops = [
-                Op::Send {
-                    peer: next,
-                    hdr: None,
-                    data: sb,
-                    done: 0,
-                },
-                Op::Recv {
-                    peer: prev,
-                    dst: Dst::Copy(rb),
-                    done: 0,
-                },
-            ];
-            drive(links, &mut ops, &wait, &what)?;
+            items.push(engine::RingItem {
+                range: bytes_of(range((r + 2 * n - s - 1) % n), sz),
+                reduce: true,
+                finish: s == n - 2 && op == ReduceOp::Mean,
+            });
         }
-        Ok(())
+        for s in 0..n - 1 {
+            items.push(engine::RingItem {
+                range: bytes_of(range((r + n - s) % n), sz),
+                reduce: false,
+                finish: false,
+            });
+        }
+        let links = &mut self.mesh_mut().links;
+        let mut pipe = engine::RingPipe::new(
+            prev,
+            next,
+            bytemuck::cast_slice_mut(buf),
+            bytes_of(range(r), sz),
+            items,
+        );
+        pipe.reduce = Some((element::reduce_bytes::<T>, op, sz));
+        pipe.finish = Some((element::divide_bytes::<T>, n));
+        drive(links, &mut [Op::Ring(pipe)], &wait, &what)
     }
 
     fn broadcast_impl(&mut self, mut hdr: Header, bytes: &mut [u8], root: usize) -> Result<()> {
@@ -667,7 +642,7 @@ impl ProcessGroup {
         } else if pos == n - 1 {
             Op::Recv {
                 peer: prev,
-                dst: Dst::Copy(bytes),
+                dst: bytes,
                 done: 0,
             }
         } else {
@@ -729,29 +704,28 @@ impl ProcessGroup {
         let what = self.what(hdr);
         let wait = self.waiting();
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let items = (0..n - 1)
+            .map(|s| {
+                let c = (r + 2 * n - s - 1) % n;
+                engine::RingItem {
+                    range: if inline[c] {
+                        offs[c]..offs[c]
+                    } else {
+                        offs[c]..offs[c + 1]
+                    },
+                    reduce: false,
+                    finish: false,
+                }
+            })
+            .collect();
+        let first = if inline[r] {
+            offs[r]..offs[r]
+        } else {
+            offs[r]..offs[r + 1]
+        };
         let links = &mut self.mesh_mut().links;
-        for s in 0..n - 1 {
-            let sc = (r + n - s) % n;
-            let rc = (r + 2 * n - s - 1) % n;
-            let (sb, rb) = disjoint(out, offs[sc]..offs[sc + 1], offs[rc]..offs[rc + 1]);
-            let sb: &[u8] = if inline[sc] { &[] } else { sb };
-            let rb: &mut [u8] = if inline[rc] { &mut [] } else { rb };
-            let mut ops = [
-                Op::Send {
-                    peer: next,
-                    hdr: None,
-                    data: sb,
-                    done: 0,
-                },
-                Op::Recv {
-                    peer: prev,
-                    dst: Dst::Copy(rb),
-                    done: 0,
-                },
-            ];
-            drive(links, &mut ops, &wait, &what)?;
-        }
-        Ok(())
+        let pipe = engine::RingPipe::new(prev, next, out, first, items);
+        drive(links, &mut [Op::Ring(pipe)], &wait, &what)
     }
 
     fn all_gather_varlen_impl<T: Element>(
@@ -818,21 +792,6 @@ fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
 
 fn bytes_of(r: std::ops::Range<usize>, sz: usize) -> std::ops::Range<usize> {
     r.start * sz..r.end * sz
-}
-
-/// Two non-overlapping regions of `buf`: one to read, one to write.
-fn disjoint(
-    buf: &mut [u8],
-    a: std::ops::Range<usize>,
-    b: std::ops::Range<usize>,
-) -> (&[u8], &mut [u8]) {
-    if a.start <= b.start {
-        let (x, y) = buf.split_at_mut(b.start);
-        (&x[a.start..a.end.min(b.start)], &mut y[..b.len()])
-    } else {
-        let (x, y) = buf.split_at_mut(a.start);
-        (&y[..a.len()], &mut x[b])
-    }
 }
 
 /// Whether two ranks' headers describe the same call.
