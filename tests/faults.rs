@@ -39,10 +39,23 @@ fn kill_mid_allreduce(world: usize, tcp: bool) {
             res.report()
         );
         assert!(r.stderr.contains("comm error"), "{}", res.report());
+        // Shared-memory links carry the culprit along the cascade, so every rank names it.
+        if !tcp {
+            assert!(
+                r.stderr.contains(&format!("rank {victim} closed")),
+                "{}",
+                res.report()
+            );
+        }
         let after = r
             .exited_at
             .expect("exited")
             .saturating_duration_since(killed_at);
+        eprintln!(
+            "rank {} exited {after:?} after rank {victim} was killed: {}",
+            r.rank,
+            r.stderr.trim()
+        );
         assert!(
             after < Duration::from_secs(2),
             "rank {} took {after:?} after the kill to exit:\n{}",

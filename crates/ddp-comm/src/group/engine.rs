@@ -183,6 +183,8 @@ impl Msg {
 
 /// A reduction of raw received bytes into a byte view of a typed buffer.
 pub(crate) type ReduceFn = fn(&mut [u8], &[u8], ReduceOp);
+/// A final in-place step on reduced elements (the division of a mean by the world size).
+pub(crate) type FinishFn = fn(&mut [u8], usize);
 
 /// One transfer the engine drives.
 pub(crate) enum Op<'a> {
@@ -235,7 +237,7 @@ pub(crate) struct RingPipe<'a> {
     pub items: Vec<RingItem>,
     pub reduce: Option<(ReduceFn, ReduceOp, usize)>,
     /// Applied to finished elements of `finish` items, with its argument (the world size).
-    pub finish: Option<(fn(&mut [u8], usize), usize)>,
+    pub finish: Option<(FinishFn, usize)>,
     /// Receive cursor: item and wire offset inside it.
     pub ri: usize,
     pub ro: usize,
@@ -576,6 +578,36 @@ fn progress(op: &mut Op<'_>, links: &mut [Option<Link>], what: &str) -> Result<u
 
 /// Runs `ops` to completion, or returns the first error (the caller poisons the group).
 pub(crate) fn drive(
+    links: &mut [Option<Link>],
+    ops: &mut [Op<'_>],
+    wait: &Waiting,
+    what: &str,
+) -> Result<(), CommError> {
+    drive_inner(links, ops, wait, what).map_err(|e| attribute(e, links))
+}
+
+/// A peer that closed its link because another rank failed says so: name that rank.
+fn attribute(e: CommError, links: &[Option<Link>]) -> CommError {
+    match e {
+        CommError::PeerClosed { peer, op } => {
+            match links[peer].as_ref().and_then(Link::blamed) {
+                // (The culprit is another peer, not this rank itself.)
+                Some(culprit)
+                    if culprit != peer && links.get(culprit).is_some_and(Option::is_some) =>
+                {
+                    CommError::PeerClosed {
+                        peer: culprit,
+                        op: format!("{op}, as reported by rank {peer}"),
+                    }
+                }
+                _ => CommError::PeerClosed { peer, op },
+            }
+        }
+        e => e,
+    }
+}
+
+fn drive_inner(
     links: &mut [Option<Link>],
     ops: &mut [Op<'_>],
     wait: &Waiting,

@@ -159,7 +159,7 @@ impl Link {
         }
         let n = self.readable(1, dst.len())?;
         if n > 0 {
-            dst[..n].copy_from_slice(self.peek(n));
+            super::copy::copy(&mut dst[..n], self.peek(n));
             self.consume(n);
         }
         Ok(n)
@@ -178,6 +178,11 @@ impl Link {
         r > 0 && p.revents != 0
     }
 
+    /// The rank a shared-memory peer blamed when it broke the link (see [`Self::abort`]).
+    pub(crate) fn blamed(&self) -> Option<usize> {
+        self.shm.as_ref().and_then(ShmPair::blame)
+    }
+
     /// Sleeps until the shared-memory ring has data (or `timeout`).
     pub(crate) fn wait_shm_data(&self, timeout: Duration) {
         if let Some(shm) = &self.shm {
@@ -192,11 +197,12 @@ impl Link {
         }
     }
 
-    /// Breaks the link so the peer notices at once: closes the rings and sends FIN (queued
-    /// data is still delivered first, so the peer can read what we already sent).
-    pub(crate) fn abort(&self) {
+    /// Breaks the link so the peer notices at once: closes the rings (telling the peer which
+    /// rank's failure caused it) and sends FIN (queued data is still delivered first, so the
+    /// peer can read what we already sent).
+    pub(crate) fn abort(&self, blame: Option<usize>) {
         if let Some(shm) = &self.shm {
-            shm.close();
+            shm.close(blame);
         }
         let _ = self.tcp.shutdown(Shutdown::Write);
     }

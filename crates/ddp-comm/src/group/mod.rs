@@ -19,6 +19,7 @@
 //! - **Failures**: every wait has a deadline. Any error poisons the group and breaks all its
 //!   links (FIN on TCP, a closed flag on the rings), so every other rank fails quickly too.
 
+mod copy;
 mod element;
 mod engine;
 mod link;
@@ -427,9 +428,10 @@ impl ProcessGroup {
     fn poison(&mut self, err: &CommError) {
         tracing::error!(rank = self.rank, "process group broken: {err}");
         self.poisoned = Some(err.to_string());
+        let blame = err.peer();
         if let Some(m) = &self.mesh {
             for l in m.links.iter().flatten() {
-                l.abort();
+                l.abort(blame);
             }
         }
     }
@@ -674,7 +676,7 @@ impl ProcessGroup {
             }))
             .collect();
         let out: &mut [u8] = bytemuck::cast_slice_mut(output);
-        out[offs[r]..offs[r + 1]].copy_from_slice(input);
+        copy::copy(&mut out[offs[r]..offs[r + 1]], input);
         if n == 1 {
             return Ok(());
         }
@@ -757,7 +759,7 @@ impl ProcessGroup {
             .collect();
         {
             let out: &mut [u8] = bytemuck::cast_slice_mut(&mut flat);
-            out[offs[r]..offs[r + 1]].copy_from_slice(inp);
+            copy::copy(&mut out[offs[r]..offs[r + 1]], inp);
             self.gather_ring(&hdr, out, &offs)?;
         }
         let mut res = Vec::with_capacity(n);
@@ -774,7 +776,7 @@ impl Drop for ProcessGroup {
     fn drop(&mut self) {
         if let Some(m) = &self.mesh {
             for l in m.links.iter().flatten() {
-                l.abort();
+                l.abort(None);
             }
         }
     }

@@ -97,8 +97,9 @@ impl Ring {
         unsafe { self.base.add(RING_HEADER) }
     }
 
-    fn close(&self) {
-        self.closed().store(1, Ordering::SeqCst);
+    /// `code` 1 = closed; `2 + r` = closed because rank `r` failed.
+    fn close(&self, code: u32) {
+        self.closed().store(code, Ordering::SeqCst);
         self.data_seq().fetch_add(1, Ordering::SeqCst);
         self.space_seq().fetch_add(1, Ordering::SeqCst);
         futex_wake(self.data_seq());
@@ -234,7 +235,8 @@ impl ShmPair {
             return Ok(0);
         }
         // SAFETY: [pos, pos+n) is free space owned by the producer until `head` moves.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), r.data().add(pos), n) };
+        let dst = unsafe { std::slice::from_raw_parts_mut(r.data().add(pos), n) };
+        super::copy::copy(dst, &data[..n]);
         r.head().store(head + n as u64, Ordering::SeqCst);
         r.data_seq().fetch_add(1, Ordering::SeqCst);
         if r.reader_waiting().load(Ordering::SeqCst) != 0 {
@@ -311,16 +313,27 @@ impl ShmPair {
         r.writer_waiting().store(0, Ordering::SeqCst);
     }
 
-    /// Marks both directions closed and wakes the peer (on error and on drop).
-    pub(crate) fn close(&self) {
-        self.tx.close();
-        self.rx.close();
+    /// Marks both directions closed and wakes the peer (on error and on drop); `blame` is
+    /// the rank whose failure caused it, passed on to the peer.
+    pub(crate) fn close(&self, blame: Option<usize>) {
+        let code = blame.map_or(1, |r| r as u32 + 2);
+        self.tx.close(code);
+        self.rx.close(code);
+    }
+
+    /// The rank the peer blamed when it closed the rings, if any.
+    pub(crate) fn blame(&self) -> Option<usize> {
+        let code = self.rx.closed().load(Ordering::Acquire);
+        (code >= 2).then(|| (code - 2) as usize)
     }
 }
 
 impl Drop for ShmPair {
     fn drop(&mut self) {
-        self.close();
+        // Keep a blame set by `abort`; otherwise mark a plain close.
+        if self.tx.closed().load(Ordering::Relaxed) == 0 {
+            self.close(None);
+        }
     }
 }
 
