@@ -7,6 +7,9 @@
 //! ddprun --nproc-per-node 2 -- target/release/examples/allreduce_bench --sizes 8K,1M,25M
 //! ```
 //!
+//! The `cpu(us)` column is the CPU time (user + system) one call costs the busiest rank; on a
+//! machine where ranks share cores with other work, the wall-clock time can be much longer.
+//!
 //! If `DDP_BENCH_LAUNCH_NS` holds the launch time (Unix nanoseconds), rank 0 also reports the
 //! time from launch to the end of the first barrier.
 
@@ -53,6 +56,15 @@ fn human(bytes: usize) -> String {
     } else {
         format!("{bytes} B")
     }
+}
+
+/// CPU time (user + system) this process has used.
+fn cpu_time() -> f64 {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 fn main() {
@@ -117,8 +129,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             args.transport, shm_peers
         );
         println!(
-            "{:>10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12}",
-            "size", "count", "median(us)", "min(us)", "max(us)", "algbw(GB/s)", "busbw(GB/s)"
+            "{:>10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+            "size",
+            "count",
+            "median(us)",
+            "min(us)",
+            "max(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "cpu(us)"
         );
     }
     for &bytes in &sizes {
@@ -129,7 +148,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(10, 1000));
         let warmup = (iters / 10).max(2);
         let mut times = Vec::with_capacity(iters);
+        let mut cpu0 = 0.0;
         for i in 0..warmup + iters {
+            if i == warmup {
+                cpu0 = cpu_time();
+            }
             if !args.no_barrier {
                 pg.barrier()?;
             }
@@ -140,21 +163,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 times.push(dt.as_secs_f64());
             }
         }
+        // CPU per call, barriers included (they cost little next to the transfer).
+        let mut cpu = [(cpu_time() - cpu0) / iters as f64];
         pg.all_reduce(&mut times, ReduceOp::Max)?;
+        pg.all_reduce(&mut cpu, ReduceOp::Max)?;
         if rank == 0 {
             times.sort_by(|a, b| a.total_cmp(b));
             let med = times[times.len() / 2];
             let algbw = (count * 4) as f64 / med / 1e9;
             let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
             println!(
-                "{:>10} {:>10} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3}",
+                "{:>10} {:>10} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3} {:>10.1}",
                 human(bytes),
                 count,
                 med * 1e6,
                 times[0] * 1e6,
                 times[times.len() - 1] * 1e6,
                 algbw,
-                busbw
+                busbw,
+                cpu[0] * 1e6
             );
         }
     }

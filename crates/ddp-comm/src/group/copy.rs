@@ -25,7 +25,7 @@ pub(crate) fn copy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

@@ -397,24 +397,30 @@ impl Op<'_> {
         }
     }
 
-    /// The peer this op waits on to receive (preferred in timeout messages), then to send.
+    /// The peer this op waits on to receive (preferred in timeout messages), and the peer it
+    /// has bytes ready for but cannot send yet (sends waiting for input do not count, or a
+    /// TCP wait would spin on an always-writable socket).
     fn waits_on(&self) -> (Option<usize>, Option<usize>) {
         match self {
             Op::Send { peer, .. } => (None, Some(*peer)),
             Op::Recv { peer, .. } | Op::Msg { peer, .. } => (Some(*peer), None),
-            Op::Ring(p) => (
-                (p.ri < p.items.len()).then_some(p.prev),
-                (p.si < p.sends()).then_some(p.next),
-            ),
+            Op::Ring(p) => {
+                let send_blocked =
+                    p.si < p.sends() && (p.so >= p.send_range(p.si).len() || p.ready(p.si) > p.so);
+                (
+                    (p.ri < p.items.len()).then_some(p.prev),
+                    send_blocked.then_some(p.next),
+                )
+            }
             Op::Relay {
-                from, to, buf, got, ..
+                from,
+                to,
+                buf,
+                got,
+                sent,
             } => {
                 let w = buf.len() + pad8(buf.len());
-                if *got < w {
-                    (Some(*from), Some(*to))
-                } else {
-                    (None, Some(*to))
-                }
+                ((*got < w).then_some(*from), (*sent < *got).then_some(*to))
             }
         }
     }
@@ -650,13 +656,25 @@ fn drive_inner(
             std::hint::spin_loop();
             continue;
         }
-        if waited < YIELD {
+        // Yielding only pays for shared memory; a TCP wait sleeps in poll(), which the
+        // kernel ends as soon as data arrives.
+        if waited < YIELD && waits_on_shm(links, ops) {
             std::thread::yield_now();
             continue;
         }
         naps += 1;
         sleep_until_progress(links, ops, wait.timeout - waited, naps, what)?;
     }
+}
+
+fn waits_on_shm(links: &[Option<Link>], ops: &[Op<'_>]) -> bool {
+    ops.iter().filter(|o| !o.finished()).any(|o| {
+        let (r, s) = o.waits_on();
+        [r, s]
+            .into_iter()
+            .flatten()
+            .any(|p| links[p].as_ref().is_some_and(Link::is_shm))
+    })
 }
 
 /// The peer to blame for a stall: the first one we wait to receive from, else to send to.
