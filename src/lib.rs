@@ -10,7 +10,9 @@
 //! use std::time::Duration;
 //! use ddp_tests::RankJob;
 //!
-//! let result = RankJob::new(env!("CARGO_BIN_EXE_comm_worker"), 4)
+//! // In an integration test: `env!("CARGO_BIN_EXE_comm_worker")`.
+//! let worker = "target/debug/comm_worker";
+//! let result = RankJob::new(worker, 4)
 //!     .arg("matrix")
 //!     .deadline(Duration::from_secs(60))
 //!     .run()
