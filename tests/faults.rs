@@ -152,3 +152,8 @@ fn a_stalled_rank_times_out_naming_it() {
     assert_eq!(res.rank(1).code(), Some(3), "{}", res.report());
     assert!(started.elapsed() < Duration::from_secs(55));
 }
+
+#[test]
+fn sigkill_mid_allreduce_tcp_4_ranks() {
+    kill_mid_allreduce(4, true);
+}
