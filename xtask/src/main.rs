@@ -1,7 +1,8 @@
 //! `cargo xtask …`: the project's task runner, a thin CLI over the libraries.
 //!
 //! ```text
-//! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm|tcp]
+//! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
+//!                             [--iters N] [--pin]
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -43,6 +44,9 @@ enum Bench {
         /// Timed iterations per size (default: scaled to the size).
         #[arg(long)]
         iters: Option<usize>,
+        /// Pin each rank to one core (LOCAL_RANK % cores).
+        #[arg(long)]
+        pin: bool,
     },
 }
 
@@ -56,8 +60,9 @@ fn main() -> ExitCode {
                     sizes,
                     transport,
                     iters,
+                    pin,
                 },
-        } => bench_allreduce(&nproc, &sizes, &transport, iters),
+        } => bench_allreduce(&nproc, &sizes, &transport, iters, pin),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -98,6 +103,7 @@ fn bench_allreduce(
     sizes: &[String],
     transports: &[String],
     iters: Option<usize>,
+    pin: bool,
 ) -> Result<(), String> {
     for t in transports {
         if t != "shm" && t != "tcp" {
@@ -139,6 +145,9 @@ fn bench_allreduce(
                 .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
             if let Some(i) = iters {
                 cmd.arg("--iters").arg(i.to_string());
+            }
+            if pin {
+                cmd.arg("--pin");
             }
             run(&mut cmd)?;
         }

@@ -33,6 +33,9 @@ struct Args {
     /// Do not run a barrier before each timed call (times then include rank skew).
     #[arg(long)]
     no_barrier: bool,
+    /// Pin rank r to CPU core `LOCAL_RANK % cores` (as `numactl`/`taskset` would).
+    #[arg(long)]
+    pin: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -87,6 +90,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         t => return Err(format!("unknown transport {t:?} (shm or tcp)").into()),
     };
     let env = LaunchEnv::from_env()?;
+    if args.pin {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(env.local_rank % cores, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(format!("pinning: {}", std::io::Error::last_os_error()).into());
+            }
+        }
+    }
     let opts = GroupOptions {
         shared_memory: shm,
         ..GroupOptions::default()
