@@ -18,6 +18,16 @@
 //!   result is copied, so all ranks get bitwise identical results.
 //! - **Failures**: every wait has a deadline. Any error poisons the group and breaks all its
 //!   links (FIN on TCP, a closed flag on the rings), so every other rank fails quickly too.
+//!   A ring closed this way carries the rank that caused it, so ranks that only see the
+//!   cascade still name the culprit (over TCP they name the neighbour that gave up).
+//!   The collective timeout bounds each stall (no byte moved), not a whole transfer.
+//!
+//! # Environment
+//! - `DDP_TIMEOUT_SECS`, `DDP_CONNECT_TIMEOUT_SECS`, `DDP_SHARED_MEMORY=0`: defaults of
+//!   [`GroupOptions`].
+//! - `DDP_HOST_ID`: overrides the host identity (ranks with equal ids use shared memory);
+//!   tests use it to emulate several hosts on one machine.
+//! - `DDP_SHM_RING_KIB`: size of each shared-memory ring (default 512 KiB).
 
 mod copy;
 mod element;
