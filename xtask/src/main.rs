@@ -1,6 +1,7 @@
 //! `cargo xtask …`: the project's task runner, a thin CLI over the libraries.
 //!
 //! ```text
+//! cargo xtask ci
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--iters N] [--pin]
 //! ```
@@ -11,6 +12,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 
+mod ci;
+
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "burn-ddp task runner")]
 struct Cli {
@@ -20,6 +23,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Everything CI checks: formatting, clippy, the CUDA type-check and all tests.
+    Ci,
     /// Benchmarks (release builds, launched through `ddprun`).
     Bench {
         #[command(subcommand)]
@@ -53,6 +58,7 @@ enum Bench {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
+        Cmd::Ci => ci::run(&workspace_root()),
         Cmd::Bench {
             what:
                 Bench::Allreduce {

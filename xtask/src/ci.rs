@@ -1,0 +1,79 @@
+//! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
+//!
+//! One feature set is used for every step (`burn-ddp/wgpu`, `ddp-comm/nccl`) so Cargo builds
+//! the Burn stack once for checking and once for testing; the CUDA path is type-checked with
+//! `DOCS_RS=1` (its build scripts would download LLVM otherwise).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+/// The features every CI step uses.
+pub const FEATURES: &str = "burn-ddp/wgpu,ddp-comm/nccl";
+
+/// One CI step: a description and the cargo arguments.
+struct Step {
+    what: &'static str,
+    args: Vec<&'static str>,
+    env: Vec<(&'static str, &'static str)>,
+}
+
+fn steps() -> Vec<Step> {
+    let step = |what, args: &[&'static str]| Step {
+        what,
+        args: args.to_vec(),
+        env: Vec::new(),
+    };
+    vec![
+        step("formatting", &["fmt", "--all", "--", "--check"]),
+        step(
+            "clippy (all targets, warnings denied)",
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--features",
+                FEATURES,
+                "--",
+                "-D",
+                "warnings",
+            ],
+        ),
+        Step {
+            what: "type-check of the CUDA path (DOCS_RS=1 skips cubecl-llvm's download)",
+            args: vec!["check", "-p", "burn-ddp", "--features", "cuda"],
+            env: vec![("DOCS_RS", "1")],
+        },
+        step(
+            "tests (unit, doc and multi-process integration)",
+            &["test", "--workspace", "--features", FEATURES],
+        ),
+    ]
+}
+
+/// Runs every step; stops at the first failure.
+pub fn run(root: &Path) -> Result<(), String> {
+    let all = Instant::now();
+    for (i, s) in steps().iter().enumerate() {
+        let t = Instant::now();
+        eprintln!(
+            "==> [{}/{}] {}: cargo {}",
+            i + 1,
+            steps().len(),
+            s.what,
+            s.args.join(" ")
+        );
+        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(&s.args)
+            .envs(s.env.iter().copied())
+            .current_dir(root)
+            .status()
+            .map_err(|e| format!("could not run cargo: {e}"))?;
+        if !status.success() {
+            return Err(format!("{} failed ({status})", s.what));
+        }
+        eprintln!("==> {} passed in {:.0?}", s.what, t.elapsed());
+    }
+    eprintln!("==> CI passed in {:.0?}", all.elapsed());
+    Ok(())
+}
