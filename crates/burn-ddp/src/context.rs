@@ -39,12 +39,23 @@ enum DeviceChoice {
 }
 
 /// Settings for [`Ddp`]; build with [`Ddp::builder`], finish with [`DdpBuilder::init`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct DdpBuilder {
     device: DeviceChoice,
     bucket_cap_bytes: usize,
     group_options: GroupOptions,
     env: Option<LaunchEnv>,
+}
+
+impl std::fmt::Debug for DdpBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DdpBuilder")
+            .field("device", &self.device)
+            .field("bucket_cap_bytes", &self.bucket_cap_bytes)
+            .field("group_options", &self.group_options)
+            .field("launch_env_given", &self.env.is_some())
+            .finish()
+    }
 }
 
 impl Default for DdpBuilder {
