@@ -114,7 +114,11 @@ pub(crate) fn nccl_error(what: &str, code: ncclResult_t, after: Duration) -> Com
 
 /// Maps a CUDA driver error to the crate's error type.
 pub(crate) fn cuda_error(what: &str, e: DriverError) -> CommError {
-    CommError::io(format!("CUDA {what}"), None, io::Error::other(e.to_string()))
+    CommError::io(
+        format!("CUDA {what}"),
+        None,
+        io::Error::other(e.to_string()),
+    )
 }
 
 /// Polls with a growing pause: yield for the first polls (a small collective finishes in
@@ -137,6 +141,50 @@ impl Backoff {
             std::thread::sleep(Duration::from_micros(20u64 << step).min(Duration::from_millis(1)));
         }
         self.polls = self.polls.saturating_add(1);
+    }
+}
+
+/// One look at something the watchdog waits for.
+pub(crate) enum Poll {
+    /// Finished successfully.
+    Ready,
+    /// Not finished yet.
+    Pending,
+    /// Failed; waiting stops with this error.
+    Failed(CommError),
+}
+
+/// How a [`watch`] ended.
+#[derive(Debug)]
+pub(crate) enum Waited {
+    Ready,
+    TimedOut,
+    Failed(CommError),
+}
+
+/// The watchdog loop: calls `poll` (with [`Backoff`] pauses) until it is ready or fails, or
+/// until `deadline` passes. A poll that reports completion wins over an expired deadline.
+pub(crate) fn watch(deadline: Instant, mut poll: impl FnMut() -> Poll) -> Waited {
+    let mut backoff = Backoff::new();
+    loop {
+        match poll() {
+            Poll::Ready => return Waited::Ready,
+            Poll::Failed(e) => return Waited::Failed(e),
+            Poll::Pending => {}
+        }
+        if Instant::now() >= deadline {
+            return Waited::TimedOut;
+        }
+        backoff.snooze();
+    }
+}
+
+/// Reads a communicator state as a [`Poll`]: `ncclInProgress` is pending, success is ready.
+fn state_poll(state: ncclResult_t, what: &str, start: Instant) -> Poll {
+    match state {
+        ncclResult_t::ncclSuccess => Poll::Ready,
+        ncclResult_t::ncclInProgress => Poll::Pending,
+        err => Poll::Failed(nccl_error(what, err, start.elapsed())),
     }
 }
 
@@ -180,8 +228,9 @@ impl RawComm {
         let mut ptr: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `ptr` and `config` are valid for the call; NCCL copies the config before
         // returning; rank < nranks is checked by the caller (NCCL checks it again).
-        let res =
-            unsafe { sys::ncclCommInitRankConfig(&mut ptr, nranks, uid, rank as c_int, &mut config) };
+        let res = unsafe {
+            sys::ncclCommInitRankConfig(&mut ptr, nranks, uid, rank as c_int, &mut config)
+        };
         let started = match res {
             ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => !ptr.is_null(),
             _ => false,
@@ -206,25 +255,18 @@ impl RawComm {
             ptr,
             aborted: false,
         };
-        let mut backoff = Backoff::new();
-        loop {
-            match comm.async_state() {
-                ncclResult_t::ncclSuccess => return Ok(comm),
-                ncclResult_t::ncclInProgress => {
-                    if Instant::now() >= deadline {
-                        comm.abort();
-                        return Err(InitFailure::TimedOut(start.elapsed()));
-                    }
-                    backoff.snooze();
-                }
-                err => {
-                    comm.abort();
-                    return Err(InitFailure::Error(nccl_error(
-                        "communicator creation",
-                        err,
-                        start.elapsed(),
-                    )));
-                }
+        let waited = watch(deadline, || {
+            state_poll(comm.async_state(), "communicator creation", start)
+        });
+        match waited {
+            Waited::Ready => Ok(comm),
+            Waited::TimedOut => {
+                comm.abort();
+                Err(InitFailure::TimedOut(start.elapsed()))
+            }
+            Waited::Failed(e) => {
+                comm.abort();
+                Err(InitFailure::Error(e))
             }
         }
     }
@@ -261,22 +303,14 @@ impl RawComm {
         match call(self.ptr) {
             ncclResult_t::ncclSuccess => Ok(()),
             ncclResult_t::ncclInProgress => {
-                let mut backoff = Backoff::new();
-                loop {
-                    match self.async_state() {
-                        ncclResult_t::ncclSuccess => return Ok(()),
-                        ncclResult_t::ncclInProgress => {
-                            if Instant::now() >= deadline {
-                                return Err(CommError::Timeout {
-                                    op: format!("NCCL {what} (still connecting to peers)"),
-                                    peer: None,
-                                    after: start.elapsed(),
-                                });
-                            }
-                            backoff.snooze();
-                        }
-                        err => return Err(nccl_error(what, err, start.elapsed())),
-                    }
+                match watch(deadline, || state_poll(self.async_state(), what, start)) {
+                    Waited::Ready => Ok(()),
+                    Waited::Failed(e) => Err(e),
+                    Waited::TimedOut => Err(CommError::Timeout {
+                        op: format!("NCCL {what} (still connecting to peers)"),
+                        peer: None,
+                        after: start.elapsed(),
+                    }),
                 }
             }
             err => Err(nccl_error(what, err, start.elapsed())),
@@ -292,27 +326,25 @@ impl RawComm {
         deadline: Instant,
         start: Instant,
     ) -> Result<()> {
-        let mut backoff = Backoff::new();
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(cuda_error(&format!("waiting for {what}"), e)),
-            }
-            match self.async_state() {
-                ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => {}
-                err => return Err(nccl_error(what, err, start.elapsed())),
-            }
-            if Instant::now() >= deadline {
-                return Err(CommError::Timeout {
-                    op: format!(
-                        "NCCL {what} (a peer is dead, stalled or called a different collective)"
-                    ),
-                    peer: None,
-                    after: start.elapsed(),
-                });
-            }
-            backoff.snooze();
+        let waited = watch(deadline, || match event.try_is_complete() {
+            Ok(true) => Poll::Ready,
+            Err(e) => Poll::Failed(cuda_error(&format!("waiting for {what}"), e)),
+            Ok(false) => match state_poll(self.async_state(), what, start) {
+                // The communicator is healthy (or still connecting): the event decides.
+                Poll::Ready | Poll::Pending => Poll::Pending,
+                failed => failed,
+            },
+        });
+        match waited {
+            Waited::Ready => Ok(()),
+            Waited::Failed(e) => Err(e),
+            Waited::TimedOut => Err(CommError::Timeout {
+                op: format!(
+                    "NCCL {what} (a peer is dead, stalled or called a different collective)"
+                ),
+                peer: None,
+                after: start.elapsed(),
+            }),
         }
     }
 
@@ -342,18 +374,18 @@ impl Drop for RawComm {
         let res = unsafe { sys::ncclCommFinalize(self.ptr) };
         let finalized = match res {
             ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => {
-                let deadline = Instant::now() + FINALIZE_LIMIT;
-                let mut backoff = Backoff::new();
-                loop {
-                    match self.async_state() {
-                        ncclResult_t::ncclSuccess => break true,
-                        ncclResult_t::ncclInProgress if Instant::now() < deadline => {
-                            backoff.snooze()
-                        }
-                        other => {
-                            tracing::warn!("NCCL communicator finalize ended with {other:?}");
-                            break false;
-                        }
+                let start = Instant::now();
+                match watch(start + FINALIZE_LIMIT, || {
+                    state_poll(self.async_state(), "communicator finalize", start)
+                }) {
+                    Waited::Ready => true,
+                    Waited::TimedOut => {
+                        tracing::warn!("NCCL communicator finalize took over {FINALIZE_LIMIT:?}");
+                        false
+                    }
+                    Waited::Failed(e) => {
+                        tracing::warn!("NCCL communicator finalize failed: {e}");
+                        false
                     }
                 }
             }
@@ -378,6 +410,63 @@ impl Drop for RawComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn failure() -> CommError {
+        CommError::InvalidArgument("remote rank gone".into())
+    }
+
+    #[test]
+    fn watch_returns_ready_once_the_poll_is_ready() {
+        let mut polls = 0;
+        let w = watch(Instant::now() + Duration::from_secs(60), || {
+            polls += 1;
+            if polls < 5 {
+                Poll::Pending
+            } else {
+                Poll::Ready
+            }
+        });
+        assert!(matches!(w, Waited::Ready), "{w:?}");
+        assert_eq!(polls, 5);
+    }
+
+    #[test]
+    fn watch_stops_at_the_first_failure() {
+        let mut polls = 0;
+        let w = watch(Instant::now() + Duration::from_secs(60), || {
+            polls += 1;
+            if polls < 3 {
+                Poll::Pending
+            } else {
+                Poll::Failed(failure())
+            }
+        });
+        match w {
+            Waited::Failed(e) => assert!(e.to_string().contains("remote rank gone")),
+            other => panic!("expected the failure, got {other:?}"),
+        }
+        assert_eq!(polls, 3);
+    }
+
+    #[test]
+    fn watch_times_out_on_a_poll_that_never_finishes() {
+        let deadline = Instant::now() + Duration::from_millis(30);
+        let mut polls = 0u32;
+        let w = watch(deadline, || {
+            polls += 1;
+            Poll::Pending
+        });
+        assert!(matches!(w, Waited::TimedOut), "{w:?}");
+        assert!(Instant::now() >= deadline);
+        assert!(polls >= 1);
+    }
+
+    #[test]
+    fn completion_wins_over_an_expired_deadline() {
+        let past = Instant::now();
+        assert!(matches!(watch(past, || Poll::Ready), Waited::Ready));
+        assert!(matches!(watch(past, || Poll::Pending), Waited::TimedOut));
+    }
 
     #[test]
     fn config_is_the_initializer_with_blocking_off() {

@@ -164,8 +164,12 @@ fn probe() -> std::result::Result<Libraries, (io::ErrorKind, String)> {
 }
 
 fn candidates(name: &str) -> Vec<String> {
-    let mut names = cudarc::get_lib_name_candidates(name);
-    names.dedup();
+    let mut names: Vec<String> = Vec::new();
+    for n in cudarc::get_lib_name_candidates(name) {
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
     names
 }
 
@@ -210,8 +214,12 @@ fn missing_nccl_message() -> String {
 /// Looks for `libnccl.so.2`, the runtime name cudarc does not try: first in the folders of
 /// `LD_LIBRARY_PATH` (to name the file), then through the loader (ldconfig cache).
 fn find_versioned_nccl() -> Option<String> {
+    find_versioned_nccl_in(std::env::var("LD_LIBRARY_PATH").ok().as_deref())
+}
+
+fn find_versioned_nccl_in(ld_library_path: Option<&str>) -> Option<String> {
     const SONAME: &str = "libnccl.so.2";
-    if let Ok(path) = std::env::var("LD_LIBRARY_PATH") {
+    if let Some(path) = ld_library_path {
         for dir in path.split(':').filter(|d| !d.is_empty()) {
             let file = PathBuf::from(dir).join(SONAME);
             if file.exists() {
@@ -315,6 +323,37 @@ mod tests {
         // it, the link step in docs/gpu.md and scripts/gpu-check.sh can go.
         assert!(!names.iter().any(|n| n == "libnccl.so.2"), "{names:?}");
         assert!(candidates("cuda").iter().any(|n| n == "libcuda.so.1"));
+    }
+
+    #[test]
+    fn a_libnccl_so_2_on_the_library_path_is_named() {
+        let dir = std::env::temp_dir().join(format!("ddp-nccl-lib-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("libnccl.so.2");
+        std::fs::write(&file, b"").unwrap();
+        let path = format!("/nonexistent-ddp-dir::{}", dir.display());
+        assert_eq!(
+            find_versioned_nccl_in(Some(&path)),
+            Some(file.display().to_string())
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        // Not on the path and not known to the loader here (no NCCL on CI machines).
+        if !dlopen_ok("libnccl.so.2") {
+            assert_eq!(find_versioned_nccl_in(Some(&path)), None);
+            assert_eq!(find_versioned_nccl_in(None), None);
+            assert!(
+                missing_nccl_message().starts_with("libnccl not found (install nvidia-nccl-cu12")
+            );
+        }
+    }
+
+    #[test]
+    fn candidate_lists_have_no_duplicates() {
+        let names = candidates("cuda");
+        let mut sorted = names.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), names.len(), "{names:?}");
     }
 
     #[test]

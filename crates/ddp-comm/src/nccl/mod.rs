@@ -55,6 +55,8 @@ use cudarc::driver::{
 use cudarc::nccl::NcclType;
 use cudarc::nccl::sys::{self, ncclComm_t, ncclRedOp_t, ncclResult_t};
 
+/// The cudarc this transport is built on, so callers allocate buffers with the same version.
+pub use cudarc;
 pub use cudarc::driver::{CudaView, CudaViewMut};
 pub use library::{Libraries, MIN_NCCL_VERSION, NcclVersion, check_libraries};
 
@@ -109,7 +111,8 @@ pub struct NcclOptions {
     /// Deadline for the rendezvous and the communicator's creation, i.e. for every rank to
     /// arrive (default 120 s).
     pub init_timeout: Duration,
-    /// CUDA device ordinal; `None` uses `LOCAL_RANK` (device 0 for [`NcclGroup::single`]).
+    /// CUDA device ordinal; `None` uses `LOCAL_RANK` (device 0 for [`NcclGroup::single`]),
+    /// or device 0 when the rank sees exactly one device (`CUDA_VISIBLE_DEVICES` set per rank).
     pub device: Option<usize>,
     /// Prefix of the rendezvous store keys (default `nccl`); groups created in the same order
     /// on every rank may share it.
@@ -194,6 +197,45 @@ impl fmt::Debug for NcclGroup {
     }
 }
 
+// A group may be moved to (and used from) another thread, e.g. behind a `Mutex`.
+const _: () = {
+    fn assert_send<T: Send>() {}
+    let _ = assert_send::<NcclGroup>;
+};
+
+/// Which CUDA device a rank uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeviceChoice {
+    /// Set in [`NcclOptions::device`].
+    Explicit(usize),
+    /// `LOCAL_RANK`, unless exactly one device is visible (a launcher that gives each rank
+    /// its own GPU through `CUDA_VISIBLE_DEVICES`, e.g. `srun --gpus-per-task=1`): then 0.
+    LocalRank(usize),
+}
+
+impl DeviceChoice {
+    fn from_options(opts: &NcclOptions, local_rank: usize) -> Self {
+        match opts.device {
+            Some(d) => DeviceChoice::Explicit(d),
+            None => DeviceChoice::LocalRank(local_rank),
+        }
+    }
+
+    fn resolve(self, visible: usize) -> usize {
+        match self {
+            DeviceChoice::Explicit(d) => d,
+            DeviceChoice::LocalRank(r) if visible == 1 && r > 0 => {
+                tracing::info!(
+                    local_rank = r,
+                    "one CUDA device visible to this rank: using device 0 instead of LOCAL_RANK"
+                );
+                0
+            }
+            DeviceChoice::LocalRank(r) => r,
+        }
+    }
+}
+
 /// Where a new group's unique id comes from.
 enum IdSource<'a> {
     /// Made locally (world size 1).
@@ -215,11 +257,10 @@ impl NcclGroup {
     /// Missing libraries (see [`check_libraries`]), a device ordinal beyond the visible
     /// devices, store errors, NCCL errors, the timeout above.
     pub fn init(env: &LaunchEnv, store: &mut StoreClient, opts: &NcclOptions) -> Result<Self> {
-        let device = opts.device.unwrap_or(env.local_rank);
         Self::create(
             env.rank,
             env.world_size,
-            device,
+            DeviceChoice::from_options(opts, env.local_rank),
             IdSource::Store(store),
             opts,
         )
@@ -227,10 +268,19 @@ impl NcclGroup {
 
     /// Like [`NcclGroup::init`], connecting its own client to the job's store at
     /// `MASTER_ADDR:MASTER_PORT` with the job token. The store must be served already —
-    /// [`crate::ProcessGroup::init`] serves it on rank 0.
+    /// [`crate::ProcessGroup::init`] serves it on rank 0. A world of one needs no store.
     pub fn connect(env: &LaunchEnv, opts: &NcclOptions) -> Result<Self> {
         // Check first: a machine without CUDA should hear about that, not about the store.
         check_libraries()?;
+        if env.world_size == 1 {
+            return Self::create(
+                0,
+                1,
+                DeviceChoice::from_options(opts, env.local_rank),
+                IdSource::Local,
+                opts,
+            );
+        }
         let mut store = StoreClient::connect(
             &env.master_endpoint(),
             env.job_token.as_deref(),
@@ -242,13 +292,19 @@ impl NcclGroup {
     /// A group of one rank on device [`NcclOptions::device`] (default 0), without a store.
     /// Its collectives are real NCCL calls on the device (the results equal the inputs).
     pub fn single(opts: &NcclOptions) -> Result<Self> {
-        Self::create(0, 1, opts.device.unwrap_or(0), IdSource::Local, opts)
+        Self::create(
+            0,
+            1,
+            DeviceChoice::from_options(opts, 0),
+            IdSource::Local,
+            opts,
+        )
     }
 
     fn create(
         rank: usize,
         world_size: usize,
-        device: usize,
+        device: DeviceChoice,
         ids: IdSource<'_>,
         opts: &NcclOptions,
     ) -> Result<Self> {
@@ -260,7 +316,9 @@ impl NcclGroup {
         }
         let count = CudaContext::device_count()
             .map_err(|e| cuda_error("counting devices (cuInit/cuDeviceGetCount)", e))?;
-        if device >= count.max(0) as usize {
+        let count = count.max(0) as usize;
+        let device = device.resolve(count);
+        if device >= count {
             return Err(CommError::InvalidArgument(format!(
                 "CUDA device {device} requested (LOCAL_RANK or NcclOptions::device) but only \
                  {count} device(s) are visible (CUDA_VISIBLE_DEVICES={})",
@@ -278,9 +336,8 @@ impl NcclGroup {
 
         let start = Instant::now();
         let make_id = || -> Result<[u8; rendezvous::ID_BYTES]> {
-            let id = cudarc::nccl::Id::new().map_err(|e| {
-                comm::nccl_error("ncclGetUniqueId", e.0, Duration::ZERO)
-            })?;
+            let id = cudarc::nccl::Id::new()
+                .map_err(|e| comm::nccl_error("ncclGetUniqueId", e.0, Duration::ZERO))?;
             Ok(id.internal().map(|c| c as u8))
         };
         let (id, mut store, generation) = match ids {
@@ -305,13 +362,10 @@ impl NcclGroup {
             Ok(c) => c,
             Err(InitFailure::Error(e)) => return Err(e),
             Err(InitFailure::TimedOut(after)) => {
-                let missing: Vec<usize> = match store.as_deref_mut() {
-                    Some(s) => rendezvous::missing_ranks(
-                        s,
-                        &opts.store_prefix,
-                        generation,
-                        world_size,
-                    ),
+                let missing: Vec<usize> = match store.as_mut() {
+                    Some(s) => {
+                        rendezvous::missing_ranks(s, &opts.store_prefix, generation, world_size)
+                    }
                     None => Vec::new(),
                 };
                 let detail = if missing.is_empty() {
@@ -449,7 +503,10 @@ impl NcclGroup {
         if let Err(e) = &result {
             self.comm.abort();
             self.broken = Some(format!("rank {}: {e}", self.rank));
-            tracing::error!(rank = self.rank, "NCCL {what} failed, communicator aborted: {e}");
+            tracing::error!(
+                rank = self.rank,
+                "NCCL {what} failed, communicator aborted: {e}"
+            );
         }
         result
     }
@@ -835,6 +892,17 @@ mod tests {
         assert_eq!(o.timeout, Duration::from_secs(7));
         assert_eq!(o.init_timeout, Duration::from_secs(9));
         assert_eq!(o.store_prefix, "nccl");
+    }
+
+    #[test]
+    fn device_choice_follows_local_rank_unless_one_device_is_visible() {
+        let mut o = NcclOptions::default();
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(4), 3);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1), 0);
+        // Out of range with several devices: left for the caller's clear error.
+        assert_eq!(DeviceChoice::from_options(&o, 5).resolve(4), 5);
+        o.device = Some(2);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1), 2);
     }
 
     #[test]
