@@ -315,7 +315,7 @@ impl Ddp {
 
 fn data_vec<E: burn::tensor::Element>(data: TensorData) -> Result<Vec<E>> {
     data.convert::<E>()
-        .into_vec::<E>()
+        .try_into_vec::<E>()
         .map_err(|e| DdpError::TensorData {
             what: "metric".into(),
             msg: format!("{e:?}"),

@@ -350,7 +350,7 @@ fn fill_bucket(slots: &mut [Slot], bucket: &Bucket) -> Result<Vec<f32>> {
                 } else {
                     let v = data
                         .convert::<f32>()
-                        .into_vec::<f32>()
+                        .try_into_vec::<f32>()
                         .map_err(|e| data_err(slot, e))?;
                     buf.extend_from_slice(&v);
                 }
@@ -440,7 +440,7 @@ mod tests {
     }
 
     fn values<const D: usize>(g: &GradientsParams, id: ParamId) -> Option<Vec<f32>> {
-        g.get::<D>(id).map(|t| t.into_data().to_vec::<f32>().unwrap())
+        g.get::<D>(id).map(|t| t.into_data().try_to_vec::<f32>().unwrap())
     }
 
     /// The whole pipeline (collect, buckets, comm thread, write-back) in a world of one must

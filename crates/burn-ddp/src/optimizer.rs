@@ -130,12 +130,12 @@ mod tests {
     use burn::module::{ModuleVisitor, Param};
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::{AdamConfig, ModuleOptimizer};
-    use burn::tensor::{Device, Distribution, Tensor};
+    use burn::tensor::{Distribution, Tensor};
 
     struct Flat(Vec<f32>);
     impl ModuleVisitor for Flat {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.extend(p.val().into_data().to_vec::<f32>().unwrap());
+            self.0.extend(p.val().into_data().try_to_vec::<f32>().unwrap());
         }
     }
     fn flat(m: &Linear) -> Vec<f32> {
