@@ -20,6 +20,8 @@ pub mod env;
 pub mod error;
 pub mod group;
 pub mod launcher;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod store;
 
 pub use env::{EnvError, LaunchEnv};
