@@ -76,7 +76,7 @@ fn make_case(rows: &[usize], channels: usize, spatial: &[usize], steps: usize, s
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ fn device(name: &str) -> Result<Device, String> {
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default()
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap_or_default()
 }
 
 fn run(case_path: &str, out_dir: &str) -> Result<(), String> {

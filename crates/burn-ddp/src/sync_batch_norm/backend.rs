@@ -220,18 +220,18 @@ pub(crate) fn read_host<B: Backend>(t: FloatTensor<B>) -> Vec<f64> {
         .expect("SyncBatchNorm: this platform can't read tensors synchronously")
         .expect("SyncBatchNorm: reading per-channel statistics from the device failed");
     data.convert::<f64>()
-        .to_vec::<f64>()
+        .try_to_vec::<f64>()
         .expect("a converted f64 tensor reads as f64")
 }
 
 /// Uploads a small host buffer as a `shape` tensor of `dtype` on `device`.
 pub(crate) fn upload<B: Backend>(
     values: &[f64],
-    shape: [usize; 2],
+    shape: &[usize],
     dtype: burn::tensor::DType,
     device: &B::Device,
 ) -> FloatTensor<B> {
-    let data = burn::tensor::TensorData::new(values.to_vec(), shape).convert_dtype(dtype);
+    let data = burn::tensor::TensorData::new(values.to_vec(), shape.to_vec()).convert_dtype(dtype);
     B::float_from_data(data, device)
 }
 
@@ -269,12 +269,12 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
             let g: Vec<f64> = (0..channels)
                 .map(|c| local[channels + c] * host.invstd[c])
                 .collect();
-            grads.register::<B>(node.id, upload::<B>(&g, [1, channels], dtype, &device).reshape1(channels));
+            grads.register::<B>(node.id, upload::<B>(&g, &[channels], dtype, &device));
         }
         if let Some(node) = node_beta {
             grads.register::<B>(
                 node.id,
-                upload::<B>(&local[..channels], [1, channels], dtype, &device).reshape1(channels),
+                upload::<B>(&local[..channels], &[channels], dtype, &device),
             );
         }
 
@@ -289,24 +289,13 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
                 coeff[channels + c] = host.invstd[c] * host.invstd[c] * global[channels + c] / n;
             }
             let dx = if x.shape().num_elements() > 0 {
-                let coeff = upload::<B>(&coeff, [2, channels], dtype, &device);
+                let coeff = upload::<B>(&coeff, &[2, channels], dtype, &device);
                 B::sync_bn_grad_input(grad, x, params, gamma, coeff, kernels)
             } else {
                 grad
             };
             grads.register::<B>(node.id, dx);
         }
-    }
-}
-
-/// `[1, C]` → `[C]` on a backend primitive.
-trait Reshape1<B: Backend> {
-    fn reshape1(self, channels: usize) -> FloatTensor<B>;
-}
-
-impl<B: Backend> Reshape1<B> for FloatTensor<B> {
-    fn reshape1(self, channels: usize) -> FloatTensor<B> {
-        B::float_reshape(self, Shape::new([channels]))
     }
 }
 

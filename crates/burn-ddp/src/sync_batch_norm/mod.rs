@@ -459,7 +459,7 @@ impl SyncBatchNorm {
 fn host_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
     t.into_data()
         .convert::<f64>()
-        .to_vec::<f64>()
+        .try_to_vec::<f64>()
         .expect("a converted f64 tensor reads as f64")
 }
 
