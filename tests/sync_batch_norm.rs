@@ -48,7 +48,9 @@ impl Rng {
         ((0..4).map(|_| self.uniform()).sum::<f64>() - 2.0) * 3f64.sqrt()
     }
     fn vec(&mut self, n: usize, mean: f64, std: f64) -> Vec<f32> {
-        (0..n).map(|_| (mean + std * self.normal()) as f32).collect()
+        (0..n)
+            .map(|_| (mean + std * self.normal()) as f32)
+            .collect()
     }
 }
 
@@ -58,8 +60,14 @@ fn make_case(rows: &[usize], channels: usize, spatial: &[usize], steps: usize, s
     let steps = (0..steps)
         .map(|s| Step {
             // Non-zero, per-step different mean.
-            x: rows.iter().map(|&r| rng.vec(r * per_row, 2.0 + s as f64, 1.5)).collect(),
-            w: rows.iter().map(|&r| rng.vec(r * per_row, 0.0, 1.0)).collect(),
+            x: rows
+                .iter()
+                .map(|&r| rng.vec(r * per_row, 2.0 + s as f64, 1.5))
+                .collect(),
+            w: rows
+                .iter()
+                .map(|&r| rng.vec(r * per_row, 0.0, 1.0))
+                .collect(),
         })
         .collect();
     Case {
@@ -104,8 +112,14 @@ impl Layer {
     }
     fn running(&self) -> (Vec<f32>, Vec<f32>) {
         match self {
-            Layer::Bn(l) => (values(l.running_mean.value_sync()), values(l.running_var.value_sync())),
-            Layer::Sync(l) => (values(l.running_mean.value_sync()), values(l.running_var.value_sync())),
+            Layer::Bn(l) => (
+                values(l.running_mean.value_sync()),
+                values(l.running_var.value_sync()),
+            ),
+            Layer::Sync(l) => (
+                values(l.running_mean.value_sync()),
+                values(l.running_var.value_sync()),
+            ),
         }
     }
 }
@@ -120,18 +134,38 @@ fn init_bn(case: &Case, device: &Device) -> BatchNorm {
 fn init_sync(case: &Case, device: &Device) -> SyncBatchNorm {
     SyncBatchNorm::from_batch_norm(
         init_bn(case, device),
-        if case.unbiased { RunningVariance::Unbiased } else { RunningVariance::Biased },
-        if case.tensor_ops { SyncBatchNormImpl::TensorOps } else { SyncBatchNormImpl::Auto },
+        if case.unbiased {
+            RunningVariance::Unbiased
+        } else {
+            RunningVariance::Biased
+        },
+        if case.tensor_ops {
+            SyncBatchNormImpl::TensorOps
+        } else {
+            SyncBatchNormImpl::Auto
+        },
     )
 }
 
-fn step_on<const D: usize>(layer: &Layer, x: &[f32], w: &[f32], shape: &[usize], device: &Device) -> StepResult {
-    let x = Tensor::<D>::from_data(TensorData::new(x.to_vec(), shape.to_vec()), device).require_grad();
+fn step_on<const D: usize>(
+    layer: &Layer,
+    x: &[f32],
+    w: &[f32],
+    shape: &[usize],
+    device: &Device,
+) -> StepResult {
+    let x =
+        Tensor::<D>::from_data(TensorData::new(x.to_vec(), shape.to_vec()), device).require_grad();
     let w = Tensor::<D>::from_data(TensorData::new(w.to_vec(), shape.to_vec()), device);
     let y = layer.forward(x.clone());
     let grads = (y.clone() * w).sum().backward();
     let (gamma_grad, beta_grad) = layer.grads(&grads);
-    StepResult { y: values(y), x_grad: values(x.grad(&grads).unwrap()), gamma_grad, beta_grad }
+    StepResult {
+        y: values(y),
+        x_grad: values(x.grad(&grads).unwrap()),
+        gamma_grad,
+        beta_grad,
+    }
 }
 
 /// Runs `case` on the concatenation of every rank's rows in this process.
@@ -153,13 +187,20 @@ fn run_joined(case: &Case, layer: &Layer, device: &Device) -> RankResult {
         })
         .collect();
     let (running_mean, running_var) = layer.running();
-    RankResult { steps, running_mean, running_var }
+    RankResult {
+        steps,
+        running_mean,
+        running_var,
+    }
 }
 
 #[track_caller]
 fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-12);
+    let scale = want
+        .iter()
+        .fold(0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-12);
     let err = got
         .iter()
         .zip(want)
@@ -175,17 +216,46 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
 fn assert_results_close(what: &str, got: &RankResult, want: &RankResult, tol: f64) {
     for (i, (g, w)) in got.steps.iter().zip(&want.steps).enumerate() {
         assert_close(&format!("{what} step {i} y"), &g.y, &w.y, tol);
-        assert_close(&format!("{what} step {i} x_grad"), &g.x_grad, &w.x_grad, tol);
-        assert_close(&format!("{what} step {i} gamma_grad"), &g.gamma_grad, &w.gamma_grad, tol);
-        assert_close(&format!("{what} step {i} beta_grad"), &g.beta_grad, &w.beta_grad, tol);
+        assert_close(
+            &format!("{what} step {i} x_grad"),
+            &g.x_grad,
+            &w.x_grad,
+            tol,
+        );
+        assert_close(
+            &format!("{what} step {i} gamma_grad"),
+            &g.gamma_grad,
+            &w.gamma_grad,
+            tol,
+        );
+        assert_close(
+            &format!("{what} step {i} beta_grad"),
+            &g.beta_grad,
+            &w.beta_grad,
+            tol,
+        );
     }
-    assert_close(&format!("{what} running_mean"), &got.running_mean, &want.running_mean, tol);
-    assert_close(&format!("{what} running_var"), &got.running_var, &want.running_var, tol);
+    assert_close(
+        &format!("{what} running_mean"),
+        &got.running_mean,
+        &want.running_mean,
+        tol,
+    );
+    assert_close(
+        &format!("{what} running_var"),
+        &got.running_var,
+        &want.running_var,
+        tol,
+    );
 }
 
 /// World size 1: SyncBatchNorm on `device` ≡ BatchNorm on `device`.
 fn check_world1(device: &Device, tensor_ops: bool) {
-    for (rows, spatial) in [(vec![7], vec![]), (vec![5], vec![3, 4]), (vec![4], vec![10])] {
+    for (rows, spatial) in [
+        (vec![7], vec![]),
+        (vec![5], vec![3, 4]),
+        (vec![4], vec![10]),
+    ] {
         let mut case = make_case(&rows, 3, &spatial, 2, 11 + rows[0] as u64);
         case.tensor_ops = tensor_ops;
         let device = device.clone().autodiff();
@@ -209,22 +279,39 @@ fn check_large_mean(device: &Device, tensor_ops: bool) {
     let device = device.clone().autodiff();
     let layer = SyncBatchNormConfig::new(c)
         .with_momentum(1.0)
-        .with_implementation(if tensor_ops { SyncBatchNormImpl::TensorOps } else { SyncBatchNormImpl::Auto })
+        .with_implementation(if tensor_ops {
+            SyncBatchNormImpl::TensorOps
+        } else {
+            SyncBatchNormImpl::Auto
+        })
         .init(&device);
-    let input = Tensor::<3>::from_data(TensorData::new(x.clone(), [n, c, s]), &device).require_grad();
+    let input =
+        Tensor::<3>::from_data(TensorData::new(x.clone(), [n, c, s]), &device).require_grad();
     let _ = layer.forward(input);
     let mean = values(layer.running_mean.value_sync());
     let var = values(layer.running_var.value_sync());
     for ch in 0..c {
         let vals: Vec<f64> = (0..n)
-            .flat_map(|i| x[(i * c + ch) * s..(i * c + ch + 1) * s].iter().map(|v| *v as f64))
+            .flat_map(|i| {
+                x[(i * c + ch) * s..(i * c + ch + 1) * s]
+                    .iter()
+                    .map(|v| *v as f64)
+            })
             .collect();
         let m = vals.iter().sum::<f64>() / vals.len() as f64;
         let v = vals.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / vals.len() as f64;
         let rel_m = (mean[ch] as f64 - m).abs() / m.abs();
         let rel_v = (var[ch] as f64 - v).abs() / v;
-        assert!(rel_m <= 1e-4, "channel {ch}: mean {} vs {m} (rel {rel_m:e})", mean[ch]);
-        assert!(rel_v <= 1e-4, "channel {ch}: var {} vs {v} (rel {rel_v:e})", var[ch]);
+        assert!(
+            rel_m <= 1e-4,
+            "channel {ch}: mean {} vs {m} (rel {rel_m:e})",
+            mean[ch]
+        );
+        assert!(
+            rel_v <= 1e-4,
+            "channel {ch}: var {} vs {v} (rel {rel_v:e})",
+            var[ch]
+        );
     }
 }
 
@@ -242,14 +329,21 @@ fn unbiased_running_variance_follows_pytorch() {
     let layer = SyncBatchNormConfig::new(c)
         .with_running_variance(RunningVariance::Unbiased)
         .init(&device);
-    let _ = layer.forward(Tensor::<2>::from_data(TensorData::new(x.clone(), [n, c]), &device));
+    let _ = layer.forward(Tensor::<2>::from_data(
+        TensorData::new(x.clone(), [n, c]),
+        &device,
+    ));
     let var = values(layer.running_var.value_sync());
     for ch in 0..c {
         let vals: Vec<f64> = (0..n).map(|i| x[i * c + ch] as f64).collect();
         let m = vals.iter().sum::<f64>() / n as f64;
         let unbiased = vals.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1) as f64;
         let want = 0.9 + 0.1 * unbiased;
-        assert!(((var[ch] as f64) - want).abs() <= 1e-6 * want, "{} vs {want}", var[ch]);
+        assert!(
+            ((var[ch] as f64) - want).abs() <= 1e-6 * want,
+            "{} vs {want}",
+            var[ch]
+        );
     }
 }
 
@@ -258,8 +352,10 @@ fn batch_norm_record_loads_and_layers_convert() {
     let device = Device::flex();
     let case = make_case(&[4], 3, &[], 1, 5);
     let mut bn = init_bn(&case, &device);
-    bn.running_mean = burn::module::RunningState::new(Tensor::from_data([0.5f32, -1.0, 2.0], &device));
-    bn.running_var = burn::module::RunningState::new(Tensor::from_data([1.5f32, 0.25, 3.0], &device));
+    bn.running_mean =
+        burn::module::RunningState::new(Tensor::from_data([0.5f32, -1.0, 2.0], &device));
+    bn.running_var =
+        burn::module::RunningState::new(Tensor::from_data([1.5f32, 0.25, 3.0], &device));
 
     #[derive(Module, Debug)]
     struct Net {
@@ -270,21 +366,41 @@ fn batch_norm_record_loads_and_layers_convert() {
         norm: SyncBatchNorm,
     }
     let net = Net { norm: bn.clone() };
-    let synced = SyncNet { norm: SyncBatchNormConfig::new(3).init(&device) }
-        .load_record(net.clone().into_record());
+    let synced = SyncNet {
+        norm: SyncBatchNormConfig::new(3).init(&device),
+    }
+    .load_record(net.clone().into_record());
     let moved = SyncBatchNorm::from(bn.clone());
     let x = Tensor::<2>::from_data(TensorData::new(case.steps[0].x[0].clone(), [4, 3]), &device);
     // Eval (no autodiff): running statistics, no communication.
     let want = values(bn.forward(x.clone()));
-    assert_close("loaded record", &values(synced.norm.forward(x.clone())), &want, 1e-6);
-    assert_close("From<BatchNorm>", &values(moved.clone().forward(x.clone())), &want, 1e-6);
+    assert_close(
+        "loaded record",
+        &values(synced.norm.forward(x.clone())),
+        &want,
+        1e-6,
+    );
+    assert_close(
+        "From<BatchNorm>",
+        &values(moved.clone().forward(x.clone())),
+        &want,
+        1e-6,
+    );
     let back = BatchNorm::from(moved);
     assert_close("From<SyncBatchNorm>", &values(back.forward(x)), &want, 1e-6);
     for (name, a, b) in [
         ("gamma", synced.norm.gamma.val(), bn.gamma.val()),
         ("beta", synced.norm.beta.val(), bn.beta.val()),
-        ("running_mean", synced.norm.running_mean.value_sync(), bn.running_mean.value_sync()),
-        ("running_var", synced.norm.running_var.value_sync(), bn.running_var.value_sync()),
+        (
+            "running_mean",
+            synced.norm.running_mean.value_sync(),
+            bn.running_mean.value_sync(),
+        ),
+        (
+            "running_var",
+            synced.norm.running_var.value_sync(),
+            bn.running_var.value_sync(),
+        ),
     ] {
         assert_close(name, &values(a), &values(b), 0.0);
     }
@@ -295,11 +411,17 @@ fn bad_input_is_an_error() {
     let device = Device::flex().autodiff();
     let layer = SyncBatchNormConfig::new(3).init(&device);
     let x = Tensor::<1>::zeros([3], &device);
-    assert!(matches!(layer.try_forward(x), Err(SyncBatchNormError::Rank(1))));
+    assert!(matches!(
+        layer.try_forward(x),
+        Err(SyncBatchNormError::Rank(1))
+    ));
     let x = Tensor::<2>::zeros([2, 4], &device);
     assert!(matches!(
         layer.try_forward(x),
-        Err(SyncBatchNormError::Channels { expected: 3, got: 4 })
+        Err(SyncBatchNormError::Channels {
+            expected: 3,
+            got: 4
+        })
     ));
 }
 
@@ -327,12 +449,21 @@ mod wgpu {
     #[test]
     fn kernels_match_tensor_ops_wgpu() {
         let device = device().autodiff();
-        for (rows, spatial) in [(vec![9], vec![]), (vec![6], vec![5, 7]), (vec![3], vec![300])] {
+        for (rows, spatial) in [
+            (vec![9], vec![]),
+            (vec![6], vec![5, 7]),
+            (vec![3], vec![300]),
+        ] {
             let mut case = make_case(&rows, 4, &spatial, 2, 21);
             let kernels = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
             case.tensor_ops = true;
             let ops = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
-            assert_results_close(&format!("kernels vs tensor ops {spatial:?}"), &kernels, &ops, TOL);
+            assert_results_close(
+                &format!("kernels vs tensor ops {spatial:?}"),
+                &kernels,
+                &ops,
+                TOL,
+            );
         }
     }
 
@@ -378,7 +509,11 @@ mod cuda {
 static RUN: AtomicUsize = AtomicUsize::new(0);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Starts one `syncbn_worker` per rank with torchrun's variables, waits (deadline 240 s, then
@@ -455,7 +590,10 @@ fn run_ranks(case: &Case) -> Vec<RankResult> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let results = (0..world)
-        .map(|r| serde_json::from_slice(&std::fs::read(dir.join(format!("rank{r}.json"))).unwrap()).unwrap())
+        .map(|r| {
+            serde_json::from_slice(&std::fs::read(dir.join(format!("rank{r}.json"))).unwrap())
+                .unwrap()
+        })
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
     results
@@ -475,10 +613,15 @@ fn check_ranks(case: &Case) {
             let n = x.len() / (case.channels * per);
             for (c, r) in rv.iter_mut().enumerate() {
                 let vals: Vec<f64> = (0..n)
-                    .flat_map(|i| x[(i * case.channels + c) * per..(i * case.channels + c + 1) * per].iter().map(|v| *v as f64))
+                    .flat_map(|i| {
+                        x[(i * case.channels + c) * per..(i * case.channels + c + 1) * per]
+                            .iter()
+                            .map(|v| *v as f64)
+                    })
                     .collect();
                 let m = vals.iter().sum::<f64>() / vals.len() as f64;
-                let var = vals.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (vals.len() - 1) as f64;
+                let var =
+                    vals.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (vals.len() - 1) as f64;
                 *r = 0.9 * *r + 0.1 * var;
             }
         }
@@ -494,14 +637,39 @@ fn check_ranks(case: &Case) {
         for (i, (g, w)) in result.steps.iter().zip(&want.steps).enumerate() {
             let what = format!("world {world} rank {rank} step {i}");
             assert_close(&format!("{what} y"), &g.y, &w.y[range.clone()], TOL);
-            assert_close(&format!("{what} x_grad"), &g.x_grad, &w.x_grad[range.clone()], TOL);
+            assert_close(
+                &format!("{what} x_grad"),
+                &g.x_grad,
+                &w.x_grad[range.clone()],
+                TOL,
+            );
             // DDP averages: mean over ranks = joined-batch gradient / world size.
             let scaled = |v: &[f32]| v.iter().map(|x| x / world as f32).collect::<Vec<_>>();
-            assert_close(&format!("{what} gamma_grad"), &g.gamma_grad, &scaled(&w.gamma_grad), TOL);
-            assert_close(&format!("{what} beta_grad"), &g.beta_grad, &scaled(&w.beta_grad), TOL);
+            assert_close(
+                &format!("{what} gamma_grad"),
+                &g.gamma_grad,
+                &scaled(&w.gamma_grad),
+                TOL,
+            );
+            assert_close(
+                &format!("{what} beta_grad"),
+                &g.beta_grad,
+                &scaled(&w.beta_grad),
+                TOL,
+            );
         }
-        assert_close(&format!("rank {rank} running_mean"), &result.running_mean, &want.running_mean, TOL);
-        assert_close(&format!("rank {rank} running_var"), &result.running_var, &want.running_var, TOL);
+        assert_close(
+            &format!("rank {rank} running_mean"),
+            &result.running_mean,
+            &want.running_mean,
+            TOL,
+        );
+        assert_close(
+            &format!("rank {rank} running_var"),
+            &result.running_var,
+            &want.running_var,
+            TOL,
+        );
     }
 }
 

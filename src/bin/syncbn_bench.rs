@@ -21,8 +21,8 @@ use burn::nn::{
 };
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Int, Tensor, activation::relu};
-use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn_ddp::comm::SharedGroup;
+use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use ddp_comm::{ProcessGroup, ReduceOp};
 
 /// The norm layer of the benchmark CNN: the same model with either layer.
@@ -96,7 +96,9 @@ fn cnn_step_ms(group: &SharedGroup, sync: bool, batch: usize, steps: usize) -> R
     );
     let mut times = Vec::with_capacity(steps);
     for i in 0..steps + 3 {
-        burn_ddp::comm::lock(group).barrier().map_err(|e| e.to_string())?;
+        burn_ddp::comm::lock(group)
+            .barrier()
+            .map_err(|e| e.to_string())?;
         let start = Instant::now();
         let loss = loss_fn.forward(model.forward(x.clone()), targets.clone());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -139,7 +141,11 @@ fn parse_args() -> Result<Args, String> {
                     .map(|b| b.trim().parse().map_err(bad))
                     .collect::<Result<_, _>>()?
             }
-            _ => return Err(format!("unknown flag {flag} (--ranks N, --steps N, --batches 8,32,64)")),
+            _ => {
+                return Err(format!(
+                    "unknown flag {flag} (--ranks N, --steps N, --batches 8,32,64)"
+                ));
+            }
         }
     }
     if args.ranks == 0 || args.steps == 0 || args.batches.is_empty() {
@@ -165,11 +171,17 @@ fn rank_main(args: &Args) -> Result<(), String> {
         rows.push((batch, t[0], t[1]));
     }
     if rank == 0 {
-        println!("\n### CNN step time, {world} CPU ranks (Flex), median of {} steps, slowest rank\n", args.steps);
+        println!(
+            "\n### CNN step time, {world} CPU ranks (Flex), median of {} steps, slowest rank\n",
+            args.steps
+        );
         println!("| batch / rank | BatchNorm ms | SyncBatchNorm ms | overhead |");
         println!("|---:|---:|---:|---:|");
         for (batch, bn, sbn) in rows {
-            println!("| {batch} | {bn:.2} | {sbn:.2} | {:+.1} % |", (sbn / bn - 1.0) * 100.0);
+            println!(
+                "| {batch} | {bn:.2} | {sbn:.2} | {:+.1} % |",
+                (sbn / bn - 1.0) * 100.0
+            );
         }
     }
     Ok(())
@@ -248,7 +260,10 @@ fn wgpu_table(args: &Args) {
         }
         median_ms(&mut times)
     };
-    println!("\n### SyncBatchNorm forward + backward on wgpu ([B, 16, 32, 32]), median of {} steps\n", args.steps);
+    println!(
+        "\n### SyncBatchNorm forward + backward on wgpu ([B, 16, 32, 32]), median of {} steps\n",
+        args.steps
+    );
     println!("| batch | CubeCL kernels ms | tensor ops ms | tensor ops / kernels |");
     println!("|---:|---:|---:|---:|");
     for &batch in &args.batches {

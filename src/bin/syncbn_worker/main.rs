@@ -25,7 +25,10 @@ fn device(name: &str) -> Result<Device, String> {
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap_or_default()
+    t.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap_or_default()
 }
 
 fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
@@ -37,7 +40,10 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
     let rank = pg.rank();
     let world = pg.world_size();
     if world != case.rows.len() {
-        return Err(format!("world size {world} but the case has {} ranks", case.rows.len()));
+        return Err(format!(
+            "world size {world} but the case has {} ranks",
+            case.rows.len()
+        ));
     }
     let (group, _) = burn_ddp::comm::install(pg);
 
@@ -81,8 +87,11 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
     result.running_var = values(layer.running_var.value_sync());
 
     let out = std::path::Path::new(out_dir).join(format!("rank{rank}.json"));
-    std::fs::write(&out, serde_json::to_vec(&result).map_err(|e| e.to_string())?)
-        .map_err(|e| format!("writing {}: {e}", out.display()))
+    std::fs::write(
+        &out,
+        serde_json::to_vec(&result).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| format!("writing {}: {e}", out.display()))
 }
 
 /// Forward, `Σ w ⊙ y` loss, backward: output, input gradient and local γ/β gradients.
@@ -101,8 +110,16 @@ fn train_step<const D: usize>(
     Ok(StepResult {
         y: values(y),
         x_grad: x.grad(&grads).map(values).unwrap_or_default(),
-        gamma_grad: layer.gamma.grad(&grads).map(values).unwrap_or(vec![0.0; channels]),
-        beta_grad: layer.beta.grad(&grads).map(values).unwrap_or(vec![0.0; channels]),
+        gamma_grad: layer
+            .gamma
+            .grad(&grads)
+            .map(values)
+            .unwrap_or(vec![0.0; channels]),
+        beta_grad: layer
+            .beta
+            .grad(&grads)
+            .map(values)
+            .unwrap_or(vec![0.0; channels]),
     })
 }
 

@@ -142,7 +142,11 @@ pub mod tensor_ops {
         let [n, c, s] = dims3::<B>(&x);
         let pivot = B::float_slice(
             x.clone(),
-            &[Slice::new(0, Some(1), 1), Slice::full(), Slice::new(0, Some(1), 1)],
+            &[
+                Slice::new(0, Some(1), 1),
+                Slice::full(),
+                Slice::new(0, Some(1), 1),
+            ],
         );
         let shifted = per_channel_rows::<B>(B::float_sub(x, pivot.clone()), [n, c, s]);
         let mean = B::float_mean_dim(shifted.clone(), 1); // [C, 1]
@@ -242,7 +246,12 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
     // x and γ are checkpointed; the channel parameters and host values come from the forward.
     type State = (NodeId, NodeId, FloatTensor<B>, BackwardHost, bool);
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
         let [node_x, node_gamma, node_beta] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (x_state, gamma_state, params, host, kernels) = ops.state;

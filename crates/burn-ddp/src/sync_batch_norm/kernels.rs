@@ -208,7 +208,13 @@ fn stats_tiled_kernel<F: Float>(
     let mut stride = rows / 2;
     while stride > 0 {
         if ty < stride {
-            chan_merge::<F>(&mut sh_count, &mut sh_mean, &mut sh_m2, slot, slot + stride * width);
+            chan_merge::<F>(
+                &mut sh_count,
+                &mut sh_mean,
+                &mut sh_m2,
+                slot,
+                slot + stride * width,
+            );
         }
         sync_cube();
         stride /= 2;
@@ -347,14 +353,20 @@ fn per_channel_launch(x: &CubeTensor) -> (CubeCount, CubeDim) {
             CubeDim::new_2d(TILE_C as u32, TILE_ROWS as u32),
         )
     } else {
-        (CubeCount::Static(channels as u32, 1, 1), CubeDim::new_1d(BLOCK as u32))
+        (
+            CubeCount::Static(channels as u32, 1, 1),
+            CubeDim::new_1d(BLOCK as u32),
+        )
     }
 }
 
 fn elementwise_launch(out: &CubeTensor) -> (CubeCount, CubeDim) {
     let num = out.meta.shape().num_elements();
     let cube_dim = CubeDim::new(&out.client, num);
-    (calculate_cube_count_elemwise(&out.client, num, cube_dim), cube_dim)
+    (
+        calculate_cube_count_elemwise(&out.client, num, cube_dim),
+        cube_dim,
+    )
 }
 
 impl SyncBatchNormBackend for CubeBackend {
@@ -371,11 +383,31 @@ impl SyncBatchNormBackend for CubeBackend {
         let out = empty_like(&x, Shape::new([3, channels]));
         let (count, dim) = per_channel_launch(&x);
         let dtype = x.dtype;
-        let (client, x_arg, out_arg) = (&out.client, x.clone().into_tensor_arg(), out.clone().into_tensor_arg());
+        let (client, x_arg, out_arg) = (
+            &out.client,
+            x.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+        );
         if tiled(&x) {
-            stats_tiled_kernel::launch(client, count, dim, x_arg, out_arg, BLOCK, dtype_to_storage_type(dtype));
+            stats_tiled_kernel::launch(
+                client,
+                count,
+                dim,
+                x_arg,
+                out_arg,
+                BLOCK,
+                dtype_to_storage_type(dtype),
+            );
         } else {
-            stats_kernel::launch(client, count, dim, x_arg, out_arg, BLOCK, dtype_to_storage_type(dtype));
+            stats_kernel::launch(
+                client,
+                count,
+                dim,
+                x_arg,
+                out_arg,
+                BLOCK,
+                dtype_to_storage_type(dtype),
+            );
         }
         out
     }
@@ -439,9 +471,29 @@ impl SyncBatchNormBackend for CubeBackend {
         );
         let elem = dtype_to_storage_type(dtype);
         if is_tiled {
-            grad_sums_tiled_kernel::launch(&out.client, count, dim, args.0, args.1, args.2, args.3, BLOCK, elem);
+            grad_sums_tiled_kernel::launch(
+                &out.client,
+                count,
+                dim,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                BLOCK,
+                elem,
+            );
         } else {
-            grad_sums_kernel::launch(&out.client, count, dim, args.0, args.1, args.2, args.3, BLOCK, elem);
+            grad_sums_kernel::launch(
+                &out.client,
+                count,
+                dim,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                BLOCK,
+                elem,
+            );
         }
         out
     }

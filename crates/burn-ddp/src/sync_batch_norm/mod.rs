@@ -105,7 +105,9 @@ pub enum SyncBatchNormImpl {
 #[derive(Debug, thiserror::Error)]
 pub enum SyncBatchNormError {
     /// The input has rank < 2.
-    #[error("SyncBatchNorm expects an input of shape [batch, channels, ...] (rank >= 2), got rank {0}")]
+    #[error(
+        "SyncBatchNorm expects an input of shape [batch, channels, ...] (rank >= 2), got rank {0}"
+    )]
     Rank(usize),
     /// The input's channel axis doesn't match `num_features`.
     #[error("SyncBatchNorm has {expected} features but the input has {got} channels (axis 1)")]
@@ -119,10 +121,14 @@ pub enum SyncBatchNormError {
     #[error("SyncBatchNorm: no rank has any sample in this batch (total count 0)")]
     NoSamples,
     /// PyTorch's unbiased running variance needs at least two samples per channel.
-    #[error("SyncBatchNorm: the unbiased running variance needs more than 1 value per channel over all ranks, got {0}")]
+    #[error(
+        "SyncBatchNorm: the unbiased running variance needs more than 1 value per channel over all ranks, got {0}"
+    )]
     TooFewSamples(u64),
     /// The device's backend has no SyncBatchNorm implementation and the world size is > 1.
-    #[error("SyncBatchNorm with world size {world_size}: the backend of {device} has no SyncBatchNorm implementation (Flex and CubeCL devices do)")]
+    #[error(
+        "SyncBatchNorm with world size {world_size}: the backend of {device} has no SyncBatchNorm implementation (Flex and CubeCL devices do)"
+    )]
     UnsupportedBackend {
         /// The input's device.
         device: String,
@@ -329,7 +335,10 @@ impl SyncBatchNorm {
         }
     }
 
-    fn forward_train<const D: usize>(&self, input: Tensor<D>) -> Result<Tensor<D>, SyncBatchNormError> {
+    fn forward_train<const D: usize>(
+        &self,
+        input: Tensor<D>,
+    ) -> Result<Tensor<D>, SyncBatchNormError> {
         let device = input.device();
         let world_size = crate::comm::world_size();
         let kernels = match self.path(&device) {
@@ -434,7 +443,10 @@ impl SyncBatchNorm {
             RunningVariance::Biased => result.variance.detach(),
             RunningVariance::Unbiased => {
                 let n = result.output.dims().iter().product::<usize>() / result.mean.dims()[0];
-                result.variance.detach().mul_scalar(n as f64 / (n as f64 - 1.0))
+                result
+                    .variance
+                    .detach()
+                    .mul_scalar(n as f64 / (n as f64 - 1.0))
             }
         };
         self.update_running(result.mean.detach(), variance, &device);
@@ -519,7 +531,9 @@ mod collective {
             return;
         }
         if let Err(e) = pg.all_reduce(buf, ReduceOp::Sum) {
-            panic!("SyncBatchNorm backward: all-reduce of the per-channel gradient sums failed: {e}");
+            panic!(
+                "SyncBatchNorm backward: all-reduce of the per-channel gradient sums failed: {e}"
+            );
         }
     }
 }

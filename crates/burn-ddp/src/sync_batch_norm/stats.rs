@@ -41,12 +41,20 @@ impl ChannelStats {
 
     /// Biased variance `M2 / n` (Burn's and PyTorch's normalisation variance).
     pub fn biased_var(&self) -> f64 {
-        if self.count > 0.0 { self.m2 / self.count } else { 0.0 }
+        if self.count > 0.0 {
+            self.m2 / self.count
+        } else {
+            0.0
+        }
     }
 
     /// Unbiased variance `M2 / (n − 1)` (PyTorch's running-variance convention).
     pub fn unbiased_var(&self) -> f64 {
-        if self.count > 1.0 { self.m2 / (self.count - 1.0) } else { f64::NAN }
+        if self.count > 1.0 {
+            self.m2 / (self.count - 1.0)
+        } else {
+            f64::NAN
+        }
     }
 }
 
@@ -89,10 +97,16 @@ mod tests {
 
     #[test]
     fn merge_equals_direct_with_empty_parts() {
-        let xs: Vec<f64> = (0..11).map(|i| 1000.0 + (i as f64 * 0.37).sin() * 0.01).collect();
+        let xs: Vec<f64> = (0..11)
+            .map(|i| 1000.0 + (i as f64 * 0.37).sin() * 0.01)
+            .collect();
         let parts = [&xs[..5], &xs[5..5], &xs[5..8], &xs[8..]];
         let merged = parts.iter().fold(ChannelStats::default(), |acc, p| {
-            acc.merge(if p.is_empty() { ChannelStats::default() } else { direct(p) })
+            acc.merge(if p.is_empty() {
+                ChannelStats::default()
+            } else {
+                direct(p)
+            })
         });
         let want = direct(&xs);
         assert_eq!(merged.count, want.count);
@@ -102,9 +116,31 @@ mod tests {
 
     #[test]
     fn gathered_layout_round_trips() {
-        let a = [ChannelStats { count: 2.0, mean: 1.0, m2: 2.0 }, ChannelStats { count: 2.0, mean: -1.0, m2: 0.5 }];
+        let a = [
+            ChannelStats {
+                count: 2.0,
+                mean: 1.0,
+                m2: 2.0,
+            },
+            ChannelStats {
+                count: 2.0,
+                mean: -1.0,
+                m2: 0.5,
+            },
+        ];
         let b = [ChannelStats::default(); 2];
-        let c = [ChannelStats { count: 1.0, mean: 4.0, m2: 0.0 }, ChannelStats { count: 1.0, mean: 3.0, m2: 0.0 }];
+        let c = [
+            ChannelStats {
+                count: 1.0,
+                mean: 4.0,
+                m2: 0.0,
+            },
+            ChannelStats {
+                count: 1.0,
+                mean: 3.0,
+                m2: 0.0,
+            },
+        ];
         let mut gathered = pack(2.0, &a);
         gathered.extend(pack(0.0, &b));
         gathered.extend(pack(1.0, &c));
