@@ -75,6 +75,7 @@ pub mod grad_sync;
 pub mod learner;
 mod optimizer;
 mod replicate;
+pub mod sync_batch_norm;
 
 pub use context::{Ddp, DdpBuilder, init};
 pub use error::{DdpError, Result};

@@ -1,0 +1,385 @@
+//! The backend extension behind [`SyncBatchNorm`](super::SyncBatchNorm): four local per-channel
+//! operations, a tensor-op implementation that runs on every backend, CubeCL kernels for the
+//! `Cube` backend (see `kernels.rs`), and an `Autodiff` implementation whose backward pass makes
+//! the one cross-rank all-reduce.
+//!
+//! All operations take the input as a contiguous-or-not `[N, C, S]` tensor (`S` is the product of
+//! the spatial dimensions, 1 for `[N, C]` inputs) and describe each channel's centring with a
+//! `[3, C]` "channel parameter" tensor `P`:
+//!
+//! - `P[0, c]` — the *pivot* `K_c`: this rank's first sample of channel `c`. Subtracting it first
+//!   (`x − K`, exact in floating point for values within a factor of two) keeps a large common
+//!   offset (mean 1000, std 0.01) out of every accumulation.
+//! - `P[1, c]` — `m_c = μ_c − K_c`, the global mean relative to the pivot (computed in f64).
+//! - `P[2, c]` — `1 / sqrt(σ²_c + ε)` for the global biased variance `σ²_c`.
+//!
+//! so `x − μ` is evaluated as `(x − K) − m`.
+
+use burn::backend::{
+    Backend, TensorMetadata,
+    autodiff::{
+        Autodiff, NodeId,
+        checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+        grads::Gradients,
+        ops::{Backward, Ops, OpsKind},
+    },
+    tensor::FloatTensor,
+};
+use burn::tensor::{Shape, Slice};
+
+#[cfg(feature = "cube")]
+use burn::backend::fusion::custom::TensorSpec;
+
+/// Lazy-Fusion metadata of the `[rows, C]` per-channel outputs.
+#[cfg(feature = "cube")]
+fn per_channel_spec(x: &TensorSpec, rows: usize) -> TensorSpec {
+    TensorSpec::new(Shape::new([rows, x.shape[1]]), x.dtype)
+}
+
+/// Per-channel operations of a synchronised batch norm. The cross-rank combination is not here:
+/// these are local computations that a backend can implement with kernels.
+///
+/// `kernels = false` asks a backend that has kernels to use the tensor-op implementation instead
+/// (the default bodies), so both paths can be compared on one device.
+#[burn::backend::backend_extension(
+    Cube: cfg(feature = "cube"),
+    Flex,
+    Fusion: cfg(feature = "cube"),
+    Autodiff
+)]
+pub trait SyncBatchNormBackend: Backend {
+    /// Local statistics of `x` (`[N, C, S]`, `N·S ≥ 1`): a `[3, C]` tensor of the pivot `K_c`
+    /// (the channel's first element), the mean of `x − K_c` and its sum of squared deviations
+    /// (M2), computed in one pass per channel.
+    #[fusion(meta = |x, _k| per_channel_spec(x, 3))]
+    fn sync_bn_stats(x: FloatTensor<Self>, kernels: bool) -> FloatTensor<Self> {
+        let _ = kernels;
+        tensor_ops::stats::<Self>(x)
+    }
+
+    /// `y = ((x − K) − m) · (γ · invstd) + β` per channel, with `P = [K; m; invstd]`.
+    ///
+    /// `host` carries the global statistics the autodiff backward pass needs; other backends
+    /// ignore it.
+    #[fusion(dtype = x, shape = x)]
+    fn sync_bn_normalize(
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        host: BackwardHost,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        let _ = (kernels, host);
+        tensor_ops::normalize::<Self>(x, params, gamma, beta)
+    }
+
+    /// Local backward sums: a `[2, C]` tensor of `Σ dy` and `Σ dy · (x − μ)` per channel.
+    #[fusion(meta = |_dy, x, _p, _k| per_channel_spec(x, 2))]
+    fn sync_bn_grad_sums(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        let _ = kernels;
+        tensor_ops::grad_sums::<Self>(grad, x, params)
+    }
+
+    /// Input gradient `dx = γ · invstd · (dy − g0 − (x − μ) · g1)` with `coeff = [g0; g1]`,
+    /// `g0 = Σdy / N`, `g1 = invstd² · Σdy(x − μ) / N` over every rank's samples.
+    #[fusion(dtype = x, shape = x)]
+    fn sync_bn_grad_input(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        coeff: FloatTensor<Self>,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        let _ = kernels;
+        tensor_ops::grad_input::<Self>(grad, x, params, gamma, coeff)
+    }
+}
+
+impl SyncBatchNormBackend for burn::backend::Flex {}
+
+/// The tensor-op implementation, generic over any backend (the default trait bodies).
+pub mod tensor_ops {
+    use super::*;
+
+    fn dims3<B: Backend>(x: &FloatTensor<B>) -> [usize; 3] {
+        let shape = x.shape();
+        [shape[0], shape[1], shape[2]]
+    }
+
+    /// Row `row` of a `[k, C]` tensor as a `[1, C, 1]` tensor.
+    fn channel_row<B: Backend>(t: FloatTensor<B>, row: usize, channels: usize) -> FloatTensor<B> {
+        let row = B::float_slice(
+            t,
+            &[
+                Slice::new(row as isize, Some(row as isize + 1), 1),
+                Slice::full(),
+            ],
+        );
+        B::float_reshape(row, Shape::new([1, channels, 1]))
+    }
+
+    /// `[N, C, S]` → `[C, N·S]`.
+    fn per_channel_rows<B: Backend>(t: FloatTensor<B>, [n, c, s]: [usize; 3]) -> FloatTensor<B> {
+        B::float_reshape(B::float_swap_dims(t, 0, 1), Shape::new([c, n * s]))
+    }
+
+    /// `(x − K) − m` for `x: [N, C, S]`.
+    fn centred<B: Backend>(x: FloatTensor<B>, params: FloatTensor<B>, c: usize) -> FloatTensor<B> {
+        let pivot = channel_row::<B>(params.clone(), 0, c);
+        let m = channel_row::<B>(params, 1, c);
+        B::float_sub(B::float_sub(x, pivot), m)
+    }
+
+    /// See [`SyncBatchNormBackend::sync_bn_stats`].
+    pub fn stats<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+        let [n, c, s] = dims3::<B>(&x);
+        let pivot = B::float_slice(
+            x.clone(),
+            &[
+                Slice::new(0, Some(1), 1),
+                Slice::full(),
+                Slice::new(0, Some(1), 1),
+            ],
+        );
+        let shifted = per_channel_rows::<B>(B::float_sub(x, pivot.clone()), [n, c, s]);
+        let mean = B::float_mean_dim(shifted.clone(), 1); // [C, 1]
+        let dev = B::float_sub(shifted, mean.clone());
+        let m2 = B::float_sum_dim(B::float_mul(dev.clone(), dev), 1); // [C, 1]
+        let row = |t: FloatTensor<B>| B::float_reshape(t, Shape::new([1, c]));
+        B::float_cat(vec![row(pivot), row(mean), row(m2)], 0)
+    }
+
+    /// See [`SyncBatchNormBackend::sync_bn_normalize`].
+    pub fn normalize<B: Backend>(
+        x: FloatTensor<B>,
+        params: FloatTensor<B>,
+        gamma: FloatTensor<B>,
+        beta: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        let [_, c, _] = dims3::<B>(&x);
+        let invstd = channel_row::<B>(params.clone(), 2, c);
+        let gamma = B::float_reshape(gamma, Shape::new([1, c, 1]));
+        let beta = B::float_reshape(beta, Shape::new([1, c, 1]));
+        let scale = B::float_mul(invstd, gamma);
+        B::float_add(B::float_mul(centred::<B>(x, params, c), scale), beta)
+    }
+
+    /// See [`SyncBatchNormBackend::sync_bn_grad_sums`].
+    pub fn grad_sums<B: Backend>(
+        grad: FloatTensor<B>,
+        x: FloatTensor<B>,
+        params: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        let dims = dims3::<B>(&x);
+        let c = dims[1];
+        let xmu = centred::<B>(x, params, c);
+        let weighted = B::float_mul(grad.clone(), xmu);
+        let sum = |t: FloatTensor<B>| {
+            B::float_reshape(
+                B::float_sum_dim(per_channel_rows::<B>(t, dims), 1),
+                Shape::new([1, c]),
+            )
+        };
+        B::float_cat(vec![sum(grad), sum(weighted)], 0)
+    }
+
+    /// See [`SyncBatchNormBackend::sync_bn_grad_input`].
+    pub fn grad_input<B: Backend>(
+        grad: FloatTensor<B>,
+        x: FloatTensor<B>,
+        params: FloatTensor<B>,
+        gamma: FloatTensor<B>,
+        coeff: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        let [_, c, _] = dims3::<B>(&x);
+        let invstd = channel_row::<B>(params.clone(), 2, c);
+        let gamma = B::float_reshape(gamma, Shape::new([1, c, 1]));
+        let g0 = channel_row::<B>(coeff.clone(), 0, c);
+        let g1 = channel_row::<B>(coeff, 1, c);
+        let xmu = centred::<B>(x, params, c);
+        let inner = B::float_sub(B::float_sub(grad, g0), B::float_mul(xmu, g1));
+        B::float_mul(inner, B::float_mul(gamma, invstd))
+    }
+}
+
+/// Host-side values the backward pass needs, fixed by the forward pass's cross-rank statistics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackwardHost {
+    /// `1 / sqrt(σ² + ε)` per channel (global statistics).
+    pub invstd: Vec<f64>,
+    /// Number of samples per channel over all ranks.
+    pub total_count: f64,
+}
+
+/// Reads a small backend tensor to the host as f64 (blocking).
+pub(crate) fn read_host<B: Backend>(t: FloatTensor<B>) -> Vec<f64> {
+    let data = burn::tensor::try_read_sync(B::float_into_data(t))
+        .expect("SyncBatchNorm: this platform can't read tensors synchronously")
+        .expect("SyncBatchNorm: reading per-channel statistics from the device failed");
+    data.convert::<f64>()
+        .try_to_vec::<f64>()
+        .expect("a converted f64 tensor reads as f64")
+}
+
+/// Uploads a small host buffer as a `shape` tensor of `dtype` on `device`.
+pub(crate) fn upload<B: Backend>(
+    values: &[f64],
+    shape: &[usize],
+    dtype: burn::tensor::DType,
+    device: &B::Device,
+) -> FloatTensor<B> {
+    let data = burn::tensor::TensorData::new(values.to_vec(), shape.to_vec()).convert_dtype(dtype);
+    B::float_from_data(data, device)
+}
+
+#[derive(Debug)]
+struct SyncBatchNormBackward;
+
+impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
+    // x and γ are checkpointed; the channel parameters and host values come from the forward.
+    type State = (NodeId, NodeId, FloatTensor<B>, BackwardHost, bool);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_gamma, node_beta] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, gamma_state, params, host, kernels) = ops.state;
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
+        let gamma: FloatTensor<B> = checkpointer.retrieve_node_output(gamma_state);
+        let channels = host.invstd.len();
+        let dtype = x.dtype();
+        let device = x.device();
+
+        // Local Σdy and Σdy·(x − μ) (zero on a rank without samples).
+        let local = if x.shape().num_elements() > 0 {
+            read_host::<B>(B::sync_bn_grad_sums(
+                grad.clone(),
+                x.clone(),
+                params.clone(),
+                kernels,
+            ))
+        } else {
+            vec![0.0; 2 * channels]
+        };
+
+        // γ and β: local gradients (averaged across ranks by DDP like any parameter).
+        if let Some(node) = node_gamma {
+            let g: Vec<f64> = (0..channels)
+                .map(|c| local[channels + c] * host.invstd[c])
+                .collect();
+            grads.register::<B>(node.id, upload::<B>(&g, &[channels], dtype, &device));
+        }
+        if let Some(node) = node_beta {
+            grads.register::<B>(
+                node.id,
+                upload::<B>(&local[..channels], &[channels], dtype, &device),
+            );
+        }
+
+        if let Some(node) = node_x {
+            // One all-reduce of the 2C sums: every rank's input gradient depends on all samples.
+            let mut global = local;
+            super::collective::all_reduce_sum(&mut global);
+            let n = host.total_count;
+            let mut coeff = vec![0.0; 2 * channels];
+            for c in 0..channels {
+                coeff[c] = global[c] / n;
+                coeff[channels + c] = host.invstd[c] * host.invstd[c] * global[channels + c] / n;
+            }
+            let dx = if x.shape().num_elements() > 0 {
+                let coeff = upload::<B>(&coeff, &[2, channels], dtype, &device);
+                B::sync_bn_grad_input(grad, x, params, gamma, coeff, kernels)
+            } else {
+                grad
+            };
+            grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
+impl<B: SyncBatchNormBackend, C: CheckpointStrategy> SyncBatchNormBackend for Autodiff<B, C> {
+    fn sync_bn_stats(x: FloatTensor<Self>, kernels: bool) -> FloatTensor<Self> {
+        FloatTensor::<Self>::new(B::sync_bn_stats(x.into_primitive(), kernels))
+    }
+
+    fn sync_bn_normalize(
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        host: BackwardHost,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        let params = params.into_primitive();
+        match SyncBatchNormBackward
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let gamma_state = prep.checkpoint(&gamma);
+                let output = B::sync_bn_normalize(
+                    x.into_primitive(),
+                    params.clone(),
+                    gamma.into_primitive(),
+                    beta.into_primitive(),
+                    host.clone(),
+                    kernels,
+                );
+                prep.finish((x_state, gamma_state, params, host, kernels), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::sync_bn_normalize(
+                x.into_primitive(),
+                params,
+                gamma.into_primitive(),
+                beta.into_primitive(),
+                host,
+                kernels,
+            )),
+        }
+    }
+
+    fn sync_bn_grad_sums(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        FloatTensor::<Self>::new(B::sync_bn_grad_sums(
+            grad.into_primitive(),
+            x.into_primitive(),
+            params.into_primitive(),
+            kernels,
+        ))
+    }
+
+    fn sync_bn_grad_input(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        coeff: FloatTensor<Self>,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        FloatTensor::<Self>::new(B::sync_bn_grad_input(
+            grad.into_primitive(),
+            x.into_primitive(),
+            params.into_primitive(),
+            gamma.into_primitive(),
+            coeff.into_primitive(),
+            kernels,
+        ))
+    }
+}

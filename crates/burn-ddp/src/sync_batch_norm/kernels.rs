@@ -1,0 +1,533 @@
+//! CubeCL kernels for [`SyncBatchNormBackend`] on the `Cube` backend (wgpu, CUDA, …).
+//!
+//! Layout: the input is made contiguous as `[N, C, S]`. The two per-channel reductions come in
+//! two layouts, chosen so that adjacent units read adjacent addresses:
+//! - `S ≥ 32` (convolution maps): one cube per channel; its units stride over the channel's
+//!   `N·S` elements.
+//! - `S < 32` (e.g. `[N, C]`): one cube per 32 channels, 32 units across channels × 8 across
+//!   samples.
+//!
+//! Each unit keeps its own running (count, mean, M2) — Welford's update, on values shifted by
+//! the channel's first element — and the cube combines the units' partials with Chan's formula
+//! in shared memory. The two element-wise kernels launch one unit per element. Every kernel
+//! reads its input once.
+
+use burn::backend::{TensorMetadata, cubecl::dtype_to_storage_type, tensor::FloatTensor};
+use burn::tensor::Shape;
+use burn_cubecl::{
+    CubeBackend, kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor,
+};
+use cubecl::{calculate_cube_count_elemwise, prelude::*};
+
+use super::backend::{BackwardHost, SyncBatchNormBackend, tensor_ops};
+
+/// Units per cube of the per-channel reductions (a power of two; the shared buffers' size).
+const BLOCK: usize = 256;
+
+/// Chan's combination of two partial (count, mean, M2) triples into the first.
+#[cube]
+fn chan_merge<F: Float>(
+    count: &mut Shared<[F]>,
+    mean: &mut Shared<[F]>,
+    m2: &mut Shared<[F]>,
+    a: usize,
+    b: usize,
+) {
+    let nb = count[b];
+    if nb > F::new(0.0) {
+        let na = count[a];
+        let n = na + nb;
+        let delta = mean[b] - mean[a];
+        mean[a] += delta * nb / n;
+        m2[a] += m2[b] + delta * delta * na * nb / n;
+        count[a] = n;
+    }
+}
+
+/// One cube per channel: out = [pivot; mean(x − pivot); M2] as a `[3, C]` tensor.
+#[cube(launch)]
+fn stats_kernel<F: Float>(
+    x: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = CUBE_POS_X as usize;
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let channels = x.shape(1);
+    let spatial = x.shape(2);
+    let total = x.shape(0) * spatial;
+    let pivot = x[c * spatial];
+
+    // Welford over this unit's elements.
+    let mut count = F::new(0.0);
+    let mut mean = F::new(0.0);
+    let mut m2 = F::new(0.0);
+    let mut j = unit;
+    while j < total {
+        let sample = j / spatial;
+        let s = j % spatial;
+        let v = x[(sample * channels + c) * spatial + s] - pivot;
+        count += F::new(1.0);
+        let delta = v - mean;
+        mean += delta / count;
+        m2 += delta * (v - mean);
+        j += units;
+    }
+
+    let mut sh_count = Shared::new_slice(block);
+    let mut sh_mean = Shared::new_slice(block);
+    let mut sh_m2 = Shared::new_slice(block);
+    sh_count[unit] = count;
+    sh_mean[unit] = mean;
+    sh_m2[unit] = m2;
+    sync_cube();
+
+    // Tree of Chan combinations (the loop bound is a runtime value: see DESIGN.md).
+    let mut stride = units / 2;
+    while stride > 0 {
+        if unit < stride {
+            chan_merge::<F>(&mut sh_count, &mut sh_mean, &mut sh_m2, unit, unit + stride);
+        }
+        sync_cube();
+        stride /= 2;
+    }
+
+    if unit == 0 {
+        out[c] = pivot;
+        out[channels + c] = sh_mean[0];
+        out[2 * channels + c] = sh_m2[0];
+    }
+}
+
+/// One cube per channel: out = [Σ dy; Σ dy·(x − μ)] as a `[2, C]` tensor.
+#[cube(launch)]
+fn grad_sums_kernel<F: Float>(
+    grad: &Tensor<F>,
+    x: &Tensor<F>,
+    params: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = CUBE_POS_X as usize;
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let channels = x.shape(1);
+    let spatial = x.shape(2);
+    let total = x.shape(0) * spatial;
+    let pivot = params[c];
+    let m = params[channels + c];
+
+    let mut sum_dy = F::new(0.0);
+    let mut sum_dy_xmu = F::new(0.0);
+    let mut j = unit;
+    while j < total {
+        let sample = j / spatial;
+        let s = j % spatial;
+        let index = (sample * channels + c) * spatial + s;
+        let dy = grad[index];
+        sum_dy += dy;
+        sum_dy_xmu += dy * ((x[index] - pivot) - m);
+        j += units;
+    }
+
+    let mut sh_dy = Shared::new_slice(block);
+    let mut sh_dy_xmu = Shared::new_slice(block);
+    sh_dy[unit] = sum_dy;
+    sh_dy_xmu[unit] = sum_dy_xmu;
+    sync_cube();
+
+    let mut stride = units / 2;
+    while stride > 0 {
+        if unit < stride {
+            let a = sh_dy[unit] + sh_dy[unit + stride];
+            let b = sh_dy_xmu[unit] + sh_dy_xmu[unit + stride];
+            sh_dy[unit] = a;
+            sh_dy_xmu[unit] = b;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+
+    if unit == 0 {
+        out[c] = sh_dy[0];
+        out[channels + c] = sh_dy_xmu[0];
+    }
+}
+
+/// Channel-tiled variant of [`stats_kernel`] for inputs with few elements per sample and
+/// channel (`S < TILE_C`, e.g. `[N, C]`): a cube covers `TILE_C` channels with `CUBE_DIM_X`
+/// units across channels (adjacent units read adjacent addresses when `S = 1`) and
+/// `CUBE_DIM_Y` units across samples, whose partials are Chan-combined in shared memory.
+#[cube(launch)]
+fn stats_tiled_kernel<F: Float>(
+    x: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let width = CUBE_DIM_X as usize;
+    let rows = CUBE_DIM_Y as usize;
+    let c = CUBE_POS_X as usize * width + tx;
+    let channels = x.shape(1);
+    let spatial = x.shape(2);
+    let total = x.shape(0) * spatial;
+
+    let mut count = F::new(0.0);
+    let mut mean = F::new(0.0);
+    let mut m2 = F::new(0.0);
+    let mut pivot = F::new(0.0);
+    if c < channels {
+        pivot = x[c * spatial];
+        let mut j = ty;
+        while j < total {
+            let sample = j / spatial;
+            let s = j % spatial;
+            let v = x[(sample * channels + c) * spatial + s] - pivot;
+            count += F::new(1.0);
+            let delta = v - mean;
+            mean += delta / count;
+            m2 += delta * (v - mean);
+            j += rows;
+        }
+    }
+
+    let mut sh_count = Shared::new_slice(block);
+    let mut sh_mean = Shared::new_slice(block);
+    let mut sh_m2 = Shared::new_slice(block);
+    let slot = ty * width + tx;
+    sh_count[slot] = count;
+    sh_mean[slot] = mean;
+    sh_m2[slot] = m2;
+    sync_cube();
+
+    let mut stride = rows / 2;
+    while stride > 0 {
+        if ty < stride {
+            chan_merge::<F>(
+                &mut sh_count,
+                &mut sh_mean,
+                &mut sh_m2,
+                slot,
+                slot + stride * width,
+            );
+        }
+        sync_cube();
+        stride /= 2;
+    }
+
+    if ty == 0 && c < channels {
+        out[c] = pivot;
+        out[channels + c] = sh_mean[tx];
+        out[2 * channels + c] = sh_m2[tx];
+    }
+}
+
+/// Channel-tiled variant of [`grad_sums_kernel`] (see [`stats_tiled_kernel`]).
+#[cube(launch)]
+fn grad_sums_tiled_kernel<F: Float>(
+    grad: &Tensor<F>,
+    x: &Tensor<F>,
+    params: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let width = CUBE_DIM_X as usize;
+    let rows = CUBE_DIM_Y as usize;
+    let c = CUBE_POS_X as usize * width + tx;
+    let channels = x.shape(1);
+    let spatial = x.shape(2);
+    let total = x.shape(0) * spatial;
+
+    let mut sum_dy = F::new(0.0);
+    let mut sum_dy_xmu = F::new(0.0);
+    if c < channels {
+        let pivot = params[c];
+        let m = params[channels + c];
+        let mut j = ty;
+        while j < total {
+            let sample = j / spatial;
+            let s = j % spatial;
+            let index = (sample * channels + c) * spatial + s;
+            let dy = grad[index];
+            sum_dy += dy;
+            sum_dy_xmu += dy * ((x[index] - pivot) - m);
+            j += rows;
+        }
+    }
+
+    let mut sh_dy = Shared::new_slice(block);
+    let mut sh_dy_xmu = Shared::new_slice(block);
+    let slot = ty * width + tx;
+    sh_dy[slot] = sum_dy;
+    sh_dy_xmu[slot] = sum_dy_xmu;
+    sync_cube();
+
+    let mut stride = rows / 2;
+    while stride > 0 {
+        if ty < stride {
+            let a = sh_dy[slot] + sh_dy[slot + stride * width];
+            let b = sh_dy_xmu[slot] + sh_dy_xmu[slot + stride * width];
+            sh_dy[slot] = a;
+            sh_dy_xmu[slot] = b;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+
+    if ty == 0 && c < channels {
+        out[c] = sh_dy[tx];
+        out[channels + c] = sh_dy_xmu[tx];
+    }
+}
+
+/// One unit per element: `y = ((x − K) − m) · γ · invstd + β`.
+#[cube(launch)]
+fn normalize_kernel<F: Float>(
+    x: &Tensor<F>,
+    params: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: ElemType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let channels = x.shape(1);
+    let c = (i / x.shape(2)) % channels;
+    let xmu = (x[i] - params[c]) - params[channels + c];
+    out[i] = xmu * (gamma[c] * params[2 * channels + c]) + beta[c];
+}
+
+/// One unit per element: `dx = γ · invstd · (dy − g0 − (x − μ) · g1)`.
+#[cube(launch)]
+fn grad_input_kernel<F: Float>(
+    grad: &Tensor<F>,
+    x: &Tensor<F>,
+    params: &Tensor<F>,
+    gamma: &Tensor<F>,
+    coeff: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: ElemType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let channels = x.shape(1);
+    let c = (i / x.shape(2)) % channels;
+    let xmu = (x[i] - params[c]) - params[channels + c];
+    let inner = grad[i] - coeff[c] - xmu * coeff[channels + c];
+    out[i] = inner * (gamma[c] * params[2 * channels + c]);
+}
+
+fn empty_like(t: &CubeTensor, shape: Shape) -> CubeTensor {
+    empty_device_dtype(t.client.clone(), t.device.clone(), shape, t.dtype)
+}
+
+/// Channels per cube of the tiled reductions, and sample rows per cube (`TILE_C · TILE_ROWS =
+/// BLOCK`).
+const TILE_C: usize = 32;
+const TILE_ROWS: usize = BLOCK / TILE_C;
+
+/// Which reduction layout reads `x` coalesced: one cube per channel when a sample's channel
+/// slice spans at least `TILE_C` consecutive elements, channel tiles otherwise.
+fn tiled(x: &CubeTensor) -> bool {
+    x.meta.shape()[2] < TILE_C
+}
+
+fn per_channel_launch(x: &CubeTensor) -> (CubeCount, CubeDim) {
+    let channels = x.meta.shape()[1];
+    if tiled(x) {
+        (
+            CubeCount::Static(channels.div_ceil(TILE_C) as u32, 1, 1),
+            CubeDim::new_2d(TILE_C as u32, TILE_ROWS as u32),
+        )
+    } else {
+        (
+            CubeCount::Static(channels as u32, 1, 1),
+            CubeDim::new_1d(BLOCK as u32),
+        )
+    }
+}
+
+fn elementwise_launch(out: &CubeTensor) -> (CubeCount, CubeDim) {
+    let num = out.meta.shape().num_elements();
+    let cube_dim = CubeDim::new(&out.client, num);
+    (
+        calculate_cube_count_elemwise(&out.client, num, cube_dim),
+        cube_dim,
+    )
+}
+
+impl SyncBatchNormBackend for CubeBackend {
+    fn sync_bn_stats(x: FloatTensor<Self>, kernels: bool) -> FloatTensor<Self> {
+        if !kernels {
+            return tensor_ops::stats::<Self>(x);
+        }
+        let x = into_contiguous(x);
+        let channels = x.shape()[1];
+        assert!(
+            x.shape().num_elements() > 0,
+            "SyncBatchNorm per-channel reductions need at least one sample"
+        );
+        let out = empty_like(&x, Shape::new([3, channels]));
+        let (count, dim) = per_channel_launch(&x);
+        let dtype = x.dtype;
+        let (client, x_arg, out_arg) = (
+            &out.client,
+            x.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+        );
+        if tiled(&x) {
+            stats_tiled_kernel::launch(
+                client,
+                count,
+                dim,
+                x_arg,
+                out_arg,
+                BLOCK,
+                dtype_to_storage_type(dtype),
+            );
+        } else {
+            stats_kernel::launch(
+                client,
+                count,
+                dim,
+                x_arg,
+                out_arg,
+                BLOCK,
+                dtype_to_storage_type(dtype),
+            );
+        }
+        out
+    }
+
+    fn sync_bn_normalize(
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        _host: BackwardHost,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        if !kernels {
+            return tensor_ops::normalize::<Self>(x, params, gamma, beta);
+        }
+        let x = into_contiguous(x);
+        let out = empty_like(&x, x.shape());
+        if x.shape().num_elements() == 0 {
+            return out;
+        }
+        let (count, dim) = elementwise_launch(&out);
+        let dtype = x.dtype;
+        normalize_kernel::launch(
+            &out.client,
+            count,
+            dim,
+            x.into_tensor_arg(),
+            into_contiguous(params).into_tensor_arg(),
+            into_contiguous(gamma).into_tensor_arg(),
+            into_contiguous(beta).into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dtype_to_storage_type(dtype),
+        );
+        out
+    }
+
+    fn sync_bn_grad_sums(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        if !kernels {
+            return tensor_ops::grad_sums::<Self>(grad, x, params);
+        }
+        let x = into_contiguous(x);
+        let channels = x.shape()[1];
+        assert!(
+            x.shape().num_elements() > 0,
+            "SyncBatchNorm per-channel reductions need at least one sample"
+        );
+        let out = empty_like(&x, Shape::new([2, channels]));
+        let (count, dim) = per_channel_launch(&x);
+        let dtype = x.dtype;
+        let is_tiled = tiled(&x);
+        let args = (
+            into_contiguous(grad).into_tensor_arg(),
+            x.into_tensor_arg(),
+            into_contiguous(params).into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+        );
+        let elem = dtype_to_storage_type(dtype);
+        if is_tiled {
+            grad_sums_tiled_kernel::launch(
+                &out.client,
+                count,
+                dim,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                BLOCK,
+                elem,
+            );
+        } else {
+            grad_sums_kernel::launch(
+                &out.client,
+                count,
+                dim,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                BLOCK,
+                elem,
+            );
+        }
+        out
+    }
+
+    fn sync_bn_grad_input(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        coeff: FloatTensor<Self>,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        if !kernels {
+            return tensor_ops::grad_input::<Self>(grad, x, params, gamma, coeff);
+        }
+        let x = into_contiguous(x);
+        let out = empty_like(&x, x.shape());
+        if x.shape().num_elements() == 0 {
+            return out;
+        }
+        let (count, dim) = elementwise_launch(&out);
+        let dtype = x.dtype;
+        grad_input_kernel::launch(
+            &out.client,
+            count,
+            dim,
+            into_contiguous(grad).into_tensor_arg(),
+            x.into_tensor_arg(),
+            into_contiguous(params).into_tensor_arg(),
+            into_contiguous(gamma).into_tensor_arg(),
+            into_contiguous(coeff).into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dtype_to_storage_type(dtype),
+        );
+        out
+    }
+}

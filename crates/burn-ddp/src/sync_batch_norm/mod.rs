@@ -1,0 +1,539 @@
+//! Batch normalisation with statistics synchronised across ranks (PyTorch's `SyncBatchNorm`).
+//!
+//! With small per-rank batches, per-rank BatchNorm statistics turn into noise; [`SyncBatchNorm`]
+//! normalises with the mean and variance of *every* rank's samples, so N ranks × batch b
+//! normalise exactly like one process with batch N·b.
+//!
+//! # Algorithm (PyTorch's)
+//!
+//! - **Forward (training)**: each rank computes per-channel (count, mean, M2) of its samples in
+//!   one pass, all-gathers them, and combines them with Chan's parallel formula in f64 (no
+//!   sum / sum-of-squares cancellation on data with a large mean). A rank with no samples still
+//!   takes part. The output is `(x − μ) / sqrt(σ² + ε) · γ + β` with the global μ and biased σ².
+//! - **Backward**: each rank computes per-channel `Σdy` and `Σdy·(x − μ)` and all-reduces these
+//!   2C sums in **one** call; the input gradient uses the global sums, the γ/β gradients are the
+//!   local ones (DDP averages them like any other parameter gradient).
+//! - **Eval** uses the running statistics and makes no collective call. World size 1 (or no
+//!   process group installed, see [`crate::comm`]) makes no collective call either.
+//!
+//! # Paths
+//!
+//! The per-channel work goes through the backend extension [`SyncBatchNormBackend`]:
+//! CubeCL kernels on the `Cube` backend (wgpu, CUDA; the `wgpu`/`cuda` features) and a
+//! tensor-op implementation on Flex (CPU) — and on Cube when
+//! [`SyncBatchNormImpl::TensorOps`] is chosen. Other backends (NdArray, LibTorch, Remote) run
+//! Burn's own `batch_norm_train` at world size 1 and return
+//! [`SyncBatchNormError::UnsupportedBackend`] at larger world sizes.
+//!
+//! # Converting a model
+//!
+//! Burn 0.22 records are keyed by parameter path, and [`SyncBatchNorm`] has exactly
+//! [`BatchNorm`]'s parameters (`gamma`, `beta`, `running_mean`, `running_var`). So:
+//!
+//! 1. **Declare** `SyncBatchNorm` where the model had `BatchNorm` (same field names). At world
+//!    size 1 it computes exactly what `BatchNorm` computes, so one model definition serves both
+//!    single-process and distributed runs.
+//! 2. **Load** an existing BatchNorm model's record (or checkpoint file) into it with
+//!    [`Module::load_record`] — nothing to rename.
+//! 3. For a layer you already hold, `SyncBatchNorm::from(batch_norm)` moves its parameters
+//!    (keeping their ids, so optimizer state stays attached) and `BatchNorm::from(sync)` goes back,
+//!    e.g. to export a model for single-device inference.
+//!
+//! ```
+//! use burn::module::Module;
+//! use burn::nn::{BatchNorm, BatchNormConfig};
+//! use burn::tensor::Device;
+//! use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
+//!
+//! #[derive(Module, Debug)]
+//! struct Net { norm: BatchNorm }
+//! #[derive(Module, Debug)]
+//! struct SyncNet { norm: SyncBatchNorm } // the same model with SyncBatchNorm
+//!
+//! let device = Device::flex();
+//! let trained = Net { norm: BatchNormConfig::new(4).init(&device) };
+//! // Whole model: load the BatchNorm model's record into the SyncBatchNorm model.
+//! let synced = SyncNet { norm: SyncBatchNormConfig::new(4).init(&device) }
+//!     .load_record(trained.clone().into_record());
+//! // One layer: move it.
+//! let layer: SyncBatchNorm = trained.norm.into();
+//! # let _ = (synced, layer);
+//! ```
+//!
+//! Models whose type must not change can hold the norm layer as a Module enum
+//! (`enum Norm { Batch(BatchNorm), Sync(SyncBatchNorm) }` with `#[derive(Module)]`) and convert
+//! per layer with `From`.
+
+pub mod backend;
+#[cfg(feature = "cube")]
+mod kernels;
+mod stats;
+
+pub use backend::{BackwardHost, SyncBatchNormBackend};
+pub use stats::ChannelStats;
+
+use burn::backend::{Dispatch, DispatchDevice};
+use burn::config::Config;
+use burn::module::{Content, DisplaySettings, Flag, Module, ModuleDisplay, Param, RunningState};
+use burn::nn::{BatchNorm, BatchNormConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+/// Which variance feeds `running_var`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum RunningVariance {
+    /// Burn's `BatchNorm` convention: the biased batch variance `M2 / n` (the default; world
+    /// size 1 equals `BatchNorm` exactly).
+    #[default]
+    Biased,
+    /// PyTorch's convention: the unbiased batch variance `M2 / (n − 1)` over all ranks' samples.
+    Unbiased,
+}
+
+/// How the per-channel work runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum SyncBatchNormImpl {
+    /// CubeCL kernels where the device runs CubeCL (and the crate has the `wgpu`/`cuda`
+    /// feature), tensor operations elsewhere.
+    #[default]
+    Auto,
+    /// Tensor operations on every device (for comparison with the kernels).
+    TensorOps,
+}
+
+/// An error from [`SyncBatchNorm::try_forward`].
+#[derive(Debug, thiserror::Error)]
+pub enum SyncBatchNormError {
+    /// The input has rank < 2.
+    #[error(
+        "SyncBatchNorm expects an input of shape [batch, channels, ...] (rank >= 2), got rank {0}"
+    )]
+    Rank(usize),
+    /// The input's channel axis doesn't match `num_features`.
+    #[error("SyncBatchNorm has {expected} features but the input has {got} channels (axis 1)")]
+    Channels {
+        /// `num_features` of the layer.
+        expected: usize,
+        /// Size of the input's axis 1.
+        got: usize,
+    },
+    /// No rank had any sample.
+    #[error("SyncBatchNorm: no rank has any sample in this batch (total count 0)")]
+    NoSamples,
+    /// PyTorch's unbiased running variance needs at least two samples per channel.
+    #[error(
+        "SyncBatchNorm: the unbiased running variance needs more than 1 value per channel over all ranks, got {0}"
+    )]
+    TooFewSamples(u64),
+    /// The device's backend has no SyncBatchNorm implementation and the world size is > 1.
+    #[error(
+        "SyncBatchNorm with world size {world_size}: the backend of {device} has no SyncBatchNorm implementation (Flex and CubeCL devices do)"
+    )]
+    UnsupportedBackend {
+        /// The input's device.
+        device: String,
+        /// The process group's world size.
+        world_size: usize,
+    },
+    /// A collective failed (the process group is broken on every rank).
+    #[error("SyncBatchNorm: collective failed: {0}")]
+    Comm(#[from] ddp_comm::CommError),
+}
+
+/// [`SyncBatchNorm`] configuration: [`BatchNormConfig`]'s fields plus the running-variance
+/// convention and the implementation choice.
+#[derive(Config, Debug)]
+pub struct SyncBatchNormConfig {
+    /// The number of features (channels). Must be greater than zero.
+    pub num_features: usize,
+    /// A finite, positive value added to the variance. Default: 1e-5.
+    #[config(default = 1e-5)]
+    pub epsilon: f64,
+    /// Momentum of the running statistics, in `[0, 1]`. Default: 0.1.
+    #[config(default = 0.1)]
+    pub momentum: f64,
+    /// Which batch variance feeds `running_var`. Default: Burn's biased one.
+    #[config(default = "RunningVariance::Biased")]
+    pub running_variance: RunningVariance,
+    /// Kernels or tensor operations. Default: kernels where available.
+    #[config(default = "SyncBatchNormImpl::Auto")]
+    pub implementation: SyncBatchNormImpl,
+}
+
+impl From<&BatchNormConfig> for SyncBatchNormConfig {
+    fn from(config: &BatchNormConfig) -> Self {
+        SyncBatchNormConfig::new(config.num_features)
+            .with_epsilon(config.epsilon)
+            .with_momentum(config.momentum)
+    }
+}
+
+/// Batch normalisation whose training statistics cover every rank's samples.
+///
+/// The same parameters, record layout and results (at world size 1) as [`BatchNorm`]; see the
+/// [module docs](self) for the algorithm and for converting a model.
+///
+/// # Shapes
+/// - input and output: `[batch, channels, ...]` (rank ≥ 2)
+#[derive(Module, Debug)]
+#[module(custom_display)]
+pub struct SyncBatchNorm {
+    /// The learnable weight γ.
+    pub gamma: Param<Tensor<1>>,
+    /// The learnable bias β.
+    pub beta: Param<Tensor<1>>,
+    /// Whether training behaviour is enabled for this layer.
+    pub training: Param<Flag>,
+    /// The running mean.
+    pub running_mean: RunningState<Tensor<1>>,
+    /// The running variance.
+    pub running_var: RunningState<Tensor<1>>,
+    /// Momentum used to update the running statistics.
+    pub momentum: f64,
+    /// Added to the variance for numerical stability.
+    pub epsilon: f64,
+    /// Which batch variance feeds `running_var`.
+    #[module(skip)]
+    pub running_variance: RunningVariance,
+    /// Kernels or tensor operations.
+    #[module(skip)]
+    pub implementation: SyncBatchNormImpl,
+}
+
+impl SyncBatchNormConfig {
+    /// Initialises a [`SyncBatchNorm`] (γ = 1, β = 0, running mean 0, running variance 1).
+    ///
+    /// # Panics
+    /// As [`BatchNormConfig::init`]: `num_features` zero, `epsilon` not finite and positive, or
+    /// `momentum` not finite and within `[0, 1]`.
+    pub fn init(&self, device: &Device) -> SyncBatchNorm {
+        let bn = BatchNormConfig::new(self.num_features)
+            .with_epsilon(self.epsilon)
+            .with_momentum(self.momentum)
+            .init(device);
+        SyncBatchNorm::from_batch_norm(bn, self.running_variance, self.implementation)
+    }
+}
+
+impl From<BatchNorm> for SyncBatchNorm {
+    /// Moves a [`BatchNorm`]'s parameters and state (ids included) into a [`SyncBatchNorm`] with
+    /// the default options.
+    fn from(bn: BatchNorm) -> Self {
+        SyncBatchNorm::from_batch_norm(bn, RunningVariance::Biased, SyncBatchNormImpl::Auto)
+    }
+}
+
+impl From<SyncBatchNorm> for BatchNorm {
+    /// Moves the parameters back into a plain [`BatchNorm`] (e.g. for single-device export).
+    fn from(sbn: SyncBatchNorm) -> Self {
+        BatchNorm {
+            gamma: sbn.gamma,
+            beta: sbn.beta,
+            training: sbn.training,
+            running_mean: sbn.running_mean,
+            running_var: sbn.running_var,
+            momentum: sbn.momentum,
+            epsilon: sbn.epsilon,
+        }
+    }
+}
+
+/// How this call computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// Through [`SyncBatchNormBackend`] (`kernels` on Cube devices unless tensor ops are asked).
+    Extension { kernels: bool },
+    /// Burn's `batch_norm_train` (world size 1 on backends without the extension).
+    Plain,
+}
+
+impl SyncBatchNorm {
+    /// Moves a [`BatchNorm`]'s parameters and state into a [`SyncBatchNorm`] with the given
+    /// options.
+    pub fn from_batch_norm(
+        bn: BatchNorm,
+        running_variance: RunningVariance,
+        implementation: SyncBatchNormImpl,
+    ) -> Self {
+        SyncBatchNorm {
+            gamma: bn.gamma,
+            beta: bn.beta,
+            training: bn.training,
+            running_mean: bn.running_mean,
+            running_var: bn.running_var,
+            momentum: bn.momentum,
+            epsilon: bn.epsilon,
+            running_variance,
+            implementation,
+        }
+    }
+
+    /// Returns the layer with another implementation choice.
+    pub fn with_implementation(mut self, implementation: SyncBatchNormImpl) -> Self {
+        self.implementation = implementation;
+        self
+    }
+
+    /// Applies the layer: synchronised batch statistics on an autodiff device with training
+    /// enabled (also updating the running statistics), running statistics otherwise.
+    ///
+    /// # Panics
+    /// On any [`SyncBatchNormError`]; use [`try_forward`](Self::try_forward) to handle them.
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward) returning errors instead of panicking.
+    ///
+    /// In training mode every rank must call this the same number of times in the same order
+    /// (it makes one all-gather, and its backward one all-reduce).
+    pub fn try_forward<const D: usize>(
+        &self,
+        input: Tensor<D>,
+    ) -> Result<Tensor<D>, SyncBatchNormError> {
+        if D < 2 {
+            return Err(SyncBatchNormError::Rank(D));
+        }
+        let [num_features] = self.gamma.shape().dims();
+        let dims = input.dims();
+        if dims[1] != num_features {
+            return Err(SyncBatchNormError::Channels {
+                expected: num_features,
+                got: dims[1],
+            });
+        }
+        if input.device().is_autodiff() && self.training.is_enabled() {
+            self.forward_train(input)
+        } else {
+            Ok(self.forward_inference(input))
+        }
+    }
+
+    fn forward_inference<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        let device = input.device();
+        burn::tensor::module::batch_norm(
+            input,
+            self.gamma.val(),
+            self.beta.val(),
+            self.running_mean.value().to_device(&device),
+            self.running_var.value().to_device(&device),
+            self.epsilon,
+        )
+    }
+
+    fn path(&self, device: &Device) -> Path {
+        let kernels = self.implementation == SyncBatchNormImpl::Auto;
+        match device.clone().inner().as_dispatch() {
+            #[cfg(feature = "cube")]
+            DispatchDevice::Cube(_) => Path::Extension { kernels },
+            DispatchDevice::Flex(_) => Path::Extension { kernels: false },
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = kernels;
+                Path::Plain
+            }
+        }
+    }
+
+    fn forward_train<const D: usize>(
+        &self,
+        input: Tensor<D>,
+    ) -> Result<Tensor<D>, SyncBatchNormError> {
+        let device = input.device();
+        let world_size = crate::comm::world_size();
+        let kernels = match self.path(&device) {
+            Path::Extension { kernels } => kernels,
+            Path::Plain if world_size == 1 => return Ok(self.forward_train_plain(input)),
+            Path::Plain => {
+                return Err(SyncBatchNormError::UnsupportedBackend {
+                    device: format!("{device:?}"),
+                    world_size,
+                });
+            }
+        };
+
+        let dims = input.dims();
+        let (n, channels) = (dims[0], dims[1]);
+        let spatial: usize = dims[2..].iter().product();
+        let count = n * spatial;
+        let x = input.reshape([n, channels, spatial]);
+        let dtype = x.dtype();
+
+        // Local (pivot, mean relative to the pivot, M2) per channel, in one pass.
+        let (pivot, local) = if count > 0 {
+            let raw = Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
+                x.clone().detach().into_dispatch(),
+                kernels,
+            ));
+            let raw = host_f64(raw);
+            let pivot = raw[..channels].to_vec();
+            let local: Vec<ChannelStats> = (0..channels)
+                .map(|c| ChannelStats {
+                    count: count as f64,
+                    mean: raw[c] + raw[channels + c],
+                    m2: raw[2 * channels + c],
+                })
+                .collect();
+            (pivot, local)
+        } else {
+            (vec![0.0; channels], vec![ChannelStats::default(); channels])
+        };
+
+        let global = collective::all_gather_stats(count as f64, &local)?;
+        let total = global.first().map_or(0.0, |s| s.count);
+        if total == 0.0 {
+            return Err(SyncBatchNormError::NoSamples);
+        }
+        if self.running_variance == RunningVariance::Unbiased && total < 2.0 {
+            return Err(SyncBatchNormError::TooFewSamples(total as u64));
+        }
+
+        let invstd: Vec<f64> = global
+            .iter()
+            .map(|s| 1.0 / (s.biased_var() + self.epsilon).sqrt())
+            .collect();
+        let mut params = Vec::with_capacity(3 * channels);
+        params.extend_from_slice(&pivot);
+        params.extend((0..channels).map(|c| global[c].mean - pivot[c]));
+        params.extend_from_slice(&invstd);
+        let params = Tensor::<2>::from_data(
+            TensorData::new(params, [3, channels]).convert_dtype(dtype),
+            &device,
+        );
+
+        let host = BackwardHost {
+            invstd,
+            total_count: total,
+        };
+        let output = Tensor::<3>::from_dispatch(Dispatch::sync_bn_normalize(
+            x.into_dispatch(),
+            params.into_dispatch(),
+            self.gamma.val().into_dispatch(),
+            self.beta.val().into_dispatch(),
+            host,
+            kernels,
+        ));
+
+        // Running statistics, on the device as BatchNorm does them.
+        let batch_mean: Vec<f64> = global.iter().map(|s| s.mean).collect();
+        let batch_var: Vec<f64> = global
+            .iter()
+            .map(|s| match self.running_variance {
+                RunningVariance::Biased => s.biased_var(),
+                RunningVariance::Unbiased => s.unbiased_var(),
+            })
+            .collect();
+        let vector = |v: Vec<f64>| {
+            Tensor::<1>::from_data(TensorData::new(v, [channels]).convert_dtype(dtype), &device)
+        };
+        self.update_running(vector(batch_mean), vector(batch_var), &device);
+
+        Ok(output.reshape(dims))
+    }
+
+    fn forward_train_plain<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        let device = input.device();
+        let result = burn::tensor::module::batch_norm_train(
+            input,
+            self.gamma.val(),
+            self.beta.val(),
+            self.epsilon,
+        );
+        let variance = match self.running_variance {
+            RunningVariance::Biased => result.variance.detach(),
+            RunningVariance::Unbiased => {
+                let n = result.output.dims().iter().product::<usize>() / result.mean.dims()[0];
+                result
+                    .variance
+                    .detach()
+                    .mul_scalar(n as f64 / (n as f64 - 1.0))
+            }
+        };
+        self.update_running(result.mean.detach(), variance, &device);
+        result.output
+    }
+
+    fn update_running(&self, mean: Tensor<1>, var: Tensor<1>, device: &Device) {
+        let running_mean = self.running_mean.value_sync().to_device(device);
+        let running_var = self.running_var.value_sync().to_device(device);
+        let running_mean = running_mean
+            .mul_scalar(1.0 - self.momentum)
+            .add(mean.mul_scalar(self.momentum));
+        let running_var = running_var
+            .mul_scalar(1.0 - self.momentum)
+            .add(var.mul_scalar(self.momentum));
+        self.running_mean.update(running_mean.detach());
+        self.running_var.update(running_var.detach());
+    }
+}
+
+/// Reads a small tensor to the host as f64.
+fn host_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+    t.into_data()
+        .convert::<f64>()
+        .try_to_vec::<f64>()
+        .expect("a converted f64 tensor reads as f64")
+}
+
+impl ModuleDisplay for SyncBatchNorm {
+    fn custom_settings(&self) -> Option<DisplaySettings> {
+        DisplaySettings::new()
+            .with_new_line_after_attribute(false)
+            .optional()
+    }
+
+    fn custom_content(&self, content: Content) -> Option<Content> {
+        let [num_features] = self.beta.shape().dims();
+        content
+            .add("num_features", &num_features)
+            .add("momentum", &self.momentum)
+            .add("epsilon", &self.epsilon)
+            .optional()
+    }
+}
+
+/// The collectives SyncBatchNorm makes, through the process-wide group ([`crate::comm`]).
+mod collective {
+    use super::{ChannelStats, SyncBatchNormError, stats};
+    use ddp_comm::ReduceOp;
+
+    /// All-gathers every rank's (count, mean, M2) per channel and combines them. World size 1:
+    /// no call.
+    pub(super) fn all_gather_stats(
+        count: f64,
+        local: &[ChannelStats],
+    ) -> Result<Vec<ChannelStats>, SyncBatchNormError> {
+        let Some(group) = crate::comm::group() else {
+            return Ok(local.to_vec());
+        };
+        let mut pg = crate::comm::lock(&group);
+        let world = pg.world_size();
+        if world == 1 {
+            return Ok(local.to_vec());
+        }
+        let packed = stats::pack(count, local);
+        let mut gathered = vec![0.0f64; packed.len() * world];
+        pg.all_gather(&packed, &mut gathered)?;
+        Ok(stats::combine_gathered(&gathered, local.len()))
+    }
+
+    /// Sums `buf` over all ranks in one all-reduce. World size 1: no call.
+    ///
+    /// # Panics
+    /// If the collective fails: this runs inside the autodiff backward pass, which can't return
+    /// errors; the group is broken on every rank, so every rank stops with this message.
+    pub(crate) fn all_reduce_sum(buf: &mut [f64]) {
+        let Some(group) = crate::comm::group() else {
+            return;
+        };
+        let mut pg = crate::comm::lock(&group);
+        if pg.world_size() == 1 {
+            return;
+        }
+        if let Err(e) = pg.all_reduce(buf, ReduceOp::Sum) {
+            panic!(
+                "SyncBatchNorm backward: all-reduce of the per-channel gradient sums failed: {e}"
+            );
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! SyncBatchNorm benchmark (what `cargo xtask bench syncbn` runs).
+//!
+//! 1. Step time (forward + backward + SGD step; no gradient all-reduce, which is the same for
+//!    both variants) of a small CNN with `BatchNorm` vs `SyncBatchNorm`, at per-rank batch 8, 32
+//!    and 64, on `--ranks` CPU rank processes (Flex) that this program launches itself.
+//! 2. With `--features wgpu`: SyncBatchNorm forward + backward alone on wgpu, CubeCL kernels vs
+//!    the tensor-op path (one process).
+//!
+//! `cargo run -p ddp-tests --bin syncbn_bench [--features wgpu] -- [--ranks 2] [--steps 20]`
+//! Prints markdown tables on stdout (rank 0).
+
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::nn::{
+    BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d,
+    conv::{Conv2d, Conv2dConfig},
+    loss::CrossEntropyLossConfig,
+    pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig},
+};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Distribution, Int, Tensor, activation::relu};
+use burn_ddp::comm::SharedGroup;
+use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
+use ddp_comm::{ProcessGroup, ReduceOp};
+
+/// The norm layer of the benchmark CNN: the same model with either layer.
+#[derive(Module, Debug)]
+enum Norm {
+    Batch(BatchNorm),
+    Sync(SyncBatchNorm),
+}
+
+impl Norm {
+    fn new(channels: usize, sync: bool, device: &Device) -> Self {
+        if sync {
+            Norm::Sync(SyncBatchNormConfig::new(channels).init(device))
+        } else {
+            Norm::Batch(BatchNormConfig::new(channels).init(device))
+        }
+    }
+    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        match self {
+            Norm::Batch(l) => l.forward(x),
+            Norm::Sync(l) => l.forward(x),
+        }
+    }
+}
+
+/// conv(3→16) → norm → relu → conv(16→32, stride 2) → norm → relu → pool → linear(32→10).
+#[derive(Module, Debug)]
+struct Cnn {
+    conv1: Conv2d,
+    norm1: Norm,
+    conv2: Conv2d,
+    norm2: Norm,
+    pool: AdaptiveAvgPool2d,
+    head: Linear,
+}
+
+impl Cnn {
+    fn new(sync: bool, device: &Device) -> Self {
+        Cnn {
+            conv1: Conv2dConfig::new([3, 16], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(device),
+            norm1: Norm::new(16, sync, device),
+            conv2: Conv2dConfig::new([16, 32], [3, 3])
+                .with_stride([2, 2])
+                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+                .init(device),
+            norm2: Norm::new(32, sync, device),
+            pool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
+            head: LinearConfig::new(32, 10).init(device),
+        }
+    }
+    fn forward(&self, x: Tensor<4>) -> Tensor<2> {
+        let x = relu(self.norm1.forward(self.conv1.forward(x)));
+        let x = relu(self.norm2.forward(self.conv2.forward(x)));
+        self.head.forward(self.pool.forward(x).flatten(1, 3))
+    }
+}
+
+/// Median step time (ms) of `steps` training steps after 3 warm-up steps; each step starts
+/// after a barrier so that rank skew doesn't count.
+fn cnn_step_ms(group: &SharedGroup, sync: bool, batch: usize, steps: usize) -> Result<f64, String> {
+    let device = Device::flex().autodiff();
+    let mut model = Cnn::new(sync, &device);
+    let mut optim = SgdConfig::new().init();
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let x = Tensor::<4>::random([batch, 3, 32, 32], Distribution::Normal(0.5, 1.0), &device);
+    let targets = Tensor::<1, Int>::from_data(
+        burn::tensor::TensorData::new((0..batch as i64).map(|i| i % 10).collect(), [batch]),
+        &device,
+    );
+    let mut times = Vec::with_capacity(steps);
+    for i in 0..steps + 3 {
+        burn_ddp::comm::lock(group)
+            .barrier()
+            .map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        let loss = loss_fn.forward(model.forward(x.clone()), targets.clone());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(0.01, model, grads);
+        let _ = loss.into_data(); // wait for the step
+        if i >= 3 {
+            times.push(start.elapsed());
+        }
+    }
+    Ok(median_ms(&mut times))
+}
+
+fn median_ms(times: &mut [Duration]) -> f64 {
+    times.sort();
+    times[times.len() / 2].as_secs_f64() * 1e3
+}
+
+struct Args {
+    ranks: usize,
+    steps: usize,
+    batches: Vec<usize>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        ranks: 2,
+        steps: 20,
+        batches: vec![8, 32, 64],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        let bad = |e: std::num::ParseIntError| format!("{flag} {value}: {e}");
+        match flag.as_str() {
+            "--ranks" => args.ranks = value.parse().map_err(bad)?,
+            "--steps" => args.steps = value.parse().map_err(bad)?,
+            "--batches" => {
+                args.batches = value
+                    .split(',')
+                    .map(|b| b.trim().parse().map_err(bad))
+                    .collect::<Result<_, _>>()?
+            }
+            _ => {
+                return Err(format!(
+                    "unknown flag {flag} (--ranks N, --steps N, --batches 8,32,64)"
+                ));
+            }
+        }
+    }
+    if args.ranks == 0 || args.steps == 0 || args.batches.is_empty() {
+        return Err("--ranks, --steps and --batches must be positive".into());
+    }
+    Ok(args)
+}
+
+/// One rank: the CNN table (printed by rank 0; times are the slowest rank's).
+fn rank_main(args: &Args) -> Result<(), String> {
+    let pg = ProcessGroup::from_env().map_err(|e| e.to_string())?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let (group, _) = burn_ddp::comm::install(pg);
+    let mut rows = Vec::new();
+    for &batch in &args.batches {
+        let mut t = [
+            cnn_step_ms(&group, false, batch, args.steps)?,
+            cnn_step_ms(&group, true, batch, args.steps)?,
+        ];
+        burn_ddp::comm::lock(&group)
+            .all_reduce(&mut t, ReduceOp::Max)
+            .map_err(|e| e.to_string())?;
+        rows.push((batch, t[0], t[1]));
+    }
+    if rank == 0 {
+        println!(
+            "\n### CNN step time, {world} CPU ranks (Flex), median of {} steps, slowest rank\n",
+            args.steps
+        );
+        println!("| batch / rank | BatchNorm ms | SyncBatchNorm ms | overhead |");
+        println!("|---:|---:|---:|---:|");
+        for (batch, bn, sbn) in rows {
+            println!(
+                "| {batch} | {bn:.2} | {sbn:.2} | {:+.1} % |",
+                (sbn / bn - 1.0) * 100.0
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Starts `ranks` copies of this program as rank processes and waits for them (30 min deadline).
+fn launch(args: &Args) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let mut children = Vec::new();
+    for rank in 0..args.ranks {
+        let child = Command::new(&exe)
+            .args(std::env::args().skip(1))
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", args.ranks.to_string())
+            .env("LOCAL_WORLD_SIZE", args.ranks.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("OMP_NUM_THREADS", "1")
+            .env("RAYON_NUM_THREADS", "1")
+            .spawn()
+            .map_err(|e| format!("spawning rank {rank}: {e}"))?;
+        children.push(child);
+    }
+    let deadline = Instant::now() + Duration::from_secs(1800);
+    let mut failed = None;
+    let mut running = children.len();
+    while running > 0 {
+        running = 0;
+        for (rank, child) in children.iter_mut().enumerate() {
+            match child.try_wait().map_err(|e| e.to_string())? {
+                Some(status) if !status.success() => failed = failed.or(Some((rank, status))),
+                Some(_) => {}
+                None => running += 1,
+            }
+        }
+        if failed.is_some() || Instant::now() > deadline {
+            for child in &mut children {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            return Err(match failed {
+                Some((rank, status)) => format!("rank {rank} failed: {status}"),
+                None => "ranks ran past the 30 min deadline".into(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// SyncBatchNorm forward + backward alone on wgpu: kernels vs tensor ops.
+#[cfg(feature = "wgpu")]
+fn wgpu_table(args: &Args) {
+    use burn_ddp::sync_batch_norm::SyncBatchNormImpl;
+    let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff();
+    let time = |implementation, batch: usize| {
+        let layer = SyncBatchNormConfig::new(16)
+            .with_implementation(implementation)
+            .init(&device);
+        let x = Tensor::<4>::random([batch, 16, 32, 32], Distribution::Normal(3.0, 2.0), &device)
+            .require_grad();
+        let mut times = Vec::new();
+        for i in 0..args.steps + 3 {
+            let start = Instant::now();
+            let y = layer.forward(x.clone());
+            let grads = (y.clone() * y).sum().backward();
+            let _ = x.grad(&grads).map(|g| g.sum().into_data());
+            if i >= 3 {
+                times.push(start.elapsed());
+            }
+        }
+        median_ms(&mut times)
+    };
+    println!(
+        "\n### SyncBatchNorm forward + backward on wgpu ([B, 16, 32, 32]), median of {} steps\n",
+        args.steps
+    );
+    println!("| batch | CubeCL kernels ms | tensor ops ms | tensor ops / kernels |");
+    println!("|---:|---:|---:|---:|");
+    for &batch in &args.batches {
+        let k = time(SyncBatchNormImpl::Auto, batch);
+        let t = time(SyncBatchNormImpl::TensorOps, batch);
+        println!("| {batch} | {k:.2} | {t:.2} | {:.2}× |", t / k);
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("syncbn_bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = if std::env::var_os("RANK").is_some() {
+        rank_main(&args)
+    } else {
+        launch(&args).map(|()| {
+            #[cfg(feature = "wgpu")]
+            wgpu_table(&args);
+        })
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("syncbn_bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

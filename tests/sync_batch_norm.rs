@@ -1,0 +1,704 @@
+//! SyncBatchNorm equivalence tests.
+//!
+//! - World size 1 (no process group): `SyncBatchNorm` ≡ `burn::nn::BatchNorm` — output, input
+//!   gradient, γ/β gradients and running statistics — on Flex and, with `--features wgpu`, on
+//!   wgpu with the CubeCL kernels and with the tensor-op path; kernels ≡ tensor ops on wgpu.
+//! - World sizes 2 and 3 (real rank processes, `syncbn_worker`): every rank's output and input
+//!   gradient equal `BatchNorm` on the concatenated batch; γ/β gradients after DDP averaging
+//!   equal the joined-batch gradients divided by the world size (each rank's loss is `Σ w ⊙ y`
+//!   over its own rows, so the ranks' losses sum to the joined batch's loss); running statistics
+//!   equal on every rank.
+//! - Mean 1000, std 0.01: batch statistics within 1e-4 relative of an f64 reference.
+//!
+//! Tolerances are relative to the largest magnitude of the reference tensor.
+
+#[path = "../src/bin/syncbn_worker/case.rs"]
+mod case;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use burn::module::{Module, Param};
+use burn::nn::{BatchNorm, BatchNormConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_ddp::sync_batch_norm::{
+    RunningVariance, SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormError, SyncBatchNormImpl,
+};
+use case::{Case, RankResult, Step, StepResult};
+
+const TOL: f64 = 1e-5;
+
+// ---------------------------------------------------------------------------------------------
+// Data
+
+/// xorshift64* — deterministic test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Roughly normal (Irwin–Hall of 4).
+    fn normal(&mut self) -> f64 {
+        ((0..4).map(|_| self.uniform()).sum::<f64>() - 2.0) * 3f64.sqrt()
+    }
+    fn vec(&mut self, n: usize, mean: f64, std: f64) -> Vec<f32> {
+        (0..n)
+            .map(|_| (mean + std * self.normal()) as f32)
+            .collect()
+    }
+}
+
+fn make_case(rows: &[usize], channels: usize, spatial: &[usize], steps: usize, seed: u64) -> Case {
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let per_row = channels * spatial.iter().product::<usize>();
+    let steps = (0..steps)
+        .map(|s| Step {
+            // Non-zero, per-step different mean.
+            x: rows
+                .iter()
+                .map(|&r| rng.vec(r * per_row, 2.0 + s as f64, 1.5))
+                .collect(),
+            w: rows
+                .iter()
+                .map(|&r| rng.vec(r * per_row, 0.0, 1.0))
+                .collect(),
+        })
+        .collect();
+    Case {
+        device: "flex".into(),
+        tensor_ops: false,
+        unbiased: false,
+        channels,
+        spatial: spatial.to_vec(),
+        rows: rows.to_vec(),
+        gamma: (0..channels).map(|c| 1.0 + 0.25 * c as f32).collect(),
+        beta: (0..channels).map(|c| 0.1 * c as f32 - 0.2).collect(),
+        steps,
+    }
+}
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running one process
+
+/// A norm layer under test: BatchNorm or SyncBatchNorm.
+enum Layer {
+    Bn(BatchNorm),
+    Sync(SyncBatchNorm),
+}
+
+impl Layer {
+    fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self {
+            Layer::Bn(l) => l.forward(x),
+            Layer::Sync(l) => l.forward(x),
+        }
+    }
+    fn grads(&self, grads: &burn::tensor::Gradients) -> (Vec<f32>, Vec<f32>) {
+        let (g, b) = match self {
+            Layer::Bn(l) => (l.gamma.grad(grads), l.beta.grad(grads)),
+            Layer::Sync(l) => (l.gamma.grad(grads), l.beta.grad(grads)),
+        };
+        (values(g.unwrap()), values(b.unwrap()))
+    }
+    fn running(&self) -> (Vec<f32>, Vec<f32>) {
+        match self {
+            Layer::Bn(l) => (
+                values(l.running_mean.value_sync()),
+                values(l.running_var.value_sync()),
+            ),
+            Layer::Sync(l) => (
+                values(l.running_mean.value_sync()),
+                values(l.running_var.value_sync()),
+            ),
+        }
+    }
+}
+
+fn init_bn(case: &Case, device: &Device) -> BatchNorm {
+    let mut bn = BatchNormConfig::new(case.channels).init(device);
+    bn.gamma = Param::from_data(TensorData::new(case.gamma.clone(), [case.channels]), device);
+    bn.beta = Param::from_data(TensorData::new(case.beta.clone(), [case.channels]), device);
+    bn
+}
+
+fn init_sync(case: &Case, device: &Device) -> SyncBatchNorm {
+    SyncBatchNorm::from_batch_norm(
+        init_bn(case, device),
+        if case.unbiased {
+            RunningVariance::Unbiased
+        } else {
+            RunningVariance::Biased
+        },
+        if case.tensor_ops {
+            SyncBatchNormImpl::TensorOps
+        } else {
+            SyncBatchNormImpl::Auto
+        },
+    )
+}
+
+fn step_on<const D: usize>(
+    layer: &Layer,
+    x: &[f32],
+    w: &[f32],
+    shape: &[usize],
+    device: &Device,
+) -> StepResult {
+    let x =
+        Tensor::<D>::from_data(TensorData::new(x.to_vec(), shape.to_vec()), device).require_grad();
+    let w = Tensor::<D>::from_data(TensorData::new(w.to_vec(), shape.to_vec()), device);
+    let y = layer.forward(x.clone());
+    let grads = (y.clone() * w).sum().backward();
+    let (gamma_grad, beta_grad) = layer.grads(&grads);
+    StepResult {
+        y: values(y),
+        x_grad: values(x.grad(&grads).unwrap()),
+        gamma_grad,
+        beta_grad,
+    }
+}
+
+/// Runs `case` on the concatenation of every rank's rows in this process.
+fn run_joined(case: &Case, layer: &Layer, device: &Device) -> RankResult {
+    let total: usize = case.rows.iter().sum();
+    let shape = case.shape(total);
+    let steps = case
+        .steps
+        .iter()
+        .map(|s| {
+            let x = s.x.concat();
+            let w = s.w.concat();
+            match shape.len() {
+                2 => step_on::<2>(layer, &x, &w, &shape, device),
+                3 => step_on::<3>(layer, &x, &w, &shape, device),
+                4 => step_on::<4>(layer, &x, &w, &shape, device),
+                n => panic!("rank {n}"),
+            }
+        })
+        .collect();
+    let (running_mean, running_var) = layer.running();
+    RankResult {
+        steps,
+        running_mean,
+        running_var,
+    }
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want
+        .iter()
+        .fold(0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-12);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (g, w)| m.max((*g as f64 - *w as f64).abs()));
+    assert!(
+        err <= tol * scale,
+        "{what}: max error {err:e} > {tol:e} × {scale:e}\n got {:?}\nwant {:?}",
+        &got[..got.len().min(8)],
+        &want[..want.len().min(8)]
+    );
+}
+
+fn assert_results_close(what: &str, got: &RankResult, want: &RankResult, tol: f64) {
+    for (i, (g, w)) in got.steps.iter().zip(&want.steps).enumerate() {
+        assert_close(&format!("{what} step {i} y"), &g.y, &w.y, tol);
+        assert_close(
+            &format!("{what} step {i} x_grad"),
+            &g.x_grad,
+            &w.x_grad,
+            tol,
+        );
+        assert_close(
+            &format!("{what} step {i} gamma_grad"),
+            &g.gamma_grad,
+            &w.gamma_grad,
+            tol,
+        );
+        assert_close(
+            &format!("{what} step {i} beta_grad"),
+            &g.beta_grad,
+            &w.beta_grad,
+            tol,
+        );
+    }
+    assert_close(
+        &format!("{what} running_mean"),
+        &got.running_mean,
+        &want.running_mean,
+        tol,
+    );
+    assert_close(
+        &format!("{what} running_var"),
+        &got.running_var,
+        &want.running_var,
+        tol,
+    );
+}
+
+/// World size 1: SyncBatchNorm on `device` ≡ BatchNorm on `device`.
+fn check_world1(device: &Device, tensor_ops: bool) {
+    for (rows, spatial) in [
+        (vec![7], vec![]),
+        (vec![5], vec![3, 4]),
+        (vec![4], vec![10]),
+    ] {
+        let mut case = make_case(&rows, 3, &spatial, 2, 11 + rows[0] as u64);
+        case.tensor_ops = tensor_ops;
+        let device = device.clone().autodiff();
+        let want = run_joined(&case, &Layer::Bn(init_bn(&case, &device)), &device);
+        let got = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+        assert_results_close(&format!("world 1 {spatial:?}"), &got, &want, TOL);
+    }
+}
+
+#[test]
+fn world1_matches_batch_norm_flex() {
+    check_world1(&Device::flex(), false);
+}
+
+/// Mean 1000, std 0.01: the batch statistics (momentum 1 makes the running statistics equal
+/// them) within 1e-4 relative of an f64 reference on the same f32 inputs.
+fn check_large_mean(device: &Device, tensor_ops: bool) {
+    let (n, c, s) = (16, 3, 64);
+    let mut rng = Rng(7);
+    let x = rng.vec(n * c * s, 1000.0, 0.01);
+    let device = device.clone().autodiff();
+    let layer = SyncBatchNormConfig::new(c)
+        .with_momentum(1.0)
+        .with_implementation(if tensor_ops {
+            SyncBatchNormImpl::TensorOps
+        } else {
+            SyncBatchNormImpl::Auto
+        })
+        .init(&device);
+    let input =
+        Tensor::<3>::from_data(TensorData::new(x.clone(), [n, c, s]), &device).require_grad();
+    let _ = layer.forward(input);
+    let mean = values(layer.running_mean.value_sync());
+    let var = values(layer.running_var.value_sync());
+    for ch in 0..c {
+        let vals: Vec<f64> = (0..n)
+            .flat_map(|i| {
+                x[(i * c + ch) * s..(i * c + ch + 1) * s]
+                    .iter()
+                    .map(|v| *v as f64)
+            })
+            .collect();
+        let m = vals.iter().sum::<f64>() / vals.len() as f64;
+        let v = vals.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / vals.len() as f64;
+        let rel_m = (mean[ch] as f64 - m).abs() / m.abs();
+        let rel_v = (var[ch] as f64 - v).abs() / v;
+        assert!(
+            rel_m <= 1e-4,
+            "channel {ch}: mean {} vs {m} (rel {rel_m:e})",
+            mean[ch]
+        );
+        assert!(
+            rel_v <= 1e-4,
+            "channel {ch}: var {} vs {v} (rel {rel_v:e})",
+            var[ch]
+        );
+    }
+}
+
+#[test]
+fn large_mean_statistics_flex() {
+    check_large_mean(&Device::flex(), false);
+}
+
+#[test]
+fn unbiased_running_variance_follows_pytorch() {
+    let (n, c) = (6, 2);
+    let mut rng = Rng(3);
+    let x = rng.vec(n * c, 0.5, 2.0);
+    let device = Device::flex().autodiff();
+    let layer = SyncBatchNormConfig::new(c)
+        .with_running_variance(RunningVariance::Unbiased)
+        .init(&device);
+    let _ = layer.forward(Tensor::<2>::from_data(
+        TensorData::new(x.clone(), [n, c]),
+        &device,
+    ));
+    let var = values(layer.running_var.value_sync());
+    for ch in 0..c {
+        let vals: Vec<f64> = (0..n).map(|i| x[i * c + ch] as f64).collect();
+        let m = vals.iter().sum::<f64>() / n as f64;
+        let unbiased = vals.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1) as f64;
+        let want = 0.9 + 0.1 * unbiased;
+        assert!(
+            ((var[ch] as f64) - want).abs() <= 1e-6 * want,
+            "{} vs {want}",
+            var[ch]
+        );
+    }
+}
+
+#[test]
+fn batch_norm_record_loads_and_layers_convert() {
+    let device = Device::flex();
+    let case = make_case(&[4], 3, &[], 1, 5);
+    let mut bn = init_bn(&case, &device);
+    bn.running_mean =
+        burn::module::RunningState::new(Tensor::from_data([0.5f32, -1.0, 2.0], &device));
+    bn.running_var =
+        burn::module::RunningState::new(Tensor::from_data([1.5f32, 0.25, 3.0], &device));
+
+    #[derive(Module, Debug)]
+    struct Net {
+        norm: BatchNorm,
+    }
+    #[derive(Module, Debug)]
+    struct SyncNet {
+        norm: SyncBatchNorm,
+    }
+    let net = Net { norm: bn.clone() };
+    let synced = SyncNet {
+        norm: SyncBatchNormConfig::new(3).init(&device),
+    }
+    .load_record(net.clone().into_record());
+    let moved = SyncBatchNorm::from(bn.clone());
+    let x = Tensor::<2>::from_data(TensorData::new(case.steps[0].x[0].clone(), [4, 3]), &device);
+    // Eval (no autodiff): running statistics, no communication.
+    let want = values(bn.forward(x.clone()));
+    assert_close(
+        "loaded record",
+        &values(synced.norm.forward(x.clone())),
+        &want,
+        1e-6,
+    );
+    assert_close(
+        "From<BatchNorm>",
+        &values(moved.clone().forward(x.clone())),
+        &want,
+        1e-6,
+    );
+    let back = BatchNorm::from(moved);
+    assert_close("From<SyncBatchNorm>", &values(back.forward(x)), &want, 1e-6);
+    for (name, a, b) in [
+        ("gamma", synced.norm.gamma.val(), bn.gamma.val()),
+        ("beta", synced.norm.beta.val(), bn.beta.val()),
+        (
+            "running_mean",
+            synced.norm.running_mean.value_sync(),
+            bn.running_mean.value_sync(),
+        ),
+        (
+            "running_var",
+            synced.norm.running_var.value_sync(),
+            bn.running_var.value_sync(),
+        ),
+    ] {
+        assert_close(name, &values(a), &values(b), 0.0);
+    }
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    let device = Device::flex().autodiff();
+    let layer = SyncBatchNormConfig::new(3).init(&device);
+    let x = Tensor::<1>::zeros([3], &device);
+    assert!(matches!(
+        layer.try_forward(x),
+        Err(SyncBatchNormError::Rank(1))
+    ));
+    let x = Tensor::<2>::zeros([2, 4], &device);
+    assert!(matches!(
+        layer.try_forward(x),
+        Err(SyncBatchNormError::Channels {
+            expected: 3,
+            got: 4
+        })
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgpu (CubeCL kernels on Mesa lavapipe in CI)
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+
+    fn device() -> Device {
+        Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)
+    }
+
+    #[test]
+    fn world1_matches_batch_norm_wgpu_kernels() {
+        check_world1(&device(), false);
+    }
+
+    #[test]
+    fn world1_matches_batch_norm_wgpu_tensor_ops() {
+        check_world1(&device(), true);
+    }
+
+    #[test]
+    fn kernels_match_tensor_ops_wgpu() {
+        let device = device().autodiff();
+        for (rows, spatial) in [
+            (vec![9], vec![]),
+            (vec![6], vec![5, 7]),
+            (vec![3], vec![300]),
+        ] {
+            let mut case = make_case(&rows, 4, &spatial, 2, 21);
+            let kernels = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+            case.tensor_ops = true;
+            let ops = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+            assert_results_close(
+                &format!("kernels vs tensor ops {spatial:?}"),
+                &kernels,
+                &ops,
+                TOL,
+            );
+        }
+    }
+
+    #[test]
+    fn large_mean_statistics_wgpu_kernels() {
+        check_large_mean(&device(), false);
+    }
+
+    #[test]
+    fn large_mean_statistics_wgpu_tensor_ops() {
+        check_large_mean(&device(), true);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn world1_matches_batch_norm_cuda_kernels() {
+        check_world1(&Device::cuda(0), false);
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn large_mean_statistics_cuda_kernels() {
+        check_large_mean(&Device::cuda(0), false);
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn world2_matches_joined_batch_cuda() {
+        let mut case = make_case(&[5, 3], 3, &[4, 4], 2, 31);
+        case.device = "cuda".into();
+        check_ranks(&case);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real rank processes
+
+static RUN: AtomicUsize = AtomicUsize::new(0);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts one `syncbn_worker` per rank with torchrun's variables, waits (deadline 240 s, then
+/// kills them all) and returns each rank's report.
+fn run_ranks(case: &Case) -> Vec<RankResult> {
+    let world = case.rows.len();
+    let dir: PathBuf = std::env::temp_dir().join(format!(
+        "syncbn-test-{}-{}",
+        std::process::id(),
+        RUN.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let case_path = dir.join("case.json");
+    std::fs::write(&case_path, serde_json::to_vec(case).unwrap()).unwrap();
+    let port = free_port();
+    let mut children: Vec<Child> = (0..world)
+        .map(|rank| {
+            let log = std::fs::File::create(dir.join(format!("rank{rank}.log"))).unwrap();
+            Command::new(env!("CARGO_BIN_EXE_syncbn_worker"))
+                .arg(&case_path)
+                .arg(&dir)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("GROUP_RANK", "0")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("DDP_TIMEOUT_SECS", "60")
+                .env_remove("SLURM_PROCID")
+                .env_remove("SLURM_NTASKS")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("spawning syncbn_worker")
+        })
+        .collect();
+    let logs = |dir: &PathBuf| {
+        (0..world)
+            .map(|r| {
+                format!(
+                    "--- rank {r}:\n{}",
+                    std::fs::read_to_string(dir.join(format!("rank{r}.log"))).unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut done = vec![false; world];
+    while done.iter().any(|d| !d) {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                if !status.success() {
+                    for c in children.iter_mut() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    panic!("rank {rank} failed ({status})\n{}", logs(&dir));
+                }
+                done[rank] = true;
+            }
+        }
+        if Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            panic!("ranks did not finish within 240 s\n{}", logs(&dir));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let results = (0..world)
+        .map(|r| {
+            serde_json::from_slice(&std::fs::read(dir.join(format!("rank{r}.json"))).unwrap())
+                .unwrap()
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    results
+}
+
+/// Every rank ≡ BatchNorm on the concatenated batch (on Flex).
+fn check_ranks(case: &Case) {
+    let world = case.rows.len();
+    let device = Device::flex().autodiff();
+    let mut want = run_joined(case, &Layer::Bn(init_bn(case, &device)), &device);
+    if case.unbiased {
+        // BatchNorm has no unbiased option: recompute the running variance in f64.
+        let mut rv = vec![1.0f64; case.channels];
+        let per = case.spatial.iter().product::<usize>();
+        for step in &case.steps {
+            let x = step.x.concat();
+            let n = x.len() / (case.channels * per);
+            for (c, r) in rv.iter_mut().enumerate() {
+                let vals: Vec<f64> = (0..n)
+                    .flat_map(|i| {
+                        x[(i * case.channels + c) * per..(i * case.channels + c + 1) * per]
+                            .iter()
+                            .map(|v| *v as f64)
+                    })
+                    .collect();
+                let m = vals.iter().sum::<f64>() / vals.len() as f64;
+                let var =
+                    vals.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (vals.len() - 1) as f64;
+                *r = 0.9 * *r + 0.1 * var;
+            }
+        }
+        want.running_var = rv.iter().map(|v| *v as f32).collect();
+    }
+    let got = run_ranks(case);
+    let per_row = case.channels * case.spatial.iter().product::<usize>();
+    let mut offset = 0;
+    for (rank, result) in got.iter().enumerate() {
+        let rows = case.rows[rank];
+        let range = offset * per_row..(offset + rows) * per_row;
+        offset += rows;
+        for (i, (g, w)) in result.steps.iter().zip(&want.steps).enumerate() {
+            let what = format!("world {world} rank {rank} step {i}");
+            assert_close(&format!("{what} y"), &g.y, &w.y[range.clone()], TOL);
+            assert_close(
+                &format!("{what} x_grad"),
+                &g.x_grad,
+                &w.x_grad[range.clone()],
+                TOL,
+            );
+            // DDP averages: mean over ranks = joined-batch gradient / world size.
+            let scaled = |v: &[f32]| v.iter().map(|x| x / world as f32).collect::<Vec<_>>();
+            assert_close(
+                &format!("{what} gamma_grad"),
+                &g.gamma_grad,
+                &scaled(&w.gamma_grad),
+                TOL,
+            );
+            assert_close(
+                &format!("{what} beta_grad"),
+                &g.beta_grad,
+                &scaled(&w.beta_grad),
+                TOL,
+            );
+        }
+        assert_close(
+            &format!("rank {rank} running_mean"),
+            &result.running_mean,
+            &want.running_mean,
+            TOL,
+        );
+        assert_close(
+            &format!("rank {rank} running_var"),
+            &result.running_var,
+            &want.running_var,
+            TOL,
+        );
+    }
+}
+
+#[test]
+fn world2_uneven_2d_matches_joined_batch() {
+    check_ranks(&make_case(&[5, 3], 4, &[], 2, 41));
+}
+
+#[test]
+fn world2_uneven_4d_unbiased_matches_joined_batch() {
+    let mut case = make_case(&[3, 5], 3, &[4, 5], 2, 42);
+    case.unbiased = true;
+    check_ranks(&case);
+}
+
+#[test]
+fn world3_with_an_empty_rank_4d_matches_joined_batch() {
+    check_ranks(&make_case(&[5, 3, 0], 3, &[3, 4], 2, 43));
+}
+
+#[test]
+fn world3_with_a_single_row_rank_2d_matches_joined_batch() {
+    check_ranks(&make_case(&[5, 1, 3], 5, &[], 2, 44));
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn world2_uneven_4d_wgpu_kernels_match_joined_batch() {
+    let mut case = make_case(&[5, 3], 3, &[4, 4], 2, 45);
+    case.device = "wgpu".into();
+    check_ranks(&case);
+}
