@@ -88,7 +88,8 @@ impl Checkpoint {
     /// Encodes the checkpoint.
     pub fn to_bytes(&self) -> Vec<u8> {
         let meta = serde_json::to_vec(&self.meta).expect("checkpoint metadata serialises");
-        let mut out = Vec::with_capacity(HEADER_LEN + meta.len() + self.model.len() + self.optimizer.len());
+        let mut out =
+            Vec::with_capacity(HEADER_LEN + meta.len() + self.model.len() + self.optimizer.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         for s in [&meta, &self.model, &self.optimizer] {
@@ -109,13 +110,17 @@ impl Checkpoint {
             reason,
         };
         if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
-            return Err(bad("not a train-cnn checkpoint (bad magic or too short)".into()));
+            return Err(bad(
+                "not a train-cnn checkpoint (bad magic or too short)".into()
+            ));
         }
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
         let version = u32_at(8);
         if version != VERSION {
-            return Err(bad(format!("format version {version}, this program reads {VERSION}")));
+            return Err(bad(format!(
+                "format version {version}, this program reads {VERSION}"
+            )));
         }
         let lens = [u64_at(12), u64_at(20), u64_at(28)];
         let sum = u64_at(36);

@@ -31,7 +31,12 @@ pub struct DistError(pub String);
 /// An optimizer as the training loop uses it: step, and save / restore its state.
 pub trait StepOptimizer {
     /// Updates `module` from `grads` (after averaging them across ranks, for a distributed one).
-    fn step<M: Module>(&mut self, lr: f64, module: M, grads: GradientsParams) -> Result<M, DistError>;
+    fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M, DistError>;
     /// The optimizer state (burnpack bytes).
     fn state_bytes(&self) -> Result<Vec<u8>, DistError>;
     /// Restores a state written by [`state_bytes`](Self::state_bytes).
@@ -39,7 +44,12 @@ pub trait StepOptimizer {
 }
 
 impl StepOptimizer for ModuleOptimizer {
-    fn step<M: Module>(&mut self, lr: f64, module: M, grads: GradientsParams) -> Result<M, DistError> {
+    fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M, DistError> {
         Ok(ModuleOptimizer::step(self, lr, module, grads))
     }
 
@@ -104,7 +114,9 @@ pub fn from_env() -> Result<Local, DistError> {
             Ok(n) if n > 1 => Err(DistError(format!(
                 "WORLD_SIZE={n}, but this build of train-cnn runs single-process only (burn-ddp not wired in)"
             ))),
-            _ => Err(DistError(format!("WORLD_SIZE={w:?} is not a positive integer"))),
+            _ => Err(DistError(format!(
+                "WORLD_SIZE={w:?} is not a positive integer"
+            ))),
         },
     }
 }
@@ -188,7 +200,9 @@ mod tests {
     #[test]
     fn shards_cover_everything_and_change_with_the_epoch() {
         for (len, world) in [(10, 1), (10, 3), (7, 4), (1, 2)] {
-            let shards: Vec<Vec<usize>> = (0..world).map(|r| shard_indices(len, 5, 0, r, world)).collect();
+            let shards: Vec<Vec<usize>> = (0..world)
+                .map(|r| shard_indices(len, 5, 0, r, world))
+                .collect();
             let n = shards[0].len();
             assert!(shards.iter().all(|s| s.len() == n));
             let mut all: Vec<usize> = shards.concat();
@@ -196,7 +210,13 @@ mod tests {
             all.dedup();
             assert_eq!(all, (0..len).collect::<Vec<_>>());
         }
-        assert_ne!(shard_indices(100, 5, 0, 0, 1), shard_indices(100, 5, 1, 0, 1));
-        assert_eq!(shard_indices(100, 5, 1, 0, 1), shard_indices(100, 5, 1, 0, 1));
+        assert_ne!(
+            shard_indices(100, 5, 0, 0, 1),
+            shard_indices(100, 5, 1, 0, 1)
+        );
+        assert_eq!(
+            shard_indices(100, 5, 1, 0, 1),
+            shard_indices(100, 5, 1, 0, 1)
+        );
     }
 }

@@ -22,10 +22,10 @@ struct Args {
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
     /// Total number of epochs.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 4)]
     epochs: usize,
     /// SGD learning rate (momentum 0.9).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.02)]
     lr: f64,
     /// Seed of initialisation, synthetic data and data order.
     #[arg(long, default_value_t = 42)]
@@ -34,10 +34,10 @@ struct Args {
     #[arg(long, default_value = "synthetic")]
     data: DataSpec,
     /// Synthetic training images.
-    #[arg(long, default_value_t = 6000)]
+    #[arg(long, default_value_t = 10000)]
     train_size: usize,
     /// Synthetic evaluation images.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 2000)]
     eval_size: usize,
     /// Output channels of the conv blocks, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "16,32,32")]
@@ -90,13 +90,17 @@ fn run(args: Args) -> Result<(), TrainError> {
     let mut cluster = dist::from_env()?;
     if args.sync_bn {
         return Err(TrainError::Config(
-            "--sync-bn needs burn-ddp's SyncBatchNorm, which this build does not include yet".into(),
+            "--sync-bn needs burn-ddp's SyncBatchNorm, which this build does not include yet"
+                .into(),
         ));
     }
     run_with::<BatchNorm, _>(&mut cluster, &cfg)
 }
 
-fn run_with<N: NormLayer, C: Cluster>(cluster: &mut C, cfg: &TrainConfig) -> Result<(), TrainError> {
+fn run_with<N: NormLayer, C: Cluster>(
+    cluster: &mut C,
+    cfg: &TrainConfig,
+) -> Result<(), TrainError> {
     let trained = train::train::<N, C>(cluster, cfg)?;
     if cluster.is_main() {
         let p = &trained.paths;

@@ -121,7 +121,8 @@ pub struct ConvBlock<N> {
 
 impl<N: NormLayer> ConvBlock<N> {
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        self.pool.forward(relu(self.norm.forward(self.conv.forward(x))))
+        self.pool
+            .forward(relu(self.norm.forward(self.conv.forward(x))))
     }
 }
 

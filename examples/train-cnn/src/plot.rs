@@ -14,6 +14,16 @@ pub struct PlotError {
     reason: String,
 }
 
+/// One series: how to read its value, its legend label and its colour.
+type Series = (fn(&EpochMetrics) -> f64, &'static str, RGBColor);
+/// One panel: where, its title, its y range and its two series.
+type Panel<'a, 'b> = (
+    &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    &'static str,
+    std::ops::Range<f64>,
+    [Series; 2],
+);
+
 /// Draws two panels side by side — loss (train, eval) and accuracy in % (train, eval) against the
 /// epoch — into the SVG file `path`.
 pub fn write_svg(path: &Path, history: &[EpochMetrics]) -> Result<(), PlotError> {
@@ -24,9 +34,9 @@ pub fn write_svg(path: &Path, history: &[EpochMetrics]) -> Result<(), PlotError>
     let root = SVGBackend::new(path, (1000, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let (left, right) = root.split_horizontally(500);
-    let last = history.last().map_or(1, |m| m.epoch).max(1) as f64;
-    let first = history.first().map_or(1, |m| m.epoch) as f64;
-    let x_range = (first - 0.5).min(0.5)..last + 0.5;
+    // Integer epochs on the x axis, from 0 to one past the last.
+    let last = history.last().map_or(1, |m| m.epoch).max(1) as i32;
+    let x_range = 0..last + 1;
 
     let loss_max = history
         .iter()
@@ -35,7 +45,7 @@ pub fn write_svg(path: &Path, history: &[EpochMetrics]) -> Result<(), PlotError>
         .fold(0.0f64, f64::max)
         .max(1e-3)
         * 1.1;
-    let panels: [(&DrawingArea<SVGBackend, _>, &str, std::ops::Range<f64>, [(fn(&EpochMetrics) -> f64, &str, RGBColor); 2]); 2] = [
+    let panels: [Panel<'_, '_>; 2] = [
         (
             &left,
             "loss",
@@ -66,19 +76,23 @@ pub fn write_svg(path: &Path, history: &[EpochMetrics]) -> Result<(), PlotError>
         chart
             .configure_mesh()
             .x_desc("epoch")
-            .x_labels(history.len().clamp(2, 10))
-            .x_label_formatter(&|x| format!("{x:.0}"))
+            .x_labels((last as usize + 2).min(12))
             .draw()
             .map_err(|e| err(&e))?;
         for (value, label, color) in series {
-            let points: Vec<(f64, f64)> = history.iter().map(|m| (m.epoch as f64, value(m))).collect();
+            let points: Vec<(i32, f64)> =
+                history.iter().map(|m| (m.epoch as i32, value(m))).collect();
             chart
                 .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
                 .map_err(|e| err(&e))?
                 .label(label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
             chart
-                .draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))
+                .draw_series(
+                    points
+                        .into_iter()
+                        .map(|p| Circle::new(p, 3, color.filled())),
+                )
                 .map_err(|e| err(&e))?;
         }
         chart

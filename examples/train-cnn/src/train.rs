@@ -49,11 +49,11 @@ impl TrainConfig {
     pub fn new(out: impl Into<PathBuf>) -> Self {
         Self {
             batch_size: 32,
-            epochs: 3,
-            lr: 0.05,
+            epochs: 4,
+            lr: 0.02,
             seed: 42,
             data: DataSpec::Synthetic,
-            synthetic_sizes: (6000, 1000),
+            synthetic_sizes: (10000, 2000),
             channels: vec![16, 32, 32],
             out: out.into(),
             resume: false,
@@ -131,6 +131,10 @@ pub struct Trained<N> {
 /// Trains a CNN with norm layer `N` on `cluster` as `cfg` says.
 ///
 /// Every rank calls this; rank 0 alone shows progress and writes files.
+///
+/// The model is initialised from Burn's device generator seeded with `cfg.seed` (then replaced by
+/// rank 0's weights on every rank); another thread drawing random numbers at the same time
+/// perturbs that stream, so run one training per process when reproducibility matters.
 pub fn train<N: NormLayer, C: Cluster>(
     cluster: &mut C,
     cfg: &TrainConfig,
@@ -139,7 +143,10 @@ pub fn train<N: NormLayer, C: Cluster>(
         return Err(TrainError::Config("--batch-size must be at least 1".into()));
     }
     if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
-        return Err(TrainError::Config(format!("--lr {} must be positive", cfg.lr)));
+        return Err(TrainError::Config(format!(
+            "--lr {} must be positive",
+            cfg.lr
+        )));
     }
     let splits = data::open(&cfg.data, cfg.seed, cfg.synthetic_sizes)?;
     let (rows, cols) = splits.dims();
@@ -205,10 +212,12 @@ pub fn train<N: NormLayer, C: Cluster>(
                 reason: format!("model record: {e}"),
             }
         })?;
-        model = model.try_load_record(record).map_err(|e| CheckpointError::Corrupt {
-            path: paths.checkpoint.clone(),
-            reason: format!("model record does not fit the model: {e}"),
-        })?;
+        model = model
+            .try_load_record(record)
+            .map_err(|e| CheckpointError::Corrupt {
+                path: paths.checkpoint.clone(),
+                reason: format!("model record does not fit the model: {e}"),
+            })?;
         optim.load_state_bytes(ck.optimizer)?;
         sampler = ck.meta.sampler;
         history = ck.meta.history;
@@ -225,18 +234,27 @@ pub fn train<N: NormLayer, C: Cluster>(
         per_epoch_global * remaining as u64,
     );
     if cluster.is_main() {
-        bar.println(format!(
-            "train-cnn: {} ranks × batch {} ({} {}), {} train / {} eval images of {rows}×{cols}, {} parameters",
-            world,
-            cfg.batch_size,
-            N::NAME,
-            cfg.data,
-            splits.train.0.len(),
-            splits.eval.0.len(),
-            model.num_params()
-        ));
+        say(
+            &bar,
+            format!(
+                "train-cnn: {} ranks × batch {} ({} {}), {} train / {} eval images of {rows}×{cols}, {} parameters",
+                world,
+                cfg.batch_size,
+                N::NAME,
+                cfg.data,
+                splits.train.0.len(),
+                splits.eval.0.len(),
+                model.num_params()
+            ),
+        );
         if remaining == 0 {
-            bar.println(format!("nothing to do: {start} of {} epochs already done", cfg.epochs));
+            say(
+                &bar,
+                format!(
+                    "nothing to do: {start} of {} epochs already done",
+                    cfg.epochs
+                ),
+            );
         }
     }
 
@@ -262,7 +280,11 @@ pub fn train<N: NormLayer, C: Cluster>(
             sums[0] += loss_value * n;
             sums[1] += correct as f64;
             sums[2] += n;
-            bar.set_message(format!("epoch {}/{} loss {loss_value:.4}", epoch + 1, cfg.epochs));
+            bar.set_message(format!(
+                "epoch {}/{} loss {loss_value:.4}",
+                epoch + 1,
+                cfg.epochs
+            ));
             bar.inc(chunk.len() as u64 * world as u64);
         }
         let train_seconds = t0.elapsed().as_secs_f64();
@@ -284,10 +306,10 @@ pub fn train<N: NormLayer, C: Cluster>(
             let mut lines = table.lines();
             let header = lines.next().unwrap_or_default();
             if !header_printed {
-                bar.println(header);
+                say(&bar, header);
                 header_printed = true;
             }
-            bar.println(lines.last().unwrap_or_default());
+            say(&bar, lines.last().unwrap_or_default());
             write_outputs(&paths, &history)?;
             let ck = Checkpoint {
                 meta: CheckpointMeta {
@@ -320,6 +342,11 @@ pub fn train<N: NormLayer, C: Cluster>(
     })
 }
 
+/// Prints a line on stdout without tearing the progress bar.
+fn say(bar: &ProgressBar, line: impl AsRef<str>) {
+    bar.suspend(|| println!("{}", line.as_ref()));
+}
+
 fn progress_bar(show: bool, total: u64) -> ProgressBar {
     if !show {
         return ProgressBar::hidden();
@@ -335,12 +362,20 @@ fn progress_bar(show: bool, total: u64) -> ProgressBar {
     bar
 }
 
-fn make_batch(batcher: &ImageBatcher, set: &dyn ImageSet, idx: &[usize], device: &Device) -> ImageBatch {
+fn make_batch(
+    batcher: &ImageBatcher,
+    set: &dyn ImageSet,
+    idx: &[usize],
+    device: &Device,
+) -> ImageBatch {
     let items = idx.iter().map(|&i| set.item(i)).collect();
     batcher.batch(items, device)
 }
 
-fn count_correct(logits: burn::tensor::Tensor<2>, targets: burn::tensor::Tensor<1, burn::tensor::Int>) -> i64 {
+fn count_correct(
+    logits: burn::tensor::Tensor<2>,
+    targets: burn::tensor::Tensor<1, burn::tensor::Int>,
+) -> i64 {
     let pred = logits.argmax(1).flatten::<1>(0, 1);
     pred.equal(targets).int().sum().into_scalar::<i64>()
 }

@@ -126,14 +126,21 @@ fn read(path: &Path) -> Result<Vec<u8>, DataError> {
 
 /// Checks the header of an IDX file of unsigned bytes with `rank` dimensions and returns the
 /// dimensions and the data.
-fn parse<'a>(path: &Path, bytes: &'a [u8], rank: usize) -> Result<(Vec<usize>, &'a [u8]), DataError> {
+fn parse<'a>(
+    path: &Path,
+    bytes: &'a [u8],
+    rank: usize,
+) -> Result<(Vec<usize>, &'a [u8]), DataError> {
     let err = |reason: String| DataError::Idx {
         path: path.to_path_buf(),
         reason,
     };
     let header = 4 + 4 * rank;
     if bytes.len() < 4 {
-        return Err(err(format!("{} bytes, shorter than the header", bytes.len())));
+        return Err(err(format!(
+            "{} bytes, shorter than the header",
+            bytes.len()
+        )));
     }
     let magic = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     let expected = 0x0800 | rank as u32;
@@ -143,7 +150,10 @@ fn parse<'a>(path: &Path, bytes: &'a [u8], rank: usize) -> Result<(Vec<usize>, &
         )));
     }
     if bytes.len() < header {
-        return Err(err(format!("{} bytes, shorter than the header", bytes.len())));
+        return Err(err(format!(
+            "{} bytes, shorter than the header",
+            bytes.len()
+        )));
     }
     let dims: Vec<usize> = (0..rank)
         .map(|d| {

@@ -157,11 +157,23 @@ impl Splits {
 
 /// Opens the dataset `spec`. `synthetic_sizes` is `(train, eval)` for the synthetic dataset,
 /// generated from `seed`.
-pub fn open(spec: &DataSpec, seed: u64, synthetic_sizes: (usize, usize)) -> Result<Splits, DataError> {
+pub fn open(
+    spec: &DataSpec,
+    seed: u64,
+    synthetic_sizes: (usize, usize),
+) -> Result<Splits, DataError> {
     let (train, eval): (Arc<dyn ImageSet>, Arc<dyn ImageSet>) = match spec {
         DataSpec::Synthetic => (
-            Arc::new(synthetic::SyntheticImages::new(seed, synthetic::Split::Train, synthetic_sizes.0)),
-            Arc::new(synthetic::SyntheticImages::new(seed, synthetic::Split::Eval, synthetic_sizes.1)),
+            Arc::new(synthetic::SyntheticImages::new(
+                seed,
+                synthetic::Split::Train,
+                synthetic_sizes.0,
+            )),
+            Arc::new(synthetic::SyntheticImages::new(
+                seed,
+                synthetic::Split::Eval,
+                synthetic_sizes.1,
+            )),
         ),
         DataSpec::Mnist(dir) => (
             Arc::new(mnist::IdxImages::load_split(dir, mnist::MnistSplit::Train)?),
@@ -211,12 +223,20 @@ impl Batcher<ImageItem, ImageBatch> for ImageBatcher {
         let mut pixels = Vec::with_capacity(n * per);
         let mut labels = Vec::with_capacity(n);
         for it in items {
-            assert_eq!(it.pixels.len(), per, "image of {} pixels, expected {per}", it.pixels.len());
+            assert_eq!(
+                it.pixels.len(),
+                per,
+                "image of {} pixels, expected {per}",
+                it.pixels.len()
+            );
             pixels.extend_from_slice(&it.pixels);
             labels.push(it.label as i64);
         }
         ImageBatch {
-            images: Tensor::from_data(TensorData::new(pixels, [n, 1, self.rows, self.cols]), device),
+            images: Tensor::from_data(
+                TensorData::new(pixels, [n, 1, self.rows, self.cols]),
+                device,
+            ),
             targets: Tensor::from_data(TensorData::new(labels, [n]), device),
         }
     }
@@ -228,7 +248,10 @@ mod tests {
 
     #[test]
     fn data_spec_parses() {
-        assert_eq!("synthetic".parse::<DataSpec>().unwrap(), DataSpec::Synthetic);
+        assert_eq!(
+            "synthetic".parse::<DataSpec>().unwrap(),
+            DataSpec::Synthetic
+        );
         assert_eq!(
             "mnist:/tmp/m".parse::<DataSpec>().unwrap(),
             DataSpec::Mnist("/tmp/m".into())
@@ -246,9 +269,9 @@ mod tests {
         let device = Device::flex();
         let b = ImageBatcher { rows: 28, cols: 28 }.batch(items.clone(), &device);
         assert_eq!(b.images.dims(), [3, 1, 28, 28]);
-        let px: Vec<f32> = b.images.into_data().to_vec().unwrap();
+        let px: Vec<f32> = b.images.into_data().try_to_vec().unwrap();
         assert_eq!(&px[784..2 * 784], &items[1].pixels[..]);
-        let t: Vec<i64> = b.targets.into_data().convert::<i64>().to_vec().unwrap();
+        let t: Vec<i64> = b.targets.into_data().convert::<i64>().try_to_vec().unwrap();
         assert_eq!(t, vec![0, 1, 2]);
     }
 

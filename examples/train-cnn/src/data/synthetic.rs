@@ -67,7 +67,11 @@ impl ImageSet for SyntheticImages {
     }
 
     fn item(&self, index: usize) -> ImageItem {
-        assert!(index < self.len, "index {index} out of range 0..{}", self.len);
+        assert!(
+            index < self.len,
+            "index {index} out of range 0..{}",
+            self.len
+        );
         let split = match self.split {
             Split::Train => 1,
             Split::Eval => 2,
@@ -178,7 +182,10 @@ mod tests {
             .collect();
         let lo = means.iter().cloned().fold(f64::INFINITY, f64::min);
         let hi = means.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        assert!(hi - lo > 1.5, "class-4 mean brightness spans only {lo}..{hi}");
+        assert!(
+            hi - lo > 1.5,
+            "class-4 mean brightness spans only {lo}..{hi}"
+        );
     }
 
     #[test]
