@@ -1,1 +1,126 @@
-fn main() {}
+//! `ddprun`: starts the ranks of a data-parallel job on this node (torchrun's shape).
+//!
+//! ```text
+//! ddprun --nproc-per-node 4 -- ./train --epochs 1
+//! ddprun --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
+//! ```
+//!
+//! Exit code: 0 when every rank succeeds; otherwise the first failing rank's exit code (128 +
+//! signal when it was killed by a signal), with one summary line on stderr.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use ddp_comm::launcher::{LaunchConfig, LaunchError, launch};
+
+/// Start, watch and stop the rank processes of a data-parallel job on this node.
+///
+/// Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+/// MASTER_PORT and DDP_JOB_TOKEN. When a rank fails, the others get SIGTERM, then SIGKILL after
+/// the grace period; ddprun exits with the failing rank's exit code.
+#[derive(Debug, Parser)]
+#[command(name = "ddprun", version)]
+struct Args {
+    /// Ranks to start on this node.
+    #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    nproc_per_node: u32,
+    /// Nodes in the job (each runs its own ddprun; set DDP_JOB_TOKEN to one value on all).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    nnodes: u32,
+    /// This node's index, 0..nnodes.
+    #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
+    node_rank: u32,
+    /// Host of rank 0 (where the rendezvous store runs).
+    #[arg(
+        long = "master-addr",
+        visible_alias = "master_addr",
+        default_value = "127.0.0.1"
+    )]
+    master_addr: String,
+    /// Port of the rendezvous store [default: a free port on one node, 29500 on several].
+    #[arg(long = "master-port", visible_alias = "master_port",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    master_port: Option<u16>,
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long = "grace-secs", visible_alias = "grace_secs", default_value_t = 5.0,
+          value_parser = parse_secs)]
+    grace_secs: f64,
+    /// Compute threads per rank (OMP_NUM_THREADS, RAYON_NUM_THREADS)
+    /// [default: cores / nproc-per-node when several ranks share the node].
+    #[arg(long = "threads-per-rank", visible_alias = "threads_per_rank",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    threads_per_rank: Option<u32>,
+    /// Do not prefix output lines with `[rank k] ` (ranks write to ddprun's streams directly).
+    #[arg(long = "no-prefix", visible_alias = "no_prefix")]
+    no_prefix: bool,
+    /// The program to run, then its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM [ARGS]..."
+    )]
+    command: Vec<OsString>,
+}
+
+fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=86_400.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds between 0 and 86400"
+        )),
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let cfg = LaunchConfig {
+        nproc_per_node: args.nproc_per_node as usize,
+        nnodes: args.nnodes as usize,
+        node_rank: args.node_rank as usize,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        grace: Duration::from_secs_f64(args.grace_secs),
+        threads_per_rank: args.threads_per_rank.map(|t| t as usize),
+        prefix_output: !args.no_prefix,
+        job_token: None,
+        forward_signals: true,
+        extra_env: Vec::new(),
+    };
+    let (program, rest) = args
+        .command
+        .split_first()
+        .expect("clap requires at least the program");
+    match launch(&cfg, program, rest) {
+        Ok(report) => {
+            if let Some(line) = report.summary() {
+                eprintln!("{line}");
+            }
+            ExitCode::from((report.exit_code() & 0xff) as u8)
+        }
+        Err(e) => {
+            eprintln!("ddprun: error: {e}");
+            let code = match &e {
+                // The shell's conventions for a command that cannot run.
+                LaunchError::Spawn { source, .. }
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    127
+                }
+                LaunchError::Spawn { .. } => 126,
+                _ => 1,
+            };
+            ExitCode::from(code)
+        }
+    }
+}

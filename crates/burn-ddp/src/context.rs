@@ -1,0 +1,323 @@
+//! [`Ddp`]: this process's place in a data-parallel job (rank, world size, device, group).
+
+use std::time::Duration;
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use ddp_comm::{GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
+
+use crate::comm::{self, SharedGroup};
+use crate::error::{DdpError, Result};
+use crate::grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer};
+
+/// Joins the data-parallel job described by the launch environment, with default settings.
+///
+/// Reads torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+/// `MASTER_PORT`, …) or Slurm's, joins the process group and installs it process-wide
+/// ([`crate::comm::install`]) so layers such as SyncBatchNorm find it. With no launch
+/// variables at all this is a world of one: the same program runs alone unchanged.
+///
+/// Equivalent to `Ddp::builder().init()`; see [`DdpBuilder`] for the settings.
+///
+/// ```no_run
+/// # fn main() -> Result<(), burn_ddp::DdpError> {
+/// let ddp = burn_ddp::init()?;
+/// println!("rank {} of {} on {:?}", ddp.rank(), ddp.world_size(), ddp.device());
+/// # Ok(()) }
+/// ```
+pub fn init() -> Result<Ddp> {
+    Ddp::builder().init()
+}
+
+/// Where a rank runs its model.
+#[derive(Debug, Clone, Default)]
+enum DeviceChoice {
+    /// CUDA device `LOCAL_RANK` when built with the `cuda` feature, else the CPU (Flex).
+    #[default]
+    Auto,
+    /// A device chosen by the caller.
+    Fixed(Device),
+}
+
+/// Settings for [`Ddp`]; build with [`Ddp::builder`], finish with [`DdpBuilder::init`].
+#[derive(Clone)]
+pub struct DdpBuilder {
+    device: DeviceChoice,
+    bucket_cap_bytes: usize,
+    group_options: GroupOptions,
+    env: Option<LaunchEnv>,
+}
+
+impl std::fmt::Debug for DdpBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DdpBuilder")
+            .field("device", &self.device)
+            .field("bucket_cap_bytes", &self.bucket_cap_bytes)
+            .field("group_options", &self.group_options)
+            .field("launch_env_given", &self.env.is_some())
+            .finish()
+    }
+}
+
+impl Default for DdpBuilder {
+    fn default() -> Self {
+        DdpBuilder {
+            device: DeviceChoice::Auto,
+            bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
+            group_options: GroupOptions::default(),
+            env: None,
+        }
+    }
+}
+
+impl DdpBuilder {
+    /// Runs this rank on `device` instead of the automatic choice (CUDA device `LOCAL_RANK`
+    /// when built with the `cuda` feature, otherwise the CPU backend, Flex).
+    ///
+    /// Give the plain device; call `.autodiff()` on [`Ddp::device`] for training.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = DeviceChoice::Fixed(device);
+        self
+    }
+
+    /// Largest gradient bucket in bytes (default 25 MiB). Gradients are flattened to f32
+    /// host buffers of at most this size; one all-reduce per bucket. A parameter larger
+    /// than the cap gets a bucket of its own.
+    pub fn bucket_cap_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_cap_bytes = bytes;
+        self
+    }
+
+    /// [`Self::bucket_cap_bytes`] in MiB.
+    pub fn bucket_cap_mib(self, mib: f64) -> Self {
+        self.bucket_cap_bytes((mib * 1024.0 * 1024.0) as usize)
+    }
+
+    /// Deadline of every collective (default 300 s or `DDP_TIMEOUT_SECS`).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.group_options.timeout = timeout;
+        self
+    }
+
+    /// All process-group settings at once.
+    pub fn group_options(mut self, options: GroupOptions) -> Self {
+        self.group_options = options;
+        self
+    }
+
+    /// Uses `env` instead of reading the process environment.
+    pub fn launch_env(mut self, env: LaunchEnv) -> Self {
+        self.env = Some(env);
+        self
+    }
+
+    /// Joins the group (or reuses the one already installed in this process) and returns
+    /// the context.
+    ///
+    /// # Errors
+    /// A missing or malformed launch variable, an unreachable rendezvous, a bucket cap of 0.
+    pub fn init(self) -> Result<Ddp> {
+        if self.bucket_cap_bytes < 4 {
+            return Err(DdpError::InvalidSetting(format!(
+                "bucket cap of {} bytes is below one f32",
+                self.bucket_cap_bytes
+            )));
+        }
+        let env = match self.env {
+            Some(env) => env,
+            None => LaunchEnv::from_env().map_err(ddp_comm::CommError::from)?,
+        };
+        let group = match comm::group() {
+            Some(g) => {
+                tracing::debug!("reusing the process group already installed");
+                g
+            }
+            None => {
+                let pg = ProcessGroup::init(&env, self.group_options)?;
+                comm::install(pg).0
+            }
+        };
+        let (rank, world_size) = {
+            let g = comm::lock(&group);
+            (g.rank(), g.world_size())
+        };
+        let device = match self.device {
+            DeviceChoice::Fixed(d) => d,
+            DeviceChoice::Auto => auto_device(env.local_rank),
+        };
+        tracing::info!(rank, world_size, local_rank = env.local_rank, ?device, "ddp initialised");
+        Ok(Ddp {
+            group,
+            rank,
+            world_size,
+            local_rank: env.local_rank,
+            local_world_size: env.local_world_size,
+            device,
+            bucket_cap_bytes: self.bucket_cap_bytes,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn auto_device(local_rank: usize) -> Device {
+    Device::cuda(local_rank)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn auto_device(_local_rank: usize) -> Device {
+    Device::flex()
+}
+
+/// This process's place in a data-parallel job: rank, world size, device and the shared
+/// process group. Create with [`init`] or [`Ddp::builder`].
+///
+/// Every collective helper here (`barrier`, `average_*`, [`Ddp::replicate_model`], the
+/// gradient sync of [`crate::DdpOptimizer`]) must be called by every rank in the same order.
+#[derive(Debug, Clone)]
+pub struct Ddp {
+    group: SharedGroup,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    device: Device,
+    bucket_cap_bytes: usize,
+}
+
+impl Ddp {
+    /// Settings for [`init`]: device, bucket cap, timeouts.
+    pub fn builder() -> DdpBuilder {
+        DdpBuilder::default()
+    }
+
+    /// This process's rank, `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// This process's rank on its host (`LOCAL_RANK`): the GPU index it uses.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Number of ranks on this host (`LOCAL_WORLD_SIZE`).
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+
+    /// Whether this is rank 0, the rank that logs, renders metrics and writes checkpoints.
+    pub fn is_main(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// The device this rank computes on (plain; call `.autodiff()` for training).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The largest gradient bucket in bytes.
+    pub fn bucket_cap_bytes(&self) -> usize {
+        self.bucket_cap_bytes
+    }
+
+    /// The process group shared by everything in this process (also reachable through
+    /// [`crate::comm::group`]).
+    pub fn group(&self) -> &SharedGroup {
+        &self.group
+    }
+
+    /// A gradient synchroniser over this job's group with this context's bucket cap.
+    pub fn gradient_synchronizer(&self) -> GradientSynchronizer {
+        GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes)
+    }
+
+    /// Returns once every rank has called it.
+    ///
+    /// # Errors
+    /// A peer died or the collective timed out.
+    pub fn barrier(&self) -> Result<()> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        comm::lock(&self.group).barrier()?;
+        Ok(())
+    }
+
+    /// Runs `f` on rank 0 only, then waits at a barrier so that no rank goes on before it
+    /// finished (e.g. downloading a data set, writing a checkpoint). Returns `Some` on rank 0,
+    /// `None` elsewhere.
+    ///
+    /// # Errors
+    /// The barrier failed.
+    pub fn run_on_main<T>(&self, f: impl FnOnce() -> T) -> Result<Option<T>> {
+        let out = self.is_main().then(f);
+        self.barrier()?;
+        Ok(out)
+    }
+
+    /// The mean of `value` over all ranks (in f64; every rank gets the same result).
+    ///
+    /// # Errors
+    /// A collective failed.
+    pub fn average_scalar(&self, value: f64) -> Result<f64> {
+        let mut v = [value];
+        self.average_scalars(&mut v)?;
+        Ok(v[0])
+    }
+
+    /// Replaces each element of `values` by its mean over all ranks, in one collective.
+    ///
+    /// # Errors
+    /// A collective failed (including ranks passing different lengths).
+    pub fn average_scalars(&self, values: &mut [f64]) -> Result<()> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        comm::lock(&self.group).all_reduce(values, ReduceOp::Sum)?;
+        let n = self.world_size as f64;
+        values.iter_mut().for_each(|v| *v /= n);
+        Ok(())
+    }
+
+    /// The element-wise mean of `tensor` over all ranks (e.g. a per-class accuracy), on the
+    /// tensor's device and with its dtype. f64 tensors are reduced in f64, all other float
+    /// dtypes in f32.
+    ///
+    /// # Errors
+    /// A collective failed or the tensor could not be read back.
+    pub fn average_tensor<const D: usize>(&self, tensor: Tensor<D>) -> Result<Tensor<D>> {
+        if self.world_size == 1 {
+            return Ok(tensor);
+        }
+        let device = tensor.device();
+        let data = tensor.into_data();
+        let dtype = data.dtype();
+        let shape = data.shape().clone();
+        let n = self.world_size;
+        let data = if dtype == DType::F64 {
+            let mut v = data_vec::<f64>(data)?;
+            comm::lock(&self.group).all_reduce(&mut v, ReduceOp::Sum)?;
+            v.iter_mut().for_each(|x| *x /= n as f64);
+            TensorData::new(v, shape)
+        } else {
+            let mut v = data_vec::<f32>(data)?;
+            comm::lock(&self.group).all_reduce(&mut v, ReduceOp::Sum)?;
+            v.iter_mut().for_each(|x| *x /= n as f32);
+            TensorData::new(v, shape).convert_dtype(dtype)
+        };
+        Ok(Tensor::from_data(data, &device))
+    }
+}
+
+fn data_vec<E: burn::tensor::Element>(data: TensorData) -> Result<Vec<E>> {
+    data.convert::<E>()
+        .try_into_vec::<E>()
+        .map_err(|e| DdpError::TensorData {
+            what: "metric".into(),
+            msg: format!("{e:?}"),
+        })
+}

@@ -1,0 +1,47 @@
+//! The error type of burn-ddp's calls.
+
+use ddp_comm::CommError;
+
+/// Result alias for burn-ddp calls.
+pub type Result<T, E = DdpError> = std::result::Result<T, E>;
+
+/// An error from setting up data-parallel training or from a gradient synchronisation.
+///
+/// Errors that come from comparing ranks (a model that differs, a gradient layout that
+/// differs) are raised identically on every rank, so every process exits with the same
+/// message.
+#[derive(Debug, thiserror::Error)]
+pub enum DdpError {
+    /// A collective, the rendezvous or the launch environment failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The ranks hold models that differ (parameter paths, shapes, dtypes or trainability).
+    #[error(
+        "the model differs across ranks: tensor #{index} is {expected} on rank 0 but {found} on rank {rank}"
+    )]
+    ModelMismatch {
+        /// The first rank whose model differs from rank 0's.
+        rank: usize,
+        /// Position of the first differing tensor in module visit order.
+        index: usize,
+        /// Rank 0's description of that tensor (`path: kind shape dtype`, or `nothing`).
+        expected: String,
+        /// The differing rank's description of that tensor.
+        found: String,
+    },
+    /// The ranks' gradients do not line up (a different number or shape of trainable
+    /// parameters, e.g. a model changed on one rank after [`crate::Ddp::replicate_model`]).
+    #[error("the trainable parameters differ across ranks at gradient synchronisation: {0}")]
+    GradientLayoutMismatch(String),
+    /// A tensor could not be read back from the device or converted.
+    #[error("tensor data of `{what}`: {msg}")]
+    TensorData {
+        /// Which tensor.
+        what: String,
+        /// What went wrong.
+        msg: String,
+    },
+    /// An invalid setting was passed to a builder.
+    #[error("invalid setting: {0}")]
+    InvalidSetting(String),
+}

@@ -1,0 +1,175 @@
+//! [`DdpOptimizer`]: Burn's [`ModuleOptimizer`] with gradient averaging across ranks.
+
+use burn::module::Module;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+
+use crate::context::Ddp;
+use crate::error::Result;
+use crate::grad_sync::{GradientSynchronizer, SyncStats};
+
+/// A [`ModuleOptimizer`] that first averages the gradients over all ranks, then steps.
+///
+/// Its [`step`](Self::step) has `ModuleOptimizer::step`'s shape, so adopting DDP in a
+/// hand-written loop is one changed line:
+///
+/// ```no_run
+/// # use burn::module::Module;
+/// # use burn::nn::{Linear, LinearConfig};
+/// # use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
+/// # use burn::tensor::{Device, Tensor};
+/// # fn main() -> Result<(), burn_ddp::DdpError> {
+/// let ddp = burn_ddp::init()?;
+/// let device = ddp.device().clone().autodiff();
+/// let model = ddp.replicate_model(LinearConfig::new(4, 1).init(&device))?;
+/// // before: let mut optim: ModuleOptimizer = AdamConfig::new().init();
+/// let mut optim = burn_ddp::DdpOptimizer::new(&ddp, AdamConfig::new().init());
+/// # let mut model: Linear = model;
+/// for _ in 0..10 {
+///     let x = Tensor::<2>::ones([8, 4], &device);
+///     let loss = model.forward(x).powi_scalar(2).mean();
+///     let grads = GradientsParams::from_grads(loss.backward(), &model);
+///     model = optim.step(1e-3, model, grads); // averaged over ranks, then Adam
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// **Gradient accumulation** needs nothing special: sum the `GradientsParams` of several
+/// micro-batches yourself (or use Burn's `GradientsAccumulator`) and call `step` once; only
+/// that call communicates. This is PyTorch's `no_sync()` by construction. Divide the loss by
+/// the number of micro-batches if the reference is the mean over the large batch.
+///
+/// Every rank must call `step` the same number of times (equal batch counts per rank — use
+/// a distributed sampler that pads or drops the tail).
+#[derive(Clone)]
+pub struct DdpOptimizer {
+    optim: ModuleOptimizer,
+    sync: GradientSynchronizer,
+}
+
+impl DdpOptimizer {
+    /// Wraps `optim` (any Burn optimizer, e.g. `AdamConfig::new().init()` or
+    /// `SgdConfig::new().init()`) with the bucket cap configured on `ddp`.
+    pub fn new(ddp: &Ddp, optim: impl Into<ModuleOptimizer>) -> Self {
+        DdpOptimizer {
+            optim: optim.into(),
+            sync: ddp.gradient_synchronizer(),
+        }
+    }
+
+    /// Wraps `optim` with an explicit synchroniser (e.g. a different bucket cap).
+    pub fn with_synchronizer(optim: impl Into<ModuleOptimizer>, sync: GradientSynchronizer) -> Self {
+        DdpOptimizer {
+            optim: optim.into(),
+            sync,
+        }
+    }
+
+    /// Averages `grads` over all ranks, then updates `module` as
+    /// [`ModuleOptimizer::step`] does.
+    ///
+    /// # Panics
+    /// When the synchronisation fails (a peer died, a collective timed out, the ranks'
+    /// models differ). Training cannot go on after that; the panic message is the error.
+    /// Use [`Self::try_step`] to handle it yourself.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: impl Into<ModuleLearningRate>,
+        module: M,
+        grads: GradientsParams,
+    ) -> M {
+        match self.try_step(lr, module, grads) {
+            Ok(m) => m,
+            Err(e) => panic!("DDP gradient synchronisation failed: {e}"),
+        }
+    }
+
+    /// [`Self::step`] returning the synchronisation error instead of panicking.
+    ///
+    /// # Errors
+    /// See [`GradientSynchronizer::sync`].
+    pub fn try_step<M: Module>(
+        &mut self,
+        lr: impl Into<ModuleLearningRate>,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M> {
+        let grads = self.sync.sync(&module, grads)?;
+        Ok(self.optim.step(lr, module, grads))
+    }
+
+    /// Timings of the last synchronisation.
+    pub fn last_sync_stats(&self) -> SyncStats {
+        self.sync.last_stats()
+    }
+
+    /// The wrapped optimizer (its state, for records and checkpoints).
+    pub fn optimizer(&self) -> &ModuleOptimizer {
+        &self.optim
+    }
+
+    /// The wrapped optimizer, mutably (e.g. to load a record).
+    pub fn optimizer_mut(&mut self) -> &mut ModuleOptimizer {
+        &mut self.optim
+    }
+
+    /// The gradient synchroniser.
+    pub fn synchronizer_mut(&mut self) -> &mut GradientSynchronizer {
+        &mut self.sync
+    }
+
+    /// Unwraps into the plain optimizer.
+    pub fn into_inner(self) -> ModuleOptimizer {
+        self.optim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::{ModuleVisitor, Param};
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::{AdamConfig, ModuleOptimizer};
+    use burn::tensor::{Distribution, Tensor};
+
+    struct Flat(Vec<f32>);
+    impl ModuleVisitor for Flat {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.extend(p.val().into_data().try_to_vec::<f32>().unwrap());
+        }
+    }
+    fn flat(m: &Linear) -> Vec<f32> {
+        let mut f = Flat(vec![]);
+        m.visit(&mut f);
+        f.0
+    }
+
+    /// Alone (no launch variables), `DdpOptimizer` is exactly the wrapped optimizer and
+    /// `replicate_model` returns the model unchanged.
+    #[test]
+    fn alone_it_is_the_plain_optimizer() {
+        let ddp = crate::init().unwrap();
+        assert_eq!((ddp.rank(), ddp.world_size()), (0, 1));
+        assert!(ddp.is_main());
+        let device = ddp.device().clone().autodiff();
+        let model: Linear = LinearConfig::new(5, 3).init(&device);
+        let model = ddp.replicate_model(model).unwrap();
+        let mut plain_model = model.clone();
+        let mut ddp_model = model;
+        let mut plain: ModuleOptimizer = AdamConfig::new().init();
+        let mut wrapped = DdpOptimizer::new(&ddp, AdamConfig::new().init());
+        for _ in 0..3 {
+            let x = Tensor::<2>::random([4, 5], Distribution::Default, &device);
+            let l1 = plain_model.forward(x.clone()).powi_scalar(2).mean();
+            let g1 = GradientsParams::from_grads(l1.backward(), &plain_model);
+            plain_model = plain.step(0.01, plain_model, g1);
+            let l2 = ddp_model.forward(x).powi_scalar(2).mean();
+            let g2 = GradientsParams::from_grads(l2.backward(), &ddp_model);
+            ddp_model = wrapped.step(0.01, ddp_model, g2);
+        }
+        assert_eq!(flat(&plain_model), flat(&ddp_model));
+        assert_eq!(ddp.average_scalar(2.5).unwrap(), 2.5);
+        assert_eq!(ddp.run_on_main(|| 7).unwrap(), Some(7));
+        ddp.barrier().unwrap();
+    }
+}

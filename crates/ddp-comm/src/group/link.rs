@@ -1,0 +1,203 @@
+//! A connection to one peer: a TCP stream (always; the liveness channel) and, for a peer on the
+//! same host, a shared-memory ring pair that carries all data instead.
+//!
+//! All calls are non-blocking; the engine decides when to spin, yield or sleep.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+use super::shm::{Avail, ShmPair};
+
+/// Size of the TCP receive staging buffer (used when received bytes are reduced).
+const STAGE_BYTES: usize = 256 * 1024;
+
+/// Why a link operation failed.
+#[derive(Debug)]
+pub(crate) enum LinkError {
+    /// The peer closed the connection (exited, crashed, was killed or gave up).
+    Closed,
+    /// Another I/O error.
+    Io(io::Error),
+}
+
+fn classify(e: io::Error) -> LinkError {
+    use io::ErrorKind::*;
+    match e.kind() {
+        BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof | NotConnected => {
+            LinkError::Closed
+        }
+        _ => LinkError::Io(e),
+    }
+}
+
+/// One peer's connection.
+pub(crate) struct Link {
+    pub(crate) tcp: TcpStream,
+    pub(crate) shm: Option<ShmPair>,
+    stage: Vec<u8>,
+    lo: usize,
+    hi: usize,
+}
+
+impl Link {
+    pub(crate) fn new(tcp: TcpStream, shm: Option<ShmPair>) -> io::Result<Self> {
+        tcp.set_nodelay(true)?;
+        tcp.set_nonblocking(true)?;
+        Ok(Link {
+            tcp,
+            shm,
+            stage: Vec::new(),
+            lo: 0,
+            hi: 0,
+        })
+    }
+
+    /// True when data moves through shared memory.
+    pub(crate) fn is_shm(&self) -> bool {
+        self.shm.is_some()
+    }
+
+    /// Sends a prefix of `data`; returns how many bytes went (0 when the pipe is full).
+    pub(crate) fn send_some(&mut self, data: &[u8]) -> Result<usize, LinkError> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        if let Some(shm) = &self.shm {
+            return shm.write(data).map_err(|()| LinkError::Closed);
+        }
+        loop {
+            match (&self.tcp).write(data) {
+                Ok(0) => return Err(LinkError::Closed),
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(0),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(classify(e)),
+            }
+        }
+    }
+
+    /// Makes at least `min` contiguous bytes (or as many as are there) readable; returns how
+    /// many are (at most `max`). `min` must not exceed an element size (8).
+    pub(crate) fn readable(&mut self, min: usize, max: usize) -> Result<usize, LinkError> {
+        if let Some(shm) = &self.shm {
+            return match shm.readable(max) {
+                Avail::Bytes(n) => Ok(n),
+                Avail::Empty => Ok(0),
+                Avail::Closed => Err(LinkError::Closed),
+            };
+        }
+        if self.hi - self.lo >= min.max(1) {
+            return Ok((self.hi - self.lo).min(max));
+        }
+        if self.stage.is_empty() {
+            self.stage = vec![0; STAGE_BYTES];
+        }
+        if self.lo > 0 {
+            self.stage.copy_within(self.lo..self.hi, 0);
+            self.hi -= self.lo;
+            self.lo = 0;
+        }
+        // Reading past this message is fine: the bytes stay staged for the next one.
+        let want = STAGE_BYTES - self.hi;
+        if want > 0 {
+            loop {
+                match (&self.tcp).read(&mut self.stage[self.hi..self.hi + want]) {
+                    Ok(0) => return Err(LinkError::Closed),
+                    Ok(n) => {
+                        self.hi += n;
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(classify(e)),
+                }
+            }
+        }
+        Ok((self.hi - self.lo).min(max))
+    }
+
+    /// The `n` bytes made readable by [`Self::readable`].
+    pub(crate) fn peek(&self, n: usize) -> &[u8] {
+        match &self.shm {
+            Some(shm) => shm.peek(n),
+            None => &self.stage[self.lo..self.lo + n],
+        }
+    }
+
+    /// Releases `n` read bytes.
+    pub(crate) fn consume(&mut self, n: usize) {
+        match &self.shm {
+            Some(shm) => shm.consume(n),
+            None => {
+                self.lo += n;
+                if self.lo == self.hi {
+                    self.lo = 0;
+                    self.hi = 0;
+                }
+            }
+        }
+    }
+
+    /// Receives up to `dst.len()` bytes straight into `dst`; returns how many arrived.
+    pub(crate) fn recv_into(&mut self, dst: &mut [u8]) -> Result<usize, LinkError> {
+        if dst.is_empty() {
+            return Ok(0);
+        }
+        if self.shm.is_none() && self.hi == self.lo {
+            // Nothing staged: let the kernel copy directly into the destination.
+            loop {
+                return match (&self.tcp).read(dst) {
+                    Ok(0) => Err(LinkError::Closed),
+                    Ok(n) => Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => Err(classify(e)),
+                };
+            }
+        }
+        let n = self.readable(1, dst.len())?;
+        if n > 0 {
+            dst[..n].copy_from_slice(self.peek(n));
+            self.consume(n);
+        }
+        Ok(n)
+    }
+
+    /// For a shared-memory link: true when the peer's TCP socket shows it went away. Nothing
+    /// else is ever sent over the socket of a shared-memory peer, so readability means EOF.
+    pub(crate) fn tcp_hung_up(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.tcp.as_raw_fd(),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r > 0 && p.revents != 0
+    }
+
+    /// Sleeps until the shared-memory ring has data (or `timeout`).
+    pub(crate) fn wait_shm_data(&self, timeout: Duration) {
+        if let Some(shm) = &self.shm {
+            shm.wait_data(timeout);
+        }
+    }
+
+    /// Sleeps until the shared-memory ring has space (or `timeout`).
+    pub(crate) fn wait_shm_space(&self, timeout: Duration) {
+        if let Some(shm) = &self.shm {
+            shm.wait_space(timeout);
+        }
+    }
+
+    /// Breaks the link so the peer notices at once: closes the rings and sends FIN (queued
+    /// data is still delivered first, so the peer can read what we already sent).
+    pub(crate) fn abort(&self) {
+        if let Some(shm) = &self.shm {
+            shm.close();
+        }
+        let _ = self.tcp.shutdown(Shutdown::Write);
+    }
+}

@@ -1,0 +1,293 @@
+//! In-process tests: threads act as ranks over loopback (TCP and shared memory).
+
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::env::EnvSource;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn env(rank: usize, world: usize, port: u16, token: &str) -> LaunchEnv {
+    LaunchEnv {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        group_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        job_token: Some(token.into()),
+        source: EnvSource::Torchrun,
+    }
+}
+
+fn opts(shm: bool) -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(20),
+        connect_timeout: Duration::from_secs(10),
+        shared_memory: shm,
+    }
+}
+
+/// Runs `f(pg)` on `world` threads that form a group; returns each rank's result.
+fn run_ranks<R: Send + 'static>(
+    world: usize,
+    o: GroupOptions,
+    f: impl Fn(&mut ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let token = format!("test-token-{}", N.fetch_add(1, Ordering::Relaxed));
+    let port = free_port();
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            let (f, o, token) = (f.clone(), o.clone(), token.clone());
+            std::thread::spawn(move || {
+                let mut pg = ProcessGroup::init(&env(r, world, port, &token), o)
+                    .unwrap_or_else(|e| panic!("rank {r}: init: {e}"));
+                f(&mut pg)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 31 + i * 7) % 101) as f32 - 50.0
+}
+
+fn check_all_reduce(world: usize, shm: bool, len: usize) {
+    let res = run_ranks(world, opts(shm), move |pg| {
+        let r = pg.rank();
+        let mut sum: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+        pg.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+        let mut max: Vec<i64> = (0..len).map(|i| value(r, i) as i64).collect();
+        pg.all_reduce(&mut max, ReduceOp::Max).unwrap();
+        let mut mean: Vec<f64> = (0..len).map(|i| value(r, i) as f64).collect();
+        pg.all_reduce(&mut mean, ReduceOp::Mean).unwrap();
+        (sum, max, mean)
+    });
+    for (sum, max, mean) in &res {
+        for i in 0..len {
+            let vals: Vec<f32> = (0..world).map(|r| value(r, i)).collect();
+            let s: f32 = vals.iter().sum();
+            assert_eq!(sum[i], s, "sum at {i}");
+            assert_eq!(max[i], vals.iter().cloned().fold(f32::MIN, f32::max) as i64);
+            assert!((mean[i] - s as f64 / world as f64).abs() < 1e-9);
+        }
+    }
+}
+
+#[test]
+fn all_reduce_small_and_large_tcp_and_shm() {
+    for shm in [true, false] {
+        for world in [2, 3] {
+            for len in [0, 1, 7, 1000, 40_000, 300_001] {
+                check_all_reduce(world, shm, len);
+            }
+        }
+    }
+}
+
+#[test]
+fn transports_follow_the_option() {
+    let t = run_ranks(2, opts(true), |pg| pg.transports());
+    assert_eq!(t[0], vec![Transport::SelfRank, Transport::SharedMemory]);
+    let t = run_ranks(2, opts(false), |pg| pg.transports());
+    assert_eq!(t[1], vec![Transport::Tcp, Transport::SelfRank]);
+}
+
+#[test]
+fn broadcast_gather_barrier() {
+    for shm in [true, false] {
+        for len in [0usize, 5, 100_003] {
+            let res = run_ranks(3, opts(shm), move |pg| {
+                let r = pg.rank();
+                let mut b: Vec<i32> = (0..len)
+                    .map(|i| if r == 1 { i as i32 } else { -1 })
+                    .collect();
+                pg.broadcast(&mut b, 1).unwrap();
+                let input: Vec<u8> = (0..len).map(|i| (i + r) as u8).collect();
+                let mut out = vec![0u8; len * 3];
+                pg.all_gather(&input, &mut out).unwrap();
+                let mine: Vec<f64> = (0..len + r * 3).map(|i| (i * 10 + r) as f64).collect();
+                let var = pg.all_gather_varlen(&mine).unwrap();
+                let mut bytes = if r == 2 {
+                    vec![7u8; len * 2 + 1]
+                } else {
+                    vec![1, 2, 3]
+                };
+                pg.broadcast_bytes(&mut bytes, 2).unwrap();
+                pg.barrier().unwrap();
+                (b, out, var, bytes)
+            });
+            for (b, out, var, bytes) in res {
+                assert_eq!(b, (0..len).map(|i| i as i32).collect::<Vec<_>>());
+                for r in 0..3 {
+                    let want: Vec<u8> = (0..len).map(|i| (i + r) as u8).collect();
+                    assert_eq!(&out[r * len..(r + 1) * len], &want[..]);
+                    let w: Vec<f64> = (0..len + r * 3).map(|i| (i * 10 + r) as f64).collect();
+                    assert_eq!(var[r], w);
+                }
+                assert_eq!(bytes, vec![7u8; len * 2 + 1]);
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatched_lengths_fail_on_every_rank() {
+    let res = run_ranks(3, opts(true), |pg| {
+        let mut v = vec![1.0f32; 100 + (pg.rank() == 2) as usize];
+        let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+        let later = pg.barrier().unwrap_err();
+        (e, later)
+    });
+    for (e, later) in res {
+        assert!(matches!(e, CommError::Mismatch(_)), "{e}");
+        assert!(matches!(later, CommError::Poisoned(_)), "{later}");
+    }
+}
+
+#[test]
+fn mismatched_types_and_ops_fail() {
+    let res = run_ranks(2, opts(false), |pg| {
+        let e1 = if pg.rank() == 0 {
+            pg.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum)
+        } else {
+            pg.all_reduce(&mut [1i32; 4], ReduceOp::Sum)
+        };
+        e1.unwrap_err()
+    });
+    for e in res {
+        let msg = e.to_string();
+        assert!(matches!(e, CommError::Mismatch(_)), "{msg}");
+        assert!(msg.contains("f32") && msg.contains("i32"), "{msg}");
+    }
+}
+
+#[test]
+fn a_departed_peer_is_reported_not_waited_for() {
+    for shm in [true, false] {
+        let res = run_ranks(2, opts(shm), |pg| {
+            if pg.rank() == 1 {
+                return None;
+            }
+            // Give rank 1 time to drop its group.
+            std::thread::sleep(Duration::from_millis(100));
+            let t = Instant::now();
+            let e = pg.all_reduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum);
+            Some((e.unwrap_err(), t.elapsed()))
+        });
+        let (e, _) = res[0].as_ref().unwrap();
+        assert!(
+            matches!(e, CommError::PeerClosed { peer: 1, .. }),
+            "shm={shm}: {e}"
+        );
+    }
+}
+
+#[test]
+fn a_stalled_peer_times_out_naming_it() {
+    let mut o = opts(true);
+    o.timeout = Duration::from_millis(300);
+    let res = run_ranks(2, o, |pg| {
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(800));
+            return None;
+        }
+        Some(pg.barrier().unwrap_err())
+    });
+    let e = res[0].as_ref().unwrap();
+    assert!(
+        matches!(e, CommError::Timeout { peer: Some(1), .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn missing_rank_times_out_naming_it() {
+    let port = free_port();
+    let mut o = opts(true);
+    o.connect_timeout = Duration::from_millis(500);
+    let hs: Vec<_> = (0..2)
+        .map(|r| {
+            let o = o.clone();
+            std::thread::spawn(move || ProcessGroup::init(&env(r, 3, port, "t"), o).unwrap_err())
+        })
+        .collect();
+    for h in hs {
+        let e = h.join().unwrap();
+        assert!(matches!(e, CommError::Timeout { peer: Some(2), .. }), "{e}");
+        assert!(e.to_string().contains("rank(s) 2"), "{e}");
+    }
+}
+
+#[test]
+fn wrong_token_is_refused_by_a_peer() {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let infos = vec![
+        PeerInfo {
+            addr,
+            host: "a".into(),
+        },
+        PeerInfo {
+            addr,
+            host: "b".into(),
+        },
+    ];
+    let t = std::thread::spawn(move || {
+        let started = Instant::now();
+        let cfg = MeshConfig {
+            rank: 0,
+            world: 2,
+            token: Some("right"),
+            shared_memory: true,
+            deadline: started + Duration::from_millis(700),
+            started,
+        };
+        mesh::establish(&cfg, listener, &infos).err().unwrap()
+    });
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&0x4844_4450u32.to_le_bytes());
+    hello.extend_from_slice(&1u16.to_le_bytes());
+    hello.extend_from_slice(&1u32.to_le_bytes());
+    hello.extend_from_slice(&2u32.to_le_bytes());
+    hello.extend_from_slice(&5u16.to_le_bytes());
+    hello.extend_from_slice(b"wrong");
+    hello.extend_from_slice(&0u16.to_le_bytes());
+    s.write_all(&hello).unwrap();
+    let mut reply = [9u8; 2];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(reply[0], 1, "refused with BAD_TOKEN");
+    let e = t.join().unwrap();
+    assert!(matches!(e, CommError::Timeout { peer: Some(1), .. }), "{e}");
+}
+
+#[test]
+fn single_rank_is_a_no_op() {
+    let mut pg = ProcessGroup::single();
+    let mut v = vec![3.0f32, 4.0];
+    pg.all_reduce(&mut v, ReduceOp::Mean).unwrap();
+    assert_eq!(v, [3.0, 4.0]);
+    let mut out = vec![0.0f32; 2];
+    pg.all_gather(&v, &mut out).unwrap();
+    assert_eq!(out, v);
+    assert_eq!(pg.all_gather_varlen(&v).unwrap(), vec![v.clone()]);
+    assert!(matches!(
+        pg.broadcast(&mut v, 1),
+        Err(CommError::InvalidArgument(_))
+    ));
+    assert!(matches!(pg.barrier(), Err(CommError::Poisoned(_))));
+}

@@ -1,0 +1,857 @@
+//! Starts, watches and stops rank processes (the library behind `ddprun`).
+//!
+//! [`launch`] follows torchrun's contract: it starts `nproc_per_node` copies of a program on this
+//! node with `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT` and the job token ([`crate::env::TOKEN_VAR`]) set, copies their output with a
+//! `[rank k] ` prefix on every line, and watches them. When a rank exits non-zero or is killed
+//! by a signal, the others are stopped (SIGTERM to each rank's process group, SIGKILL after
+//! [`LaunchConfig::grace`]) and the first failure is reported.
+//!
+//! No process outlives the launch: each rank leads its own process group, which is killed
+//! when the rank fails or after it exits (so stray grandchildren go too), and each rank gets
+//! `PR_SET_PDEATHSIG = SIGKILL`, so it dies if the launcher itself is killed, even by SIGKILL.
+//!
+//! ```no_run
+//! use ddp_comm::launcher::{launch, LaunchConfig};
+//! let cfg = LaunchConfig { nproc_per_node: 4, ..LaunchConfig::default() };
+//! let report = launch(&cfg, "./train", &["--epochs".to_string(), "1".to_string()])?;
+//! if let Some(line) = report.summary() {
+//!     eprintln!("{line}");
+//! }
+//! std::process::exit(report.exit_code());
+//! # Ok::<(), ddp_comm::launcher::LaunchError>(())
+//! ```
+
+mod output;
+mod signals;
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub use signals::signal_name;
+
+use crate::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
+use output::Sink;
+use signals::{SignalForwarding, kill_group};
+
+/// How often the watch loop checks the ranks.
+const POLL: Duration = Duration::from_millis(5);
+/// How long to wait for a rank's output to drain after all ranks exited.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+
+/// What to launch on this node. `Default` is one rank on one node with a 5 s grace period.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchConfig {
+    /// Ranks on this node (`LOCAL_WORLD_SIZE`), at least 1.
+    pub nproc_per_node: usize,
+    /// Nodes in the job, at least 1.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes` (`GROUP_RANK`).
+    pub node_rank: usize,
+    /// Host of rank 0's rendezvous store (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of the rendezvous store. `None`: a free port on one node, 29500 on several.
+    pub master_port: Option<u16>,
+    /// How long stopped ranks get between SIGTERM and SIGKILL.
+    pub grace: Duration,
+    /// Compute threads per rank (`OMP_NUM_THREADS`, `RAYON_NUM_THREADS`). `None`: when
+    /// several ranks share the node and the variables are not already set,
+    /// `max(1, cores / nproc_per_node)`.
+    pub threads_per_rank: Option<usize>,
+    /// Prefix each output line with `[rank k] ` (otherwise ranks write to our streams directly).
+    pub prefix_output: bool,
+    /// The job token. `None`: taken from `DDP_JOB_TOKEN` in our environment if set; else a
+    /// random one on a single node (an error on several nodes, which must share one).
+    pub job_token: Option<String>,
+    /// Catch SIGINT and SIGTERM while the ranks run and forward them to the ranks (then the
+    /// same grace period and SIGKILL). The `ddprun` binary turns this on.
+    pub forward_signals: bool,
+    /// More variables for every rank, set last (they override the launcher's).
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        LaunchConfig {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: None,
+            grace: Duration::from_secs(5),
+            threads_per_rank: None,
+            prefix_output: true,
+            job_token: None,
+            forward_signals: false,
+            extra_env: Vec::new(),
+        }
+    }
+}
+
+/// Why a launch could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The configuration cannot work (zero ranks, node rank out of range, …).
+    #[error("invalid launch configuration: {0}")]
+    InvalidConfig(String),
+    /// Several nodes need one shared job token, and none was given.
+    #[error(
+        "{TOKEN_VAR} must be set to the same value on every node when nnodes = {nnodes} > 1 (e.g. `export {TOKEN_VAR}=$(openssl rand -hex 16)` before starting ddprun on each node)"
+    )]
+    MissingToken {
+        /// The number of nodes.
+        nnodes: usize,
+    },
+    /// No free port could be found for the rendezvous store.
+    #[error("cannot find a free port for the rendezvous store on {addr}: {source}")]
+    FreePort {
+        /// The address probed.
+        addr: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A rank process could not be started (the ranks already started were killed).
+    #[error("cannot start rank {rank} ({program:?}): {source}")]
+    Spawn {
+        /// The rank that failed to start.
+        rank: usize,
+        /// The program.
+        program: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// Setting up the launcher itself failed (signal handlers, output threads).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being set up.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// How a rank ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankExit {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal.
+    Signal(i32),
+}
+
+impl RankExit {
+    fn from_status(status: ExitStatus) -> Self {
+        match (status.code(), status.signal()) {
+            (Some(code), _) => RankExit::Code(code),
+            (None, Some(sig)) => RankExit::Signal(sig),
+            // Neither is possible for a reaped child on Unix; treat as a failure.
+            (None, None) => RankExit::Code(1),
+        }
+    }
+
+    /// Whether this is a successful exit (code 0).
+    pub fn success(self) -> bool {
+        self == RankExit::Code(0)
+    }
+
+    /// The shell's convention: the code itself, or 128 + signal.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            RankExit::Code(c) => c,
+            RankExit::Signal(s) => 128 + s,
+        }
+    }
+}
+
+impl std::fmt::Display for RankExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            RankExit::Code(c) => write!(f, "exit code {c}"),
+            RankExit::Signal(s) => write!(f, "signal {s} ({})", signal_name(s)),
+        }
+    }
+}
+
+/// The first rank that failed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    /// Its global rank.
+    pub rank: usize,
+    /// How it ended.
+    pub exit: RankExit,
+    /// Time from the start of the launch to the failure.
+    pub elapsed: Duration,
+    /// How many other ranks were still running and had to be stopped.
+    pub stopped: usize,
+}
+
+/// What happened to the ranks of a launch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchReport {
+    /// How each local rank ended, by local rank (global rank = `first_rank + index`).
+    pub exits: Vec<RankExit>,
+    /// Global rank of local rank 0.
+    pub first_rank: usize,
+    /// The first rank that exited non-zero or by a signal, if any.
+    pub first_failure: Option<Failure>,
+    /// A signal the launcher received and forwarded (with `forward_signals`), if any, with the
+    /// number of ranks it stopped.
+    pub interrupted: Option<(i32, usize)>,
+    /// Time from the start of the launch until every rank was reaped.
+    pub elapsed: Duration,
+}
+
+impl LaunchReport {
+    /// Whether every rank exited with code 0 and no signal interrupted the launch.
+    pub fn success(&self) -> bool {
+        self.first_failure.is_none() && self.interrupted.is_none()
+    }
+
+    /// The launcher's exit code: 0 on success, the first failing rank's code (128 + signal
+    /// for a signal), or 128 + the forwarded signal.
+    pub fn exit_code(&self) -> i32 {
+        if let Some(f) = &self.first_failure {
+            // A non-zero code that wraps to 0 in the shell would hide the failure.
+            let code = f.exit.shell_code();
+            if code & 0xff == 0 { 1 } else { code }
+        } else if let Some((sig, _)) = self.interrupted {
+            128 + sig
+        } else {
+            0
+        }
+    }
+
+    /// One line describing a failure or interruption, `None` on success, e.g.
+    /// `ddprun: rank 1 failed with exit code 3 after 0.42 s; stopped the other 3 ranks`.
+    pub fn summary(&self) -> Option<String> {
+        if let Some(f) = &self.first_failure {
+            let how = match f.exit {
+                RankExit::Code(c) => format!("failed with exit code {c}"),
+                RankExit::Signal(s) => {
+                    format!("was killed by signal {s} ({})", signal_name(s))
+                }
+            };
+            let others = match f.stopped {
+                0 => "no other rank was running".to_string(),
+                1 => "stopped the other 1 rank".to_string(),
+                n => format!("stopped the other {n} ranks"),
+            };
+            return Some(format!(
+                "ddprun: rank {} {how} after {:.2} s; {others}",
+                f.rank,
+                f.elapsed.as_secs_f64()
+            ));
+        }
+        self.interrupted.map(|(sig, n)| {
+            format!(
+                "ddprun: received {} after {:.2} s; stopped {n} running rank{}",
+                signal_name(sig),
+                self.elapsed.as_secs_f64(),
+                if n == 1 { "" } else { "s" }
+            )
+        })
+    }
+}
+
+/// Validates `cfg` and works out the variables shared by every rank of this node.
+fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>, LaunchError> {
+    if cfg.nproc_per_node == 0 {
+        return Err(LaunchError::InvalidConfig(
+            "nproc_per_node must be at least 1".into(),
+        ));
+    }
+    if cfg.nnodes == 0 {
+        return Err(LaunchError::InvalidConfig(
+            "nnodes must be at least 1".into(),
+        ));
+    }
+    if cfg.node_rank >= cfg.nnodes {
+        return Err(LaunchError::InvalidConfig(format!(
+            "node_rank {} is out of range for nnodes = {} (must be 0..{})",
+            cfg.node_rank, cfg.nnodes, cfg.nnodes
+        )));
+    }
+    if cfg.master_addr.trim().is_empty() {
+        return Err(LaunchError::InvalidConfig(
+            "master_addr must not be empty".into(),
+        ));
+    }
+    if cfg.threads_per_rank == Some(0) {
+        return Err(LaunchError::InvalidConfig(
+            "threads_per_rank must be at least 1".into(),
+        ));
+    }
+    let world = cfg
+        .nnodes
+        .checked_mul(cfg.nproc_per_node)
+        .ok_or_else(|| LaunchError::InvalidConfig("nnodes * nproc_per_node overflows".into()))?;
+
+    let token = match &cfg.job_token {
+        Some(t) if !t.is_empty() => t.clone(),
+        Some(_) => {
+            return Err(LaunchError::InvalidConfig(
+                "the job token must not be empty".into(),
+            ));
+        }
+        None => match std::env::var(TOKEN_VAR) {
+            Ok(t) if !t.is_empty() => t,
+            _ if cfg.nnodes > 1 => return Err(LaunchError::MissingToken { nnodes: cfg.nnodes }),
+            _ => format!("{:032x}", rand::random::<u128>()),
+        },
+    };
+
+    let port = match cfg.master_port {
+        Some(0) => {
+            return Err(LaunchError::InvalidConfig(
+                "master_port 0 is not a port ranks can connect to".into(),
+            ));
+        }
+        Some(p) => p,
+        None if cfg.nnodes > 1 => DEFAULT_MASTER_PORT,
+        None => free_port(&cfg.master_addr)?,
+    };
+
+    let mut env = BTreeMap::new();
+    env.insert("WORLD_SIZE".into(), world.to_string());
+    env.insert("LOCAL_WORLD_SIZE".into(), cfg.nproc_per_node.to_string());
+    env.insert("GROUP_RANK".into(), cfg.node_rank.to_string());
+    env.insert("MASTER_ADDR".into(), cfg.master_addr.clone());
+    env.insert("MASTER_PORT".into(), port.to_string());
+    env.insert(TOKEN_VAR.into(), token);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"] {
+        let threads = match cfg.threads_per_rank {
+            Some(t) => Some(t),
+            None if cfg.nproc_per_node > 1 && std::env::var_os(var).is_none() => {
+                Some((cores / cfg.nproc_per_node).max(1))
+            }
+            None => None,
+        };
+        if let Some(t) = threads {
+            env.insert(var.into(), t.to_string());
+        }
+    }
+    Ok(env)
+}
+
+/// A port nothing listens on now, from binding `host:0` (or `127.0.0.1:0` when `host` cannot
+/// be bound here).
+fn free_port(host: &str) -> Result<u16, LaunchError> {
+    let probe = |h: &str| {
+        std::net::TcpListener::bind((h, 0)).and_then(|l| l.local_addr().map(|a| a.port()))
+    };
+    probe(host)
+        .or_else(|_| probe("127.0.0.1"))
+        .map_err(|source| LaunchError::FreePort {
+            addr: host.to_string(),
+            source,
+        })
+}
+
+/// A running rank.
+struct Rank {
+    rank: usize,
+    child: Child,
+    exit: Option<RankExit>,
+}
+
+/// Launches `nproc_per_node` ranks of `program args…` and waits until all of them have ended.
+///
+/// Returns the report (`Ok` even when ranks fail: see [`LaunchReport::success`] and
+/// [`LaunchReport::exit_code`]); `Err` only when the launch itself could not run, in which case
+/// any rank already started has been killed and reaped.
+///
+/// The ranks' stdin is `/dev/null` (ranks run in their own process groups, where reading the
+/// terminal would stop them). `PR_SET_PDEATHSIG` fires when the *thread* that called `launch`
+/// exits, so call it from a thread that lives until it returns (the main thread in `ddprun`).
+///
+/// ```
+/// use std::time::Duration;
+/// use ddp_comm::launcher::{launch, LaunchConfig};
+/// let cfg = LaunchConfig {
+///     nproc_per_node: 2,
+///     grace: Duration::from_secs(2),
+///     ..LaunchConfig::default()
+/// };
+/// let report = launch(&cfg, "sh", &["-c", "echo hello from rank $RANK of $WORLD_SIZE"])?;
+/// assert!(report.success());
+/// # Ok::<(), ddp_comm::launcher::LaunchError>(())
+/// ```
+pub fn launch(
+    cfg: &LaunchConfig,
+    program: impl AsRef<std::ffi::OsStr>,
+    args: &[impl AsRef<std::ffi::OsStr>],
+) -> Result<LaunchReport, LaunchError> {
+    let program = program.as_ref();
+    if program.is_empty() {
+        return Err(LaunchError::InvalidConfig("no program to launch".into()));
+    }
+    let env = common_env(cfg)?;
+    let forwarding = if cfg.forward_signals {
+        Some(
+            SignalForwarding::install().map_err(|source| LaunchError::Io {
+                what: "installing the SIGINT/SIGTERM handlers".into(),
+                source,
+            })?,
+        )
+    } else {
+        None
+    };
+    let start = Instant::now();
+    let first_rank = cfg.node_rank * cfg.nproc_per_node;
+    tracing::info!(
+        program = ?program,
+        nproc_per_node = cfg.nproc_per_node,
+        world_size = %env["WORLD_SIZE"],
+        master = format!("{}:{}", env["MASTER_ADDR"], env["MASTER_PORT"]),
+        "launching ranks"
+    );
+
+    // SAFETY: getpid has no preconditions.
+    let launcher_pid = unsafe { libc::getpid() };
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut pumps = Vec::new();
+    let mut ranks: Vec<Rank> = Vec::with_capacity(cfg.nproc_per_node);
+    for local in 0..cfg.nproc_per_node {
+        let rank = first_rank + local;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .envs(&env)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .envs(cfg.extra_env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .process_group(0);
+        if cfg.prefix_output {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+        // system calls (prctl, getppid, kill).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(
+                    libc::PR_SET_PDEATHSIG,
+                    libc::SIGKILL as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                ) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                // The launcher may have died before prctl took effect.
+                if libc::getppid() != launcher_pid {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(source) => {
+                for r in &mut ranks {
+                    kill_group(r.child.id(), libc::SIGKILL);
+                    let _ = r.child.wait();
+                }
+                return Err(LaunchError::Spawn {
+                    rank,
+                    program: program.to_string_lossy().into_owned(),
+                    source,
+                });
+            }
+        };
+        tracing::debug!(rank, pid = child.id(), "rank started");
+        if cfg.prefix_output {
+            let streams = [
+                child
+                    .stdout
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn io::Read + Send>),
+                child
+                    .stderr
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn io::Read + Send>),
+            ];
+            for (stream, sink) in streams.into_iter().zip([Sink::Stdout, Sink::Stderr]) {
+                let Some(stream) = stream else { continue };
+                match output::pump(rank, stream, sink, done_tx.clone()) {
+                    Ok(h) => pumps.push(h),
+                    Err(source) => {
+                        // Without a reader the rank would block on a full pipe: give up.
+                        kill_group(child.id(), libc::SIGKILL);
+                        let _ = child.wait();
+                        for r in &mut ranks {
+                            kill_group(r.child.id(), libc::SIGKILL);
+                            let _ = r.child.wait();
+                        }
+                        return Err(LaunchError::Io {
+                            what: format!("starting the output thread of rank {rank}"),
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+        ranks.push(Rank {
+            rank,
+            child,
+            exit: None,
+        });
+    }
+    drop(done_tx);
+
+    let report = watch(cfg, &mut ranks, forwarding.as_ref(), start, first_rank);
+    drop(forwarding);
+
+    // Every rank is reaped. Kill what is left of each rank's process group (a background
+    // grandchild would otherwise outlive the job and hold the output pipe open).
+    for r in &ranks {
+        kill_group(r.child.id(), libc::SIGKILL);
+    }
+    let deadline = Instant::now() + OUTPUT_DRAIN;
+    let mut finished = 0;
+    while finished < pumps.len() {
+        match done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(()) => finished += 1,
+            Err(_) => {
+                tracing::warn!(
+                    "{} output stream(s) still open {OUTPUT_DRAIN:?} after the ranks exited; not waiting for them",
+                    pumps.len() - finished
+                );
+                break;
+            }
+        }
+    }
+    for h in pumps {
+        if h.is_finished() {
+            let _ = h.join();
+        }
+    }
+    Ok(report)
+}
+
+/// Polls the ranks until all have exited; stops the others on the first failure or on a
+/// forwarded signal.
+fn watch(
+    cfg: &LaunchConfig,
+    ranks: &mut [Rank],
+    forwarding: Option<&SignalForwarding>,
+    start: Instant,
+    first_rank: usize,
+) -> LaunchReport {
+    let mut first_failure: Option<Failure> = None;
+    let mut interrupted: Option<(i32, usize)> = None;
+    let mut signals_seen = 0u32;
+    // When set: SIGKILL whatever still runs at this instant.
+    let mut kill_at: Option<Instant> = None;
+    let mut killed = false;
+
+    loop {
+        let mut running = 0;
+        let mut newly_failed: Option<(usize, RankExit)> = None;
+        for r in ranks.iter_mut() {
+            if r.exit.is_some() {
+                continue;
+            }
+            match r.child.try_wait() {
+                Ok(Some(status)) => {
+                    let exit = RankExit::from_status(status);
+                    r.exit = Some(exit);
+                    tracing::debug!(rank = r.rank, %exit, "rank exited");
+                    if !exit.success() && newly_failed.is_none() && kill_at.is_none() {
+                        newly_failed = Some((r.rank, exit));
+                    }
+                }
+                Ok(None) => running += 1,
+                Err(e) => {
+                    // Cannot happen for our own child; stop it rather than spin.
+                    tracing::warn!(rank = r.rank, "waiting for the rank failed: {e}");
+                    kill_group(r.child.id(), libc::SIGKILL);
+                    running += 1;
+                }
+            }
+        }
+        if running == 0 {
+            break;
+        }
+
+        if let Some((rank, exit)) = newly_failed {
+            first_failure = Some(Failure {
+                rank,
+                exit,
+                elapsed: start.elapsed(),
+                stopped: running,
+            });
+            tracing::info!(rank, %exit, "rank failed; stopping the other {running} rank(s)");
+            stop(ranks, libc::SIGTERM);
+            kill_at = Some(Instant::now() + cfg.grace);
+        }
+
+        if let Some((sig, count)) = forwarding.and_then(SignalForwarding::received)
+            && count > signals_seen
+        {
+            signals_seen = count;
+            if kill_at.is_none() {
+                tracing::info!(
+                    "received {}; forwarding it to {running} rank(s)",
+                    signal_name(sig)
+                );
+                interrupted = Some((sig, running));
+                stop(ranks, sig);
+                kill_at = Some(Instant::now() + cfg.grace);
+            } else if !killed {
+                // A second signal while stopping: do not wait out the grace period.
+                tracing::info!("received {} again; killing the ranks now", signal_name(sig));
+                kill_at = Some(Instant::now());
+            }
+        }
+
+        if let Some(t) = kill_at
+            && !killed
+            && Instant::now() >= t
+        {
+            tracing::info!("grace period over; sending SIGKILL to {running} rank(s)");
+            stop(ranks, libc::SIGKILL);
+            killed = true;
+        }
+        std::thread::sleep(POLL);
+    }
+
+    LaunchReport {
+        exits: ranks
+            .iter()
+            .map(|r| r.exit.unwrap_or(RankExit::Code(1)))
+            .collect(),
+        first_rank,
+        first_failure,
+        interrupted,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// Sends `sig` to the process group of every rank still running.
+fn stop(ranks: &[Rank], sig: i32) {
+    for r in ranks.iter().filter(|r| r.exit.is_none()) {
+        kill_group(r.child.id(), sig);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node: n,
+            job_token: Some("tok".into()),
+            ..LaunchConfig::default()
+        }
+    }
+
+    #[test]
+    fn common_env_single_node_picks_a_free_port_and_thread_hint() {
+        let env = common_env(&cfg(2)).unwrap();
+        assert_eq!(env["WORLD_SIZE"], "2");
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(env["GROUP_RANK"], "0");
+        assert_eq!(env["MASTER_ADDR"], "127.0.0.1");
+        assert_ne!(env["MASTER_PORT"].parse::<u16>().unwrap(), 0);
+        assert_eq!(env[TOKEN_VAR], "tok");
+        let cores = std::thread::available_parallelism().unwrap().get();
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            assert_eq!(env["OMP_NUM_THREADS"], (cores / 2).max(1).to_string());
+        }
+        let one = common_env(&cfg(1)).unwrap();
+        assert!(
+            !one.contains_key("RAYON_NUM_THREADS")
+                || std::env::var_os("RAYON_NUM_THREADS").is_some()
+        );
+    }
+
+    #[test]
+    fn common_env_multi_node_defaults_and_overrides() {
+        let c = LaunchConfig {
+            nnodes: 3,
+            node_rank: 2,
+            master_addr: "10.1.2.3".into(),
+            threads_per_rank: Some(7),
+            ..cfg(4)
+        };
+        let env = common_env(&c).unwrap();
+        assert_eq!(env["WORLD_SIZE"], "12");
+        assert_eq!(env["GROUP_RANK"], "2");
+        assert_eq!(env["MASTER_PORT"], DEFAULT_MASTER_PORT.to_string());
+        assert_eq!(env["OMP_NUM_THREADS"], "7");
+        assert_eq!(env["RAYON_NUM_THREADS"], "7");
+        let env = common_env(&LaunchConfig {
+            master_port: Some(1234),
+            ..c
+        })
+        .unwrap();
+        assert_eq!(env["MASTER_PORT"], "1234");
+    }
+
+    #[test]
+    fn invalid_configs_give_one_clear_error() {
+        let cases = [
+            (
+                LaunchConfig {
+                    nproc_per_node: 0,
+                    ..cfg(1)
+                },
+                "nproc_per_node",
+            ),
+            (
+                LaunchConfig {
+                    nnodes: 0,
+                    ..cfg(1)
+                },
+                "nnodes",
+            ),
+            (
+                LaunchConfig {
+                    nnodes: 2,
+                    node_rank: 2,
+                    ..cfg(1)
+                },
+                "node_rank 2",
+            ),
+            (
+                LaunchConfig {
+                    master_addr: " ".into(),
+                    ..cfg(1)
+                },
+                "master_addr",
+            ),
+            (
+                LaunchConfig {
+                    master_port: Some(0),
+                    ..cfg(1)
+                },
+                "master_port",
+            ),
+            (
+                LaunchConfig {
+                    threads_per_rank: Some(0),
+                    ..cfg(1)
+                },
+                "threads_per_rank",
+            ),
+        ];
+        for (c, needle) in cases {
+            let err = common_env(&c).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err} should mention {needle}");
+        }
+    }
+
+    #[test]
+    fn generated_tokens_differ_per_job() {
+        if std::env::var_os(TOKEN_VAR).is_some() {
+            return; // the environment fixes the token
+        }
+        let c = LaunchConfig {
+            job_token: None,
+            ..cfg(1)
+        };
+        let a = common_env(&c).unwrap()[TOKEN_VAR].clone();
+        let b = common_env(&c).unwrap()[TOKEN_VAR].clone();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, b);
+        let err = common_env(&LaunchConfig { nnodes: 2, ..c }).unwrap_err();
+        assert!(
+            matches!(err, LaunchError::MissingToken { nnodes: 2 }),
+            "{err}"
+        );
+        assert!(err.to_string().contains(TOKEN_VAR));
+    }
+
+    #[test]
+    fn report_exit_codes_and_summaries() {
+        let ok = LaunchReport {
+            exits: vec![RankExit::Code(0); 2],
+            first_rank: 0,
+            first_failure: None,
+            interrupted: None,
+            elapsed: Duration::from_millis(10),
+        };
+        assert!(ok.success());
+        assert_eq!(ok.exit_code(), 0);
+        assert_eq!(ok.summary(), None);
+        let failed = LaunchReport {
+            first_failure: Some(Failure {
+                rank: 1,
+                exit: RankExit::Code(3),
+                elapsed: Duration::from_millis(420),
+                stopped: 3,
+            }),
+            ..ok.clone()
+        };
+        assert_eq!(failed.exit_code(), 3);
+        assert_eq!(
+            failed.summary().unwrap(),
+            "ddprun: rank 1 failed with exit code 3 after 0.42 s; stopped the other 3 ranks"
+        );
+        let killed = LaunchReport {
+            first_failure: Some(Failure {
+                rank: 2,
+                exit: RankExit::Signal(9),
+                elapsed: Duration::from_millis(1500),
+                stopped: 0,
+            }),
+            ..ok.clone()
+        };
+        assert_eq!(killed.exit_code(), 137);
+        assert_eq!(
+            killed.summary().unwrap(),
+            "ddprun: rank 2 was killed by signal 9 (SIGKILL) after 1.50 s; no other rank was running"
+        );
+        let wraps = LaunchReport {
+            first_failure: Some(Failure {
+                rank: 0,
+                exit: RankExit::Code(256),
+                elapsed: Duration::ZERO,
+                stopped: 0,
+            }),
+            ..ok.clone()
+        };
+        assert_eq!(wraps.exit_code(), 1);
+        let interrupted = LaunchReport {
+            interrupted: Some((libc::SIGINT, 2)),
+            ..ok
+        };
+        assert_eq!(interrupted.exit_code(), 130);
+        assert!(interrupted.summary().unwrap().contains("SIGINT"));
+    }
+
+    #[test]
+    fn launch_runs_ranks_and_reports_the_first_failure() {
+        let c = LaunchConfig {
+            grace: Duration::from_millis(200),
+            prefix_output: false,
+            ..cfg(3)
+        };
+        let report = launch(&c, "sh", &["-c", "exit 0"]).unwrap();
+        assert!(report.success(), "{report:?}");
+        assert_eq!(report.exits, vec![RankExit::Code(0); 3]);
+        let script = r#"if [ "$RANK" = 2 ]; then exit 5; fi; exec sleep 30"#;
+        let report = launch(&c, "sh", &["-c", script]).unwrap();
+        let f = report.first_failure.clone().unwrap();
+        assert_eq!((f.rank, f.exit), (2, RankExit::Code(5)));
+        assert_eq!(report.exit_code(), 5);
+        assert_eq!(report.exits[0], RankExit::Signal(libc::SIGTERM));
+    }
+
+    #[test]
+    fn launch_of_a_missing_program_is_a_spawn_error() {
+        let err = launch(&cfg(2), "/nonexistent/ddp-program", &[] as &[&str]).unwrap_err();
+        assert!(matches!(err, LaunchError::Spawn { rank: 0, .. }), "{err}");
+        assert!(err.to_string().contains("/nonexistent/ddp-program"));
+    }
+}

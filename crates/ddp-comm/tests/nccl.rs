@@ -1,0 +1,416 @@
+//! NCCL transport tests.
+//!
+//! The first test runs everywhere: without CUDA/NCCL every constructor must return the clear
+//! library error (never panic). The `#[ignore]`d ones need an NVIDIA GPU with libcuda and
+//! libnccl; `scripts/gpu-check.sh run` runs them on such a machine (it also makes the
+//! `libnccl.so` link cudarc needs). Multi-process tests spawn this test binary as rank
+//! processes, with a deadline after which the children are killed.
+#![cfg(feature = "nccl")]
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ddp_comm::nccl::cudarc::driver::DevicePtr;
+use ddp_comm::nccl::{NcclGroup, NcclOptions, check_libraries};
+use ddp_comm::{CommError, LaunchEnv, ReduceOp, StoreClient, StoreServer};
+
+const CHILD_VAR: &str = "DDP_NCCL_TEST_CHILD";
+const TOKEN: &str = "nccl-test-token";
+
+fn opts() -> NcclOptions {
+    NcclOptions {
+        timeout: Duration::from_secs(60),
+        init_timeout: Duration::from_secs(60),
+        device: Some(0),
+        ..NcclOptions::default()
+    }
+}
+
+fn env_for(rank: usize, world: usize, port: u16) -> LaunchEnv {
+    let vars = [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+        ("DDP_JOB_TOKEN", TOKEN.to_string()),
+    ];
+    LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap()
+}
+
+#[test]
+fn missing_libraries_are_a_clear_error_not_a_panic() {
+    let single = NcclGroup::single(&opts());
+    match check_libraries() {
+        Err(lib_err) => {
+            let want = lib_err.to_string();
+            assert!(
+                want.contains("libcuda not found")
+                    || want.contains("libnccl not found")
+                    || want.contains("too old"),
+                "{want}"
+            );
+            assert_eq!(single.unwrap_err().to_string(), want);
+            // Through the store path too: the library check comes before any store traffic.
+            let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
+            let env = env_for(0, 2, server.local_addr().port());
+            let mut store =
+                StoreClient::connect(&env.master_endpoint(), Some(TOKEN), Duration::from_secs(5))
+                    .unwrap();
+            let err = NcclGroup::init(&env, &mut store, &opts()).unwrap_err();
+            assert_eq!(err.to_string(), want);
+            assert_eq!(store.try_get("nccl/generation/0").unwrap(), None);
+        }
+        Ok(_) => {
+            // CUDA and NCCL are here: the constructor must work.
+            let g = single.expect("libraries present but a single-rank group failed");
+            assert_eq!((g.rank(), g.world_size()), (0, 1));
+        }
+    }
+}
+
+fn ramp<T: Copy>(n: usize, f: impl Fn(usize) -> T) -> Vec<T> {
+    (0..n).map(f).collect()
+}
+
+/// Every op on device buffers with world size 1, for one element type. Outputs are pre-filled
+/// with a sentinel so a collective that does not write is caught.
+fn device_collectives_world1<T>(g: &mut NcclGroup, data: Vec<T>, sentinel: T)
+where
+    T: ddp_comm::nccl::NcclElement + PartialEq,
+{
+    let stream = g.stream().clone();
+    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+        let mut buf = stream.clone_htod(&data).unwrap();
+        g.all_reduce(&mut buf, op).unwrap();
+        assert_eq!(stream.clone_dtoh(&buf).unwrap(), data, "all_reduce {op:?}");
+
+        let input = stream.clone_htod(&data).unwrap();
+        let mut out = stream.clone_htod(&vec![sentinel; data.len()]).unwrap();
+        g.all_reduce_into(&input, &mut out, op).unwrap();
+        assert_eq!(
+            stream.clone_dtoh(&out).unwrap(),
+            data,
+            "all_reduce_into {op:?}"
+        );
+        assert_eq!(stream.clone_dtoh(&input).unwrap(), data, "input kept");
+    }
+    let mut buf = stream.clone_htod(&data).unwrap();
+    g.broadcast(&mut buf, 0).unwrap();
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), data);
+
+    let input = stream.clone_htod(&data).unwrap();
+    let mut out = stream.clone_htod(&vec![sentinel; data.len()]).unwrap();
+    g.all_gather(&input, &mut out).unwrap();
+    assert_eq!(stream.clone_dtoh(&out).unwrap(), data);
+
+    // A sub-view: all-reduce the middle third only.
+    let mut buf = stream.clone_htod(&data).unwrap();
+    let (a, b) = (data.len() / 3, 2 * data.len() / 3);
+    let mut view = buf.slice_mut(a..b);
+    g.all_reduce(&mut view, ReduceOp::Sum).unwrap();
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), data);
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn world1_device_collectives_f32_f64_i64() {
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    println!(
+        "OUTCOME NCCL {} on CUDA device {} ({})",
+        g.nccl_version(),
+        g.device_ordinal(),
+        g.context().name().unwrap_or_default()
+    );
+    device_collectives_world1(&mut g, ramp(1001, |i| i as f32 * 0.5 - 100.0), f32::NAN);
+    device_collectives_world1(&mut g, ramp(4099, |i| (i as f64).sin() * 1e6), -7.0);
+    device_collectives_world1(
+        &mut g,
+        ramp(777, |i| i as i64 * 1_000_000_007 - (1 << 40)),
+        i64::MIN,
+    );
+    device_collectives_world1(&mut g, ramp(64, |i| i as i32 - 32), 99);
+    device_collectives_world1(&mut g, ramp(300, |i| (i % 256) as u8), 7u8);
+    for _ in 0..100 {
+        g.barrier().unwrap();
+    }
+    assert!(g.broken_reason().is_none());
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn world1_host_helpers_and_argument_errors() {
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    let data = ramp(12345, |i| i as f64 - 6000.5);
+    let mut buf = data.clone();
+    g.all_reduce_host(&mut buf, ReduceOp::Mean).unwrap();
+    assert_eq!(buf, data);
+    let mut ints = ramp(10, |i| -(i as i64));
+    g.broadcast_host(&mut ints, 0).unwrap();
+    assert_eq!(ints, ramp(10, |i| -(i as i64)));
+    let mut out = vec![0f32; 5];
+    g.all_gather_host(&[1.0, 2.0, 3.0, 4.0, 5.0], &mut out)
+        .unwrap();
+    assert_eq!(out, [1.0, 2.0, 3.0, 4.0, 5.0]);
+    let mut empty: Vec<f32> = Vec::new();
+    g.all_reduce_host(&mut empty, ReduceOp::Sum).unwrap();
+
+    // Argument errors are caught before NCCL and leave the group usable.
+    let err = g.broadcast_host(&mut [1.0f32], 1).unwrap_err();
+    assert!(matches!(err, CommError::InvalidArgument(_)), "{err}");
+    let err = g
+        .all_gather_host(&[1.0f32, 2.0], &mut [0.0; 3])
+        .unwrap_err();
+    assert!(matches!(err, CommError::InvalidArgument(_)), "{err}");
+    let stream = g.stream().clone();
+    let input = stream.clone_htod(&[1i64, 2, 3]).unwrap();
+    let mut wrong = stream.alloc_zeros::<i64>(4).unwrap();
+    let err = g.all_gather(&input, &mut wrong).unwrap_err();
+    assert!(matches!(err, CommError::InvalidArgument(_)), "{err}");
+    assert!(g.broken_reason().is_none());
+    g.barrier().unwrap();
+
+    // A world of one through the launcher-facing constructor: no store needed. Two
+    // single-rank communicators may share the device.
+    let mut solo = NcclGroup::connect(&LaunchEnv::single_process(), &opts()).unwrap();
+    let mut v = vec![3i64, -4, 5];
+    solo.all_reduce_host(&mut v, ReduceOp::Max).unwrap();
+    assert_eq!(v, [3, -4, 5]);
+    drop(solo);
+
+    // After an explicit abort every call reports the broken group.
+    g.abort();
+    let err = g.barrier().unwrap_err();
+    assert!(matches!(err, CommError::Poisoned(_)), "{err}");
+    let err = g.all_reduce_host(&mut [1.0f32], ReduceOp::Sum).unwrap_err();
+    assert!(matches!(err, CommError::Poisoned(_)), "{err}");
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn world1_raw_pointer_collectives() {
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    let stream = g.stream().clone();
+    let data = ramp(2048, |i| i as f32);
+    let buf = stream.clone_htod(&data).unwrap();
+    let out = stream.clone_htod(&vec![-1.0f32; 2048]).unwrap();
+    stream.synchronize().unwrap();
+    {
+        let (ptr, _r) = buf.device_ptr(&stream);
+        let (optr, _w) = out.device_ptr(&stream);
+        // SAFETY: both buffers are live on the group's device and idle (synchronised above).
+        unsafe {
+            g.wait_for_stream(stream.cu_stream()).unwrap();
+            g.all_reduce_raw::<f32>(ptr, 2048, ReduceOp::Max).unwrap();
+            g.broadcast_raw::<f32>(ptr, 2048, 0).unwrap();
+            g.all_gather_raw::<f32>(ptr, 2048, optr).unwrap();
+        }
+    }
+    assert_eq!(stream.clone_dtoh(&out).unwrap(), data);
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn world1_large_all_reduce_and_timings() {
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    let stream = g.stream().clone();
+    println!("BENCH | all_reduce f32, world 1 | bytes | median us | algbw GB/s |");
+    for &n in &[2048usize, 256 << 10, 25 << 18, 100 << 18] {
+        let data = ramp(n, |i| (i % 1000) as f32);
+        let mut buf = stream.clone_htod(&data).unwrap();
+        let mut times = Vec::new();
+        for _ in 0..11 {
+            let t = Instant::now();
+            g.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            times.push(t.elapsed());
+        }
+        times.sort();
+        let med = times[times.len() / 2];
+        let bytes = n * 4;
+        println!(
+            "BENCH | all_reduce f32, world 1 | {bytes} | {:.1} | {:.1} |",
+            med.as_secs_f64() * 1e6,
+            bytes as f64 / med.as_secs_f64() / 1e9
+        );
+        assert_eq!(stream.clone_dtoh(&buf).unwrap(), data);
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn init_times_out_and_names_the_rank_that_never_came() {
+    let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
+    let env = env_for(0, 2, server.local_addr().port());
+    let mut store =
+        StoreClient::connect(&env.master_endpoint(), Some(TOKEN), Duration::from_secs(5)).unwrap();
+    let o = NcclOptions {
+        init_timeout: Duration::from_secs(3),
+        ..opts()
+    };
+    let err = NcclGroup::init(&env, &mut store, &o).unwrap_err();
+    eprintln!("error as reported: {err}");
+    assert!(matches!(err, CommError::Timeout { .. }), "{err}");
+    assert_eq!(err.peer(), Some(1), "{err}");
+    assert!(err.to_string().contains("[1] never reached"), "{err}");
+    // The aborted communicator left the device usable.
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    g.barrier().unwrap();
+}
+
+/// One rank of the two-process test (runs only when spawned by it).
+#[test]
+#[ignore = "child process of two_processes_on_one_gpu (not a test by itself)"]
+fn child_entry_two_process_rank() {
+    if std::env::var(CHILD_VAR).is_err() {
+        return;
+    }
+    let env = LaunchEnv::from_env().unwrap();
+    let mut store = StoreClient::connect(
+        &env.master_endpoint(),
+        env.job_token.as_deref(),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let o = NcclOptions {
+        init_timeout: Duration::from_secs(30),
+        timeout: Duration::from_secs(10),
+        ..opts()
+    };
+    let mut g = match NcclGroup::init(&env, &mut store, &o) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("CHILD rank={} init-error {e}", env.rank);
+            std::process::exit(3);
+        }
+    };
+    let r = env.rank;
+    let mut v = vec![(r + 1) as f32; 1000];
+    g.all_reduce_host(&mut v, ReduceOp::Sum).unwrap();
+    assert!(v.iter().all(|&x| x == 3.0), "sum {:?}", &v[..3]);
+    let mut m = vec![(r as i64) * 10 + 1; 7];
+    g.all_reduce_host(&mut m, ReduceOp::Mean).unwrap();
+    assert_eq!(m, vec![6; 7]); // (1 + 11) / 2
+    let mut b = vec![r as f64; 5];
+    g.broadcast_host(&mut b, 1).unwrap();
+    assert_eq!(b, vec![1.0; 5]);
+    let mut gathered = vec![0i32; 4];
+    g.all_gather_host(&[r as i32, -(r as i32)], &mut gathered)
+        .unwrap();
+    assert_eq!(gathered, vec![0, 0, 1, -1]);
+    g.barrier().unwrap();
+    println!("CHILD rank={r} collectives-ok");
+    if r == 1 {
+        // Die without joining the next collective: rank 0 must get an error, not hang.
+        std::process::exit(0);
+    }
+    let t = Instant::now();
+    let err = g
+        .all_reduce_host(&mut [1.0f32; 16], ReduceOp::Sum)
+        .unwrap_err();
+    println!(
+        "CHILD rank={r} dead-peer-error after {:.1}s: {err}",
+        t.elapsed().as_secs_f64()
+    );
+    std::process::exit(0);
+}
+
+fn spawn_rank(rank: usize, port: u16) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_entry_two_process_rank",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "1")
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("DDP_JOB_TOKEN", TOKEN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+/// Kills the children when the test ends, however it ends.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn two_processes_on_one_gpu_work_or_fail_cleanly() {
+    // NCCL normally refuses two ranks on one GPU ("Duplicate GPU detected"). Either outcome is
+    // acceptable here; a hang, a panic or a wrong result is not. When NCCL accepts, rank 1
+    // then dies and rank 0 must report the dead peer within its 10 s timeout.
+    check_libraries().expect("this test needs CUDA and NCCL");
+    let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
+    let port = server.local_addr().port();
+    let mut children = Children(vec![spawn_rank(0, port), spawn_rank(1, port)]);
+    // Drain the pipes while the ranks run, so a chatty rank can never block on a full pipe.
+    let readers: Vec<_> = children
+        .0
+        .iter_mut()
+        .map(|c| {
+            let mut out = c.stdout.take().unwrap();
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut codes = [None, None];
+    while codes.iter().any(Option::is_none) {
+        assert!(
+            Instant::now() < deadline,
+            "rank processes still running after 120 s (hang)"
+        );
+        for (i, c) in children.0.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                codes[i] = c.try_wait().unwrap().map(|s| s.code());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let codes = codes.map(|c| c.expect("both exited"));
+    let outs: Vec<String> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+    for (i, o) in outs.iter().enumerate() {
+        // libtest may print "test NAME ... " on the same line before the child's output.
+        for line in o
+            .lines()
+            .filter_map(|l| l.find("CHILD rank=").map(|at| &l[at..]))
+        {
+            println!("rank {i} (exit {:?}): {line}", codes[i]);
+        }
+    }
+    let init_failed = outs.iter().all(|o| o.contains("init-error"));
+    let worked = outs.iter().all(|o| o.contains("collectives-ok"));
+    assert!(
+        init_failed || worked,
+        "neither a clean error on every rank nor success: {codes:?}\n{outs:?}"
+    );
+    if init_failed {
+        assert_eq!(codes, [Some(3), Some(3)]);
+        println!("OUTCOME two ranks on one GPU: refused by NCCL, clean error on both ranks");
+    } else {
+        assert_eq!(codes, [Some(0), Some(0)], "{outs:?}");
+        assert!(outs[0].contains("dead-peer-error"), "{}", outs[0]);
+        println!("OUTCOME two ranks on one GPU: collectives correct; dead peer reported");
+    }
+}

@@ -1,0 +1,354 @@
+//! Rank program for the DDP integration tests (`tests/ddp.rs`).
+//!
+//! Every scenario trains a small MLP (no BatchNorm) on deterministic synthetic data with
+//! `burn_ddp`, writes this rank's final parameters to `OUT/rank{r}.f32`, and — on rank 0 — runs
+//! the single-process reference on the joined batch from the same initial weights and writes
+//! `OUT/reference.f32`. Ranks start from *different* random initialisations (seed 1000 + rank),
+//! so equality proves the broadcast. After every step all ranks compare a hash of their
+//! parameters and the program fails unless they are bitwise identical.
+//!
+//! Scenarios: `equiv` (N ranks × batch b vs 1 × N·b), `accum` (4 micro-batches per step),
+//! `unused` (a branch used only on rank 1, another never used), `mismatch` (rank 1 builds a
+//! different model: must fail on every rank), `learner` (burn-train `Learner` vs the loop).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig, momentum::MomentumConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
+use burn::data::dataset::InMemDataset;
+use burn::train::{InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep};
+use burn_ddp::{Ddp, DdpModel, DdpOptimizer, SilentRenderer};
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Scenario {
+    Equiv,
+    Accum,
+    Unused,
+    Mismatch,
+    Learner,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Optim {
+    Sgd,
+    Adam,
+}
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[arg(long, value_enum)]
+    scenario: Scenario,
+    #[arg(long, value_enum, default_value = "sgd")]
+    optim: Optim,
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Per-rank batch (per micro-batch for `accum`).
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    micro: usize,
+    /// Gradient bucket cap in bytes (small values force several buckets).
+    #[arg(long, default_value_t = burn_ddp::DEFAULT_BUCKET_CAP_BYTES)]
+    bucket_bytes: usize,
+    #[arg(long)]
+    out: PathBuf,
+}
+
+const IN: usize = 6;
+const HIDDEN: usize = 16;
+const OUT: usize = 3;
+const LR: f64 = 0.05;
+
+#[derive(Module, Debug)]
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+    /// Used only by rank 1's samples in the `unused` scenario.
+    branch: Linear,
+    /// Never used: must get no gradient and stay unchanged.
+    never: Linear,
+    act: Relu,
+}
+
+impl Mlp {
+    fn new(hidden: usize, device: &Device) -> Self {
+        Mlp {
+            fc1: LinearConfig::new(IN, hidden).init(device),
+            fc2: LinearConfig::new(hidden, OUT).init(device),
+            branch: LinearConfig::new(hidden, OUT).init(device),
+            never: LinearConfig::new(hidden, OUT).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>, use_branch: bool) -> Tensor<2> {
+        let h = self.act.forward(self.fc1.forward(x));
+        let y = self.fc2.forward(h.clone());
+        if use_branch { y + self.branch.forward(h) } else { y }
+    }
+}
+
+/// Deterministic sample `i` (features with a non-zero mean, a target).
+fn sample(i: usize) -> ([f32; IN], [f32; OUT]) {
+    let mut s = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut next = || {
+        s ^= s >> 33;
+        s = s.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        s ^= s >> 33;
+        (s >> 40) as f32 / (1u64 << 24) as f32 // [0, 1)
+    };
+    let mut x = [0.0; IN];
+    x.iter_mut().for_each(|v| *v = 2.0 * next() + 0.5);
+    let mut y = [0.0; OUT];
+    y.iter_mut().for_each(|v| *v = next() - 0.5);
+    (x, y)
+}
+
+fn batch(indices: impl Iterator<Item = usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+    let mut n = 0;
+    for i in indices {
+        let (x, y) = sample(i);
+        xs.extend(x);
+        ys.extend(y);
+        n += 1;
+    }
+    (
+        Tensor::from_data(TensorData::new(xs, [n, IN]), device),
+        Tensor::from_data(TensorData::new(ys, [n, OUT]), device),
+    )
+}
+
+fn mse(pred: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+    (pred - y).powi_scalar(2).mean()
+}
+
+/// Global sample indices of `rank`'s micro-batch `m` of step `step`.
+fn shard(step: usize, m: usize, rank: usize, world: usize, b: usize, micro: usize) -> std::ops::Range<usize> {
+    let start = ((step * micro + m) * world + rank) * b;
+    start..start + b
+}
+
+fn optimizer(o: Optim) -> ModuleOptimizer {
+    match o {
+        Optim::Sgd => SgdConfig::new()
+            .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+            .init(),
+        Optim::Adam => AdamConfig::new().init(),
+    }
+}
+
+#[derive(Default)]
+struct Flatten(Vec<f32>);
+
+impl ModuleVisitor for Flatten {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let data = param.val().into_data().convert::<f32>();
+        self.0.extend(data.as_slice::<f32>().expect("f32 after convert"));
+    }
+}
+
+fn flatten<M: Module>(m: &M) -> Vec<f32> {
+    let mut f = Flatten::default();
+    m.visit(&mut f);
+    f.0
+}
+
+fn write_f32(path: &Path, v: &[f32]) -> std::io::Result<()> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(path, bytes)
+}
+
+fn hash(v: &[f32]) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in v {
+        for b in x.to_bits().to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h as i64
+}
+
+/// Fails unless every rank holds bitwise the same parameters.
+fn check_identical(ddp: &Ddp, model: &Mlp, step: usize) -> Result<(), String> {
+    let h = hash(&flatten(model));
+    let mut all = vec![0i64; ddp.world_size()];
+    burn_ddp::comm::lock(ddp.group())
+        .all_gather(&[h], &mut all)
+        .map_err(|e| e.to_string())?;
+    if all.iter().any(|&x| x != h) {
+        return Err(format!("ranks differ after step {step}: parameter hashes {all:x?}"));
+    }
+    Ok(())
+}
+
+/// A batch for burn-train.
+#[derive(Debug, Clone)]
+struct XyBatch {
+    x: Tensor<2>,
+    y: Tensor<2>,
+}
+
+/// Turns sample indices into a batch.
+#[derive(Debug, Clone)]
+struct IndexBatcher;
+
+impl Batcher<usize, XyBatch> for IndexBatcher {
+    fn batch(&self, items: Vec<usize>, device: &Device) -> XyBatch {
+        let (x, y) = batch(items.into_iter(), device);
+        XyBatch { x, y }
+    }
+}
+
+impl TrainStep for Mlp {
+    type Input = XyBatch;
+    type Output = RegressionOutput;
+
+    fn step(&self, b: XyBatch) -> TrainOutput<RegressionOutput> {
+        let output = self.forward(b.x, false);
+        let loss = mse(output.clone(), b.y.clone());
+        let grads = loss.backward();
+        TrainOutput::new(self, grads, RegressionOutput { loss, output, targets: b.y })
+    }
+}
+
+impl InferenceStep for Mlp {
+    type Input = XyBatch;
+    type Output = RegressionOutput;
+
+    fn step(&self, b: XyBatch) -> RegressionOutput {
+        let output = self.forward(b.x, false);
+        let loss = mse(output.clone(), b.y.clone());
+        RegressionOutput { loss, output, targets: b.y }
+    }
+}
+
+/// The same training twice from the same replicated weights: with burn-train's
+/// `SupervisedTraining` on a `DdpModel`, and with the hand-written `DdpOptimizer` loop.
+fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<(), String> {
+    let (rank, world, b) = (ddp.rank(), ddp.world_size(), args.batch);
+    let mut model = initial.clone();
+    let mut optim = DdpOptimizer::new(ddp, optimizer(args.optim));
+    for step in 0..args.steps {
+        let (x, y) = batch(shard(step, 0, rank, world, b, 1), device);
+        let loss = mse(model.forward(x, false), y);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.try_step(LR, model, grads).map_err(|e| e.to_string())?;
+    }
+    if ddp.is_main() {
+        write_f32(&args.out.join("reference.f32"), &flatten(&model)).map_err(|e| e.to_string())?;
+    }
+
+    let shard_items: Vec<usize> = (0..args.steps).flat_map(|s| shard(s, 0, rank, world, b, 1)).collect();
+    let train = DataLoaderBuilder::new(IndexBatcher)
+        .batch_size(b)
+        .set_device(device.clone())
+        .build(InMemDataset::new(shard_items));
+    let valid = DataLoaderBuilder::new(IndexBatcher)
+        .batch_size(b)
+        .set_device(device.clone())
+        .build(InMemDataset::new((0..b).collect::<Vec<usize>>()));
+    let learner = Learner::new(DdpModel::new(ddp, initial), optimizer(args.optim), LR);
+    let mut training = SupervisedTraining::new(args.out.join(format!("learner-rank{rank}")), train, valid)
+        .num_epochs(1);
+    if !ddp.is_main() {
+        training = training.renderer(Box::new(SilentRenderer));
+    }
+    let result = training.launch(learner);
+    if let Some(e) = result.error {
+        return Err(format!("learner failed: {e}"));
+    }
+    let model = result.model.into_inner();
+    check_identical(ddp, &model, args.steps)?;
+    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model)).map_err(|e| e.to_string())?;
+    ddp.barrier().map_err(|e| e.to_string())
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let ddp = Ddp::builder()
+        .bucket_cap_bytes(args.bucket_bytes)
+        .init()
+        .map_err(|e| e.to_string())?;
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    let device = ddp.device().clone().autodiff();
+    device.seed(1000 + rank as u64);
+    let hidden = if args.scenario == Scenario::Mismatch && rank == 1 { HIDDEN + 1 } else { HIDDEN };
+    let model = Mlp::new(hidden, &device);
+    let model = ddp.replicate_model(model).map_err(|e| e.to_string())?;
+    let initial = model.clone();
+    check_identical(&ddp, &model, 0)?;
+    std::fs::create_dir_all(&args.out).map_err(|e| e.to_string())?;
+    if args.scenario == Scenario::Learner {
+        return run_learner(args, &ddp, model, &device);
+    }
+
+    let use_branch = |r: usize| args.scenario == Scenario::Unused && r == 1;
+    let (b, micro) = (args.batch, args.micro);
+    let mut optim = DdpOptimizer::new(&ddp, optimizer(args.optim));
+    let mut model = model;
+    for step in 0..args.steps {
+        let mut acc = GradientsAccumulator::<Mlp>::new();
+        for m in 0..micro {
+            let (x, y) = batch(shard(step, m, rank, world, b, micro), &device);
+            let loss = mse(model.forward(x, use_branch(rank)), y).div_scalar(micro as f64);
+            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        model = optim.try_step(LR, model, acc.grads()).map_err(|e| e.to_string())?;
+        check_identical(&ddp, &model, step + 1)?;
+    }
+    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model)).map_err(|e| e.to_string())?;
+
+    // Single-process reference on the joined batch, same initial weights, no communication.
+    ddp.run_on_main(|| -> Result<(), String> {
+        let mut model = initial;
+        let mut optim = optimizer(args.optim);
+        for step in 0..args.steps {
+            let loss = if args.scenario == Scenario::Unused {
+                // The branch applies to rank 1's samples only: mean of per-shard means.
+                let mut sum: Option<Tensor<1>> = None;
+                for m in 0..micro {
+                    for r in 0..world {
+                        let (x, y) = batch(shard(step, m, r, world, b, micro), &device);
+                        let l = mse(model.forward(x, use_branch(r)), y);
+                        sum = Some(match sum {
+                            Some(s) => s + l,
+                            None => l,
+                        });
+                    }
+                }
+                sum.expect("at least one shard").div_scalar((world * micro) as f64)
+            } else {
+                // One forward over the joined batch of N·micro·b samples.
+                let all = (0..micro)
+                    .flat_map(|m| (0..world).flat_map(move |r| shard(step, m, r, world, b, micro)));
+                let (x, y) = batch(all, &device);
+                mse(model.forward(x, false), y)
+            };
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(LR, model, grads);
+        }
+        write_f32(&args.out.join("reference.f32"), &flatten(&model)).map_err(|e| e.to_string())
+    })
+    .map_err(|e| e.to_string())?
+    .transpose()?;
+    ddp.barrier().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ddp_worker error: {e}");
+            ExitCode::from(3)
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Multi-process acceptance tests of burn-ddp's gradient synchronisation: real rank processes
+//! (`src/bin/ddp_worker.rs`) on loopback with the CPU backend, compared with a single-process
+//! reference on the joined batch that rank 0 computes from the same initial weights.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(240);
+
+struct RankRun {
+    outputs: Vec<Output>,
+    out_dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// Starts `world` ranks of the worker with torchrun's environment, waits for all of them
+/// (killing every rank once the deadline passes) and returns their outputs.
+fn launch(world: usize, name: &str, args: &[&str]) -> RankRun {
+    let out_dir = std::env::temp_dir().join(format!(
+        "burn-ddp-test-{name}-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    std::fs::create_dir_all(&out_dir).expect("temp dir");
+    let port = free_port().to_string();
+    let mut children: Vec<Child> = (0..world)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_ddp_worker"))
+                .args(args)
+                .arg("--out")
+                .arg(&out_dir)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("GROUP_RANK", "0")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("DDP_TIMEOUT_SECS", "60")
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn ddp_worker")
+        })
+        .collect();
+    let start = Instant::now();
+    loop {
+        let done = children
+            .iter_mut()
+            .all(|c| c.try_wait().expect("try_wait").is_some());
+        if done {
+            break;
+        }
+        if start.elapsed() > DEADLINE {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outputs = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("collect output"))
+        .collect();
+    RankRun { outputs, out_dir }
+}
+
+impl RankRun {
+    fn assert_success(&self) {
+        for (rank, o) in self.outputs.iter().enumerate() {
+            assert!(
+                o.status.success(),
+                "rank {rank} failed ({}):\n{}",
+                o.status,
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+
+    fn params(&self, file: &str) -> Vec<f32> {
+        read_f32(&self.out_dir.join(file))
+    }
+
+    /// Every rank bitwise equal to rank 0, and rank 0 within `tol` of the reference.
+    fn assert_matches_reference(&self, world: usize, tol: f32) {
+        self.assert_success();
+        let reference = self.params("reference.f32");
+        let rank0 = self.params("rank0.f32");
+        assert_eq!(rank0.len(), reference.len());
+        for r in 1..world {
+            let p = self.params(&format!("rank{r}.f32"));
+            assert!(
+                p.iter().zip(&rank0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {r} is not bitwise identical to rank 0"
+            );
+        }
+        let max = max_abs_diff(&rank0, &reference);
+        assert!(max <= tol, "max |Δparam| = {max:e} > {tol:e}");
+        assert!(reference.iter().all(|x| x.is_finite()));
+    }
+}
+
+impl Drop for RankRun {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.out_dir);
+    }
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn equivalence(world: usize, optim: &str) {
+    let run = launch(
+        world,
+        &format!("equiv-{world}-{optim}"),
+        &["--scenario", "equiv", "--optim", optim, "--steps", "5", "--batch", "4"],
+    );
+    run.assert_matches_reference(world, 1e-5);
+}
+
+#[test]
+fn two_ranks_sgd_momentum_match_one_process_on_the_joined_batch() {
+    equivalence(2, "sgd");
+}
+
+#[test]
+fn three_ranks_sgd_momentum_match_one_process_on_the_joined_batch() {
+    equivalence(3, "sgd");
+}
+
+#[test]
+fn four_ranks_sgd_momentum_match_one_process_on_the_joined_batch() {
+    equivalence(4, "sgd");
+}
+
+#[test]
+fn two_ranks_adam_match_one_process_on_the_joined_batch() {
+    equivalence(2, "adam");
+}
+
+#[test]
+fn three_ranks_adam_match_one_process_on_the_joined_batch() {
+    equivalence(3, "adam");
+}
+
+#[test]
+fn four_ranks_adam_match_one_process_on_the_joined_batch() {
+    equivalence(4, "adam");
+}
+
+#[test]
+fn tiny_buckets_give_the_same_result_as_one_bucket() {
+    // 64-byte buckets split the MLP's gradients into many all-reduces (and split none of the
+    // parameters: a parameter larger than the cap gets a bucket of its own).
+    let run = launch(
+        3,
+        "buckets",
+        &["--scenario", "equiv", "--optim", "adam", "--steps", "3", "--bucket-bytes", "64"],
+    );
+    run.assert_matches_reference(3, 1e-5);
+}
+
+#[test]
+fn accumulating_four_micro_batches_equals_one_step_on_the_four_times_batch() {
+    let run = launch(
+        2,
+        "accum",
+        &["--scenario", "accum", "--optim", "sgd", "--steps", "3", "--batch", "3", "--micro", "4"],
+    );
+    run.assert_matches_reference(2, 1e-5);
+}
+
+#[test]
+fn a_branch_used_only_on_rank_1_matches_the_single_process_run() {
+    let run = launch(
+        3,
+        "unused",
+        &["--scenario", "unused", "--optim", "adam", "--steps", "4"],
+    );
+    run.assert_matches_reference(3, 1e-5);
+}
+
+#[test]
+fn mismatched_models_fail_on_every_rank_with_a_clear_error() {
+    let run = launch(3, "mismatch", &["--scenario", "mismatch", "--steps", "1"]);
+    for (rank, o) in run.outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {rank} should fail");
+        assert!(
+            err.contains("the model differs across ranks")
+                && err.contains("`fc1.weight`")
+                && err.contains("on rank 1"),
+            "rank {rank} stderr lacks the clear error:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn a_learner_run_matches_the_hand_written_loop() {
+    let run = launch(
+        2,
+        "learner",
+        &["--scenario", "learner", "--optim", "adam", "--steps", "4", "--batch", "4"],
+    );
+    run.assert_matches_reference(2, 1e-6);
+}
