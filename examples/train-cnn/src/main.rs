@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use burn::nn::BatchNorm;
 use clap::Parser;
 use train_cnn::data::DataSpec;
-use train_cnn::dist::{self, Cluster};
+use train_cnn::dist::{Cluster, DdpCluster};
 use train_cnn::model::NormLayer;
 use train_cnn::train::{self, TrainConfig, TrainError};
 
@@ -87,7 +87,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         resume: args.resume,
         progress: !args.no_progress,
     };
-    let mut cluster = dist::from_env()?;
+    let mut cluster = DdpCluster::from_env()?;
     if args.sync_bn {
         return Err(TrainError::Config(
             "--sync-bn needs burn-ddp's SyncBatchNorm, which this build does not include yet"

@@ -1,21 +1,19 @@
 //! The seam between the training loop and the process group.
 //!
 //! Everything the training program needs from distributed training goes through [`Cluster`] and
-//! [`StepOptimizer`]. [`Local`] is the single-process implementation (world size 1, no
-//! communication): it is what runs today and what a program launched without a launcher uses.
+//! [`StepOptimizer`]. Two implementations:
+//! - [`DdpCluster`] (module [`ddp`]): burn-ddp — `burn_ddp::init()`, `Ddp::replicate_model`,
+//!   `DdpOptimizer`, the process group's collectives. The program uses it; launched alone it
+//!   is a world of one.
+//! - [`Local`]: one process, no communication, no process group — for in-process tests.
 //!
-//! # Wiring burn-ddp (integration)
-//! Add an implementation backed by burn-ddp's context and swap it in `main.rs`:
-//! - [`Cluster::rank`], [`Cluster::world_size`], [`Cluster::device`] → the `Ddp` context;
-//! - [`Cluster::broadcast_model`] → burn-ddp's module broadcast from rank 0 (parameters and
-//!   buffers, with its shape check);
-//! - [`Cluster::optimizer`] → wrap the `ModuleOptimizer` in `DdpOptimizer` and implement
-//!   [`StepOptimizer`] for it (its `step` averages gradients then steps);
-//! - [`Cluster::all_reduce_sum`] / [`Cluster::broadcast_bytes`] / [`Cluster::barrier`] → the
-//!   context's collectives;
-//! - [`Cluster::train_indices`] → burn-ddp's `DistributedSampler` with `set_epoch(epoch)`.
-//!
-//! For `--sync-bn`, implement [`crate::model::NormLayer`] for burn-ddp's `SyncBatchNorm`.
+//! Still to wire at integration: [`Cluster::train_indices`] → burn-ddp's `DistributedSampler`
+//! (this crate's [`shard_indices`] has the same semantics over its own RNG meanwhile), and
+//! [`crate::model::NormLayer`] for burn-ddp's `SyncBatchNorm` (for `--sync-bn`).
+
+pub mod ddp;
+
+pub use ddp::DdpCluster;
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -99,26 +97,6 @@ pub trait Cluster {
     /// `seed + epoch`, padded to a multiple of the world size by repeating its head, and this
     /// rank's `r::world` slice (PyTorch's `DistributedSampler`). Every rank gets the same count.
     fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Vec<usize>;
-}
-
-/// The cluster for this process, from the launch environment: [`Local`] on the CPU (Flex) when
-/// `WORLD_SIZE` is unset or 1.
-///
-/// A launch with `WORLD_SIZE > 1` is refused with a clear error until the burn-ddp cluster is wired
-/// in (see the module documentation).
-pub fn from_env() -> Result<Local, DistError> {
-    match std::env::var("WORLD_SIZE") {
-        Err(_) => Ok(Local::new(Device::flex())),
-        Ok(w) => match w.trim().parse::<usize>() {
-            Ok(1) => Ok(Local::new(Device::flex())),
-            Ok(n) if n > 1 => Err(DistError(format!(
-                "WORLD_SIZE={n}, but this build of train-cnn runs single-process only (burn-ddp not wired in)"
-            ))),
-            _ => Err(DistError(format!(
-                "WORLD_SIZE={w:?} is not a positive integer"
-            ))),
-        },
-    }
 }
 
 /// One process, no communication.
