@@ -264,7 +264,7 @@ pub fn train<N: NormLayer, C: Cluster>(
     for epoch in start..cfg.epochs {
         let t0 = Instant::now();
         sampler.epoch = epoch as u64;
-        let indices = cluster.train_indices(splits.train.0.len(), sampler.seed, sampler.epoch);
+        let indices = cluster.train_indices(splits.train.0.len(), sampler.seed, sampler.epoch)?;
         // Every rank has the same number of indices, so the same number of full batches; the
         // partial batch at the end is dropped (a batch of 1 has no BatchNorm statistics).
         let mut sums = [0f64; 3]; // loss × n, correct, n

@@ -95,7 +95,16 @@ impl Cluster for DdpCluster {
         self.ddp.barrier().map_err(err)
     }
 
-    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Vec<usize> {
-        shard_indices(len, seed, epoch, self.rank(), self.world_size())
+    /// PyTorch `DistributedSampler` semantics ([`shard_indices`]). To switch to burn-ddp's
+    /// sampler: `let mut s = DistributedSampler::new(len, world, rank)?.with_seed(seed);
+    /// s.set_epoch(epoch); Ok(s.indices())`.
+    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
+        Ok(shard_indices(
+            len,
+            seed,
+            epoch,
+            self.rank(),
+            self.world_size(),
+        ))
     }
 }

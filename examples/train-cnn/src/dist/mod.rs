@@ -96,7 +96,7 @@ pub trait Cluster {
     /// The training sample indices of this rank for `epoch`: a permutation of `0..len` from
     /// `seed + epoch`, padded to a multiple of the world size by repeating its head, and this
     /// rank's `r::world` slice (PyTorch's `DistributedSampler`). Every rank gets the same count.
-    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Vec<usize>;
+    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError>;
 }
 
 /// One process, no communication.
@@ -149,8 +149,8 @@ impl Cluster for Local {
         Ok(())
     }
 
-    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Vec<usize> {
-        shard_indices(len, seed, epoch, 0, 1)
+    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
+        Ok(shard_indices(len, seed, epoch, 0, 1))
     }
 }
 
