@@ -280,12 +280,13 @@ pub fn train<N: NormLayer, C: Cluster>(
             sums[0] += loss_value * n;
             sums[1] += correct as f64;
             sums[2] += n;
-            bar.set_message(format!(
-                "epoch {}/{} loss {loss_value:.4}",
-                epoch + 1,
-                cfg.epochs
-            ));
             bar.inc(chunk.len() as u64 * world as u64);
+            bar.set_message(format!(
+                "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
+                epoch + 1,
+                cfg.epochs,
+                bar.per_sec()
+            ));
         }
         let train_seconds = t0.elapsed().as_secs_f64();
         cluster.all_reduce_sum(&mut sums)?;
@@ -353,11 +354,9 @@ fn progress_bar(show: bool, total: u64) -> ProgressBar {
     }
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{bar:30}] {pos}/{len} samples  {msg}  {per_sec}  ETA {eta}",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
+        ProgressStyle::with_template("[{bar:20}] {percent:>3}% {msg} ETA {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
     );
     bar
 }
