@@ -1,0 +1,110 @@
+//! The [`Cluster`] backed by burn-ddp: the rank processes of a job launched by `ddprun`,
+//! torchrun or Slurm.
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Device;
+use burn_ddp::{Ddp, DdpOptimizer};
+use ddp_comm::ReduceOp;
+
+use super::{Cluster, DistError, StepOptimizer, shard_indices};
+
+fn err(e: impl std::fmt::Display) -> DistError {
+    DistError(e.to_string())
+}
+
+/// A rank of a burn-ddp job.
+pub struct DdpCluster {
+    ddp: Ddp,
+    device: Device,
+}
+
+impl std::fmt::Debug for DdpCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DdpCluster")
+            .field("rank", &self.ddp.rank())
+            .field("world_size", &self.ddp.world_size())
+            .finish()
+    }
+}
+
+impl DdpCluster {
+    /// Joins the job described by the launch environment (a world of one without it).
+    pub fn from_env() -> Result<Self, DistError> {
+        let ddp = burn_ddp::init().map_err(err)?;
+        let device = ddp.device().clone().autodiff();
+        Ok(Self { ddp, device })
+    }
+}
+
+impl StepOptimizer for DdpOptimizer {
+    fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M, DistError> {
+        self.try_step(lr, module, grads).map_err(err)
+    }
+
+    fn state_bytes(&self) -> Result<Vec<u8>, DistError> {
+        self.optimizer().state_bytes()
+    }
+
+    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), DistError> {
+        self.optimizer_mut().load_state_bytes(bytes)
+    }
+}
+
+impl Cluster for DdpCluster {
+    type Optimizer = DdpOptimizer;
+
+    fn rank(&self) -> usize {
+        self.ddp.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ddp.world_size()
+    }
+
+    fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    fn broadcast_model<M: Module>(&mut self, model: M) -> Result<M, DistError> {
+        self.ddp.replicate_model(model).map_err(err)
+    }
+
+    fn optimizer(&mut self, inner: ModuleOptimizer) -> DdpOptimizer {
+        DdpOptimizer::new(&self.ddp, inner)
+    }
+
+    fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<(), DistError> {
+        burn_ddp::comm::lock(self.ddp.group())
+            .all_reduce(values, ReduceOp::Sum)
+            .map_err(err)
+    }
+
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) -> Result<(), DistError> {
+        burn_ddp::comm::lock(self.ddp.group())
+            .broadcast_bytes(bytes, 0)
+            .map_err(err)
+    }
+
+    fn barrier(&mut self) -> Result<(), DistError> {
+        self.ddp.barrier().map_err(err)
+    }
+
+    /// PyTorch `DistributedSampler` semantics ([`shard_indices`]). To switch to burn-ddp's
+    /// sampler: `let mut s = DistributedSampler::new(len, world, rank)?.with_seed(seed);
+    /// s.set_epoch(epoch); Ok(s.indices())`.
+    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
+        Ok(shard_indices(
+            len,
+            seed,
+            epoch,
+            self.rank(),
+            self.world_size(),
+        ))
+    }
+}

@@ -1,0 +1,200 @@
+//! The seam between the training loop and the process group.
+//!
+//! Everything the training program needs from distributed training goes through [`Cluster`] and
+//! [`StepOptimizer`]. Two implementations:
+//! - [`DdpCluster`] (module [`ddp`]): burn-ddp — `burn_ddp::init()`, `Ddp::replicate_model`,
+//!   `DdpOptimizer`, the process group's collectives. The program uses it; launched alone it
+//!   is a world of one.
+//! - [`Local`]: one process, no communication, no process group — for in-process tests.
+//!
+//! Still to wire at integration: [`Cluster::train_indices`] → burn-ddp's `DistributedSampler`
+//! (this crate's [`shard_indices`] has the same semantics over its own RNG meanwhile), and
+//! [`crate::model::NormLayer`] for burn-ddp's `SyncBatchNorm` (for `--sync-bn`).
+
+pub mod ddp;
+
+pub use ddp::DdpCluster;
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Bytes, Device};
+
+use crate::rng::SplitMix64;
+
+/// A failure of a collective operation or of the process group.
+#[derive(Debug, thiserror::Error)]
+#[error("distributed: {0}")]
+pub struct DistError(pub String);
+
+/// An optimizer as the training loop uses it: step, and save / restore its state.
+pub trait StepOptimizer {
+    /// Updates `module` from `grads` (after averaging them across ranks, for a distributed one).
+    fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M, DistError>;
+    /// The optimizer state (burnpack bytes).
+    fn state_bytes(&self) -> Result<Vec<u8>, DistError>;
+    /// Restores a state written by [`state_bytes`](Self::state_bytes).
+    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), DistError>;
+}
+
+impl StepOptimizer for ModuleOptimizer {
+    fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M, DistError> {
+        Ok(ModuleOptimizer::step(self, lr, module, grads))
+    }
+
+    fn state_bytes(&self) -> Result<Vec<u8>, DistError> {
+        let b = self
+            .into_bytes()
+            .map_err(|e| DistError(format!("serialising the optimizer: {e}")))?;
+        Ok(b.to_vec())
+    }
+
+    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), DistError> {
+        let loaded = self
+            .clone()
+            .from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| DistError(format!("restoring the optimizer: {e}")))?;
+        *self = loaded;
+        Ok(())
+    }
+}
+
+/// What the training loop needs from the group of rank processes.
+pub trait Cluster {
+    /// The optimizer type this cluster steps with.
+    type Optimizer: StepOptimizer;
+
+    /// This process's rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of rank processes.
+    fn world_size(&self) -> usize;
+    /// Whether this is rank 0 (which prints, plots and writes checkpoints).
+    fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+    /// The device this rank trains on (with autodiff enabled).
+    fn device(&self) -> Device;
+    /// Returns `model` with rank 0's parameters and buffers on every rank.
+    fn broadcast_model<M: Module>(&mut self, model: M) -> Result<M, DistError>;
+    /// Wraps a plain optimizer into the one this cluster steps with.
+    fn optimizer(&mut self, inner: ModuleOptimizer) -> Self::Optimizer;
+    /// Element-wise sum of `values` over all ranks, in place.
+    fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<(), DistError>;
+    /// Replaces `bytes` on every rank with rank 0's.
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) -> Result<(), DistError>;
+    /// Waits for every rank.
+    fn barrier(&mut self) -> Result<(), DistError>;
+    /// The training sample indices of this rank for `epoch`: a permutation of `0..len` from
+    /// `seed + epoch`, padded to a multiple of the world size by repeating its head, and this
+    /// rank's `r::world` slice (PyTorch's `DistributedSampler`). Every rank gets the same count.
+    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError>;
+}
+
+/// One process, no communication.
+#[derive(Debug, Clone)]
+pub struct Local {
+    device: Device,
+}
+
+impl Local {
+    /// A single-process cluster training on `device` (autodiff is turned on).
+    pub fn new(device: Device) -> Self {
+        Self {
+            device: device.autodiff(),
+        }
+    }
+}
+
+impl Cluster for Local {
+    type Optimizer = ModuleOptimizer;
+
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    fn broadcast_model<M: Module>(&mut self, model: M) -> Result<M, DistError> {
+        Ok(model)
+    }
+
+    fn optimizer(&mut self, inner: ModuleOptimizer) -> ModuleOptimizer {
+        inner
+    }
+
+    fn all_reduce_sum(&mut self, _values: &mut [f64]) -> Result<(), DistError> {
+        Ok(())
+    }
+
+    fn broadcast_bytes(&mut self, _bytes: &mut Vec<u8>) -> Result<(), DistError> {
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), DistError> {
+        Ok(())
+    }
+
+    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
+        Ok(shard_indices(len, seed, epoch, 0, 1))
+    }
+}
+
+/// PyTorch `DistributedSampler` semantics over [`SplitMix64`]: the shard of `rank` among
+/// `world` for `epoch`. Used by [`Local`]; a distributed cluster uses burn-ddp's sampler.
+pub fn shard_indices(len: usize, seed: u64, epoch: u64, rank: usize, world: usize) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..len).collect();
+    SplitMix64::new(seed.wrapping_add(epoch)).shuffle(&mut perm);
+    if len == 0 {
+        return perm;
+    }
+    let total = len.div_ceil(world) * world;
+    let mut i = 0;
+    while perm.len() < total {
+        perm.push(perm[i]);
+        i += 1;
+    }
+    perm.into_iter().skip(rank).step_by(world).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_everything_and_change_with_the_epoch() {
+        for (len, world) in [(10, 1), (10, 3), (7, 4), (1, 2)] {
+            let shards: Vec<Vec<usize>> = (0..world)
+                .map(|r| shard_indices(len, 5, 0, r, world))
+                .collect();
+            let n = shards[0].len();
+            assert!(shards.iter().all(|s| s.len() == n));
+            let mut all: Vec<usize> = shards.concat();
+            all.sort_unstable();
+            all.dedup();
+            assert_eq!(all, (0..len).collect::<Vec<_>>());
+        }
+        assert_ne!(
+            shard_indices(100, 5, 0, 0, 1),
+            shard_indices(100, 5, 1, 0, 1)
+        );
+        assert_eq!(
+            shard_indices(100, 5, 1, 0, 1),
+            shard_indices(100, 5, 1, 0, 1)
+        );
+    }
+}

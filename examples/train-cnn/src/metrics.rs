@@ -1,0 +1,160 @@
+//! Per-epoch metrics: the record, the printed table, and the CSV / JSON files.
+
+use std::io::Write;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// What one epoch measured. Losses and accuracies are over all ranks' samples.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpochMetrics {
+    /// Epoch number, from 1.
+    pub epoch: usize,
+    /// Mean training loss over the epoch (every rank's batches, weighted by samples).
+    pub train_loss: f64,
+    /// Training accuracy over the epoch (measured in training mode, on the fly).
+    pub train_accuracy: f64,
+    /// Mean loss on the eval split (eval mode: running BatchNorm statistics).
+    pub eval_loss: f64,
+    /// Accuracy on the eval split.
+    pub eval_accuracy: f64,
+    /// Training samples processed per second, all ranks together.
+    pub samples_per_sec: f64,
+    /// Wall time of the epoch (training and evaluation), seconds.
+    pub seconds: f64,
+}
+
+const HEADER: [&str; 7] = [
+    "epoch",
+    "train_loss",
+    "train_accuracy",
+    "eval_loss",
+    "eval_accuracy",
+    "samples_per_sec",
+    "seconds",
+];
+
+/// The metrics as a text table (one header line, one line per epoch).
+pub fn table(history: &[EpochMetrics]) -> String {
+    let mut s = format!(
+        "{:>5}  {:>10}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}\n",
+        "epoch", "train loss", "train acc", "eval loss", "eval acc", "samples/s", "time s"
+    );
+    for m in history {
+        s.push_str(&format!(
+            "{:>5}  {:>10.4}  {:>8.2}%  {:>9.4}  {:>7.2}%  {:>9.0}  {:>7.1}\n",
+            m.epoch,
+            m.train_loss,
+            100.0 * m.train_accuracy,
+            m.eval_loss,
+            100.0 * m.eval_accuracy,
+            m.samples_per_sec,
+            m.seconds
+        ));
+    }
+    s
+}
+
+/// Writes the metrics as CSV (header + one row per epoch).
+pub fn write_csv(path: &Path, history: &[EpochMetrics]) -> std::io::Result<()> {
+    let mut out = Vec::new();
+    writeln!(out, "{}", HEADER.join(","))?;
+    for m in history {
+        writeln!(
+            out,
+            "{},{},{},{},{},{},{}",
+            m.epoch,
+            m.train_loss,
+            m.train_accuracy,
+            m.eval_loss,
+            m.eval_accuracy,
+            m.samples_per_sec,
+            m.seconds
+        )?;
+    }
+    write_atomic(path, &out)
+}
+
+/// Writes the metrics as a JSON array of objects.
+pub fn write_json(path: &Path, history: &[EpochMetrics]) -> std::io::Result<()> {
+    let json = serde_json::to_vec_pretty(history).map_err(std::io::Error::other)?;
+    write_atomic(path, &json)
+}
+
+/// Reads metrics written by [`write_json`].
+pub fn read_json(path: &Path) -> std::io::Result<Vec<EpochMetrics>> {
+    serde_json::from_slice(&std::fs::read(path)?).map_err(std::io::Error::other)
+}
+
+/// Writes `bytes` to a temporary file next to `path`, flushes it and renames it over `path`, so a
+/// reader never sees a half-written file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other(format!("{} has no file name", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    // Make the rename itself durable (best effort: not every platform can sync a directory).
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Vec<EpochMetrics> {
+        (1..=3)
+            .map(|e| EpochMetrics {
+                epoch: e,
+                train_loss: 2.0 / e as f64,
+                train_accuracy: 0.3 * e as f64,
+                eval_loss: 2.1 / e as f64,
+                eval_accuracy: 0.25 * e as f64,
+                samples_per_sec: 1000.0,
+                seconds: 1.5,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn csv_and_json_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = sample();
+        write_csv(&dir.path().join("m.csv"), &h).unwrap();
+        write_json(&dir.path().join("m.json"), &h).unwrap();
+        assert_eq!(read_json(&dir.path().join("m.json")).unwrap(), h);
+        let csv = std::fs::read_to_string(dir.path().join("m.csv")).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 4);
+        assert_eq!(lines[0], HEADER.join(","));
+        let row: Vec<f64> = lines[2].split(',').map(|v| v.parse().unwrap()).collect();
+        assert_eq!(row[0], 2.0);
+        assert_eq!(row[1], 1.0);
+        // No temporary file is left behind.
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 2);
+    }
+
+    #[test]
+    fn table_has_a_row_per_epoch() {
+        let t = table(&sample());
+        assert_eq!(t.lines().count(), 4);
+        assert!(t.lines().nth(1).unwrap().contains("30.00%"), "{t}");
+    }
+}

@@ -1,0 +1,167 @@
+//! The CNN: conv blocks (conv 3×3 → norm → ReLU → max-pool 2×2) then a linear classifier.
+//!
+//! The model is generic over its normalisation layer through [`NormLayer`], so the same code builds
+//! it with Burn's [`BatchNorm`] (per-rank statistics) or with burn-ddp's `SyncBatchNorm`
+//! (statistics over all ranks). Both share BatchNorm's record layout (`gamma`, `beta`,
+//! `running_mean`, `running_var`), so a checkpoint of one loads into the other.
+
+use burn::module::{Module, ModuleDisplay};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor};
+
+/// A normalisation layer over `[batch, channels, h, w]` activations.
+///
+/// Implemented here for Burn's [`BatchNorm`]; burn-ddp's `SyncBatchNorm` gets the same two-method
+/// implementation at integration (see `dist.rs`).
+pub trait NormLayer: Module + ModuleDisplay + Sized {
+    /// Short name for logs and reports.
+    const NAME: &'static str;
+    /// A fresh layer over `num_features` channels.
+    fn init(num_features: usize, device: &Device) -> Self;
+    /// Normalises `x`.
+    fn forward(&self, x: Tensor<4>) -> Tensor<4>;
+}
+
+impl NormLayer for BatchNorm {
+    const NAME: &'static str = "BatchNorm";
+
+    fn init(num_features: usize, device: &Device) -> Self {
+        BatchNormConfig::new(num_features).init(device)
+    }
+
+    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        BatchNorm::forward(self, x)
+    }
+}
+
+/// The shape of the network.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CnnConfig {
+    /// Output channels of each conv block (3–4 blocks is the intended size).
+    pub channels: Vec<usize>,
+    /// Input image rows.
+    pub rows: usize,
+    /// Input image columns.
+    pub cols: usize,
+    /// Number of classes.
+    pub num_classes: usize,
+}
+
+impl CnnConfig {
+    /// The default network for 28×28 inputs and ten classes: blocks of 16, 32 and 32 channels.
+    pub fn small(rows: usize, cols: usize, num_classes: usize) -> Self {
+        Self {
+            channels: vec![16, 32, 32],
+            rows,
+            cols,
+            num_classes,
+        }
+    }
+
+    /// Spatial size after the conv blocks (each halves it, rounding down).
+    pub fn feature_dims(&self) -> (usize, usize) {
+        self.channels
+            .iter()
+            .fold((self.rows, self.cols), |(r, c), _| (r / 2, c / 2))
+    }
+
+    /// Checks that the input survives every pooling step.
+    pub fn validate(&self) -> Result<(), String> {
+        let (r, c) = self.feature_dims();
+        if self.channels.is_empty() {
+            return Err("the network needs at least one conv block".into());
+        }
+        if r == 0 || c == 0 {
+            return Err(format!(
+                "{}×{} images are too small for {} pooling blocks",
+                self.rows,
+                self.cols,
+                self.channels.len()
+            ));
+        }
+        if self.num_classes < 2 {
+            return Err(format!("{} classes: need at least 2", self.num_classes));
+        }
+        Ok(())
+    }
+
+    /// Builds the network with norm layer `N` on `device`.
+    pub fn init<N: NormLayer>(&self, device: &Device) -> Cnn<N> {
+        let mut blocks = Vec::with_capacity(self.channels.len());
+        let mut in_ch = 1;
+        for &out in &self.channels {
+            blocks.push(ConvBlock {
+                conv: Conv2dConfig::new([in_ch, out], [3, 3])
+                    .with_padding(PaddingConfig2d::Same)
+                    .with_bias(false) // the norm layer's beta plays the bias
+                    .init(device),
+                norm: N::init(out, device),
+                pool: MaxPool2dConfig::new([2, 2]).init(),
+            });
+            in_ch = out;
+        }
+        let (r, c) = self.feature_dims();
+        Cnn {
+            blocks,
+            head: LinearConfig::new(in_ch * r * c, self.num_classes).init(device),
+        }
+    }
+}
+
+/// conv 3×3 → norm → ReLU → max-pool 2×2.
+#[derive(Module, Debug)]
+pub struct ConvBlock<N> {
+    conv: Conv2d,
+    norm: N,
+    pool: MaxPool2d,
+}
+
+impl<N: NormLayer> ConvBlock<N> {
+    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        self.pool
+            .forward(relu(self.norm.forward(self.conv.forward(x))))
+    }
+}
+
+/// The classifier: conv blocks then a linear layer on the flattened features.
+#[derive(Module, Debug)]
+pub struct Cnn<N> {
+    blocks: Vec<ConvBlock<N>>,
+    head: Linear,
+}
+
+impl<N: NormLayer> Cnn<N> {
+    /// Logits `[batch, classes]` for images `[batch, 1, rows, cols]`.
+    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        let x = self.blocks.iter().fold(images, |x, b| b.forward(x));
+        self.head.forward(x.flatten(1, 3))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_flow_through_the_network() {
+        let device = Device::flex();
+        let cfg = CnnConfig::small(28, 28, 10);
+        assert_eq!(cfg.feature_dims(), (3, 3));
+        let model: Cnn<BatchNorm> = cfg.init(&device);
+        let x = Tensor::<4>::zeros([2, 1, 28, 28], &device);
+        assert_eq!(model.forward(x).dims(), [2, 10]);
+        // conv weights (no bias) + 4 vectors per norm (γ, β and the running statistics) + head.
+        let expected = 16 * 9 + 32 * 16 * 9 + 32 * 32 * 9 + 4 * (16 + 32 + 32) + 32 * 9 * 10 + 10;
+        assert_eq!(model.num_params(), expected);
+    }
+
+    #[test]
+    fn bad_shapes_are_rejected() {
+        assert!(CnnConfig::small(4, 28, 10).validate().is_err());
+        assert!(CnnConfig::small(28, 28, 1).validate().is_err());
+        assert!(CnnConfig::small(8, 8, 10).validate().is_ok());
+    }
+}

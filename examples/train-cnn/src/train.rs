@@ -1,0 +1,459 @@
+//! The training loop: epochs of sharded batches, evaluation, metrics, plot and checkpoints.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::store::ModuleRecord;
+use burn::tensor::{Bytes, Device};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::checkpoint::{self, Checkpoint, CheckpointError, CheckpointMeta, SamplerState};
+use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
+use crate::dist::{Cluster, DistError, StepOptimizer};
+use crate::metrics::{self, EpochMetrics};
+use crate::model::{Cnn, CnnConfig, NormLayer};
+use crate::plot::{self, PlotError};
+
+/// Settings of one training run (the program's arguments).
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Samples per batch on each rank (the global batch is this × world size).
+    pub batch_size: usize,
+    /// Total number of epochs (a resumed run continues up to this number).
+    pub epochs: usize,
+    /// SGD learning rate (momentum 0.9).
+    pub lr: f64,
+    /// Seed of the model initialisation, the synthetic data and the data order.
+    pub seed: u64,
+    /// The dataset.
+    pub data: DataSpec,
+    /// Sizes of the synthetic train and eval splits.
+    pub synthetic_sizes: (usize, usize),
+    /// Output channels of the conv blocks.
+    pub channels: Vec<usize>,
+    /// Directory for metrics, plot and checkpoint.
+    pub out: PathBuf,
+    /// Continue from `out/checkpoint.bin`.
+    pub resume: bool,
+    /// Show the progress bar (rank 0 only, and only on a terminal).
+    pub progress: bool,
+}
+
+impl TrainConfig {
+    /// Small defaults for the synthetic dataset.
+    pub fn new(out: impl Into<PathBuf>) -> Self {
+        Self {
+            batch_size: 32,
+            epochs: 4,
+            lr: 0.02,
+            seed: 42,
+            data: DataSpec::Synthetic,
+            synthetic_sizes: (10000, 2000),
+            channels: vec![16, 32, 32],
+            out: out.into(),
+            resume: false,
+            progress: true,
+        }
+    }
+}
+
+/// Errors of a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// Bad settings.
+    #[error("invalid settings: {0}")]
+    Config(String),
+    /// Dataset problem.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// Checkpoint problem.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// Process-group problem.
+    #[error(transparent)]
+    Dist(#[from] DistError),
+    /// Output files.
+    #[error("writing {path}: {source}")]
+    Output {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The plot.
+    #[error(transparent)]
+    Plot(#[from] PlotError),
+}
+
+/// Where a run wrote its outputs.
+#[derive(Debug, Clone)]
+pub struct OutputPaths {
+    /// Per-epoch metrics as CSV.
+    pub csv: PathBuf,
+    /// Per-epoch metrics as JSON.
+    pub json: PathBuf,
+    /// Loss and accuracy curves.
+    pub plot: PathBuf,
+    /// The latest checkpoint.
+    pub checkpoint: PathBuf,
+}
+
+impl OutputPaths {
+    /// The files under `out`.
+    pub fn under(out: &Path) -> Self {
+        Self {
+            csv: out.join("metrics.csv"),
+            json: out.join("metrics.json"),
+            plot: out.join("curves.svg"),
+            checkpoint: out.join(checkpoint::FILE_NAME),
+        }
+    }
+}
+
+/// The result of a run.
+#[derive(Debug)]
+pub struct Trained<N> {
+    /// The trained model.
+    pub model: Cnn<N>,
+    /// Metrics of every epoch (including those before a resume).
+    pub history: Vec<EpochMetrics>,
+    /// The epoch the run resumed after, if it resumed.
+    pub resumed_after: Option<usize>,
+    /// The output files.
+    pub paths: OutputPaths,
+}
+
+/// Trains a CNN with norm layer `N` on `cluster` as `cfg` says.
+///
+/// Every rank calls this; rank 0 alone shows progress and writes files.
+///
+/// The model is initialised from Burn's device generator seeded with `cfg.seed` (then replaced by
+/// rank 0's weights on every rank); another thread drawing random numbers at the same time
+/// perturbs that stream, so run one training per process when reproducibility matters.
+pub fn train<N: NormLayer, C: Cluster>(
+    cluster: &mut C,
+    cfg: &TrainConfig,
+) -> Result<Trained<N>, TrainError> {
+    if cfg.batch_size == 0 {
+        return Err(TrainError::Config("--batch-size must be at least 1".into()));
+    }
+    if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
+        return Err(TrainError::Config(format!(
+            "--lr {} must be positive",
+            cfg.lr
+        )));
+    }
+    let splits = data::open(&cfg.data, cfg.seed, cfg.synthetic_sizes)?;
+    let (rows, cols) = splits.dims();
+    let model_cfg = CnnConfig {
+        channels: cfg.channels.clone(),
+        rows,
+        cols,
+        num_classes: splits.num_classes(),
+    };
+    model_cfg.validate().map_err(TrainError::Config)?;
+    let world = cluster.world_size();
+    let shard_len = splits.train.0.len().div_ceil(world);
+    let batches_per_epoch = shard_len / cfg.batch_size;
+    if batches_per_epoch == 0 {
+        return Err(TrainError::Config(format!(
+            "--batch-size {} is larger than this rank's {shard_len} training samples",
+            cfg.batch_size
+        )));
+    }
+
+    let device = cluster.device();
+    device.seed(cfg.seed);
+    let mut model: Cnn<N> = model_cfg.init(&device);
+    let sgd = SgdConfig::new().with_momentum(Some(MomentumConfig {
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+    }));
+    let mut optim = cluster.optimizer(sgd.init());
+    let paths = OutputPaths::under(&cfg.out);
+    if cluster.is_main() {
+        std::fs::create_dir_all(&cfg.out).map_err(|source| TrainError::Output {
+            path: cfg.out.clone(),
+            source,
+        })?;
+    }
+
+    let mut history = Vec::new();
+    let mut sampler = SamplerState {
+        seed: cfg.seed,
+        epoch: 0,
+    };
+    let mut resumed_after = None;
+    if cfg.resume {
+        let ck = load_checkpoint(cluster, &paths.checkpoint)?;
+        if ck.meta.model != model_cfg {
+            return Err(TrainError::Config(format!(
+                "the checkpoint holds a model {:?}, these settings build {:?}",
+                ck.meta.model, model_cfg
+            )));
+        }
+        if ck.meta.batch_size != cfg.batch_size || ck.meta.world_size != world {
+            tracing::warn!(
+                "resuming a run of {} ranks × batch {} with {world} ranks × batch {}: the optimisation differs from an uninterrupted run",
+                ck.meta.world_size,
+                ck.meta.batch_size,
+                cfg.batch_size
+            );
+        }
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ck.model)).map_err(|e| {
+            CheckpointError::Corrupt {
+                path: paths.checkpoint.clone(),
+                reason: format!("model record: {e}"),
+            }
+        })?;
+        model = model
+            .try_load_record(record)
+            .map_err(|e| CheckpointError::Corrupt {
+                path: paths.checkpoint.clone(),
+                reason: format!("model record does not fit the model: {e}"),
+            })?;
+        optim.load_state_bytes(ck.optimizer)?;
+        sampler = ck.meta.sampler;
+        history = ck.meta.history;
+        resumed_after = Some(ck.meta.epochs_done);
+        tracing::info!("resumed after epoch {}", ck.meta.epochs_done);
+    }
+    let mut model = cluster.broadcast_model(model)?;
+
+    let start = history.len();
+    let remaining = cfg.epochs.saturating_sub(start);
+    let per_epoch_global = (batches_per_epoch * cfg.batch_size * world) as u64;
+    let bar = progress_bar(
+        cluster.is_main() && cfg.progress,
+        per_epoch_global * remaining as u64,
+    );
+    if cluster.is_main() {
+        say(
+            &bar,
+            format!(
+                "train-cnn: {} ranks × batch {} ({} {}), {} train / {} eval images of {rows}×{cols}, {} parameters",
+                world,
+                cfg.batch_size,
+                N::NAME,
+                cfg.data,
+                splits.train.0.len(),
+                splits.eval.0.len(),
+                model.num_params()
+            ),
+        );
+        if remaining == 0 {
+            say(
+                &bar,
+                format!(
+                    "nothing to do: {start} of {} epochs already done",
+                    cfg.epochs
+                ),
+            );
+        }
+    }
+
+    let batcher = ImageBatcher { rows, cols };
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let mut header_printed = false;
+    for epoch in start..cfg.epochs {
+        let t0 = Instant::now();
+        sampler.epoch = epoch as u64;
+        let indices = cluster.train_indices(splits.train.0.len(), sampler.seed, sampler.epoch)?;
+        // Every rank has the same number of indices, so the same number of full batches; the
+        // partial batch at the end is dropped (a batch of 1 has no BatchNorm statistics).
+        let mut sums = [0f64; 3]; // loss × n, correct, n
+        for chunk in indices.chunks_exact(cfg.batch_size) {
+            let batch = make_batch(&batcher, &*splits.train.0, chunk, &device);
+            let n = chunk.len() as f64;
+            let logits = model.forward(batch.images);
+            let correct = count_correct(logits.clone(), batch.targets.clone());
+            let loss = loss_fn.forward(logits, batch.targets);
+            let loss_value = loss.clone().into_scalar::<f32>() as f64;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(cfg.lr, model, grads)?;
+            sums[0] += loss_value * n;
+            sums[1] += correct as f64;
+            sums[2] += n;
+            bar.inc(chunk.len() as u64 * world as u64);
+            bar.set_message(format!(
+                "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
+                epoch + 1,
+                cfg.epochs,
+                bar.per_sec()
+            ));
+        }
+        let train_seconds = t0.elapsed().as_secs_f64();
+        cluster.all_reduce_sum(&mut sums)?;
+        let (eval_loss, eval_accuracy) = evaluate(cluster, &model, &splits, &batcher, &device)?;
+        let m = EpochMetrics {
+            epoch: epoch + 1,
+            train_loss: sums[0] / sums[2],
+            train_accuracy: sums[1] / sums[2],
+            eval_loss,
+            eval_accuracy,
+            samples_per_sec: sums[2] / train_seconds,
+            seconds: t0.elapsed().as_secs_f64(),
+        };
+        history.push(m);
+        sampler.epoch = epoch as u64 + 1;
+        if cluster.is_main() {
+            let table = metrics::table(&history);
+            let mut lines = table.lines();
+            let header = lines.next().unwrap_or_default();
+            if !header_printed {
+                say(&bar, header);
+                header_printed = true;
+            }
+            say(&bar, lines.last().unwrap_or_default());
+            write_outputs(&paths, &history)?;
+            let ck = Checkpoint {
+                meta: CheckpointMeta {
+                    epochs_done: epoch + 1,
+                    sampler,
+                    model: model_cfg.clone(),
+                    norm: N::NAME.to_string(),
+                    batch_size: cfg.batch_size,
+                    world_size: world,
+                    lr: cfg.lr,
+                    data: cfg.data.to_string(),
+                    history: history.clone(),
+                },
+                model: model_bytes(&model, &paths.checkpoint)?,
+                optimizer: optim.state_bytes()?,
+            };
+            ck.save(&paths.checkpoint)?;
+        }
+    }
+    bar.finish_and_clear();
+    if cluster.is_main() && remaining == 0 {
+        write_outputs(&paths, &history)?;
+    }
+    cluster.barrier()?;
+    Ok(Trained {
+        model,
+        history,
+        resumed_after,
+        paths,
+    })
+}
+
+/// Prints a line on stdout without tearing the progress bar.
+fn say(bar: &ProgressBar, line: impl AsRef<str>) {
+    bar.suspend(|| println!("{}", line.as_ref()));
+}
+
+fn progress_bar(show: bool, total: u64) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template("[{bar:20}] {percent:>3}% {msg} ETA {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+fn make_batch(
+    batcher: &ImageBatcher,
+    set: &dyn ImageSet,
+    idx: &[usize],
+    device: &Device,
+) -> ImageBatch {
+    let items = idx.iter().map(|&i| set.item(i)).collect();
+    batcher.batch(items, device)
+}
+
+fn count_correct(
+    logits: burn::tensor::Tensor<2>,
+    targets: burn::tensor::Tensor<1, burn::tensor::Int>,
+) -> i64 {
+    let pred = logits.argmax(1).flatten::<1>(0, 1);
+    pred.equal(targets).int().sum().into_scalar::<i64>()
+}
+
+/// Eval loss and accuracy over the whole eval split: rank `r` takes items `r, r + W, …` (no
+/// padding, so nothing is counted twice) and the sums are added across ranks.
+fn evaluate<N: NormLayer, C: Cluster>(
+    cluster: &mut C,
+    model: &Cnn<N>,
+    splits: &Splits,
+    batcher: &ImageBatcher,
+    device: &Device,
+) -> Result<(f64, f64), TrainError> {
+    let model = model.valid();
+    let device = device.clone().without_autodiff();
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let mine: Vec<usize> = (cluster.rank()..splits.eval.0.len())
+        .step_by(cluster.world_size())
+        .collect();
+    let mut sums = [0f64; 3];
+    for chunk in mine.chunks(256) {
+        let batch = make_batch(batcher, &*splits.eval.0, chunk, &device);
+        let logits = model.forward(batch.images);
+        sums[1] += count_correct(logits.clone(), batch.targets.clone()) as f64;
+        let loss = loss_fn.forward(logits, batch.targets).into_scalar::<f32>() as f64;
+        sums[0] += loss * chunk.len() as f64;
+        sums[2] += chunk.len() as f64;
+    }
+    cluster.all_reduce_sum(&mut sums)?;
+    Ok((sums[0] / sums[2], sums[1] / sums[2]))
+}
+
+fn model_bytes<N: NormLayer>(model: &Cnn<N>, path: &Path) -> Result<Vec<u8>, TrainError> {
+    let bytes = model
+        .clone()
+        .into_record()
+        .into_bytes()
+        .map_err(|e| CheckpointError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("serialising the model: {e}"),
+        })?;
+    Ok(bytes.to_vec())
+}
+
+fn write_outputs(paths: &OutputPaths, history: &[EpochMetrics]) -> Result<(), TrainError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TrainError::Output { path, source }
+    };
+    metrics::write_csv(&paths.csv, history).map_err(io(&paths.csv))?;
+    metrics::write_json(&paths.json, history).map_err(io(&paths.json))?;
+    plot::write_svg(&paths.plot, history)?;
+    Ok(())
+}
+
+/// Rank 0 reads the checkpoint and broadcasts its bytes; every rank decodes them. A rank-0 read
+/// failure is sent as an empty buffer so every rank stops with an error instead of waiting.
+fn load_checkpoint<C: Cluster>(cluster: &mut C, path: &Path) -> Result<Checkpoint, TrainError> {
+    let mut local_err = None;
+    let mut bytes = if cluster.is_main() {
+        match Checkpoint::read_bytes(path) {
+            Ok(b) => b,
+            Err(e) => {
+                local_err = Some(e);
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
+    cluster.broadcast_bytes(&mut bytes)?;
+    if let Some(e) = local_err {
+        return Err(e.into());
+    }
+    if bytes.is_empty() {
+        return Err(TrainError::Checkpoint(CheckpointError::Corrupt {
+            path: path.to_path_buf(),
+            reason: "rank 0 could not read it".into(),
+        }));
+    }
+    Ok(Checkpoint::from_bytes(&bytes, path)?)
+}

@@ -1,0 +1,151 @@
+//! Real multi-process runs: two `train-cnn` rank processes on loopback (torchrun-style launch
+//! variables set by the test), each with a deadline after which it is killed.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use train_cnn::checkpoint::Checkpoint;
+use train_cnn::metrics::read_json;
+
+const DEADLINE: Duration = Duration::from_secs(300);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `world` ranks of train-cnn with `args`.
+fn spawn_ranks(world: usize, args: &[String]) -> Vec<Child> {
+    let port = free_port().to_string();
+    let token = format!("train-cnn-test-{}-{port}", std::process::id());
+    (0..world)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_train-cnn"))
+                .args(args)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("GROUP_RANK", "0")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("DDP_JOB_TOKEN", &token)
+                .env("RAYON_NUM_THREADS", "1")
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn rank")
+        })
+        .collect()
+}
+
+/// Waits for every child until the deadline, killing all of them if it passes.
+/// Returns (exit success, stdout, stderr) per rank.
+fn wait_all(children: Vec<Child>, start: Instant) -> Vec<(bool, String, String)> {
+    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
+    let mut results: Vec<Option<(bool, String, String)>> = vec![None; children.len()];
+    loop {
+        for (i, slot) in children.iter_mut().enumerate() {
+            if let Some(c) = slot
+                && c.try_wait().expect("wait").is_some()
+            {
+                let out = slot.take().unwrap().wait_with_output().expect("output");
+                results[i] = Some((
+                    out.status.success(),
+                    String::from_utf8_lossy(&out.stdout).into_owned(),
+                    String::from_utf8_lossy(&out.stderr).into_owned(),
+                ));
+            }
+        }
+        if children.iter().all(Option::is_none) {
+            return results.into_iter().map(Option::unwrap).collect();
+        }
+        if start.elapsed() > DEADLINE {
+            for c in children.iter_mut().flatten() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            panic!("ranks overran the {DEADLINE:?} deadline: {results:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn args(out: &Path, epochs: usize) -> Vec<String> {
+    let s = format!(
+        "--train-size 640 --eval-size 160 --batch-size 16 --channels 4,8,8 --lr 0.05 --seed 5 \
+         --no-progress --epochs {epochs} --out {}",
+        out.display()
+    );
+    s.split(' ').map(String::from).collect()
+}
+
+#[test]
+fn two_ranks_train_and_only_rank_zero_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let results = wait_all(spawn_ranks(2, &args(&out, 2)), Instant::now());
+    for (r, (ok, _, err)) in results.iter().enumerate() {
+        assert!(ok, "rank {r} failed: {err}");
+    }
+    let (_, out0, _) = &results[0];
+    let (_, out1, _) = &results[1];
+    assert!(out0.contains("2 ranks × batch 16"), "{out0}");
+    assert!(
+        out0.lines().last().unwrap().starts_with("done: 2 epochs"),
+        "{out0}"
+    );
+    assert!(out1.trim().is_empty(), "rank 1 printed: {out1}");
+    let h = read_json(&out.join("metrics.json")).unwrap();
+    assert_eq!(h.len(), 2);
+    assert!(h[1].train_loss < h[0].train_loss, "{h:?}");
+    let ck = Checkpoint::load(&out.join("checkpoint.bin")).unwrap();
+    assert_eq!(ck.meta.world_size, 2);
+    assert_eq!(ck.meta.epochs_done, 2);
+}
+
+#[test]
+fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let start = Instant::now();
+    let mut children = spawn_ranks(2, &args(&out, 6));
+    // Wait for the first checkpoint, then kill rank 1 during the next epoch.
+    let ck_path = out.join("checkpoint.bin");
+    while !ck_path.exists() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no checkpoint before the deadline"
+        );
+        for c in &mut children {
+            if let Some(s) = c.try_wait().unwrap() {
+                panic!("a rank exited early with {s}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    children[1].kill().unwrap();
+    let results = wait_all(children, start);
+    let (ok0, _, err0) = &results[0];
+    assert!(!ok0, "rank 0 succeeded although rank 1 was killed");
+    assert!(err0.contains("train-cnn: error"), "{err0}");
+    assert!(!err0.contains("panicked"), "{err0}");
+
+    // The checkpoint is intact and a single process resumes from it.
+    let ck = Checkpoint::load(&ck_path).unwrap();
+    assert!(ck.meta.epochs_done >= 1);
+    let mut a = args(&out, ck.meta.epochs_done + 1);
+    a.push("--resume".into());
+    let results = wait_all(spawn_ranks(1, &a), Instant::now());
+    assert!(results[0].0, "resume failed: {}", results[0].2);
+    assert_eq!(
+        read_json(&out.join("metrics.json")).unwrap().len(),
+        ck.meta.epochs_done + 1
+    );
+}

@@ -1,0 +1,126 @@
+//! A run interrupted after one epoch and resumed ends with the same parameters (and BatchNorm
+//! running statistics) as an uninterrupted run.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::BatchNorm;
+use burn::tensor::{Device, Tensor};
+use train_cnn::dist::Local;
+use train_cnn::metrics::EpochMetrics;
+use train_cnn::model::Cnn;
+use train_cnn::train::{TrainConfig, train};
+
+/// Burn's random initialisation draws from a process-wide generator seeded by `--seed`; tests
+/// running in parallel threads would interleave their draws, so each test holds this lock.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Default)]
+struct Collect(Vec<f32>);
+
+impl ModuleVisitor for Collect {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.0
+            .extend(param.val().into_data().try_to_vec::<f32>().unwrap());
+    }
+}
+
+fn values(model: &Cnn<BatchNorm>) -> Vec<f32> {
+    let mut c = Collect::default();
+    model.visit(&mut c);
+    c.0
+}
+
+fn tiny(out: &std::path::Path, epochs: usize) -> TrainConfig {
+    let mut cfg = TrainConfig::new(out);
+    cfg.synthetic_sizes = (192, 64);
+    cfg.channels = vec![4, 8, 8];
+    cfg.batch_size = 16;
+    cfg.epochs = epochs;
+    cfg.seed = 11;
+    cfg.progress = false;
+    cfg
+}
+
+#[test]
+fn resumed_run_matches_uninterrupted_run() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let straight_dir = dir.path().join("straight");
+    let split_dir = dir.path().join("split");
+
+    let straight =
+        train::<BatchNorm, _>(&mut Local::new(Device::flex()), &tiny(&straight_dir, 2)).unwrap();
+
+    let first =
+        train::<BatchNorm, _>(&mut Local::new(Device::flex()), &tiny(&split_dir, 1)).unwrap();
+    assert_eq!(first.history.len(), 1);
+    let mut cfg = tiny(&split_dir, 2);
+    cfg.resume = true;
+    // A different seed on the command line must not change the resumed data order: the
+    // checkpoint's sampler state wins.
+    cfg.seed = 11;
+    let resumed = train::<BatchNorm, _>(&mut Local::new(Device::flex()), &cfg).unwrap();
+    assert_eq!(resumed.resumed_after, Some(1));
+    assert_eq!(resumed.history.len(), 2);
+    let same = |a: &EpochMetrics, b: &EpochMetrics| {
+        (
+            a.epoch,
+            a.train_loss,
+            a.train_accuracy,
+            a.eval_loss,
+            a.eval_accuracy,
+        ) == (
+            b.epoch,
+            b.train_loss,
+            b.train_accuracy,
+            b.eval_loss,
+            b.eval_accuracy,
+        )
+    };
+    // Epoch 1 comes from the checkpoint; epoch 2 was recomputed after the resume.
+    assert!(same(&resumed.history[0], &first.history[0]));
+    assert!(same(&resumed.history[0], &straight.history[0]));
+
+    let a = values(&straight.model);
+    let b = values(&resumed.model);
+    assert_eq!(a.len(), b.len());
+    let max_diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(max_diff <= 1e-6, "max |Δparam| = {max_diff}");
+    // And the resumed run really trained: epoch-2 parameters differ from epoch-1 ones.
+    let c = values(&first.model);
+    assert!(a.iter().zip(&c).any(|(x, y)| (x - y).abs() > 1e-4));
+    assert!((resumed.history[1].train_loss - straight.history[1].train_loss).abs() < 1e-6);
+    assert!((resumed.history[1].eval_accuracy - straight.history[1].eval_accuracy).abs() < 1e-9);
+}
+
+#[test]
+fn resume_refuses_a_different_model() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    train::<BatchNorm, _>(&mut Local::new(Device::flex()), &tiny(dir.path(), 1)).unwrap();
+    let mut cfg = tiny(dir.path(), 2);
+    cfg.resume = true;
+    cfg.channels = vec![4, 8, 16];
+    let e = train::<BatchNorm, _>(&mut Local::new(Device::flex()), &cfg).unwrap_err();
+    assert!(
+        e.to_string().contains("the checkpoint holds a model"),
+        "{e}"
+    );
+}
+
+#[test]
+fn resume_without_a_checkpoint_is_a_clear_error() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(dir.path(), 1);
+    cfg.resume = true;
+    let e = train::<BatchNorm, _>(&mut Local::new(Device::flex()), &cfg).unwrap_err();
+    assert!(e.to_string().contains("checkpoint.bin"), "{e}");
+}
