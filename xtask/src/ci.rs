@@ -1,6 +1,6 @@
 //! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
 //!
-//! One feature set is used for every step (`burn-ddp/wgpu`, `ddp-comm/nccl`) so Cargo builds
+//! One feature set is used for every step (`ddp-tests/wgpu`, `ddp-comm/nccl`) so Cargo builds
 //! the Burn stack once for checking and once for testing; the CUDA path is type-checked with
 //! `DOCS_RS=1` (its build scripts would download LLVM otherwise).
 
@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Instant;
 
 /// The features every CI step uses.
-pub const FEATURES: &str = "burn-ddp/wgpu,ddp-comm/nccl";
+pub const FEATURES: &str = "ddp-tests/wgpu,ddp-comm/nccl";
 
 /// One CI step: a description and the cargo arguments.
 struct Step {
