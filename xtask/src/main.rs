@@ -2,6 +2,8 @@
 //!
 //! ```text
 //! cargo xtask ci
+//! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
+//! cargo xtask compare [--cpus N] [--batch-size b] …
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--iters N] [--pin]
 //! ```
@@ -13,6 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand};
 
 mod ci;
+mod train;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "burn-ddp task runner")]
@@ -25,6 +28,11 @@ struct Cli {
 enum Cmd {
     /// Everything CI checks: formatting, clippy, the CUDA type-check and all tests.
     Ci,
+    /// Train the example CNN data-parallel (2 CPU ranks by default; `--gpus N` on CUDA).
+    Train(train::TrainArgs),
+    /// The BatchNorm experiment: 1 process × B vs N ranks × B/N with per-rank BatchNorm vs
+    /// N ranks × B/N with SyncBatchNorm, same seed and data.
+    Compare(train::TrainArgs),
     /// Benchmarks (release builds, launched through `ddprun`).
     Bench {
         #[command(subcommand)]
@@ -59,6 +67,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Ci => ci::run(&workspace_root()),
+        Cmd::Train(a) => train::train(&workspace_root(), &a),
+        Cmd::Compare(a) => train::compare(&workspace_root(), &a),
         Cmd::Bench {
             what:
                 Bench::Allreduce {

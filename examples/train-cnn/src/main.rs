@@ -8,9 +8,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn::nn::BatchNorm;
+use burn_ddp::sync_batch_norm::SyncBatchNorm;
 use clap::Parser;
 use train_cnn::data::DataSpec;
-use train_cnn::dist::{Cluster, DdpCluster};
+use train_cnn::dist::{Backend, Cluster, DdpCluster};
 use train_cnn::model::NormLayer;
 use train_cnn::train::{self, TrainConfig, TrainError};
 
@@ -51,6 +52,9 @@ struct Args {
     /// Synchronise BatchNorm statistics across ranks (SyncBatchNorm).
     #[arg(long)]
     sync_bn: bool,
+    /// Device of each rank: auto (CUDA when built with it, else CPU), cpu, wgpu, cuda.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
     /// Never draw the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -87,14 +91,12 @@ fn run(args: Args) -> Result<(), TrainError> {
         resume: args.resume,
         progress: !args.no_progress,
     };
-    let mut cluster = DdpCluster::from_env()?;
+    let mut cluster = DdpCluster::from_env(args.backend)?;
     if args.sync_bn {
-        return Err(TrainError::Config(
-            "--sync-bn needs burn-ddp's SyncBatchNorm, which this build does not include yet"
-                .into(),
-        ));
+        run_with::<SyncBatchNorm, _>(&mut cluster, &cfg)
+    } else {
+        run_with::<BatchNorm, _>(&mut cluster, &cfg)
     }
-    run_with::<BatchNorm, _>(&mut cluster, &cfg)
 }
 
 fn run_with<N: NormLayer, C: Cluster>(

@@ -9,13 +9,14 @@ use burn::module::{Module, ModuleDisplay};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 /// A normalisation layer over `[batch, channels, h, w]` activations.
 ///
-/// Implemented here for Burn's [`BatchNorm`]; burn-ddp's `SyncBatchNorm` gets the same two-method
-/// implementation at integration (see `dist.rs`).
+/// Implemented for Burn's [`BatchNorm`] (per-rank statistics) and burn-ddp's [`SyncBatchNorm`]
+/// (statistics over all ranks).
 pub trait NormLayer: Module + ModuleDisplay + Sized {
     /// Short name for logs and reports.
     const NAME: &'static str;
@@ -34,6 +35,18 @@ impl NormLayer for BatchNorm {
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         BatchNorm::forward(self, x)
+    }
+}
+
+impl NormLayer for SyncBatchNorm {
+    const NAME: &'static str = "SyncBatchNorm";
+
+    fn init(num_features: usize, device: &Device) -> Self {
+        SyncBatchNormConfig::new(num_features).init(device)
+    }
+
+    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        SyncBatchNorm::forward(self, x)
     }
 }
 

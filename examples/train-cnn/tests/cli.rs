@@ -114,12 +114,7 @@ fn trains_writes_metrics_plot_checkpoint_and_loss_falls() {
 fn bad_arguments_fail_with_one_clear_message() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().display().to_string();
-    let cases: [(&[&str], &str); 5] = [
-        // Until burn-ddp's SyncBatchNorm is wired in (see src/dist/mod.rs).
-        (
-            &["--sync-bn", "--out", &out],
-            "--sync-bn needs burn-ddp's SyncBatchNorm",
-        ),
+    let cases: [(&[&str], &str); 4] = [
         (&["--data", "cifar", "--out", &out], "unknown data source"),
         (
             &["--data", "mnist:/nonexistent", "--out", &out],

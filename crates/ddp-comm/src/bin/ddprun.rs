@@ -56,6 +56,10 @@ struct Args {
     /// Do not prefix output lines with `[rank k] ` (ranks write to ddprun's streams directly).
     #[arg(long = "no-prefix", visible_alias = "no_prefix")]
     no_prefix: bool,
+    /// Leave rank 0's stderr unprefixed and connected to ddprun's own, so a progress bar rank 0
+    /// draws there sees the terminal (its stdout and the other ranks stay prefixed).
+    #[arg(long = "rank0-stderr-direct")]
+    rank0_stderr_direct: bool,
     /// The program to run, then its arguments (after `--`).
     #[arg(
         required = true,
@@ -93,6 +97,7 @@ fn main() -> ExitCode {
         grace: Duration::from_secs_f64(args.grace_secs),
         threads_per_rank: args.threads_per_rank.map(|t| t as usize),
         prefix_output: !args.no_prefix,
+        rank0_stderr_direct: args.rank0_stderr_direct,
         job_token: None,
         forward_signals: true,
         extra_env: Vec::new(),

@@ -64,6 +64,9 @@ pub struct LaunchConfig {
     pub threads_per_rank: Option<usize>,
     /// Prefix each output line with `[rank k] ` (otherwise ranks write to our streams directly).
     pub prefix_output: bool,
+    /// Give global rank 0 our stderr as it is (unprefixed), so a progress bar it draws there
+    /// sees the terminal; its stdout and every other rank's output stay prefixed.
+    pub rank0_stderr_direct: bool,
     /// The job token. `None`: taken from `DDP_JOB_TOKEN` in our environment if set; else a
     /// random one on a single node (an error on several nodes, which must share one).
     pub job_token: Option<String>,
@@ -85,6 +88,7 @@ impl Default for LaunchConfig {
             grace: Duration::from_secs(5),
             threads_per_rank: None,
             prefix_output: true,
+            rank0_stderr_direct: false,
             job_token: None,
             forward_signals: false,
             extra_env: Vec::new(),
@@ -430,7 +434,10 @@ pub fn launch(
             .stdin(Stdio::null())
             .process_group(0);
         if cfg.prefix_output {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            cmd.stdout(Stdio::piped());
+            if !(cfg.rank0_stderr_direct && rank == 0) {
+                cmd.stderr(Stdio::piped());
+            }
         }
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
         // system calls (prctl, getppid, kill).

@@ -29,12 +29,50 @@ impl std::fmt::Debug for DdpCluster {
 }
 
 impl DdpCluster {
-    /// Joins the job described by the launch environment (a world of one without it).
-    pub fn from_env() -> Result<Self, DistError> {
-        let ddp = burn_ddp::init().map_err(err)?;
+    /// Joins the job described by the launch environment (a world of one without it) and
+    /// trains on `backend`'s device.
+    pub fn from_env(backend: Backend) -> Result<Self, DistError> {
+        let builder = burn_ddp::Ddp::builder();
+        let builder = match backend {
+            Backend::Auto => builder,
+            Backend::Cpu => builder.device(Device::flex()),
+            #[cfg(feature = "wgpu")]
+            Backend::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+            #[cfg(not(feature = "wgpu"))]
+            Backend::Wgpu => {
+                return Err(DistError(
+                    "--backend wgpu needs train-cnn built with `--features wgpu`".into(),
+                ));
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => builder,
+            #[cfg(not(feature = "cuda"))]
+            Backend::Cuda => {
+                return Err(DistError(
+                    "--backend cuda needs train-cnn built with `--features cuda` \
+                     (cargo xtask train --gpus N does this)"
+                        .into(),
+                ));
+            }
+        };
+        let ddp = builder.init().map_err(err)?;
         let device = ddp.device().clone().autodiff();
         Ok(Self { ddp, device })
     }
+}
+
+/// Which device each rank trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Backend {
+    /// CUDA device `LOCAL_RANK` when built with `cuda`, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU backend (Flex).
+    Cpu,
+    /// wgpu's default adapter (build with `--features wgpu`).
+    Wgpu,
+    /// CUDA device `LOCAL_RANK` (build with `--features cuda`).
+    Cuda,
 }
 
 impl StepOptimizer for DdpOptimizer {
@@ -95,16 +133,8 @@ impl Cluster for DdpCluster {
         self.ddp.barrier().map_err(err)
     }
 
-    /// PyTorch `DistributedSampler` semantics ([`shard_indices`]). To switch to burn-ddp's
-    /// sampler: `let mut s = DistributedSampler::new(len, world, rank)?.with_seed(seed);
-    /// s.set_epoch(epoch); Ok(s.indices())`.
+    /// burn-ddp's `DistributedSampler` ([`shard_indices`]).
     fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
-        Ok(shard_indices(
-            len,
-            seed,
-            epoch,
-            self.rank(),
-            self.world_size(),
-        ))
+        shard_indices(len, seed, epoch, self.rank(), self.world_size())
     }
 }

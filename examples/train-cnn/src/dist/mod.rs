@@ -6,20 +6,16 @@
 //!   `DdpOptimizer`, the process group's collectives. The program uses it; launched alone it
 //!   is a world of one.
 //! - [`Local`]: one process, no communication, no process group — for in-process tests.
-//!
-//! Still to wire at integration: [`Cluster::train_indices`] → burn-ddp's `DistributedSampler`
-//! (this crate's [`shard_indices`] has the same semantics over its own RNG meanwhile), and
-//! [`crate::model::NormLayer`] for burn-ddp's `SyncBatchNorm` (for `--sync-bn`).
 
 pub mod ddp;
 
-pub use ddp::DdpCluster;
+pub use ddp::{Backend, DdpCluster};
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device};
 
-use crate::rng::SplitMix64;
+use burn_ddp::data::DistributedSampler;
 
 /// A failure of a collective operation or of the process group.
 #[derive(Debug, thiserror::Error)]
@@ -150,25 +146,26 @@ impl Cluster for Local {
     }
 
     fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
-        Ok(shard_indices(len, seed, epoch, 0, 1))
+        shard_indices(len, seed, epoch, 0, 1)
     }
 }
 
-/// PyTorch `DistributedSampler` semantics over [`SplitMix64`]: the shard of `rank` among
-/// `world` for `epoch`. Used by [`Local`]; a distributed cluster uses burn-ddp's sampler.
-pub fn shard_indices(len: usize, seed: u64, epoch: u64, rank: usize, world: usize) -> Vec<usize> {
-    let mut perm: Vec<usize> = (0..len).collect();
-    SplitMix64::new(seed.wrapping_add(epoch)).shuffle(&mut perm);
-    if len == 0 {
-        return perm;
-    }
-    let total = len.div_ceil(world) * world;
-    let mut i = 0;
-    while perm.len() < total {
-        perm.push(perm[i]);
-        i += 1;
-    }
-    perm.into_iter().skip(rank).step_by(world).collect()
+/// This rank's training indices for `epoch`: burn-ddp's [`DistributedSampler`] (a permutation
+/// of `0..len` from `seed + epoch`, padded by repeating its head, rank `r` takes `r::world`).
+/// One process uses the same permutation as N ranks, so N ranks × batch b see, step by step,
+/// the same samples as one process × batch N·b.
+pub fn shard_indices(
+    len: usize,
+    seed: u64,
+    epoch: u64,
+    rank: usize,
+    world: usize,
+) -> Result<Vec<usize>, DistError> {
+    let mut sampler = DistributedSampler::new(len, world, rank)
+        .map_err(|e| DistError(e.to_string()))?
+        .with_seed(seed);
+    sampler.set_epoch(epoch);
+    Ok(sampler.indices())
 }
 
 #[cfg(test)]
@@ -179,7 +176,7 @@ mod tests {
     fn shards_cover_everything_and_change_with_the_epoch() {
         for (len, world) in [(10, 1), (10, 3), (7, 4), (1, 2)] {
             let shards: Vec<Vec<usize>> = (0..world)
-                .map(|r| shard_indices(len, 5, 0, r, world))
+                .map(|r| shard_indices(len, 5, 0, r, world).unwrap())
                 .collect();
             let n = shards[0].len();
             assert!(shards.iter().all(|s| s.len() == n));
@@ -189,12 +186,12 @@ mod tests {
             assert_eq!(all, (0..len).collect::<Vec<_>>());
         }
         assert_ne!(
-            shard_indices(100, 5, 0, 0, 1),
-            shard_indices(100, 5, 1, 0, 1)
+            shard_indices(100, 5, 0, 0, 1).unwrap(),
+            shard_indices(100, 5, 1, 0, 1).unwrap()
         );
         assert_eq!(
-            shard_indices(100, 5, 1, 0, 1),
-            shard_indices(100, 5, 1, 0, 1)
+            shard_indices(100, 5, 1, 0, 1).unwrap(),
+            shard_indices(100, 5, 1, 0, 1).unwrap()
         );
     }
 }

@@ -1,0 +1,309 @@
+//! `cargo xtask train` and `cargo xtask compare`: build the `train-cnn` example and run it as
+//! rank processes through the launcher library.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::{Args, ValueEnum};
+use ddp_comm::{LaunchConfig, launch};
+
+/// Which device the ranks train on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// CUDA device `LOCAL_RANK` (Burn's CUDA backend).
+    Cuda,
+    /// wgpu (Vulkan/Metal/DX12) — for GPUs without CUDA.
+    Wgpu,
+    /// The CPU backend (Flex).
+    Cpu,
+}
+
+/// Options shared by `train` and `compare`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Ranks on CUDA GPUs, one per device (builds the example with Burn's CUDA backend).
+    #[arg(long, conflicts_with = "cpus")]
+    pub gpus: Option<usize>,
+    /// CPU ranks (default 2 when --gpus is not given).
+    #[arg(long)]
+    pub cpus: Option<usize>,
+    /// Device backend (default: cuda with --gpus, cpu otherwise).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    /// Synchronise BatchNorm statistics across ranks (the default).
+    #[arg(long, overrides_with = "no_sync_bn")]
+    pub sync_bn: bool,
+    /// Keep per-rank BatchNorm statistics.
+    #[arg(long)]
+    pub no_sync_bn: bool,
+    /// Samples per batch on each rank.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Epochs.
+    #[arg(long, default_value_t = 4)]
+    pub epochs: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.02)]
+    pub lr: f64,
+    /// Seed of initialisation, synthetic data and data order.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// `synthetic` (embedded, generated; the default) or `mnist:DIR` (IDX files).
+    #[arg(long, default_value = "synthetic")]
+    pub data: String,
+    /// Output directory (metrics, plot, checkpoint).
+    #[arg(long, default_value = "runs/train")]
+    pub out: PathBuf,
+    /// Continue from `OUT/checkpoint.bin`.
+    #[arg(long)]
+    pub resume: bool,
+    /// More arguments for `train-cnn` (after `--`), e.g. `-- --train-size 2000`.
+    #[arg(last = true)]
+    pub extra: Vec<String>,
+}
+
+impl TrainArgs {
+    fn ranks_and_backend(&self) -> Result<(usize, BackendArg), String> {
+        match self.gpus {
+            Some(0) => Err("--gpus must be at least 1".into()),
+            Some(n) => Ok((n, self.backend.unwrap_or(BackendArg::Cuda))),
+            None => {
+                let n = self.cpus.unwrap_or(2);
+                if n == 0 {
+                    return Err("--cpus must be at least 1".into());
+                }
+                Ok((n, self.backend.unwrap_or(BackendArg::Cpu)))
+            }
+        }
+    }
+
+    fn sync_bn(&self) -> bool {
+        !self.no_sync_bn || self.sync_bn
+    }
+}
+
+/// Fails with a clear message when CUDA cannot work here.
+fn check_cuda(gpus: usize) -> Result<(), String> {
+    let ldconfig = Command::new("ldconfig").arg("-p").output();
+    let has_libcuda = ldconfig
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so"))
+        .unwrap_or(false)
+        || std::env::var_os("LD_LIBRARY_PATH").is_some_and(|p| {
+            std::env::split_paths(&p).any(|d| d.join("libcuda.so.1").exists())
+        });
+    if !has_libcuda {
+        return Err(format!(
+            "--gpus {gpus}: no CUDA driver found (libcuda.so is not in the linker cache or \
+             LD_LIBRARY_PATH). Run on CPU ranks with `cargo xtask train --cpus N`, or on a \
+             non-CUDA GPU with `--backend wgpu`."
+        ));
+    }
+    let visible = Command::new("nvidia-smi")
+        .arg("--list-gpus")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().count());
+    if let Some(n) = visible
+        && n < gpus
+    {
+        return Err(format!("--gpus {gpus}: only {n} CUDA device(s) visible (nvidia-smi)"));
+    }
+    Ok(())
+}
+
+/// Builds `train-cnn` for `backend` in release and returns its path.
+fn build_example(root: &Path, backend: BackendArg) -> Result<PathBuf, String> {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root)
+        .args(["build", "--release", "-p", "train-cnn", "--bin", "train-cnn"]);
+    match backend {
+        BackendArg::Cuda => {
+            cmd.args(["--features", "cuda"]);
+        }
+        BackendArg::Wgpu => {
+            cmd.args(["--features", "wgpu"]);
+        }
+        BackendArg::Cpu => {}
+    }
+    crate::run(&mut cmd)?;
+    Ok(crate::target_dir(root).join("release").join("train-cnn"))
+}
+
+fn backend_name(b: BackendArg) -> &'static str {
+    match b {
+        BackendArg::Cuda => "cuda",
+        BackendArg::Wgpu => "wgpu",
+        BackendArg::Cpu => "cpu",
+    }
+}
+
+/// The `train-cnn` arguments for one run.
+fn example_args(
+    a: &TrainArgs,
+    backend: BackendArg,
+    batch: usize,
+    sync_bn: bool,
+    out: &Path,
+) -> Vec<OsString> {
+    let mut v: Vec<OsString> = [
+        "--backend",
+        backend_name(backend),
+        "--batch-size",
+        &batch.to_string(),
+        "--epochs",
+        &a.epochs.to_string(),
+        "--lr",
+        &a.lr.to_string(),
+        "--seed",
+        &a.seed.to_string(),
+        "--data",
+        &a.data,
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
+    v.push("--out".into());
+    v.push(out.into());
+    if sync_bn {
+        v.push("--sync-bn".into());
+    }
+    if a.resume {
+        v.push("--resume".into());
+    }
+    v.extend(a.extra.iter().map(OsString::from));
+    v
+}
+
+/// Launches `ranks` processes of `program`; returns an error naming the failed rank.
+fn launch_ranks(ranks: usize, program: &Path, args: &[OsString]) -> Result<(), String> {
+    let cfg = LaunchConfig {
+        nproc_per_node: ranks,
+        rank0_stderr_direct: true,
+        forward_signals: true,
+        ..LaunchConfig::default()
+    };
+    let report = launch(&cfg, program.as_os_str(), args).map_err(|e| e.to_string())?;
+    if report.success() {
+        Ok(())
+    } else {
+        Err(report.summary())
+    }
+}
+
+/// `cargo xtask train`.
+pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
+    let (ranks, backend) = a.ranks_and_backend()?;
+    if a.gpus.is_some() && backend == BackendArg::Cuda {
+        check_cuda(ranks)?;
+    }
+    let program = build_example(root, backend)?;
+    let out = root.join(&a.out);
+    eprintln!(
+        "xtask train: {ranks} {} rank(s) × batch {} ({}), output in {}",
+        backend_name(backend),
+        a.batch_size,
+        if a.sync_bn() { "SyncBatchNorm" } else { "per-rank BatchNorm" },
+        out.display()
+    );
+    let args = example_args(a, backend, a.batch_size, a.sync_bn(), &out);
+    launch_ranks(ranks, &program, &args)
+}
+
+/// The last epoch's metrics of a run.
+#[derive(Debug, serde::Serialize)]
+struct RunSummary {
+    name: &'static str,
+    ranks: usize,
+    batch_per_rank: usize,
+    train_loss: f64,
+    train_accuracy: f64,
+    eval_loss: f64,
+    eval_accuracy: f64,
+}
+
+fn last_epoch(dir: &Path) -> Result<serde_json::Value, String> {
+    let path = dir.join("metrics.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let rows = v
+        .as_array()
+        .or_else(|| v.get("epochs").and_then(|e| e.as_array()))
+        .ok_or_else(|| format!("{}: no epochs", path.display()))?;
+    rows.last()
+        .cloned()
+        .ok_or_else(|| format!("{}: no epochs", path.display()))
+}
+
+/// `cargo xtask compare`: one process × batch B, N ranks × B/N with per-rank BatchNorm, and
+/// N ranks × B/N with SyncBatchNorm — same seed, data and steps.
+pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
+    let (ranks, backend) = a.ranks_and_backend()?;
+    if ranks < 2 {
+        return Err("compare needs at least 2 ranks (--cpus N or --gpus N)".into());
+    }
+    if a.resume {
+        return Err("compare always trains from scratch; drop --resume".into());
+    }
+    if a.gpus.is_some() && backend == BackendArg::Cuda {
+        check_cuda(ranks)?;
+    }
+    let global = a.batch_size * ranks;
+    let program = build_example(root, backend)?;
+    let out = root.join(&a.out);
+    let runs: [(&'static str, usize, usize, bool); 3] = [
+        ("1 process, BatchNorm", 1, global, false),
+        ("N ranks, per-rank BatchNorm", ranks, a.batch_size, false),
+        ("N ranks, SyncBatchNorm", ranks, a.batch_size, true),
+    ];
+    let mut results = Vec::new();
+    for (i, (name, n, batch, sync)) in runs.into_iter().enumerate() {
+        let dir = out.join(format!("run{}", i + 1));
+        eprintln!("xtask compare: {name}: {n} rank(s) × batch {batch}");
+        let args = example_args(a, backend, batch, sync, &dir);
+        launch_ranks(n, &program, &args)?;
+        let m = last_epoch(&dir)?;
+        let f = |k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+        results.push(RunSummary {
+            name,
+            ranks: n,
+            batch_per_rank: batch,
+            train_loss: f("train_loss"),
+            train_accuracy: f("train_accuracy"),
+            eval_loss: f("eval_loss"),
+            eval_accuracy: f("eval_accuracy"),
+        });
+    }
+    let mut table = format!(
+        "| run | ranks | batch/rank | global batch | train loss | train acc | eval loss | eval acc |\n\
+         |---|---|---|---|---|---|---|---|\n"
+    );
+    for r in &results {
+        table.push_str(&format!(
+            "| {} | {} | {} | {} | {:.4} | {:.2}% | {:.4} | {:.2}% |\n",
+            r.name,
+            r.ranks,
+            r.batch_per_rank,
+            r.ranks * r.batch_per_rank,
+            r.train_loss,
+            pct(r.train_accuracy),
+            r.eval_loss,
+            pct(r.eval_accuracy)
+        ));
+    }
+    println!("\n{table}");
+    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    std::fs::write(out.join("compare.md"), &table).map_err(|e| e.to_string())?;
+    let json = serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?;
+    std::fs::write(out.join("compare.json"), json).map_err(|e| e.to_string())?;
+    println!("compare: table in {}", out.join("compare.md").display());
+    Ok(())
+}
+
+/// Accuracy as a percentage, whether stored as a fraction or already in percent.
+fn pct(x: f64) -> f64 {
+    if x <= 1.0 { x * 100.0 } else { x }
+}
