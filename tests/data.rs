@@ -65,8 +65,18 @@ fn wait_all(mut ranks: Ranks) -> Vec<(ExitStatus, String, String)> {
         .map(|(child, status)| {
             let mut out = String::new();
             let mut err = String::new();
-            child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            child
+                .stdout
+                .take()
+                .unwrap()
+                .read_to_string(&mut out)
+                .unwrap();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
             (status.unwrap(), out, err)
         })
         .collect()

@@ -10,8 +10,8 @@
 
 use std::time::Instant;
 
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_ddp::data::ShardedDataLoaderBuilder;
@@ -114,7 +114,9 @@ fn main() {
     println!(
         "| workers | burn DataLoaderBuilder (items/s) | ShardedDataLoader (items/s) | ratio |"
     );
-    println!("|--------:|---------------------------------:|----------------------------:|------:|");
+    println!(
+        "|--------:|---------------------------------:|----------------------------:|------:|"
+    );
     for workers in [0usize, 1, 2, 4] {
         let burn_loader = DataLoaderBuilder::new(ImageBatcher)
             .batch_size(batch)

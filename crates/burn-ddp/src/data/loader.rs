@@ -471,7 +471,13 @@ where
                 "empty epoch: this rank has no batches (every rank gets the same count)"
             );
         } else {
-            tracing::debug!(rank = self.config.rank, epoch, batches = batches.len(), first, "data pass");
+            tracing::debug!(
+                rank = self.config.rank,
+                epoch,
+                batches = batches.len(),
+                first,
+                "data pass"
+            );
         }
         (
             generation,
@@ -667,7 +673,11 @@ impl<I, O> ShardedBatches<I, O> {
     }
 
     fn fetch(&mut self, k: usize) -> Result<O, DataError> {
-        match self.source.as_ref().expect("source is set when no error is pending") {
+        match self
+            .source
+            .as_ref()
+            .expect("source is set when no error is pending")
+        {
             Source::Inline {
                 dataset,
                 batcher,
@@ -715,7 +725,10 @@ impl<I, O> ShardedBatches<I, O> {
     fn release(&mut self) {
         if let Some(Source::Workers { active, .. }) = self.source.take() {
             let mut slot = lock(&active);
-            if slot.as_ref().is_some_and(|p| p.generation == self.generation) {
+            if slot
+                .as_ref()
+                .is_some_and(|p| p.generation == self.generation)
+            {
                 *slot = None;
             }
         }

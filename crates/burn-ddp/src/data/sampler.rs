@@ -336,7 +336,10 @@ mod tests {
                 world_size: 2
             }
         ));
-        assert!(e.to_string().contains("rank 2 is out of range for world size 2"));
+        assert!(
+            e.to_string()
+                .contains("rank 2 is out of range for world size 2")
+        );
         assert!(matches!(
             DistributedSampler::new(5, 0, 0),
             Err(DataError::ZeroReplicas)
@@ -348,7 +351,10 @@ mod tests {
         // PyTorch semantics: the order depends on seed + epoch only.
         assert_eq!(shards(100, 2, false, 5, 3), shards(100, 2, false, 8, 0));
         assert_eq!(
-            DistributedSampler::new(100, 1, 0).unwrap().with_seed(9).indices(),
+            DistributedSampler::new(100, 1, 0)
+                .unwrap()
+                .with_seed(9)
+                .indices(),
             permutation(100, 9)
         );
     }

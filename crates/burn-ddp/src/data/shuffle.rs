@@ -61,7 +61,10 @@ mod tests {
     fn permutation_prefix_is_stable() {
         assert_eq!(permutation(10, 0), STABLE_10_SEED_0);
         assert_eq!(&permutation(1000, 42)[..12], STABLE_1000_SEED_42_PREFIX);
-        assert_eq!(&permutation(60_000, u64::MAX)[..8], STABLE_60000_SEED_MAX_PREFIX);
+        assert_eq!(
+            &permutation(60_000, u64::MAX)[..8],
+            STABLE_60000_SEED_MAX_PREFIX
+        );
     }
 
     const STABLE_10_SEED_0: [usize; 10] = [9, 2, 3, 4, 6, 7, 0, 1, 5, 8];

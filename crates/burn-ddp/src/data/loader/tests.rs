@@ -163,7 +163,10 @@ fn same_batch_count_on_every_rank() {
                     .unwrap();
                 let got = epoch(&l);
                 assert_eq!(got.len(), l.num_batches());
-                assert_eq!(got.iter().map(Vec::len).sum::<usize>(), l.num_items_per_epoch());
+                assert_eq!(
+                    got.iter().map(Vec::len).sum::<usize>(),
+                    l.num_items_per_epoch()
+                );
                 if drop_batch {
                     assert!(got.iter().all(|b| b.len() == batch));
                 }
@@ -270,7 +273,10 @@ fn timeout_is_an_error() {
         .unwrap();
     let results: Vec<_> = l.batches().collect();
     assert_eq!(results.len(), 1);
-    assert!(matches!(results[0], Err(DataError::Timeout { batch: 0, .. })));
+    assert!(matches!(
+        results[0],
+        Err(DataError::Timeout { batch: 0, .. })
+    ));
 }
 
 /// Abandoning a pass (the consumer stops early) does not block the next pass, even with
@@ -336,10 +342,7 @@ fn burn_dataloader_trait() {
     assert_eq!(joined, plain.concat());
 
     let moved = l.to_device(&Device::default());
-    assert_eq!(
-        moved.iter().map(Result::unwrap).collect::<Vec<_>>(),
-        plain
-    );
+    assert_eq!(moved.iter().map(Result::unwrap).collect::<Vec<_>>(), plain);
     assert!(l.slice_items(5, 2).is_err());
 }
 
@@ -370,14 +373,11 @@ fn tensor_batches_on_device() {
         }
     }
     assert_eq!(seen.values().sum::<i32>(), 20);
-    assert_eq!(
-        seen.keys().map(|&k| k as usize).collect::<Vec<_>>(),
-        {
-            let mut s = l.sampler();
-            s.set_epoch(0);
-            let mut v = s.indices();
-            v.sort_unstable();
-            v
-        }
-    );
+    assert_eq!(seen.keys().map(|&k| k as usize).collect::<Vec<_>>(), {
+        let mut s = l.sampler();
+        s.set_epoch(0);
+        let mut v = s.indices();
+        v.sort_unstable();
+        v
+    });
 }
