@@ -191,6 +191,36 @@ where
             EpochState::default(),
         ))
     }
+
+    /// Builds the loader for this rank of a [`Ddp`](crate::Ddp) job: its rank, world size
+    /// and device (batches land on `ddp.device()`; call `.autodiff()` on the tensors' device
+    /// yourself only if the batcher does not).
+    ///
+    /// ```no_run
+    /// # use burn_ddp::data::ShardedDataLoaderBuilder;
+    /// # use burn::data::{dataloader::batcher::Batcher, dataset::Dataset};
+    /// # fn demo<I: Send + 'static, O: Send + 'static>(
+    /// #     ddp: &burn_ddp::Ddp,
+    /// #     batcher: impl Batcher<I, O> + 'static,
+    /// #     dataset: impl Dataset<I> + 'static,
+    /// # ) {
+    /// let loader = ShardedDataLoaderBuilder::new(batcher)
+    ///     .batch_size(32) // per rank: the global batch is 32 × world size
+    ///     .seed(42)
+    ///     .build_for(dataset, ddp)
+    ///     .unwrap();
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::build`].
+    pub fn build_for(
+        self,
+        dataset: impl Dataset<I> + 'static,
+        ddp: &crate::Ddp,
+    ) -> Result<ShardedDataLoader<I, O>, DataError> {
+        self.build(dataset, ddp.rank(), ddp.world_size(), ddp.device().clone())
+    }
 }
 
 #[derive(Debug, Clone)]
