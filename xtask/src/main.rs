@@ -4,6 +4,7 @@
 //! cargo xtask ci
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
 //! cargo xtask compare [--cpus N] [--batch-size b] …
+//! cargo xtask bench ddp|syncbn|data
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--iters N] [--pin]
 //! ```
@@ -42,6 +43,29 @@ enum Cmd {
 
 #[derive(Subcommand, Debug)]
 enum Bench {
+    /// DDP step time, 1 rank vs N ranks, split into compute / sync, with a bucket-size sweep
+    /// (an MLP of ~10M parameters and a small CNN). Arguments after `--` go to `ddp_bench`.
+    Ddp {
+        /// Ranks of the distributed run (the baseline is 1 rank).
+        #[arg(long, default_value_t = 2)]
+        nproc: u32,
+        /// More arguments for the rank program (`ddp_bench --help`).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
+    /// Step time of a small CNN with BatchNorm vs SyncBatchNorm on CPU ranks, and the CubeCL
+    /// kernels vs the tensor-op path on wgpu. Arguments after `--` go to `syncbn_bench`.
+    Syncbn {
+        /// More arguments for the benchmark (`syncbn_bench --help`).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
+    /// Items/s of the sharded loader vs Burn's DataLoaderBuilder on the same dataset/batcher.
+    Data {
+        /// More arguments for the benchmark (`data_bench --help`).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
     /// All-reduce of f32 data: size, median/min/max time, algbw and busbw per world size,
     /// and the time from launch to the first barrier.
     Allreduce {
@@ -66,6 +90,30 @@ enum Bench {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
+        Cmd::Bench {
+            what: Bench::Ddp { nproc, extra },
+        } => bench_ddp(nproc, &extra),
+        Cmd::Bench {
+            what: Bench::Syncbn { extra },
+        } => bench_program(
+            &[
+                "-p",
+                "ddp-tests",
+                "--features",
+                "wgpu",
+                "--bin",
+                "syncbn_bench",
+            ],
+            "syncbn_bench",
+            &extra,
+        ),
+        Cmd::Bench {
+            what: Bench::Data { extra },
+        } => bench_program(
+            &["-p", "burn-ddp", "--example", "data_bench"],
+            "examples/data_bench",
+            &extra,
+        ),
         Cmd::Ci => ci::run(&workspace_root()),
         Cmd::Train(a) => train::train(&workspace_root(), &a),
         Cmd::Compare(a) => train::compare(&workspace_root(), &a),
@@ -167,6 +215,49 @@ fn bench_allreduce(
             }
             run(&mut cmd)?;
         }
+    }
+    Ok(())
+}
+
+/// Builds `build_args` in release and runs `binary` (relative to `target/release`).
+fn bench_program(build_args: &[&str], binary: &str, extra: &[String]) -> Result<(), String> {
+    let root = workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(&cargo)
+        .current_dir(&root)
+        .args(["build", "--release"])
+        .args(build_args))?;
+    run(Command::new(target_dir(&root).join("release").join(binary))
+        .current_dir(&root)
+        .args(extra))
+}
+
+/// `cargo xtask bench ddp`: the same rank program alone (the baseline) and on `nproc` ranks.
+fn bench_ddp(nproc: u32, extra: &[String]) -> Result<(), String> {
+    let root = workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(&cargo).current_dir(&root).args([
+        "build",
+        "--release",
+        "-p",
+        "ddp-tests",
+        "--bin",
+        "ddp_bench",
+        "-p",
+        "ddp-comm",
+        "--bin",
+        "ddprun",
+    ]))?;
+    let release = target_dir(&root).join("release");
+    for n in [1, nproc] {
+        println!("\n## {n} rank(s)\n");
+        run(Command::new(release.join("ddprun"))
+            .arg("--nproc-per-node")
+            .arg(n.to_string())
+            .arg("--no-prefix")
+            .arg("--")
+            .arg(release.join("ddp_bench"))
+            .args(extra))?;
     }
     Ok(())
 }

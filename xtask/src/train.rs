@@ -89,9 +89,8 @@ fn check_cuda(gpus: usize) -> Result<(), String> {
     let has_libcuda = ldconfig
         .map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so"))
         .unwrap_or(false)
-        || std::env::var_os("LD_LIBRARY_PATH").is_some_and(|p| {
-            std::env::split_paths(&p).any(|d| d.join("libcuda.so.1").exists())
-        });
+        || std::env::var_os("LD_LIBRARY_PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("libcuda.so.1").exists()));
     if !has_libcuda {
         return Err(format!(
             "--gpus {gpus}: no CUDA driver found (libcuda.so is not in the linker cache or \
@@ -108,7 +107,9 @@ fn check_cuda(gpus: usize) -> Result<(), String> {
     if let Some(n) = visible
         && n < gpus
     {
-        return Err(format!("--gpus {gpus}: only {n} CUDA device(s) visible (nvidia-smi)"));
+        return Err(format!(
+            "--gpus {gpus}: only {n} CUDA device(s) visible (nvidia-smi)"
+        ));
     }
     Ok(())
 }
@@ -116,8 +117,14 @@ fn check_cuda(gpus: usize) -> Result<(), String> {
 /// Builds `train-cnn` for `backend` in release and returns its path.
 fn build_example(root: &Path, backend: BackendArg) -> Result<PathBuf, String> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.current_dir(root)
-        .args(["build", "--release", "-p", "train-cnn", "--bin", "train-cnn"]);
+    cmd.current_dir(root).args([
+        "build",
+        "--release",
+        "-p",
+        "train-cnn",
+        "--bin",
+        "train-cnn",
+    ]);
     match backend {
         BackendArg::Cuda => {
             cmd.args(["--features", "cuda"]);
@@ -204,7 +211,11 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         "xtask train: {ranks} {} rank(s) × batch {} ({}), output in {}",
         backend_name(backend),
         a.batch_size,
-        if a.sync_bn() { "SyncBatchNorm" } else { "per-rank BatchNorm" },
+        if a.sync_bn() {
+            "SyncBatchNorm"
+        } else {
+            "per-rank BatchNorm"
+        },
         out.display()
     );
     let args = example_args(a, backend, a.batch_size, a.sync_bn(), &out);
