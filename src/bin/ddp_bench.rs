@@ -197,12 +197,18 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
                 Model::Mlp => {
                     let m = ddp.replicate_model(Mlp::new(&device))?;
                     let p = m.num_params();
-                    (bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?, p)
+                    (
+                        bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?,
+                        p,
+                    )
                 }
                 Model::Cnn => {
                     let m = ddp.replicate_model(Cnn::new(&device))?;
                     let p = m.num_params();
-                    (bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?, p)
+                    (
+                        bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?,
+                        p,
+                    )
                 }
             };
             if ddp.is_main() {
