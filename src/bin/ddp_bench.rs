@@ -6,7 +6,9 @@
 //!
 //! - `compute`: forward + backward + `GradientsParams::from_grads` (this rank's work),
 //! - `sync`: [`burn_ddp::GradientSynchronizer::sync`] (presence exchange, host copies,
-//!   bucket all-reduces overlapped on the comm thread, write-back),
+//!   bucket all-reduces overlapped on the comm thread, write-back). It includes waiting for
+//!   the slowest rank to finish its backward (the presence exchange is the first collective
+//!   of a step), so on a shared, loaded CPU it also measures compute skew between ranks,
 //! - `allreduce`: time the comm thread spent inside bucket all-reduces,
 //! - `raw`: one plain all-reduce of the same number of f32 values in a loop (the floor),
 //! - `optim`: the optimizer update,
