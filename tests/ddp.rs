@@ -100,7 +100,9 @@ impl RankRun {
         for r in 1..world {
             let p = self.params(&format!("rank{r}.f32"));
             assert!(
-                p.iter().zip(&rank0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                p.iter()
+                    .zip(&rank0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "rank {r} is not bitwise identical to rank 0"
             );
         }
@@ -125,14 +127,26 @@ fn read_f32(path: &Path) -> Vec<f32> {
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn equivalence(world: usize, optim: &str) {
     let run = launch(
         world,
         &format!("equiv-{world}-{optim}"),
-        &["--scenario", "equiv", "--optim", optim, "--steps", "5", "--batch", "4"],
+        &[
+            "--scenario",
+            "equiv",
+            "--optim",
+            optim,
+            "--steps",
+            "5",
+            "--batch",
+            "4",
+        ],
     );
     run.assert_matches_reference(world, 1e-5);
 }
@@ -174,7 +188,16 @@ fn tiny_buckets_give_the_same_result_as_one_bucket() {
     let run = launch(
         3,
         "buckets",
-        &["--scenario", "equiv", "--optim", "adam", "--steps", "3", "--bucket-bytes", "64"],
+        &[
+            "--scenario",
+            "equiv",
+            "--optim",
+            "adam",
+            "--steps",
+            "3",
+            "--bucket-bytes",
+            "64",
+        ],
     );
     run.assert_matches_reference(3, 1e-5);
 }
@@ -184,7 +207,18 @@ fn accumulating_four_micro_batches_equals_one_step_on_the_four_times_batch() {
     let run = launch(
         2,
         "accum",
-        &["--scenario", "accum", "--optim", "sgd", "--steps", "3", "--batch", "3", "--micro", "4"],
+        &[
+            "--scenario",
+            "accum",
+            "--optim",
+            "sgd",
+            "--steps",
+            "3",
+            "--batch",
+            "3",
+            "--micro",
+            "4",
+        ],
     );
     run.assert_matches_reference(2, 1e-5);
 }
@@ -219,7 +253,16 @@ fn a_learner_run_matches_the_hand_written_loop() {
     let run = launch(
         2,
         "learner",
-        &["--scenario", "learner", "--optim", "adam", "--steps", "4", "--batch", "4"],
+        &[
+            "--scenario",
+            "learner",
+            "--optim",
+            "adam",
+            "--steps",
+            "4",
+            "--batch",
+            "4",
+        ],
     );
     run.assert_matches_reference(2, 1e-6);
 }

@@ -6,7 +6,9 @@
 //!
 //! - `compute`: forward + backward + `GradientsParams::from_grads` (this rank's work),
 //! - `sync`: [`burn_ddp::GradientSynchronizer::sync`] (presence exchange, host copies,
-//!   bucket all-reduces overlapped on the comm thread, write-back),
+//!   bucket all-reduces overlapped on the comm thread, write-back). It includes waiting for
+//!   the slowest rank to finish its backward (the presence exchange is the first collective
+//!   of a step), so on a shared, loaded CPU it also measures compute skew between ranks,
 //! - `allreduce`: time the comm thread spent inside bucket all-reduces,
 //! - `raw`: one plain all-reduce of the same number of f32 values in a loop (the floor),
 //! - `optim`: the optimizer update,
@@ -197,12 +199,18 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
                 Model::Mlp => {
                     let m = ddp.replicate_model(Mlp::new(&device))?;
                     let p = m.num_params();
-                    (bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?, p)
+                    (
+                        bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?,
+                        p,
+                    )
                 }
                 Model::Cnn => {
                     let m = ddp.replicate_model(Cnn::new(&device))?;
                     let p = m.num_params();
-                    (bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?, p)
+                    (
+                        bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?,
+                        p,
+                    )
                 }
             };
             if ddp.is_main() {

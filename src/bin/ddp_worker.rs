@@ -14,13 +14,18 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig, momentum::MomentumConfig};
-use burn::tensor::{Device, Tensor, TensorData};
 use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
 use burn::data::dataset::InMemDataset;
-use burn::train::{InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{
+    AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
+    momentum::MomentumConfig,
+};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn::train::{
+    InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
+};
 use burn_ddp::{Ddp, DdpModel, DdpOptimizer, SilentRenderer};
 use clap::{Parser, ValueEnum};
 
@@ -90,7 +95,11 @@ impl Mlp {
     fn forward(&self, x: Tensor<2>, use_branch: bool) -> Tensor<2> {
         let h = self.act.forward(self.fc1.forward(x));
         let y = self.fc2.forward(h.clone());
-        if use_branch { y + self.branch.forward(h) } else { y }
+        if use_branch {
+            y + self.branch.forward(h)
+        } else {
+            y
+        }
     }
 }
 
@@ -130,7 +139,14 @@ fn mse(pred: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
 }
 
 /// Global sample indices of `rank`'s micro-batch `m` of step `step`.
-fn shard(step: usize, m: usize, rank: usize, world: usize, b: usize, micro: usize) -> std::ops::Range<usize> {
+fn shard(
+    step: usize,
+    m: usize,
+    rank: usize,
+    world: usize,
+    b: usize,
+    micro: usize,
+) -> std::ops::Range<usize> {
     let start = ((step * micro + m) * world + rank) * b;
     start..start + b
 }
@@ -150,7 +166,8 @@ struct Flatten(Vec<f32>);
 impl ModuleVisitor for Flatten {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let data = param.val().into_data().convert::<f32>();
-        self.0.extend(data.as_slice::<f32>().expect("f32 after convert"));
+        self.0
+            .extend(data.as_slice::<f32>().expect("f32 after convert"));
     }
 }
 
@@ -184,7 +201,9 @@ fn check_identical(ddp: &Ddp, model: &Mlp, step: usize) -> Result<(), String> {
         .all_gather(&[h], &mut all)
         .map_err(|e| e.to_string())?;
     if all.iter().any(|&x| x != h) {
-        return Err(format!("ranks differ after step {step}: parameter hashes {all:x?}"));
+        return Err(format!(
+            "ranks differ after step {step}: parameter hashes {all:x?}"
+        ));
     }
     Ok(())
 }
@@ -215,7 +234,15 @@ impl TrainStep for Mlp {
         let output = self.forward(b.x, false);
         let loss = mse(output.clone(), b.y.clone());
         let grads = loss.backward();
-        TrainOutput::new(self, grads, RegressionOutput { loss, output, targets: b.y })
+        TrainOutput::new(
+            self,
+            grads,
+            RegressionOutput {
+                loss,
+                output,
+                targets: b.y,
+            },
+        )
     }
 }
 
@@ -226,7 +253,11 @@ impl InferenceStep for Mlp {
     fn step(&self, b: XyBatch) -> RegressionOutput {
         let output = self.forward(b.x, false);
         let loss = mse(output.clone(), b.y.clone());
-        RegressionOutput { loss, output, targets: b.y }
+        RegressionOutput {
+            loss,
+            output,
+            targets: b.y,
+        }
     }
 }
 
@@ -240,13 +271,17 @@ fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<
         let (x, y) = batch(shard(step, 0, rank, world, b, 1), device);
         let loss = mse(model.forward(x, false), y);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.try_step(LR, model, grads).map_err(|e| e.to_string())?;
+        model = optim
+            .try_step(LR, model, grads)
+            .map_err(|e| e.to_string())?;
     }
     if ddp.is_main() {
         write_f32(&args.out.join("reference.f32"), &flatten(&model)).map_err(|e| e.to_string())?;
     }
 
-    let shard_items: Vec<usize> = (0..args.steps).flat_map(|s| shard(s, 0, rank, world, b, 1)).collect();
+    let shard_items: Vec<usize> = (0..args.steps)
+        .flat_map(|s| shard(s, 0, rank, world, b, 1))
+        .collect();
     let train = DataLoaderBuilder::new(IndexBatcher)
         .batch_size(b)
         .set_device(device.clone())
@@ -256,8 +291,9 @@ fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<
         .set_device(device.clone())
         .build(InMemDataset::new((0..b).collect::<Vec<usize>>()));
     let learner = Learner::new(DdpModel::new(ddp, initial), optimizer(args.optim), LR);
-    let mut training = SupervisedTraining::new(args.out.join(format!("learner-rank{rank}")), train, valid)
-        .num_epochs(1);
+    let mut training =
+        SupervisedTraining::new(args.out.join(format!("learner-rank{rank}")), train, valid)
+            .num_epochs(1);
     if !ddp.is_main() {
         training = training.renderer(Box::new(SilentRenderer));
     }
@@ -267,7 +303,8 @@ fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<
     }
     let model = result.model.into_inner();
     check_identical(ddp, &model, args.steps)?;
-    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model)).map_err(|e| e.to_string())?;
+    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
+        .map_err(|e| e.to_string())?;
     ddp.barrier().map_err(|e| e.to_string())
 }
 
@@ -279,7 +316,11 @@ fn run(args: &Args) -> Result<(), String> {
     let (rank, world) = (ddp.rank(), ddp.world_size());
     let device = ddp.device().clone().autodiff();
     device.seed(1000 + rank as u64);
-    let hidden = if args.scenario == Scenario::Mismatch && rank == 1 { HIDDEN + 1 } else { HIDDEN };
+    let hidden = if args.scenario == Scenario::Mismatch && rank == 1 {
+        HIDDEN + 1
+    } else {
+        HIDDEN
+    };
     let model = Mlp::new(hidden, &device);
     let model = ddp.replicate_model(model).map_err(|e| e.to_string())?;
     let initial = model.clone();
@@ -300,10 +341,13 @@ fn run(args: &Args) -> Result<(), String> {
             let loss = mse(model.forward(x, use_branch(rank)), y).div_scalar(micro as f64);
             acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
         }
-        model = optim.try_step(LR, model, acc.grads()).map_err(|e| e.to_string())?;
+        model = optim
+            .try_step(LR, model, acc.grads())
+            .map_err(|e| e.to_string())?;
         check_identical(&ddp, &model, step + 1)?;
     }
-    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model)).map_err(|e| e.to_string())?;
+    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
+        .map_err(|e| e.to_string())?;
 
     // Single-process reference on the joined batch, same initial weights, no communication.
     ddp.run_on_main(|| -> Result<(), String> {
@@ -323,7 +367,8 @@ fn run(args: &Args) -> Result<(), String> {
                         });
                     }
                 }
-                sum.expect("at least one shard").div_scalar((world * micro) as f64)
+                sum.expect("at least one shard")
+                    .div_scalar((world * micro) as f64)
             } else {
                 // One forward over the joined batch of N·micro·b samples.
                 let all = (0..micro)

@@ -144,7 +144,13 @@ impl DdpBuilder {
             DeviceChoice::Fixed(d) => d,
             DeviceChoice::Auto => auto_device(env.local_rank),
         };
-        tracing::info!(rank, world_size, local_rank = env.local_rank, ?device, "ddp initialised");
+        tracing::info!(
+            rank,
+            world_size,
+            local_rank = env.local_rank,
+            ?device,
+            "ddp initialised"
+        );
         Ok(Ddp {
             group,
             rank,

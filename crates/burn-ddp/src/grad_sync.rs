@@ -149,7 +149,8 @@ impl GradientSynchronizer {
     /// A synchroniser over the process-wide group ([`crate::comm::group`]), or a world of one
     /// when none is installed.
     pub fn from_installed(bucket_cap_bytes: usize) -> Self {
-        let group = comm::group().unwrap_or_else(|| comm::install(ddp_comm::ProcessGroup::single()).0);
+        let group =
+            comm::group().unwrap_or_else(|| comm::install(ddp_comm::ProcessGroup::single()).0);
         Self::new(group, bucket_cap_bytes)
     }
 
@@ -172,7 +173,11 @@ impl GradientSynchronizer {
     /// A collective failed (dead peer, timeout), the ranks' trainable parameters differ, or a
     /// gradient could not be read back from its device. After an error the gradients are
     /// unusable and the process group is broken; end the process.
-    pub fn sync<M: Module>(&mut self, module: &M, mut grads: GradientsParams) -> Result<GradientsParams> {
+    pub fn sync<M: Module>(
+        &mut self,
+        module: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
         let start = Instant::now();
         if self.world_size == 1 && self.skip_when_alone {
             self.last = SyncStats {
@@ -282,7 +287,9 @@ impl GradientSynchronizer {
             for (k, buf) in from_comm.iter() {
                 unpack_bucket(slots, &buckets[k], buf);
             }
-            let busy = comm.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+            let busy = comm
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
             match fill_err {
                 Some(e) => Err(e),
                 None => Ok(busy),
@@ -306,7 +313,11 @@ fn plan_buckets(slots: &[Slot], present: &[bool], cap: usize) -> Vec<Bucket> {
     plan_bucket_sizes(slots.iter().map(|s| s.numel), present, cap)
 }
 
-fn plan_bucket_sizes(sizes: impl Iterator<Item = usize>, present: &[bool], cap: usize) -> Vec<Bucket> {
+fn plan_bucket_sizes(
+    sizes: impl Iterator<Item = usize>,
+    present: &[bool],
+    cap: usize,
+) -> Vec<Bucket> {
     let mut buckets = Vec::new();
     let mut cur = Bucket {
         slots: Vec::new(),
@@ -440,7 +451,8 @@ mod tests {
     }
 
     fn values<const D: usize>(g: &GradientsParams, id: ParamId) -> Option<Vec<f32>> {
-        g.get::<D>(id).map(|t| t.into_data().try_to_vec::<f32>().unwrap())
+        g.get::<D>(id)
+            .map(|t| t.into_data().try_to_vec::<f32>().unwrap())
     }
 
     /// The whole pipeline (collect, buckets, comm thread, write-back) in a world of one must
@@ -463,10 +475,22 @@ mod tests {
             sync.skip_when_alone = false;
             let out = sync.sync(&net, grads).unwrap();
             assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
-            assert_eq!(values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(), before_bb);
-            assert_eq!(out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(), &[3, 4]);
-            assert!(out.get::<2>(net.unused.weight.id).is_none(), "unused stays absent");
-            assert!(out.get::<2>(net.frozen.weight.id).is_none(), "frozen has none");
+            assert_eq!(
+                values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
+                before_bb
+            );
+            assert_eq!(
+                out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
+                &[3, 4]
+            );
+            assert!(
+                out.get::<2>(net.unused.weight.id).is_none(),
+                "unused stays absent"
+            );
+            assert!(
+                out.get::<2>(net.frozen.weight.id).is_none(),
+                "frozen has none"
+            );
             assert_eq!(out.len(), 4, "a.w a.b b.w b.b");
             let st = sync.last_stats();
             assert_eq!(st.elements, 3 * 4 + 4 + 4 * 2 + 2);

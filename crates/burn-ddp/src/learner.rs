@@ -136,7 +136,11 @@ impl<M: ModuleDisplay> ModuleDisplay for DdpModel<M> {}
 
 impl<M: ModuleDisplay> core::fmt::Display for DdpModel<M> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "DdpModel({})", ModuleDisplay::format(&self.model, Default::default()))
+        write!(
+            f,
+            "DdpModel({})",
+            ModuleDisplay::format(&self.model, Default::default())
+        )
     }
 }
 

@@ -58,7 +58,10 @@ impl DdpOptimizer {
     }
 
     /// Wraps `optim` with an explicit synchroniser (e.g. a different bucket cap).
-    pub fn with_synchronizer(optim: impl Into<ModuleOptimizer>, sync: GradientSynchronizer) -> Self {
+    pub fn with_synchronizer(
+        optim: impl Into<ModuleOptimizer>,
+        sync: GradientSynchronizer,
+    ) -> Self {
         DdpOptimizer {
             optim: optim.into(),
             sync,
@@ -135,7 +138,8 @@ mod tests {
     struct Flat(Vec<f32>);
     impl ModuleVisitor for Flat {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.extend(p.val().into_data().try_to_vec::<f32>().unwrap());
+            self.0
+                .extend(p.val().into_data().try_to_vec::<f32>().unwrap());
         }
     }
     fn flat(m: &Linear) -> Vec<f32> {

@@ -229,7 +229,11 @@ impl Ddp {
         };
         g.broadcast_bytes(&mut payload, 0)?;
         drop(g);
-        tracing::debug!(bytes = payload.len(), tensors = lines.len(), "model broadcast from rank 0");
+        tracing::debug!(
+            bytes = payload.len(),
+            tensors = lines.len(),
+            "model broadcast from rank 0"
+        );
         if self.is_main() {
             return Ok(model);
         }
