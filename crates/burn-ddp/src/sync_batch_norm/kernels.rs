@@ -39,7 +39,8 @@ fn chan_merge<F: Float>(
         let n = na + nb;
         let delta = mean[b] - mean[a];
         mean[a] += delta * nb / n;
-        m2[a] += m2[b] + delta * delta * na * nb / n;
+        let m2_b = m2[b];
+        m2[a] += m2_b + delta * delta * na * nb / n;
         count[a] = n;
     }
 }
