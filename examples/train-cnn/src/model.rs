@@ -9,9 +9,9 @@ use burn::module::{Module, ModuleDisplay};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
-use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
+use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 
 /// A normalisation layer over `[batch, channels, h, w]` activations.
 ///
