@@ -1,8 +1,10 @@
 //! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
 //!
 //! One feature set is used for every step (`ddp-tests/wgpu`, `ddp-comm/nccl`) so Cargo builds
-//! the Burn stack once for checking and once for testing; the CUDA path is type-checked with
-//! `DOCS_RS=1` (its build scripts would download LLVM otherwise).
+//! the Burn stack once for checking and once for testing. The NCCL transport is checked and
+//! tested through `ddp-comm/nccl`. The Burn CUDA path's type-check
+//! (`DOCS_RS=1 cargo check -p burn-ddp --features cuda`) is not a CI step yet: it was not
+//! verified in the session that wrote it.
 
 use std::path::Path;
 use std::process::Command;
@@ -39,11 +41,6 @@ fn steps() -> Vec<Step> {
                 "warnings",
             ],
         ),
-        Step {
-            what: "type-check of the CUDA path (DOCS_RS=1 skips cubecl-llvm's download)",
-            args: vec!["check", "-p", "burn-ddp", "--features", "cuda"],
-            env: vec![("DOCS_RS", "1")],
-        },
         step(
             "tests (unit, doc and multi-process integration)",
             &["test", "--workspace", "--features", FEATURES],
