@@ -195,7 +195,9 @@ fn launch_ranks(ranks: usize, program: &Path, args: &[OsString]) -> Result<(), S
     if report.success() {
         Ok(())
     } else {
-        Err(report.summary())
+        Err(report
+            .summary()
+            .unwrap_or_else(|| "the launch failed".to_string()))
     }
 }
 
@@ -288,9 +290,9 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
             eval_accuracy: f("eval_accuracy"),
         });
     }
-    let mut table = format!(
+    let mut table = String::from(
         "| run | ranks | batch/rank | global batch | train loss | train acc | eval loss | eval acc |\n\
-         |---|---|---|---|---|---|---|---|\n"
+         |---|---|---|---|---|---|---|---|\n",
     );
     for r in &results {
         table.push_str(&format!(

@@ -174,7 +174,7 @@ fn launched_like_cargo_xtask_train_with_sync_bn() {
         .recv_timeout(DEADLINE)
         .expect("the launcher overran its deadline")
         .expect("launch");
-    assert!(report.success(), "{}", report.summary());
+    assert!(report.success(), "{:?}", report.summary());
     assert_eq!(report.exits.len(), 2);
     let h = read_json(&out.join("metrics.json")).unwrap();
     assert_eq!(h.len(), 2);
