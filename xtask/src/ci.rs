@@ -43,7 +43,15 @@ fn steps() -> Vec<Step> {
         ),
         step(
             "tests (unit and multi-process integration)",
-            &["test", "--workspace", "--features", FEATURES, "--lib", "--bins", "--tests"],
+            &[
+                "test",
+                "--workspace",
+                "--features",
+                FEATURES,
+                "--lib",
+                "--bins",
+                "--tests",
+            ],
         ),
     ]
 }
