@@ -5,14 +5,23 @@
 //! bucket cap it times `--steps` steps after `--warmup` and prints one table row from rank 0:
 //!
 //! - `compute`: forward + backward + `GradientsParams::from_grads` (this rank's work),
+//! - `skew`: a barrier after the backward, i.e. waiting for the slowest rank's compute (it is
+//!   not part of the synchronisation: without the barrier the presence exchange, the step's
+//!   first collective, would absorb it),
 //! - `sync`: [`burn_ddp::GradientSynchronizer::sync`] (presence exchange, host copies,
-//!   bucket all-reduces overlapped on the comm thread, write-back). It includes waiting for
-//!   the slowest rank to finish its backward (the presence exchange is the first collective
-//!   of a step), so on a shared, loaded CPU it also measures compute skew between ranks,
+//!   bucket all-reduces overlapped on the comm thread, write-back),
+//! - `fill`: time the calling thread spent reading gradients into host buckets,
 //! - `allreduce`: time the comm thread spent inside bucket all-reduces,
-//! - `raw`: one plain all-reduce of the same number of f32 values in a loop (the floor),
+//! - `write-back`: time turning reduced buckets back into gradient tensors,
+//! - `raw`: one plain all-reduce of the same number of f32 values (the floor), timed in the
+//!   same step right after the sync (this machine's memory bandwidth varies from minute to
+//!   minute, so the two are measured side by side),
 //! - `optim`: the optimizer update,
-//! - `overhead`: sync / (compute + optim).
+//! - `sync/raw`: the median over steps of sync ÷ raw of the same step: the cost of
+//!   bucketing and copies on top of the wire,
+//! - `overhead`: sync / (compute + optim), the step time DDP adds besides skew,
+//! - `beyond raw`: (sync − raw) / (compute + optim), what DDP adds on top of the wire time
+//!   of the same bytes (0 where sync is not slower than the raw all-reduce).
 //!
 //! All times are medians over the timed steps, in milliseconds.
 
@@ -43,11 +52,15 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_values = ["1", "5", "25", "100"])]
     bucket_mib: Vec<f64>,
     /// Timed steps per configuration.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 11)]
     steps: usize,
     /// Untimed steps first.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Overlap host copies with communication: auto (a comm thread where the host has two
+    /// cores per local rank), on, off.
+    #[arg(long, default_value = "auto")]
+    overlap: String,
     /// Per-rank batch size.
     #[arg(long, default_value_t = 16)]
     batch: usize,
@@ -124,10 +137,15 @@ fn median(mut v: Vec<Duration>) -> f64 {
 
 struct Row {
     compute: f64,
+    skew: f64,
     sync: f64,
+    fill: f64,
+    write_back: f64,
     allreduce: f64,
     raw: f64,
     optim: f64,
+    /// Median over steps of sync ÷ raw of the same step.
+    ratio: Option<f64>,
     buckets: usize,
 }
 
@@ -139,44 +157,67 @@ fn bench<M: Module>(
     loss: impl Fn(&M) -> Tensor<1>,
 ) -> Result<Row, burn_ddp::DdpError> {
     let mut sync = GradientSynchronizer::new(ddp.group().clone(), cap_bytes);
+    match args.overlap.as_str() {
+        "on" => sync = sync.with_overlap(true),
+        "off" => sync = sync.with_overlap(false),
+        _ => {}
+    }
     let mut optim: ModuleOptimizer = SgdConfig::new().init();
     let (mut compute, mut syncs, mut ars, mut opts) = (vec![], vec![], vec![], vec![]);
-    let mut elements = 0;
+    let (mut skews, mut fills, mut writes) = (vec![], vec![], vec![]);
     let mut buckets = 0;
+    // The floor: a plain all-reduce of as many f32 values, timed in every step right after
+    // the sync, so that both see the same state of a shared machine.
+    let mut raw = vec![];
+    let mut ratios: Vec<f64> = vec![];
+    let mut raw_buf: Vec<f32> = Vec::new();
     for step in 0..args.warmup + args.steps {
         let t0 = Instant::now();
         let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
         let t1 = Instant::now();
+        if ddp.world_size() > 1 {
+            ddp.barrier()?;
+        }
+        let t1b = Instant::now();
         let grads = sync.sync(&model, grads)?;
         let t2 = Instant::now();
         model = optim.step(1e-4, model, grads);
         let _ = model.devices().first().map(|d| d.sync());
         let t3 = Instant::now();
         let st = sync.last_stats();
-        elements = st.elements;
         buckets = st.buckets;
+        if ddp.world_size() > 1 && st.elements > 0 {
+            raw_buf.resize(st.elements, 1.0);
+            ddp.barrier()?;
+            let t = Instant::now();
+            burn_ddp::comm::lock(ddp.group()).all_reduce(&mut raw_buf, ReduceOp::Mean)?;
+            if step >= args.warmup {
+                raw.push(t.elapsed());
+                ratios.push((t2 - t1b).as_secs_f64() / t.elapsed().as_secs_f64());
+            }
+        }
         if step >= args.warmup {
             compute.push(t1 - t0);
-            syncs.push(t2 - t1);
+            skews.push(t1b - t1);
+            syncs.push(t2 - t1b);
             ars.push(st.all_reduce);
+            fills.push(st.fill);
+            writes.push(st.write_back);
             opts.push(t3 - t2);
-        }
-    }
-    // The floor: a plain all-reduce of as many f32 values, same number of repetitions.
-    let mut raw = vec![];
-    if ddp.world_size() > 1 && elements > 0 {
-        let mut buf = vec![1.0f32; elements];
-        for _ in 0..args.steps {
-            let t = Instant::now();
-            burn_ddp::comm::lock(ddp.group()).all_reduce(&mut buf, ReduceOp::Sum)?;
-            raw.push(t.elapsed());
         }
     }
     Ok(Row {
         compute: median(compute),
+        skew: median(skews),
+        fill: median(fills),
+        write_back: median(writes),
         sync: median(syncs),
         allreduce: median(ars),
         raw: median(raw),
+        ratio: {
+            ratios.sort_by(f64::total_cmp);
+            ratios.get(ratios.len() / 2).copied()
+        },
         optim: median(opts),
         buckets,
     })
@@ -187,9 +228,9 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     let device = ddp.device().clone().autodiff();
     if ddp.is_main() {
         println!(
-            "| model | params | ranks | bucket MiB | buckets | compute ms | sync ms | allreduce ms | raw allreduce ms | optim ms | overhead % |"
+            "| model | params | ranks | bucket MiB | buckets | compute ms | skew ms | sync ms | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     }
     for &model in &args.models {
         for &mib in &args.bucket_mib {
@@ -215,13 +256,20 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
             };
             if ddp.is_main() {
                 let overhead = 100.0 * row.sync / (row.compute + row.optim);
+                let beyond = 100.0 * (row.sync - row.raw).max(0.0) / (row.compute + row.optim);
+                let ratio = row
+                    .ratio
+                    .map_or_else(|| "—".to_string(), |r| format!("{r:.2}"));
                 println!(
-                    "| {model:?} | {params} | {} | {mib} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {overhead:.1} |",
+                    "| {model:?} | {params} | {} | {mib} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} |",
                     ddp.world_size(),
                     row.buckets,
                     row.compute,
+                    row.skew,
                     row.sync,
+                    row.fill,
                     row.allreduce,
+                    row.write_back,
                     row.raw,
                     row.optim
                 );

@@ -37,9 +37,10 @@ pub struct TrainArgs {
     /// Keep per-rank BatchNorm statistics.
     #[arg(long)]
     pub no_sync_bn: bool,
-    /// Samples per batch on each rank.
-    #[arg(long, default_value_t = 32)]
-    pub batch_size: usize,
+    /// Samples per batch on each rank [default: 32 for `train`, 8 for `compare`, where small
+    /// per-rank batches show what per-rank BatchNorm statistics cost].
+    #[arg(long)]
+    pub batch_size: Option<usize>,
     /// Epochs.
     #[arg(long, default_value_t = 4)]
     pub epochs: usize,
@@ -58,6 +59,9 @@ pub struct TrainArgs {
     /// Continue from `OUT/checkpoint.bin`.
     #[arg(long)]
     pub resume: bool,
+    /// Run this `train-cnn` binary instead of building one in release (e.g. a debug build).
+    #[arg(long, value_name = "PATH")]
+    pub program: Option<PathBuf>,
     /// More arguments for `train-cnn` (after `--`), e.g. `-- --train-size 2000`.
     #[arg(last = true)]
     pub extra: Vec<String>,
@@ -114,8 +118,16 @@ fn check_cuda(gpus: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Builds `train-cnn` for `backend` in release and returns its path.
-fn build_example(root: &Path, backend: BackendArg) -> Result<PathBuf, String> {
+/// Builds `train-cnn` for `backend` in release and returns its path, or returns the
+/// `--program` given instead.
+fn build_example(root: &Path, a: &TrainArgs, backend: BackendArg) -> Result<PathBuf, String> {
+    if let Some(p) = &a.program {
+        return if p.is_file() {
+            Ok(p.clone())
+        } else {
+            Err(format!("--program {}: no such file", p.display()))
+        };
+    }
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(root).args([
         "build",
@@ -193,6 +205,11 @@ fn launch_ranks(ranks: usize, program: &Path, args: &[OsString]) -> Result<(), S
     };
     let report = launch(&cfg, program.as_os_str(), args).map_err(|e| e.to_string())?;
     if report.success() {
+        eprintln!(
+            "xtask: all {} ranks exited 0 in {:.1} s",
+            report.exits.len(),
+            report.elapsed.as_secs_f64()
+        );
         Ok(())
     } else {
         Err(report
@@ -207,12 +224,12 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
     if a.gpus.is_some() && backend == BackendArg::Cuda {
         check_cuda(ranks)?;
     }
-    let program = build_example(root, backend)?;
+    let program = build_example(root, a, backend)?;
     let out = root.join(&a.out);
+    let batch = a.batch_size.unwrap_or(32);
     eprintln!(
-        "xtask train: {ranks} {} rank(s) × batch {} ({}), output in {}",
+        "xtask train: {ranks} {} rank(s) × batch {batch} ({}), output in {}",
         backend_name(backend),
-        a.batch_size,
         if a.sync_bn() {
             "SyncBatchNorm"
         } else {
@@ -220,7 +237,7 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         },
         out.display()
     );
-    let args = example_args(a, backend, a.batch_size, a.sync_bn(), &out);
+    let args = example_args(a, backend, batch, a.sync_bn(), &out);
     launch_ranks(ranks, &program, &args)
 }
 
@@ -264,13 +281,14 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
     if a.gpus.is_some() && backend == BackendArg::Cuda {
         check_cuda(ranks)?;
     }
-    let global = a.batch_size * ranks;
-    let program = build_example(root, backend)?;
+    let per_rank = a.batch_size.unwrap_or(8);
+    let global = per_rank * ranks;
+    let program = build_example(root, a, backend)?;
     let out = root.join(&a.out);
     let runs: [(&'static str, usize, usize, bool); 3] = [
         ("1 process, BatchNorm", 1, global, false),
-        ("N ranks, per-rank BatchNorm", ranks, a.batch_size, false),
-        ("N ranks, SyncBatchNorm", ranks, a.batch_size, true),
+        ("N ranks, per-rank BatchNorm", ranks, per_rank, false),
+        ("N ranks, SyncBatchNorm", ranks, per_rank, true),
     ];
     let mut results = Vec::new();
     for (i, (name, n, batch, sync)) in runs.into_iter().enumerate() {

@@ -13,10 +13,14 @@
 //!    missing, so it becomes (sum over ranks) / world size — no `find_unused_parameters` flag.
 //! 3. **Buckets.** Present slots are packed in order into buckets of at most the cap (default
 //!    25 MiB of f32). Bucket boundaries depend only on the reduced bitmap and the sizes, so
-//!    they are identical on every rank.
+//!    they are identical on every rank. Inside a bucket, runs of small gradients are copied
+//!    into one buffer and reduced together; a gradient of 64 Ki values or more is reduced in
+//!    the host buffer its tensor hands over (no copy on Flex) by a call of its own.
 //! 4. **Pipeline.** The calling thread copies bucket k to the host while a comm thread
-//!    all-reduces bucket k−1 (Sum, then ÷ world size) and hands it back; finished buckets are
-//!    turned back into tensors while later ones are still on the wire.
+//!    all-reduces bucket k−1 (Mean: sum ÷ world size) and hands it back; finished buckets are
+//!    turned back into tensors while later ones are still on the wire. Where the host has no
+//!    spare core for the comm thread the same steps run one after another on the calling
+//!    thread ([`GradientSynchronizer::with_overlap`]).
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -41,6 +45,10 @@ pub struct SyncStats {
     pub all_reduce: Duration,
     /// Time spent on the presence exchange.
     pub presence: Duration,
+    /// Time the calling thread spent reading gradients into host buckets.
+    pub fill: Duration,
+    /// Time the calling thread spent turning reduced buckets back into gradients.
+    pub write_back: Duration,
     /// Number of buckets all-reduced.
     pub buckets: usize,
     /// Number of f32 values all-reduced.
@@ -59,7 +67,21 @@ pub struct GradientSynchronizer {
     /// Return the gradients untouched in a world of one (off only in unit tests, to run the
     /// whole pipeline in-process).
     skip_when_alone: bool,
+    /// Overlap host copies with communication on a comm thread.
+    overlap: bool,
     last: SyncStats,
+}
+
+/// Whether a comm thread can run beside the calling thread: it needs a core besides the
+/// ones the ranks of this host compute on (`LOCAL_WORLD_SIZE`, the torchrun variable).
+fn overlap_pays() -> bool {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let local = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    cores >= 2 * local
 }
 
 /// One trainable float parameter in visit order.
@@ -71,8 +93,9 @@ struct Slot {
     device: Device,
     /// This rank's gradient, flattened (taken out of the `GradientsParams`).
     grad: Option<Tensor<1>>,
-    /// The averaged gradient, once its bucket came back.
-    reduced: Option<Vec<f32>>,
+    /// The averaged gradient (flat, f32, possibly a view into its bucket's tensor), once its
+    /// bucket came back.
+    reduced: Option<Tensor<1>>,
 }
 
 /// Visits trainable float params and takes their gradients out.
@@ -122,13 +145,19 @@ impl ModuleVisitor for SlotWriter<'_> {
             return;
         };
         debug_assert_eq!(slot.id, param.id);
-        if let Some(values) = slot.reduced.take() {
-            let mut data = TensorData::new(values, slot.shape.clone());
-            if slot.dtype != DType::F32 {
-                data = data.convert_dtype(slot.dtype);
-            }
-            self.grads
-                .register::<D>(slot.id, Tensor::from_data(data, &slot.device));
+        if let Some(flat) = slot.reduced.take() {
+            let grad = if slot.dtype == DType::F32 {
+                let flat = if flat.device() == slot.device {
+                    flat
+                } else {
+                    flat.to_device(&slot.device)
+                };
+                flat.reshape(slot.shape.clone())
+            } else {
+                let data = flat.into_data().convert_dtype(slot.dtype);
+                Tensor::<1>::from_data(data, &slot.device).reshape(slot.shape.clone())
+            };
+            self.grads.register::<D>(slot.id, grad);
         }
     }
 }
@@ -142,8 +171,24 @@ impl GradientSynchronizer {
             world_size,
             bucket_cap_elems: (bucket_cap_bytes / 4).max(1),
             skip_when_alone: true,
+            overlap: overlap_pays(),
             last: SyncStats::default(),
         }
+    }
+
+    /// Overlap (`true`) or serialise (`false`) host copies and communication. The default
+    /// overlaps when this host has at least two cores per local rank: the comm thread then
+    /// has a core of its own. Without one it would take turns with the calling thread, and
+    /// the all-reduce — the larger part on a CPU, where copies are mostly avoided — gets
+    /// slower than the copies it hides.
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    /// Whether host copies and communication overlap; see [`Self::with_overlap`].
+    pub fn overlap(&self) -> bool {
+        self.overlap
     }
 
     /// A synchroniser over the process-wide group ([`crate::comm::group`]), or a world of one
@@ -199,17 +244,21 @@ impl GradientSynchronizer {
 
         let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
         let elements = buckets.iter().map(|b| b.len).sum();
-        let all_reduce = self.reduce_buckets(&mut slots, &buckets)?;
+        let mut times = self.reduce_buckets(&mut slots, &buckets)?;
 
+        let write_start = Instant::now();
         let mut writer = SlotWriter {
             grads: &mut grads,
             slots: slots.iter_mut(),
         };
         module.visit(&mut writer);
+        times.write_back += write_start.elapsed();
         self.last = SyncStats {
             total: start.elapsed(),
-            all_reduce,
+            all_reduce: times.all_reduce,
             presence,
+            fill: times.fill,
+            write_back: times.write_back,
             buckets: buckets.len(),
             elements,
         };
@@ -241,25 +290,38 @@ impl GradientSynchronizer {
     }
 
     /// Pipelines host copies (this thread) and all-reduces (a comm thread).
-    fn reduce_buckets(&self, slots: &mut [Slot], buckets: &[Bucket]) -> Result<Duration> {
+    fn reduce_buckets(&self, slots: &mut [Slot], buckets: &[Bucket]) -> Result<PipelineTimes> {
+        let mut times = PipelineTimes::default();
         if buckets.is_empty() {
-            return Ok(Duration::ZERO);
+            return Ok(times);
         }
-        let world = self.world_size as f32;
+        if !self.overlap {
+            for bucket in buckets {
+                let t = Instant::now();
+                let mut parts = fill_bucket(slots, bucket)?;
+                times.fill += t.elapsed();
+                let t = Instant::now();
+                reduce_parts(&mut comm::lock(&self.group), &mut parts)?;
+                times.all_reduce += t.elapsed();
+                let t = Instant::now();
+                unpack_bucket(slots, parts);
+                times.write_back += t.elapsed();
+            }
+            return Ok(times);
+        }
         let group = self.group.clone();
         std::thread::scope(|scope| {
             // Bounded: at most two filled buckets wait for the comm thread.
-            let (to_comm, comm_in) = mpsc::sync_channel::<(usize, Vec<f32>)>(2);
-            let (comm_out, from_comm) = mpsc::channel::<(usize, Vec<f32>)>();
+            let (to_comm, comm_in) = mpsc::sync_channel::<Vec<Part>>(2);
+            let (comm_out, from_comm) = mpsc::channel::<Vec<Part>>();
             let comm = scope.spawn(move || -> Result<Duration> {
                 let mut g = comm::lock(&group);
                 let mut busy = Duration::ZERO;
-                for (k, mut buf) in comm_in {
+                for mut parts in comm_in {
                     let t = Instant::now();
-                    g.all_reduce(&mut buf, ReduceOp::Sum)?;
+                    reduce_parts(&mut g, &mut parts)?;
                     busy += t.elapsed();
-                    buf.iter_mut().for_each(|x| *x /= world);
-                    if comm_out.send((k, buf)).is_err() {
+                    if comm_out.send(parts).is_err() {
                         break;
                     }
                 }
@@ -267,10 +329,13 @@ impl GradientSynchronizer {
             });
 
             let mut fill_err = None;
-            for (k, bucket) in buckets.iter().enumerate() {
-                match fill_bucket(slots, bucket) {
-                    Ok(buf) => {
-                        if to_comm.send((k, buf)).is_err() {
+            for bucket in buckets {
+                let t = Instant::now();
+                let filled = fill_bucket(slots, bucket);
+                times.fill += t.elapsed();
+                match filled {
+                    Ok(parts) => {
+                        if to_comm.send(parts).is_err() {
                             break; // the comm thread failed; its error is reported below
                         }
                     }
@@ -279,23 +344,35 @@ impl GradientSynchronizer {
                         break;
                     }
                 }
-                while let Ok((k, buf)) = from_comm.try_recv() {
-                    unpack_bucket(slots, &buckets[k], buf);
+                while let Ok(parts) = from_comm.try_recv() {
+                    let t = Instant::now();
+                    unpack_bucket(slots, parts);
+                    times.write_back += t.elapsed();
                 }
             }
             drop(to_comm);
-            for (k, buf) in from_comm.iter() {
-                unpack_bucket(slots, &buckets[k], buf);
+            for parts in from_comm.iter() {
+                let t = Instant::now();
+                unpack_bucket(slots, parts);
+                times.write_back += t.elapsed();
             }
-            let busy = comm
+            times.all_reduce = comm
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
             match fill_err {
                 Some(e) => Err(e),
-                None => Ok(busy),
+                None => Ok(times),
             }
         })
     }
+}
+
+/// Where the calling thread and the comm thread spent a sync.
+#[derive(Debug, Default)]
+struct PipelineTimes {
+    all_reduce: Duration,
+    fill: Duration,
+    write_back: Duration,
 }
 
 /// A run of consecutive present slots reduced in one all-reduce.
@@ -345,12 +422,75 @@ fn plan_bucket_sizes(
     buckets
 }
 
-/// Copies a bucket's gradients to one f32 host buffer (zeros for slots without a gradient on
-/// this rank).
-fn fill_bucket(slots: &mut [Slot], bucket: &Bucket) -> Result<Vec<f32>> {
-    let mut buf = Vec::with_capacity(bucket.len);
+/// Gradients of at least this many values are all-reduced in their own host buffer (the
+/// one the backend hands over, without a copy on Flex) instead of being copied into a packed
+/// buffer: one more collective call costs microseconds, a copy of a large gradient costs
+/// milliseconds. The choice depends only on sizes, so every rank makes the same calls.
+const IN_PLACE_MIN_ELEMS: usize = 1 << 16;
+
+/// One all-reduce of a bucket: a packed run of small gradients, or one large gradient.
+enum Part {
+    /// Consecutive slots copied into one buffer (zeros for slots without a gradient here).
+    Packed { slots: Vec<usize>, buf: Vec<f32> },
+    /// One slot's gradient in its own host buffer (f32).
+    Own { slot: usize, data: TensorData },
+}
+
+impl Part {
+    /// The values to all-reduce.
+    fn values(&mut self) -> Result<&mut [f32]> {
+        match self {
+            Part::Packed { buf, .. } => Ok(buf),
+            Part::Own { data, .. } => {
+                data.as_mut_slice::<f32>()
+                    .map_err(|e| DdpError::TensorData {
+                        what: "gradient buffer".into(),
+                        msg: format!("{e:?}"),
+                    })
+            }
+        }
+    }
+}
+
+/// All-reduces a bucket's parts in order, averaging (Mean: the ring divides each chunk once,
+/// as it finishes reducing it).
+fn reduce_parts(group: &mut ddp_comm::ProcessGroup, parts: &mut [Part]) -> Result<()> {
+    for part in parts {
+        group.all_reduce(part.values()?, ReduceOp::Mean)?;
+    }
+    Ok(())
+}
+
+/// Reads a bucket's gradients to host buffers: large gradients each in their own buffer,
+/// runs of small ones packed together (see [`IN_PLACE_MIN_ELEMS`]).
+fn fill_bucket(slots: &mut [Slot], bucket: &Bucket) -> Result<Vec<Part>> {
+    let mut parts = Vec::new();
+    let mut run: Vec<usize> = Vec::new();
+    let mut buf: Vec<f32> = Vec::new();
     for &i in &bucket.slots {
         let slot = &mut slots[i];
+        if slot.numel >= IN_PLACE_MIN_ELEMS {
+            if !run.is_empty() {
+                parts.push(Part::Packed {
+                    slots: std::mem::take(&mut run),
+                    buf: std::mem::take(&mut buf),
+                });
+            }
+            let data = match slot.grad.take() {
+                None => TensorData::new(vec![0f32; slot.numel], [slot.numel]),
+                Some(g) => {
+                    let data = g.into_data();
+                    if data.dtype() == DType::F32 {
+                        data
+                    } else {
+                        data.convert::<f32>()
+                    }
+                }
+            };
+            parts.push(Part::Own { slot: i, data });
+            continue;
+        }
+        run.push(i);
         match slot.grad.take() {
             None => buf.resize(buf.len() + slot.numel, 0.0),
             Some(g) => {
@@ -368,8 +508,10 @@ fn fill_bucket(slots: &mut [Slot], bucket: &Bucket) -> Result<Vec<f32>> {
             }
         }
     }
-    debug_assert_eq!(buf.len(), bucket.len);
-    Ok(buf)
+    if !run.is_empty() {
+        parts.push(Part::Packed { slots: run, buf });
+    }
+    Ok(parts)
 }
 
 fn data_err(slot: &Slot, e: impl std::fmt::Debug) -> DdpError {
@@ -379,17 +521,32 @@ fn data_err(slot: &Slot, e: impl std::fmt::Debug) -> DdpError {
     }
 }
 
-/// Splits a reduced bucket back into its slots.
-fn unpack_bucket(slots: &mut [Slot], bucket: &Bucket, buf: Vec<f32>) {
-    if let [only] = bucket.slots[..] {
-        slots[only].reduced = Some(buf);
-        return;
-    }
-    let mut off = 0;
-    for &i in &bucket.slots {
-        let n = slots[i].numel;
-        slots[i].reduced = Some(buf[off..off + n].to_vec());
-        off += n;
+/// Turns reduced parts back into tensors on their slots' device (no copy on Flex): a large
+/// gradient from its own buffer, a packed run as one tensor whose ranges (views where the
+/// backend has views) go to its slots.
+fn unpack_bucket(slots: &mut [Slot], parts: Vec<Part>) {
+    for part in parts {
+        match part {
+            Part::Own { slot, data } => {
+                let device = slots[slot].device.clone();
+                slots[slot].reduced = Some(Tensor::<1>::from_data(data, &device));
+            }
+            Part::Packed { slots: run, buf } => {
+                let device = slots[run[0]].device.clone();
+                let len = buf.len();
+                let whole = Tensor::<1>::from_data(TensorData::new(buf, [len]), &device);
+                if let [only] = run[..] {
+                    slots[only].reduced = Some(whole);
+                    continue;
+                }
+                let mut off = 0;
+                for i in run {
+                    let n = slots[i].numel;
+                    slots[i].reduced = Some(whole.clone().slice(off..off + n));
+                    off += n;
+                }
+            }
+        }
     }
 }
 
@@ -467,11 +624,14 @@ mod tests {
             frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
         };
         let group = Arc::new(Mutex::new(ProcessGroup::single()));
-        for cap in [4, 16, 40, 1 << 20] {
+        for (cap, overlap) in [4, 16, 40, 1 << 20]
+            .into_iter()
+            .flat_map(|c| [(c, true), (c, false)])
+        {
             let grads = grads_of(&net, &device);
             let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
             let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
-            let mut sync = GradientSynchronizer::new(group.clone(), cap);
+            let mut sync = GradientSynchronizer::new(group.clone(), cap).with_overlap(overlap);
             sync.skip_when_alone = false;
             let out = sync.sync(&net, grads).unwrap();
             assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
@@ -501,6 +661,37 @@ mod tests {
                 _ => 1,
             };
             assert_eq!(st.buckets, expected_buckets, "cap {cap}");
+        }
+    }
+
+    /// Gradients of 64 Ki values or more are reduced in their own buffers, between packed
+    /// runs of small ones; the values and shapes must come back unchanged either way.
+    #[test]
+    fn large_gradients_reduced_in_place_between_packed_runs() {
+        let device = Device::flex().autodiff();
+        let a = LinearConfig::new(3, 300).init(&device); // 900 + 300: packed
+        let b = LinearConfig::new(300, 300).init(&device); // 90 000: own buffer, then 300
+        let net = (a, b);
+        let group = Arc::new(Mutex::new(ProcessGroup::single()));
+        for (cap, overlap) in [(1 << 10, true), (1 << 30, true), (1 << 30, false)] {
+            let x = Tensor::<2>::random([4, 3], Distribution::Default, &device);
+            let loss = net.1.forward(net.0.forward(x)).sum();
+            let grads = GradientsParams::from_grads(loss.backward(), &net);
+            let before = values::<2>(&grads, net.1.weight.id).unwrap();
+            let before_bias = values::<1>(&grads, net.0.bias.as_ref().unwrap().id).unwrap();
+            let mut sync = GradientSynchronizer::new(group.clone(), cap).with_overlap(overlap);
+            sync.skip_when_alone = false;
+            let out = sync.sync(&net, grads).unwrap();
+            assert_eq!(values::<2>(&out, net.1.weight.id).unwrap(), before);
+            assert_eq!(
+                values::<1>(&out, net.0.bias.as_ref().unwrap().id).unwrap(),
+                before_bias
+            );
+            assert_eq!(
+                out.get::<2>(net.1.weight.id).unwrap().shape().as_slice(),
+                &[300, 300]
+            );
+            assert_eq!(out.len(), 4);
         }
     }
 

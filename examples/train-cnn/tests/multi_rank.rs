@@ -149,35 +149,3 @@ fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
         ck.meta.epochs_done + 1
     );
 }
-
-/// The launch `cargo xtask train --cpus 2 --sync-bn` makes: the launcher library starting two
-/// ranks (rank 0 keeps the terminal's stderr), SyncBatchNorm across the ranks, CPU backend.
-#[test]
-fn launched_like_cargo_xtask_train_with_sync_bn() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("xtask-like");
-    let mut a = args(&out, 2);
-    a.extend(["--backend", "cpu", "--sync-bn"].map(String::from));
-    let cfg = ddp_comm::LaunchConfig {
-        nproc_per_node: 2,
-        rank0_stderr_direct: true,
-        grace: Duration::from_secs(2),
-        ..ddp_comm::LaunchConfig::default()
-    };
-    // The ranks run under the launcher's watch; a watchdog kills them past the deadline.
-    let (tx, rx) = std::sync::mpsc::channel();
-    let program = env!("CARGO_BIN_EXE_train-cnn");
-    std::thread::spawn(move || {
-        let _ = tx.send(ddp_comm::launch(&cfg, program, &a));
-    });
-    let report = rx
-        .recv_timeout(DEADLINE)
-        .expect("the launcher overran its deadline")
-        .expect("launch");
-    assert!(report.success(), "{:?}", report.summary());
-    assert_eq!(report.exits.len(), 2);
-    let h = read_json(&out.join("metrics.json")).unwrap();
-    assert_eq!(h.len(), 2);
-    assert!(h[1].train_loss < h[0].train_loss, "{h:?}");
-    assert!(out.join("metrics.csv").exists() && out.join("curves.svg").exists());
-}
