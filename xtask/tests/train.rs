@@ -46,7 +46,7 @@ fn cargo_xtask_train_on_two_cpu_ranks() {
         .arg("--out")
         .arg(&out)
         .args(["--", "--train-size", "640", "--eval-size", "160"])
-        .args(["--channels", "4,8,8", "--lr", "0.05", "--no-progress"])
+        .args(["--channels", "4,8,8", "--no-progress"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -166,7 +166,10 @@ impl<M: TrainStep + Module> TrainStep for DdpModel<M> {
         let mut sync = GradientSynchronizer::from_installed(self.bucket_cap_bytes);
         let grads = match sync.sync(&self, grads) {
             Ok(g) => g,
-            Err(e) => panic!("DDP gradient synchronisation failed: {e}"),
+            Err(e) => {
+                tracing::error!("DDP gradient synchronisation failed: {e}");
+                panic!("DDP gradient synchronisation failed: {e}")
+            }
         };
         optim.step(lr_module, self, grads)
     }

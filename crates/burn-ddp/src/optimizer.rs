@@ -83,7 +83,10 @@ impl DdpOptimizer {
     ) -> M {
         match self.try_step(lr, module, grads) {
             Ok(m) => m,
-            Err(e) => panic!("DDP gradient synchronisation failed: {e}"),
+            Err(e) => {
+                tracing::error!("DDP gradient synchronisation failed: {e}");
+                panic!("DDP gradient synchronisation failed: {e}")
+            }
         }
     }
 

@@ -280,7 +280,10 @@ impl SyncBatchNorm {
     /// # Panics
     /// On any [`SyncBatchNormError`]; use [`try_forward`](Self::try_forward) to handle them.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+        self.try_forward(input).unwrap_or_else(|e| {
+            tracing::error!("SyncBatchNorm forward failed: {e}");
+            panic!("SyncBatchNorm forward failed: {e}")
+        })
     }
 
     /// [`forward`](Self::forward) returning errors instead of panicking.
