@@ -73,6 +73,8 @@ mod error;
 pub mod grad_sync;
 #[cfg(feature = "learner")]
 pub mod learner;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod optimizer;
 mod replicate;
 pub mod sync_batch_norm;
@@ -82,4 +84,6 @@ pub use error::{DdpError, Result};
 pub use grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer, SyncStats};
 #[cfg(feature = "learner")]
 pub use learner::{DdpModel, SilentRenderer};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclPolicy;
 pub use optimizer::DdpOptimizer;
