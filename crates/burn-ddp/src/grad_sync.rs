@@ -78,6 +78,9 @@ pub struct GradientSynchronizer {
     /// NCCL communicator and its CUDA ordinal, for buckets on that device.
     #[cfg(feature = "cuda")]
     nccl: Option<(crate::nccl::SharedNccl, usize)>,
+    /// Whether the last sync took the device (NCCL) path.
+    #[cfg(feature = "cuda")]
+    last_on_device: bool,
 }
 
 /// Whether a comm thread can run beside the calling thread: it needs a core besides the
@@ -184,7 +187,16 @@ impl GradientSynchronizer {
             last: SyncStats::default(),
             #[cfg(feature = "cuda")]
             nccl: None,
+            #[cfg(feature = "cuda")]
+            last_on_device: false,
         }
+    }
+
+    /// Whether the last [`Self::sync`] all-reduced its buckets with NCCL on device memory
+    /// (`false` for the host path and for a world of one, which communicates nothing).
+    #[cfg(feature = "cuda")]
+    pub fn last_sync_on_device(&self) -> bool {
+        self.last_on_device
     }
 
     /// All-reduces buckets with `nccl` on device memory whenever every rank's gradients are on
@@ -258,6 +270,10 @@ impl GradientSynchronizer {
                 total: start.elapsed(),
                 ..SyncStats::default()
             };
+            #[cfg(feature = "cuda")]
+            {
+                self.last_on_device = false;
+            }
             return Ok(grads);
         }
         let mut collector = SlotCollector {
@@ -273,6 +289,10 @@ impl GradientSynchronizer {
 
         let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
         let elements = buckets.iter().map(|b| b.len).sum();
+        #[cfg(feature = "cuda")]
+        {
+            self.last_on_device = on_device;
+        }
         let mut times = if on_device {
             self.reduce_buckets_on_device(&mut slots, &buckets)?
         } else {
@@ -850,6 +870,76 @@ mod tests {
                 out.get::<2>(net.1.weight.id).unwrap().shape().as_slice(),
                 &[300, 300]
             );
+            assert_eq!(out.len(), 4);
+        }
+    }
+
+    /// The presence exchange carries the device-path vote only when asked to, and decodes it
+    /// as "every rank voted yes".
+    #[test]
+    fn presence_exchange_decodes_the_device_vote() {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            a: LinearConfig::new(3, 4).init(&device),
+            b: LinearConfig::new(4, 2).init(&device),
+            unused: LinearConfig::new(3, 3).init(&device),
+            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
+        };
+        let mut grads = grads_of(&net, &device);
+        let mut collector = SlotCollector {
+            grads: &mut grads,
+            slots: Vec::new(),
+        };
+        net.visit(&mut collector);
+        let slots = collector.slots;
+        let sync = GradientSynchronizer::new(Arc::new(Mutex::new(ProcessGroup::single())), 64);
+        for (vote, expected) in [(None, false), (Some(false), false), (Some(true), true)] {
+            let (present, on_device) = sync.exchange_presence(&slots, vote).unwrap();
+            assert_eq!(on_device, expected, "vote {vote:?}");
+            assert_eq!(present, vec![true, true, true, true, false, false]);
+        }
+    }
+
+    /// The NCCL device path in a world of one: real NCCL calls on the GPU, which must hand
+    /// back exactly the gradients they got, for several bucket layouts.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
+                (cubecl-llvm downloads LLVM at build time)"]
+    fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
+        use ddp_comm::nccl::{NcclGroup, NcclOptions};
+        let device = Device::cuda(0).autodiff();
+        let net = Net {
+            a: LinearConfig::new(3, 4).init(&device),
+            b: LinearConfig::new(4, 2).init(&device),
+            unused: LinearConfig::new(3, 3).init(&device),
+            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
+        };
+        let nccl = NcclGroup::single(&NcclOptions {
+            device: Some(0),
+            ..NcclOptions::default()
+        })
+        .unwrap();
+        let nccl = Arc::new(Mutex::new(nccl));
+        let group = Arc::new(Mutex::new(ProcessGroup::single()));
+        for cap in [4, 40, 1 << 20] {
+            let grads = grads_of(&net, &device);
+            let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
+            let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
+            let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
+            sync.skip_when_alone = false;
+            let out = sync.sync(&net, grads).unwrap();
+            assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
+            assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
+            assert_eq!(
+                values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
+                before_bb
+            );
+            assert_eq!(
+                out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
+                &[3, 4]
+            );
+            assert!(out.get::<2>(net.unused.weight.id).is_none());
             assert_eq!(out.len(), 4);
         }
     }
