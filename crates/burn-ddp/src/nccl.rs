@@ -244,7 +244,13 @@ pub(crate) fn all_reduce_mean(nccl: &mut NcclGroup, packed: Tensor<1>) -> Result
             .map_err(|e| buffer_err(WHAT, format!("CUDA buffer of the bucket: {e}")))?;
         cubecl::future::block_on(cube.client.sync())
             .map_err(|e| buffer_err(WHAT, format!("CubeCL stream sync before NCCL: {e}")))?;
-        let ptr = resource.resource().ptr;
+        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+        if bytes < (numel * std::mem::size_of::<f32>()) as u64 {
+            return Err(buffer_err(
+                WHAT,
+                format!("the CUDA buffer holds {bytes} bytes, fewer than {numel} f32 values"),
+            ));
+        }
         // 5. In place, on NCCL's stream; returns once NCCL finished (or timed out/aborted).
         // SAFETY: `ptr` addresses the `numel` f32 values of `cube`'s buffer on the group's
         // device (checked above; the CubeCL resource includes the handle's offset). The
