@@ -33,6 +33,29 @@ pub fn world_size() -> usize {
     group().map_or(1, |g| lock(&g).world_size())
 }
 
+/// The process-wide NCCL communicator ([`crate::Ddp`] installs it when every rank can use
+/// NCCL; feature `cuda`).
+#[cfg(feature = "cuda")]
+static NCCL: OnceLock<crate::nccl::SharedNccl> = OnceLock::new();
+
+/// Makes `nccl` the process-wide NCCL communicator. Returns the installed one; if one was
+/// installed before, `nccl` is dropped and the earlier one is returned with `false`.
+#[cfg(feature = "cuda")]
+pub fn install_nccl(nccl: crate::nccl::SharedNccl) -> (crate::nccl::SharedNccl, bool) {
+    let mut fresh = false;
+    let g = NCCL.get_or_init(|| {
+        fresh = true;
+        nccl
+    });
+    (g.clone(), fresh)
+}
+
+/// The process-wide NCCL communicator, if [`install_nccl`] has been called.
+#[cfg(feature = "cuda")]
+pub fn nccl() -> Option<crate::nccl::SharedNccl> {
+    NCCL.get().cloned()
+}
+
 /// Locks a shared group, recovering from a poisoned mutex (the group itself tracks errors).
 pub fn lock(g: &SharedGroup) -> std::sync::MutexGuard<'_, ProcessGroup> {
     g.lock().unwrap_or_else(|e| e.into_inner())

@@ -45,16 +45,20 @@ pub struct DdpBuilder {
     bucket_cap_bytes: usize,
     group_options: GroupOptions,
     env: Option<LaunchEnv>,
+    #[cfg(feature = "cuda")]
+    nccl: crate::nccl::NcclPolicy,
 }
 
 impl std::fmt::Debug for DdpBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DdpBuilder")
-            .field("device", &self.device)
+        let mut s = f.debug_struct("DdpBuilder");
+        s.field("device", &self.device)
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
             .field("group_options", &self.group_options)
-            .field("launch_env_given", &self.env.is_some())
-            .finish()
+            .field("launch_env_given", &self.env.is_some());
+        #[cfg(feature = "cuda")]
+        s.field("nccl", &self.nccl);
+        s.finish()
     }
 }
 
@@ -65,6 +69,8 @@ impl Default for DdpBuilder {
             bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
             group_options: GroupOptions::default(),
             env: None,
+            #[cfg(feature = "cuda")]
+            nccl: crate::nccl::NcclPolicy::default(),
         }
     }
 }
@@ -110,6 +116,16 @@ impl DdpBuilder {
         self
     }
 
+    /// Whether gradient buckets are all-reduced by NCCL on CUDA device memory (feature
+    /// `cuda`; default [`NcclPolicy::Auto`](crate::nccl::NcclPolicy::Auto): when every rank
+    /// can, otherwise the host path). See [`crate::nccl`] — that path is type-checked but
+    /// has not run yet.
+    #[cfg(feature = "cuda")]
+    pub fn nccl(mut self, policy: crate::nccl::NcclPolicy) -> Self {
+        self.nccl = policy;
+        self
+    }
+
     /// Joins the group (or reuses the one already installed in this process) and returns
     /// the context.
     ///
@@ -126,6 +142,8 @@ impl DdpBuilder {
             Some(env) => env,
             None => LaunchEnv::from_env().map_err(ddp_comm::CommError::from)?,
         };
+        #[cfg(feature = "cuda")]
+        let group_options = self.group_options.clone();
         let group = match comm::group() {
             Some(g) => {
                 tracing::debug!("reusing the process group already installed");
@@ -144,6 +162,15 @@ impl DdpBuilder {
             DeviceChoice::Fixed(d) => d,
             DeviceChoice::Auto => auto_device(env.local_rank),
         };
+        #[cfg(feature = "cuda")]
+        let nccl = match comm::nccl() {
+            Some(n) => {
+                tracing::debug!("reusing the NCCL communicator already installed");
+                Some(n)
+            }
+            None => crate::nccl::connect(&env, &group, &group_options, &device, self.nccl)?
+                .map(|n| comm::install_nccl(n).0),
+        };
         tracing::info!(
             rank,
             world_size,
@@ -159,6 +186,8 @@ impl DdpBuilder {
             local_world_size: env.local_world_size,
             device,
             bucket_cap_bytes: self.bucket_cap_bytes,
+            #[cfg(feature = "cuda")]
+            nccl,
         })
     }
 }
@@ -187,6 +216,8 @@ pub struct Ddp {
     local_world_size: usize,
     device: Device,
     bucket_cap_bytes: usize,
+    #[cfg(feature = "cuda")]
+    nccl: Option<crate::nccl::SharedNccl>,
 }
 
 impl Ddp {
@@ -236,9 +267,23 @@ impl Ddp {
         &self.group
     }
 
-    /// A gradient synchroniser over this job's group with this context's bucket cap.
+    /// A gradient synchroniser over this job's group with this context's bucket cap (and,
+    /// with the `cuda` feature, this context's NCCL communicator when there is one).
     pub fn gradient_synchronizer(&self) -> GradientSynchronizer {
-        GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes)
+        let sync = GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes);
+        #[cfg(feature = "cuda")]
+        let sync = match &self.nccl {
+            Some(n) => sync.with_nccl(n.clone()),
+            None => sync,
+        };
+        sync
+    }
+
+    /// The NCCL communicator gradient buckets use on CUDA devices, when every rank could
+    /// create one (see [`DdpBuilder::nccl`]).
+    #[cfg(feature = "cuda")]
+    pub fn nccl(&self) -> Option<&crate::nccl::SharedNccl> {
+        self.nccl.as_ref()
     }
 
     /// Returns once every rank has called it.

@@ -21,6 +21,11 @@
 //!    turned back into tensors while later ones are still on the wire. Where the host has no
 //!    spare core for the comm thread the same steps run one after another on the calling
 //!    thread ([`GradientSynchronizer::with_overlap`]).
+//!
+//! With the `cuda` feature and an NCCL communicator ([`GradientSynchronizer::with_nccl`],
+//! set up by [`crate::Ddp`]), buckets whose gradients sit on that CUDA device on every rank
+//! are instead concatenated on the device, all-reduced there by NCCL and sliced back, with no
+//! host copy (same buckets, same order; see [`crate::nccl`] — type-checked, not yet run).
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -70,6 +75,12 @@ pub struct GradientSynchronizer {
     /// Overlap host copies with communication on a comm thread.
     overlap: bool,
     last: SyncStats,
+    /// NCCL communicator and its CUDA ordinal, for buckets on that device.
+    #[cfg(feature = "cuda")]
+    nccl: Option<(crate::nccl::SharedNccl, usize)>,
+    /// Whether the last sync took the device (NCCL) path.
+    #[cfg(feature = "cuda")]
+    last_on_device: bool,
 }
 
 /// Whether a comm thread can run beside the calling thread: it needs a core besides the
@@ -146,7 +157,8 @@ impl ModuleVisitor for SlotWriter<'_> {
         };
         debug_assert_eq!(slot.id, param.id);
         if let Some(flat) = slot.reduced.take() {
-            let grad = if slot.dtype == DType::F32 {
+            // f32 (host path), or already the gradient's dtype (device path): stay on device.
+            let grad = if slot.dtype == DType::F32 || flat.dtype() == slot.dtype {
                 let flat = if flat.device() == slot.device {
                     flat
                 } else {
@@ -173,7 +185,28 @@ impl GradientSynchronizer {
             skip_when_alone: true,
             overlap: overlap_pays(),
             last: SyncStats::default(),
+            #[cfg(feature = "cuda")]
+            nccl: None,
+            #[cfg(feature = "cuda")]
+            last_on_device: false,
         }
+    }
+
+    /// Whether the last [`Self::sync`] all-reduced its buckets with NCCL on device memory
+    /// (`false` for the host path and for a world of one, which communicates nothing).
+    #[cfg(feature = "cuda")]
+    pub fn last_sync_on_device(&self) -> bool {
+        self.last_on_device
+    }
+
+    /// All-reduces buckets with `nccl` on device memory whenever every rank's gradients are on
+    /// its CUDA device (decided per call, in the presence exchange); other calls take the host
+    /// path. Every rank must attach a communicator, or none. See [`crate::nccl`].
+    #[cfg(feature = "cuda")]
+    pub fn with_nccl(mut self, nccl: crate::nccl::SharedNccl) -> Self {
+        let ordinal = crate::nccl::lock(&nccl).device_ordinal();
+        self.nccl = Some((nccl, ordinal));
+        self
     }
 
     /// Overlap (`true`) or serialise (`false`) host copies and communication. The default
@@ -193,10 +226,18 @@ impl GradientSynchronizer {
 
     /// A synchroniser over the process-wide group ([`crate::comm::group`]), or a world of one
     /// when none is installed.
+    /// With the `cuda` feature, the process-wide NCCL communicator ([`comm::nccl`]) is
+    /// attached when one is installed.
     pub fn from_installed(bucket_cap_bytes: usize) -> Self {
         let group =
             comm::group().unwrap_or_else(|| comm::install(ddp_comm::ProcessGroup::single()).0);
-        Self::new(group, bucket_cap_bytes)
+        let sync = Self::new(group, bucket_cap_bytes);
+        #[cfg(feature = "cuda")]
+        let sync = match comm::nccl() {
+            Some(n) => sync.with_nccl(n),
+            None => sync,
+        };
+        sync
     }
 
     /// Timings of the last call to [`Self::sync`].
@@ -229,6 +270,10 @@ impl GradientSynchronizer {
                 total: start.elapsed(),
                 ..SyncStats::default()
             };
+            #[cfg(feature = "cuda")]
+            {
+                self.last_on_device = false;
+            }
             return Ok(grads);
         }
         let mut collector = SlotCollector {
@@ -239,12 +284,20 @@ impl GradientSynchronizer {
         let mut slots = collector.slots;
 
         let presence_start = Instant::now();
-        let present = self.exchange_presence(&slots)?;
+        let (present, on_device) = self.exchange_presence(&slots, self.device_vote(&slots))?;
         let presence = presence_start.elapsed();
 
         let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
         let elements = buckets.iter().map(|b| b.len).sum();
-        let mut times = self.reduce_buckets(&mut slots, &buckets)?;
+        #[cfg(feature = "cuda")]
+        {
+            self.last_on_device = on_device;
+        }
+        let mut times = if on_device {
+            self.reduce_buckets_on_device(&mut slots, &buckets)?
+        } else {
+            self.reduce_buckets(&mut slots, &buckets)?
+        };
 
         let write_start = Instant::now();
         let mut writer = SlotWriter {
@@ -266,15 +319,42 @@ impl GradientSynchronizer {
         Ok(grads)
     }
 
-    /// All-reduces (Max) the presence bitmap plus a layout fingerprint; returns which slots
-    /// have a gradient on at least one rank.
-    fn exchange_presence(&self, slots: &[Slot]) -> Result<Vec<bool>> {
+    /// This rank's vote for the device (NCCL) path: `None` without a communicator (the
+    /// exchange then carries no vote, as in builds without `cuda`), else whether every
+    /// gradient lives on the communicator's CUDA device.
+    #[cfg(feature = "cuda")]
+    fn device_vote(&self, slots: &[Slot]) -> Option<bool> {
+        let (_, ordinal) = self.nccl.as_ref()?;
+        Some(
+            slots
+                .iter()
+                .all(|s| crate::nccl::cuda_ordinal(&s.device) == Some(*ordinal)),
+        )
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device_vote(&self, _slots: &[Slot]) -> Option<bool> {
+        None
+    }
+
+    /// All-reduces (Max) the presence bitmap plus a layout fingerprint (and, with a
+    /// `device_vote`, the pair `[yes, no]`); returns which slots have a gradient on at least
+    /// one rank, and whether every rank voted for the device path.
+    fn exchange_presence(
+        &self,
+        slots: &[Slot],
+        device_vote: Option<bool>,
+    ) -> Result<(Vec<bool>, bool)> {
         let n = slots.len();
         let fp = layout_fingerprint(slots).to_le_bytes();
-        let mut buf = Vec::with_capacity(n + 16);
+        let mut buf = Vec::with_capacity(n + 18);
         buf.extend(slots.iter().map(|s| u8::from(s.grad.is_some())));
         buf.extend_from_slice(&fp);
         buf.extend(fp.iter().map(|b| !b));
+        if let Some(yes) = device_vote {
+            buf.push(u8::from(yes));
+            buf.push(u8::from(!yes));
+        }
         comm::lock(&self.group).all_reduce(&mut buf, ReduceOp::Max)?;
         // Equal on all ranks iff max(b) + max(!b) == 255 for every fingerprint byte.
         let (bits, tail) = buf.split_at(n);
@@ -286,7 +366,60 @@ impl GradientSynchronizer {
                 slots.iter().map(|s| s.numel).sum::<usize>()
             )));
         }
-        Ok(bits.iter().map(|&b| b != 0).collect())
+        let on_device = device_vote.is_some() && tail[16] == 1 && tail[17] == 0;
+        log_path_once(device_vote, on_device);
+        Ok((bits.iter().map(|&b| b != 0).collect(), on_device))
+    }
+
+    /// The device path: per bucket, concatenate on the device, all-reduce there with NCCL,
+    /// slice back (see [`crate::nccl`]). Same buckets, in the same order, as the host path.
+    #[cfg(feature = "cuda")]
+    fn reduce_buckets_on_device(
+        &self,
+        slots: &mut [Slot],
+        buckets: &[Bucket],
+    ) -> Result<PipelineTimes> {
+        let mut times = PipelineTimes::default();
+        let Some((nccl, _)) = &self.nccl else {
+            return Err(DdpError::InvalidSetting(
+                "device path chosen without an NCCL communicator".into(),
+            ));
+        };
+        for bucket in buckets {
+            let t = Instant::now();
+            let packed = pack_on_device(slots, bucket);
+            times.fill += t.elapsed();
+            let t = Instant::now();
+            let reduced = crate::nccl::all_reduce_mean(&mut crate::nccl::lock(nccl), packed)?;
+            times.all_reduce += t.elapsed();
+            let t = Instant::now();
+            let mut off = 0;
+            for &i in &bucket.slots {
+                let slot = &mut slots[i];
+                let n = slot.numel;
+                let part = if bucket.slots.len() == 1 {
+                    reduced.clone()
+                } else {
+                    reduced.clone().slice(off..off + n)
+                };
+                // Back to the gradient's dtype on the device (no-op for f32).
+                slot.reduced = Some(part.cast(slot.dtype));
+                off += n;
+            }
+            times.write_back += t.elapsed();
+        }
+        Ok(times)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn reduce_buckets_on_device(
+        &self,
+        _slots: &mut [Slot],
+        _buckets: &[Bucket],
+    ) -> Result<PipelineTimes> {
+        Err(DdpError::InvalidSetting(
+            "the device gradient path needs the `cuda` feature".into(),
+        ))
     }
 
     /// Pipelines host copies (this thread) and all-reduces (a comm thread).
@@ -364,6 +497,52 @@ impl GradientSynchronizer {
                 None => Ok(times),
             }
         })
+    }
+}
+
+/// Logs, once per process, which path gradient buckets take (builds with `cuda` only: other
+/// builds have a single path).
+fn log_path_once(device_vote: Option<bool>, on_device: bool) {
+    #[cfg(feature = "cuda")]
+    {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            if on_device {
+                tracing::info!("gradient buckets: NCCL all-reduce on CUDA device memory");
+            } else {
+                let why = match device_vote {
+                    None => "no NCCL communicator",
+                    Some(false) => "this rank's gradients are not on the NCCL device",
+                    Some(true) => "another rank's gradients are not on its NCCL device",
+                };
+                tracing::info!("gradient buckets: host-staged over the process group ({why})");
+            }
+        });
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (device_vote, on_device);
+}
+
+/// A bucket's gradients (zeros for slots without one here) flattened, in f32, and
+/// concatenated on their device.
+#[cfg(feature = "cuda")]
+fn pack_on_device(slots: &mut [Slot], bucket: &Bucket) -> Tensor<1> {
+    let mut parts: Vec<Tensor<1>> = bucket
+        .slots
+        .iter()
+        .map(|&i| {
+            let slot = &mut slots[i];
+            let flat = match slot.grad.take() {
+                Some(g) => g,
+                None => Tensor::<1>::zeros([slot.numel], &slot.device),
+            };
+            flat.cast(DType::F32)
+        })
+        .collect();
+    if parts.len() == 1 {
+        parts.pop().expect("one part")
+    } else {
+        Tensor::cat(parts, 0)
     }
 }
 
@@ -691,6 +870,76 @@ mod tests {
                 out.get::<2>(net.1.weight.id).unwrap().shape().as_slice(),
                 &[300, 300]
             );
+            assert_eq!(out.len(), 4);
+        }
+    }
+
+    /// The presence exchange carries the device-path vote only when asked to, and decodes it
+    /// as "every rank voted yes".
+    #[test]
+    fn presence_exchange_decodes_the_device_vote() {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            a: LinearConfig::new(3, 4).init(&device),
+            b: LinearConfig::new(4, 2).init(&device),
+            unused: LinearConfig::new(3, 3).init(&device),
+            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
+        };
+        let mut grads = grads_of(&net, &device);
+        let mut collector = SlotCollector {
+            grads: &mut grads,
+            slots: Vec::new(),
+        };
+        net.visit(&mut collector);
+        let slots = collector.slots;
+        let sync = GradientSynchronizer::new(Arc::new(Mutex::new(ProcessGroup::single())), 64);
+        for (vote, expected) in [(None, false), (Some(false), false), (Some(true), true)] {
+            let (present, on_device) = sync.exchange_presence(&slots, vote).unwrap();
+            assert_eq!(on_device, expected, "vote {vote:?}");
+            assert_eq!(present, vec![true, true, true, true, false, false]);
+        }
+    }
+
+    /// The NCCL device path in a world of one: real NCCL calls on the GPU, which must hand
+    /// back exactly the gradients they got, for several bucket layouts.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
+                (cubecl-llvm downloads LLVM at build time)"]
+    fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
+        use ddp_comm::nccl::{NcclGroup, NcclOptions};
+        let device = Device::cuda(0).autodiff();
+        let net = Net {
+            a: LinearConfig::new(3, 4).init(&device),
+            b: LinearConfig::new(4, 2).init(&device),
+            unused: LinearConfig::new(3, 3).init(&device),
+            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
+        };
+        let nccl = NcclGroup::single(&NcclOptions {
+            device: Some(0),
+            ..NcclOptions::default()
+        })
+        .unwrap();
+        let nccl = Arc::new(Mutex::new(nccl));
+        let group = Arc::new(Mutex::new(ProcessGroup::single()));
+        for cap in [4, 40, 1 << 20] {
+            let grads = grads_of(&net, &device);
+            let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
+            let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
+            let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
+            sync.skip_when_alone = false;
+            let out = sync.sync(&net, grads).unwrap();
+            assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
+            assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
+            assert_eq!(
+                values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
+                before_bb
+            );
+            assert_eq!(
+                out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
+                &[3, 4]
+            );
+            assert!(out.get::<2>(net.unused.weight.id).is_none());
             assert_eq!(out.len(), 4);
         }
     }

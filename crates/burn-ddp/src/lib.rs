@@ -61,6 +61,8 @@
 //!   presence exchange for parameters unused on some ranks, fixed-order buckets of at most
 //!   25 MiB, host copies overlapped with all-reduces on a comm thread) and then runs the
 //!   wrapped Burn optimizer. Gradient accumulation communicates only at the step.
+//!   With the `cuda` feature, buckets on CUDA devices are instead all-reduced by NCCL in
+//!   device memory when every rank can (module `nccl`; type-checked, not yet run on a GPU).
 //! - With burn-train (feature `learner`), wrap the model in `DdpModel` instead; see the
 //!   `learner` module.
 //! - [`Ddp::average_scalar`] / [`Ddp::average_tensor`] average metrics; [`Ddp::barrier`] and
@@ -73,6 +75,8 @@ mod error;
 pub mod grad_sync;
 #[cfg(feature = "learner")]
 pub mod learner;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod optimizer;
 mod replicate;
 pub mod sync_batch_norm;
@@ -82,4 +86,6 @@ pub use error::{DdpError, Result};
 pub use grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer, SyncStats};
 #[cfg(feature = "learner")]
 pub use learner::{DdpModel, SilentRenderer};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclPolicy;
 pub use optimizer::DdpOptimizer;

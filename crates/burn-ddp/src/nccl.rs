@@ -1,0 +1,300 @@
+//! Gradient buckets all-reduced by NCCL on CUDA device memory (feature `cuda`).
+//!
+//! **Status: type-checked only.** This path compiles against Burn 0.22.1 / CubeCL 0.11.3
+//! (`DOCS_RS=1 cargo check -p burn-ddp --features cuda`) but has not run: Burn's CUDA backend
+//! can't be built where it was written. Until it has run on a GPU, treat it as unverified and
+//! use [`NcclPolicy::Disabled`] if in doubt.
+//!
+//! # How a bucket travels
+//!
+//! [`crate::GradientSynchronizer`] plans buckets exactly as on the host path; for each bucket
+//! on a CUDA device it:
+//!
+//! 1. flattens the bucket's gradients (zeros where this rank has none) and concatenates them
+//!    on the device with Burn tensor ops (`Tensor::cat`), in f32;
+//! 2. resolves the concatenated tensor to its CubeCL tensor: `Tensor::try_into_primitive` on
+//!    Burn's `Cube` backend (`Fusion<CubeBackend>`), then the fusion client's
+//!    `resolve_tensor_float::<CubeBackend>`, which runs the queued fused operations;
+//! 3. makes sure the buffer is the bucket's own: contiguous, one f32 per element, and not
+//!    shared with another tensor (`CubeTensor::can_mut`); otherwise it copies it first;
+//! 4. orders the streams: `Device::sync` (the fusion execution stream has finished the
+//!    kernels that wrote the bucket), then CubeCL's `get_resource` for the buffer (which also
+//!    makes the calling thread's CubeCL stream wait for the buffer's producer stream and keeps
+//!    the allocation in place while held) and `client.sync()` on that stream;
+//! 5. all-reduces the buffer in place with NCCL (`ncclAvg`: the mean over ranks) on the NCCL
+//!    group's own stream; the call returns once NCCL has finished (ddp-comm's watchdog waits
+//!    on an event with the collective timeout), so no Burn kernel queued afterwards can read
+//!    the buffer before the result is in it;
+//! 6. hands the buffer back to Fusion as a new tensor (the same registration
+//!    `float_from_data` makes) and slices it per parameter with tensor ops.
+//!
+//! The presence bitmap and the choice of path travel over the host process group, as before.
+//!
+//! # Choosing the path
+//!
+//! [`crate::Ddp`] creates one NCCL communicator per rank at initialisation when every rank can
+//! (its device is CUDA, libcuda and libnccl load — checked before cudarc could panic); the
+//! ranks agree on that over the host group, so either all or none use NCCL. Each
+//! synchronisation then takes the device path only when every rank's gradients are on that
+//! CUDA device (voted in the presence exchange), and the host path otherwise. The choice is
+//! logged once.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::backend::fusion::{Client as FusionClient, FusionTensor, NoOp, stream::StreamId};
+use burn::backend::ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
+use burn::backend::{Cube, DispatchDevice, TensorMetadata};
+use burn::tensor::{DType, Device, Tensor};
+use burn_cubecl::{
+    CubeBackend, fusion::FusionCubeRuntime, kernel::into_contiguous, tensor::CubeTensor,
+};
+use cubecl::cuda::CudaRuntime;
+use cubecl_runtime::runtime::Runtime;
+use ddp_comm::nccl::{NcclGroup, NcclOptions, check_libraries};
+use ddp_comm::{GroupOptions, LaunchEnv, ReduceOp};
+
+use crate::comm::{self, SharedGroup};
+use crate::error::{DdpError, Result};
+
+/// An NCCL communicator shared by everything in this process that uses it.
+pub type SharedNccl = Arc<Mutex<NcclGroup>>;
+
+/// Locks a shared NCCL group, recovering from a poisoned mutex (the group tracks its errors).
+pub(crate) fn lock(g: &SharedNccl) -> MutexGuard<'_, NcclGroup> {
+    g.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether gradient buckets go through NCCL on CUDA devices; see
+/// [`crate::DdpBuilder::nccl`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NcclPolicy {
+    /// Use NCCL when every rank can (CUDA device, libcuda and libnccl present, the
+    /// communicator created); otherwise fall back to the host path with a log line.
+    #[default]
+    Auto,
+    /// Never create an NCCL communicator: gradients always take the host path.
+    Disabled,
+    /// Fail [`crate::DdpBuilder::init`] on every rank when NCCL can't be used on some rank.
+    Required,
+}
+
+/// The CUDA ordinal of `device` when it is a CubeCL CUDA device (autodiff or not).
+pub fn cuda_ordinal(device: &Device) -> Option<usize> {
+    match device.clone().inner().as_dispatch() {
+        DispatchDevice::Cube(cubecl::Device::Cuda(d)) => Some(d.index),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+/// Why this rank can't use NCCL for `device`, or `Ok(ordinal)`.
+fn local_capability(device: &Device, policy: NcclPolicy) -> std::result::Result<usize, String> {
+    if policy == NcclPolicy::Disabled {
+        return Err("disabled (NcclPolicy::Disabled)".into());
+    }
+    let ordinal = cuda_ordinal(device)
+        .ok_or_else(|| format!("the device {device:?} is not a CUDA device"))?;
+    check_libraries().map_err(|e| e.to_string())?;
+    Ok(ordinal)
+}
+
+/// Max-all-reduces `[ok, !ok]` over the host group: `true` when every rank said `ok`.
+fn all_agree(group: &SharedGroup, ok: bool) -> Result<bool> {
+    let mut votes = [u8::from(ok), u8::from(!ok)];
+    comm::lock(group).all_reduce(&mut votes, ReduceOp::Max)?;
+    Ok(votes[0] == 1 && votes[1] == 0)
+}
+
+/// Creates this rank's NCCL communicator for gradient sync on `device`, when every rank can.
+///
+/// Every rank must call it at the same point (it makes host collectives, and NCCL's own
+/// rendezvous through the job's store). Returns `None` in a world of one, with
+/// [`NcclPolicy::Disabled`], or — with [`NcclPolicy::Auto`] — when some rank can't use NCCL
+/// (logged). Ranks always agree on the outcome.
+///
+/// # Errors
+/// A host collective failed; with [`NcclPolicy::Required`], NCCL unusable on some rank.
+pub(crate) fn connect(
+    env: &LaunchEnv,
+    group: &SharedGroup,
+    options: &GroupOptions,
+    device: &Device,
+    policy: NcclPolicy,
+) -> Result<Option<SharedNccl>> {
+    let (rank, world_size) = {
+        let g = comm::lock(group);
+        (g.rank(), g.world_size())
+    };
+    if world_size == 1 {
+        return Ok(None);
+    }
+    let unusable = |why: String| -> Result<Option<SharedNccl>> {
+        if policy == NcclPolicy::Required {
+            return Err(DdpError::NcclUnavailable(why));
+        }
+        tracing::info!(
+            rank,
+            "gradient sync stays on the host process group (no NCCL): {why}"
+        );
+        Ok(None)
+    };
+
+    // Round 1: can every rank try? (A rank that can't must not leave the others waiting
+    // in NCCL's rendezvous until its timeout.)
+    let capability = local_capability(device, policy);
+    let everyone = all_agree(group, capability.is_ok())?;
+    let ordinal = match (capability, everyone) {
+        (Ok(ordinal), true) => ordinal,
+        (Err(why), _) => return unusable(format!("rank {rank}: {why}")),
+        (Ok(_), false) => return unusable("another rank can't use NCCL (see its log)".into()),
+    };
+
+    // Round 2: create the communicator (collective), then agree that it worked everywhere.
+    let opts = NcclOptions {
+        device: Some(ordinal),
+        ..NcclOptions::from(options)
+    };
+    let created = {
+        let mut g = comm::lock(group);
+        match g.store() {
+            Some(store) => NcclGroup::init(env, store, &opts),
+            None => Err(ddp_comm::CommError::InvalidArgument(
+                "the process group has no rendezvous store to share the NCCL id through".into(),
+            )),
+        }
+    };
+    let everyone = all_agree(group, created.is_ok())?;
+    match (created, everyone) {
+        (Ok(nccl), true) => {
+            tracing::info!(
+                rank,
+                world_size,
+                device = ordinal,
+                nccl = %nccl.nccl_version(),
+                "gradient buckets will be all-reduced by NCCL on CUDA device memory"
+            );
+            Ok(Some(Arc::new(Mutex::new(nccl))))
+        }
+        (Err(e), _) => unusable(format!("rank {rank}: creating the NCCL communicator: {e}")),
+        (Ok(mut nccl), false) => {
+            // Peers failed: don't leave a half-connected communicator to a clean destroy.
+            nccl.abort();
+            unusable("another rank failed to create its NCCL communicator (see its log)".into())
+        }
+    }
+}
+
+fn buffer_err(what: &str, msg: impl std::fmt::Display) -> DdpError {
+    DdpError::TensorData {
+        what: what.into(),
+        msg: msg.to_string(),
+    }
+}
+
+/// Replaces the f32 tensor `packed` (on `nccl`'s CUDA device) by its element-wise mean over
+/// all ranks, all-reduced by NCCL in device memory; see the [module docs](self) for the
+/// steps. Every rank must call it with the same length, in the same order.
+///
+/// # Errors
+/// The tensor is not an f32 CubeCL CUDA tensor on the group's device, its buffer could not be
+/// reached or the device reported a fault, or the NCCL call failed (the group is then
+/// broken).
+pub(crate) fn all_reduce_mean(nccl: &mut NcclGroup, packed: Tensor<1>) -> Result<Tensor<1>> {
+    const WHAT: &str = "gradient bucket (NCCL path)";
+    let packed = packed.inner();
+    let device = packed.device();
+    let numel = packed.shape().num_elements();
+    if packed.dtype() != DType::F32 {
+        return Err(buffer_err(
+            WHAT,
+            format!("expected f32, got {:?}", packed.dtype()),
+        ));
+    }
+    if cuda_ordinal(&device) != Some(nccl.device_ordinal()) {
+        return Err(buffer_err(
+            WHAT,
+            format!(
+                "the bucket lives on {device:?} but the NCCL group runs on CUDA device {}",
+                nccl.device_ordinal()
+            ),
+        ));
+    }
+    if numel == 0 {
+        return Ok(packed);
+    }
+
+    // 2. The CubeCL tensor behind the fusion handle (runs the queued fused operations).
+    let fused: FusionTensor<FusionCubeRuntime> = packed
+        .try_into_primitive::<Cube>()
+        .map_err(|e| buffer_err(WHAT, format!("not a CubeCL tensor: {e:?}")))?;
+    let fusion_client = fused.client.clone();
+    let cube = fusion_client.resolve_tensor_float::<CubeBackend>(fused);
+
+    // 3. A contiguous f32 buffer of exactly `numel` values that no other tensor shares.
+    let cube = exclusive_buffer(cube);
+
+    // 4. Stream order: everything that wrote the bucket has finished before NCCL reads it.
+    device
+        .sync()
+        .map_err(|e| buffer_err(WHAT, format!("device sync before NCCL: {e:?}")))?;
+    {
+        let resource = cube
+            .client
+            .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
+            .map_err(|e| buffer_err(WHAT, format!("CUDA buffer of the bucket: {e}")))?;
+        cubecl::future::block_on(cube.client.sync())
+            .map_err(|e| buffer_err(WHAT, format!("CubeCL stream sync before NCCL: {e}")))?;
+        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+        if bytes < (numel * std::mem::size_of::<f32>()) as u64 {
+            return Err(buffer_err(
+                WHAT,
+                format!("the CUDA buffer holds {bytes} bytes, fewer than {numel} f32 values"),
+            ));
+        }
+        // 5. In place, on NCCL's stream; returns once NCCL finished (or timed out/aborted).
+        // SAFETY: `ptr` addresses the `numel` f32 values of `cube`'s buffer on the group's
+        // device (checked above; the CubeCL resource includes the handle's offset). The
+        // buffer is `cube`'s alone (`exclusive_buffer`), `resource` keeps the allocation in
+        // place until this block ends, and the syncs above finished every write to it.
+        unsafe { nccl.all_reduce_raw::<f32>(ptr, numel, ReduceOp::Mean)? };
+    }
+
+    // 6. Back into Fusion as a fresh tensor.
+    Ok(Tensor::from_primitive::<Cube>(register_in_fusion(
+        &fusion_client,
+        cube,
+    )))
+}
+
+/// `cube` itself when it is a contiguous buffer holding exactly its elements and no other
+/// tensor shares its handle, otherwise a fresh contiguous copy.
+fn exclusive_buffer(cube: CubeTensor) -> CubeTensor {
+    let cube = into_contiguous(cube);
+    if cube.can_mut() && cube.is_contiguous_buffer() {
+        cube
+    } else {
+        // `copy` launches into a new allocation (the clone inside keeps `cube` read-only).
+        let copy = cube.copy();
+        drop(cube);
+        copy
+    }
+}
+
+/// Registers a CubeCL tensor with the fusion client as an initialised tensor (what
+/// `Fusion::float_from_data` does with a freshly uploaded one).
+fn register_in_fusion(
+    client: &FusionClient<FusionCubeRuntime>,
+    cube: CubeTensor,
+) -> FusionTensor<FusionCubeRuntime> {
+    let shape = cube.shape();
+    let dtype = cube.dtype;
+    let handle = <CubeBackend as BackendIr>::float_tensor_handle(cube);
+    let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    client
+        .register(
+            StreamId::current(),
+            OperationIr::Init(desc),
+            NoOp::<CubeBackend>::new(),
+        )
+        .output()
+}
