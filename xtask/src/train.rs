@@ -53,9 +53,9 @@ pub struct TrainArgs {
     /// `synthetic` (embedded, generated; the default) or `mnist:DIR` (IDX files).
     #[arg(long, default_value = "synthetic")]
     pub data: String,
-    /// Output directory (metrics, plot, checkpoint).
-    #[arg(long, default_value = "runs/train")]
-    pub out: PathBuf,
+    /// Output directory [default: runs/train for `train`, runs/compare for `compare`].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Continue from `OUT/checkpoint.bin`.
     #[arg(long)]
     pub resume: bool,
@@ -225,7 +225,7 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         check_cuda(ranks)?;
     }
     let program = build_example(root, a, backend)?;
-    let out = root.join(&a.out);
+    let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/train")));
     let batch = a.batch_size.unwrap_or(32);
     eprintln!(
         "xtask train: {ranks} {} rank(s) × batch {batch} ({}), output in {}",
@@ -284,7 +284,7 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
     let per_rank = a.batch_size.unwrap_or(8);
     let global = per_rank * ranks;
     let program = build_example(root, a, backend)?;
-    let out = root.join(&a.out);
+    let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
     let runs: [(&'static str, usize, usize, bool); 3] = [
         ("1 process, BatchNorm", 1, global, false),
         ("N ranks, per-rank BatchNorm", ranks, per_rank, false),
