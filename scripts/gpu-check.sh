@@ -96,12 +96,17 @@ do_build() {
   build_test ddp-comm nccl --features nccl
 
   # ---- EXTRA CHECKS: other crates add their lines here (see docs/gpu.md) -------------------
-  # SyncBatchNorm CubeCL kernels through wgpu on NVIDIA's Vulkan driver, against the reference,
-  # plus SyncBatchNorm-vs-BatchNorm timings (a test target whose #[ignore]d tests need a GPU):
-  #   build_test burn-ddp syncbn_gpu
-  # Needs the Vulkan loader on the GPU machine: carry ".gl" (device README) — `run` unpacks it.
+  # SyncBatchNorm CubeCL kernels through wgpu on NVIDIA's Vulkan driver: kernels and tensor ops
+  # against Burn's BatchNorm (exit 1 above 1e-4 relative), then BatchNorm vs SyncBatchNorm
+  # timings there. The binary is stripped and gzipped to fit the carry limit. Needs the Vulkan
+  # loader on the GPU machine: carry ".gl" (device README) — `run` unpacks it.
+  build_bin ddp-tests syncbn_bench --features wgpu
+  strip "$BIN/syncbn_bench" 2>/dev/null || true
+  gzip -9f "$BIN/syncbn_bench"
+  register_cmd "SyncBatchNorm kernels vs BatchNorm on the GPU (wgpu/Vulkan)" 240 \
+    "set -o pipefail; gunzip -c .gpu-bin/syncbn_bench.gz >/tmp/syncbn_bench && chmod +x /tmp/syncbn_bench && /tmp/syncbn_bench --ranks 0 --steps 10 --batches 8,32,64 2>&1 | sed 's/^|/BENCH |/'"
   #
-  # 2-rank DDP equivalence sharing the one GPU over the host-staged path:
+  # Not filled yet — 2-rank DDP equivalence sharing the one GPU over the host-staged path:
   #   build_bin ddp-comm ddprun
   #   build_bin ddp-tests ddp_equivalence_rank
   #   register_cmd "ddp 2 ranks, 1 GPU, host-staged" 240 \

@@ -3,8 +3,10 @@
 //! 1. Step time (forward + backward + SGD step; no gradient all-reduce, which is the same for
 //!    both variants) of a small CNN with `BatchNorm` vs `SyncBatchNorm`, at per-rank batch 8, 32
 //!    and 64, on `--ranks` CPU rank processes (Flex) that this program launches itself.
-//! 2. With `--features wgpu`: SyncBatchNorm forward + backward alone on wgpu, CubeCL kernels vs
-//!    the tensor-op path (one process).
+//! 2. With `--features wgpu`, on the default wgpu adapter (one process): SyncBatchNorm with the
+//!    CubeCL kernels and with tensor ops against Burn's `BatchNorm` (output, input and γ/β
+//!    gradients, running stats; exit status 1 above 1e-4 relative), then forward + backward
+//!    times of the three. `--ranks 0` skips the CPU table (the GPU check script runs it so).
 //!
 //! `cargo run -p ddp-tests --bin syncbn_bench [--features wgpu] -- [--ranks 2] [--steps 20]`
 //! Prints markdown tables on stdout (rank 0).
@@ -143,13 +145,13 @@ fn parse_args() -> Result<Args, String> {
             }
             _ => {
                 return Err(format!(
-                    "unknown flag {flag} (--ranks N, --steps N, --batches 8,32,64)"
+                    "unknown flag {flag} (--ranks N (0: no CPU table), --steps N, --batches 8,32,64)"
                 ));
             }
         }
     }
-    if args.ranks == 0 || args.steps == 0 || args.batches.is_empty() {
-        return Err("--ranks, --steps and --batches must be positive".into());
+    if args.steps == 0 || args.batches.is_empty() || args.batches.contains(&0) {
+        return Err("--steps and --batches must be positive".into());
     }
     Ok(args)
 }
@@ -237,15 +239,95 @@ fn launch(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// SyncBatchNorm forward + backward alone on wgpu: kernels vs tensor ops.
+/// max |a − b| / max |b| over two tensors' values (normwise relative error).
 #[cfg(feature = "wgpu")]
-fn wgpu_table(args: &Args) {
+fn max_rel_err<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
+    let a: Vec<f32> = a
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap_or_default();
+    let b: Vec<f32> = b
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap_or_default();
+    if a.len() != b.len() || a.is_empty() {
+        return f64::INFINITY;
+    }
+    let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
+        .fold(0f64, f64::max);
+    if scale > 0.0 { diff / scale } else { diff }
+}
+
+/// SyncBatchNorm on the wgpu device (world of one): kernels and tensor ops against Burn's
+/// BatchNorm (output, input gradient, γ/β gradients, running stats), then forward + backward
+/// timings of the three. Returns an error when a difference is above 1e-4 relative.
+#[cfg(feature = "wgpu")]
+fn wgpu_table(args: &Args) -> Result<(), String> {
     use burn_ddp::sync_batch_norm::SyncBatchNormImpl;
+    const TOL: f64 = 1e-4;
     let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff();
-    let time = |implementation, batch: usize| {
-        let layer = SyncBatchNormConfig::new(16)
-            .with_implementation(implementation)
-            .init(&device);
+    // One step of a layer on `x`: output, input grad, gamma grad, beta grad, running mean/var.
+    // Loss Σ y·w with a fixed random w (Σ y² would have an identically zero input gradient).
+    let run = |layer: &Norm, x: &Tensor<4>, w: &Tensor<4>| {
+        let x = x.clone().require_grad();
+        let y = layer.forward(x.clone());
+        let grads = (y.clone() * w.clone()).sum().backward();
+        let (gamma, beta, mean, var) = match layer {
+            Norm::Batch(l) => (&l.gamma, &l.beta, &l.running_mean, &l.running_var),
+            Norm::Sync(l) => (&l.gamma, &l.beta, &l.running_mean, &l.running_var),
+        };
+        [
+            y.detach().flatten::<1>(0, 3),
+            x.grad(&grads).unwrap().flatten::<1>(0, 3),
+            gamma.grad(&grads).unwrap(),
+            beta.grad(&grads).unwrap(),
+            mean.value(),
+            var.value(),
+        ]
+    };
+    let layer = |which: Option<SyncBatchNormImpl>| match which {
+        None => Norm::Batch(BatchNormConfig::new(16).init(&device)),
+        Some(i) => Norm::Sync(
+            SyncBatchNormConfig::new(16)
+                .with_implementation(i)
+                .init(&device),
+        ),
+    };
+    println!(
+        "\n### SyncBatchNorm vs Burn's BatchNorm on wgpu, world of one (max |Δ| / max |BatchNorm|)\n"
+    );
+    println!(
+        "| batch | path | output | input grad | γ grad | β grad | running mean | running var |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    let mut worst = 0f64;
+    for &batch in &args.batches {
+        let x = Tensor::<4>::random([batch, 16, 32, 32], Distribution::Normal(3.0, 2.0), &device);
+        let w = Tensor::<4>::random([batch, 16, 32, 32], Distribution::Normal(0.0, 1.0), &device);
+        let reference = run(&layer(None), &x, &w);
+        for (name, which) in [
+            ("CubeCL kernels", SyncBatchNormImpl::Auto),
+            ("tensor ops", SyncBatchNormImpl::TensorOps),
+        ] {
+            let got = run(&layer(Some(which)), &x, &w);
+            let errs: Vec<f64> = got
+                .into_iter()
+                .zip(reference.clone())
+                .map(|(a, b)| max_rel_err(a, b))
+                .collect();
+            worst = errs.iter().copied().fold(worst, f64::max);
+            let cells: Vec<String> = errs.iter().map(|e| format!("{e:.1e}")).collect();
+            println!("| {batch} | {name} | {} |", cells.join(" | "));
+        }
+    }
+    let time = |which: Option<SyncBatchNormImpl>, batch: usize| {
+        let layer = layer(which);
         let x = Tensor::<4>::random([batch, 16, 32, 32], Distribution::Normal(3.0, 2.0), &device)
             .require_grad();
         let mut times = Vec::new();
@@ -261,16 +343,29 @@ fn wgpu_table(args: &Args) {
         median_ms(&mut times)
     };
     println!(
-        "\n### SyncBatchNorm forward + backward on wgpu ([B, 16, 32, 32]), median of {} steps\n",
+        "\n### Forward + backward on wgpu ([B, 16, 32, 32]), median of {} steps\n",
         args.steps
     );
-    println!("| batch | CubeCL kernels ms | tensor ops ms | tensor ops / kernels |");
-    println!("|---:|---:|---:|---:|");
+    println!(
+        "| batch | BatchNorm ms | SyncBatchNorm kernels ms | SyncBatchNorm tensor ops ms | kernels / BatchNorm | tensor ops / kernels |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
     for &batch in &args.batches {
-        let k = time(SyncBatchNormImpl::Auto, batch);
-        let t = time(SyncBatchNormImpl::TensorOps, batch);
-        println!("| {batch} | {k:.2} | {t:.2} | {:.2}× |", t / k);
+        let b = time(None, batch);
+        let k = time(Some(SyncBatchNormImpl::Auto), batch);
+        let t = time(Some(SyncBatchNormImpl::TensorOps), batch);
+        println!(
+            "| {batch} | {b:.2} | {k:.2} | {t:.2} | {:.2}× | {:.2}× |",
+            k / b,
+            t / k
+        );
     }
+    if worst > TOL {
+        return Err(format!(
+            "SyncBatchNorm on wgpu differs from BatchNorm by {worst:.1e} relative (> {TOL:.0e})"
+        ));
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -284,10 +379,14 @@ fn main() -> ExitCode {
     let result = if std::env::var_os("RANK").is_some() {
         rank_main(&args)
     } else {
-        launch(&args).map(|()| {
-            #[cfg(feature = "wgpu")]
-            wgpu_table(&args);
-        })
+        let cpu = if args.ranks > 0 {
+            launch(&args)
+        } else {
+            Ok(())
+        };
+        #[cfg(feature = "wgpu")]
+        let cpu = cpu.and_then(|()| wgpu_table(&args));
+        cpu
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
