@@ -7,8 +7,8 @@
 #                                # finds libcuda and libnccl, runs every check, prints ONE table
 #
 # With this workplace's device tool, after `build` here:
-#   run(command="bash scripts/gpu-check.sh run", carry=[".gpu-bin"], timeout_s=540)
-# (add ".gl" to carry for the Vulkan checks, see EXTRA CHECKS below). The run half finishes
+#   run(command="bash scripts/gpu-check.sh run", carry=[".gpu-bin", ".gl"], timeout_s=540)
+# (.gl holds the Vulkan loader that `build` downloads for the wgpu checks). The run half finishes
 # within GPU_CHECK_BUDGET seconds (default 450) and skips what no longer fits.
 #
 # What `build` registers lives in .gpu-bin/manifest.tsv, one check per line:
@@ -106,12 +106,30 @@ do_build() {
   register_cmd "SyncBatchNorm kernels vs BatchNorm on the GPU (wgpu/Vulkan)" 240 \
     "set -o pipefail; gunzip -c .gpu-bin/syncbn_bench.gz >/tmp/syncbn_bench && chmod +x /tmp/syncbn_bench && /tmp/syncbn_bench --ranks 0 --steps 10 --batches 8,32,64 2>&1 | sed 's/^|/BENCH |/'"
   #
-  # Not filled yet — 2-rank DDP equivalence sharing the one GPU over the host-staged path:
-  #   build_bin ddp-comm ddprun
-  #   build_bin ddp-tests ddp_equivalence_rank
-  #   register_cmd "ddp 2 ranks, 1 GPU, host-staged" 240 \
-  #     ".gpu-bin/ddprun --nproc-per-node 2 -- .gpu-bin/ddp_equivalence_rank --device wgpu"
+  # 2-rank DDP equivalence sharing the one GPU over the host-staged path (wgpu on NVIDIA's
+  # Vulkan driver): 2 ranks × batch 4 with Adam vs one process × batch 8 from the same weights,
+  # ranks bitwise identical after every step, max |Δparam| ≤ 1e-5.
+  build_bin ddp-comm ddprun
+  strip "$BIN/ddprun" 2>/dev/null || true
+  build_bin ddp-tests ddp_worker --features wgpu
+  strip "$BIN/ddp_worker" 2>/dev/null || true
+  gzip -9f "$BIN/ddp_worker"
+  register_cmd "DDP 2 ranks sharing the GPU (wgpu, host-staged) = 1 process" 240 \
+    "gunzip -c .gpu-bin/ddp_worker.gz >/tmp/ddp_worker && chmod +x /tmp/ddp_worker && .gpu-bin/ddprun --nproc-per-node 2 -- /tmp/ddp_worker --scenario equiv --optim adam --device wgpu --check 1e-5 --out /tmp/gpu-check-ddp"
   # -----------------------------------------------------------------------------------------
+
+  # The Vulkan loader for the wgpu checks, as amd64 Debian packages in .gl/ (git-ignored; carry
+  # it with .gpu-bin). The GPU machine has NVIDIA's Vulkan driver but maybe no loader.
+  if ! compgen -G ".gl/*.deb" >/dev/null && command -v apt-get >/dev/null; then
+    mkdir -p .gl /tmp/gpu-check-apt/partial
+    local o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/gpu-check-apt)
+    if apt-get "${o[@]}" update -qq >/dev/null 2>&1 &&
+       (cd .gl && apt-get "${o[@]}" download -qq libvulkan1 >/dev/null 2>&1); then
+      echo "gpu-check: Vulkan loader packages in .gl/: $(ls .gl)"
+    else
+      echo "gpu-check: could not download the Vulkan loader; the wgpu checks need one on the GPU machine" >&2
+    fi
+  fi
 
   local bytes
   bytes=$(du -sb "$BIN" | cut -f1)

@@ -38,6 +38,16 @@ enum Scenario {
     Learner,
 }
 
+/// The device the ranks train on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    /// Flex (CPU).
+    Cpu,
+    /// The default wgpu adapter (needs the `wgpu` feature); several ranks may share one GPU.
+    #[cfg(feature = "wgpu")]
+    Wgpu,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Optim {
     Sgd,
@@ -63,6 +73,13 @@ struct Args {
     bucket_bytes: usize,
     #[arg(long)]
     out: PathBuf,
+    /// Device of every rank.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// Rank 0 compares its parameters with the single-process reference and fails above this
+    /// max |Δparam| (prints an `OUTCOME` line; the GPU check script uses it).
+    #[arg(long)]
+    check: Option<f32>,
 }
 
 const IN: usize = 6;
@@ -309,10 +326,13 @@ fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    let ddp = Ddp::builder()
-        .bucket_cap_bytes(args.bucket_bytes)
-        .init()
-        .map_err(|e| e.to_string())?;
+    let builder = Ddp::builder().bucket_cap_bytes(args.bucket_bytes);
+    let builder = match args.device {
+        DeviceArg::Cpu => builder.device(Device::flex()),
+        #[cfg(feature = "wgpu")]
+        DeviceArg::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+    };
+    let ddp = builder.init().map_err(|e| e.to_string())?;
     let (rank, world) = (ddp.rank(), ddp.world_size());
     let device = ddp.device().clone().autodiff();
     device.seed(1000 + rank as u64);
@@ -384,6 +404,32 @@ fn run(args: &Args) -> Result<(), String> {
     .map_err(|e| e.to_string())?
     .transpose()?;
     ddp.barrier().map_err(|e| e.to_string())?;
+    if let (Some(tol), true) = (args.check, ddp.is_main()) {
+        let read = |f: &str| {
+            std::fs::read(args.out.join(f))
+                .map(|b| {
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect::<Vec<f32>>()
+                })
+                .map_err(|e| format!("{f}: {e}"))
+        };
+        let (mine, reference) = (read("rank0.f32")?, read("reference.f32")?);
+        let max = mine
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!(
+            "OUTCOME {world} ranks × batch {b} ({:?}, {:?}) vs 1 process × {}: max |Δparam| = {max:.1e}, ranks bitwise identical every step",
+            args.device,
+            args.optim,
+            world * b
+        );
+        if mine.len() != reference.len() || max.is_nan() || max > tol {
+            return Err(format!("max |Δparam| = {max:e} > {tol:e}"));
+        }
+    }
     Ok(())
 }
 
