@@ -178,6 +178,17 @@ impl DdpBuilder {
             ?device,
             "ddp initialised"
         );
+        #[cfg(feature = "cuda")]
+        let on_nccl = nccl.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let on_nccl = false;
+        if world_size > 1 && !on_nccl && is_gpu(&device) {
+            tracing::info!(
+                ?device,
+                "collectives are host-staged on this GPU: gradients and SyncBatchNorm statistics \
+                 are read back to the host and reduced over shared memory / TCP"
+            );
+        }
         Ok(Ddp {
             group,
             rank,
@@ -189,6 +200,22 @@ impl DdpBuilder {
             #[cfg(feature = "cuda")]
             nccl,
         })
+    }
+}
+
+/// Whether `device` is a GPU (a CubeCL device: wgpu or CUDA).
+fn is_gpu(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        matches!(
+            device.clone().inner().as_dispatch(),
+            burn::backend::DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
     }
 }
 
