@@ -3,9 +3,7 @@
 //! DistributedSampler documents, with the same number of batches on every rank.
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -20,18 +18,6 @@ struct EpochReport {
     ids: Vec<i64>,
 }
 
-/// Rank processes that are killed if the test ends before they do.
-struct Ranks(Vec<Child>);
-
-impl Drop for Ranks {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 struct Run {
     len: usize,
     world: usize,
@@ -41,72 +27,28 @@ struct Run {
     epochs: u64,
 }
 
-/// Waits for every process under one deadline (killing them all if it passes) and returns
-/// each one's exit status, stdout and stderr. Output is small, so the pipes cannot fill.
-fn wait_all(mut ranks: Ranks) -> Vec<(ExitStatus, String, String)> {
-    let start = Instant::now();
-    let mut statuses = vec![None; ranks.0.len()];
-    while statuses.iter().any(Option::is_none) {
-        for (rank, child) in ranks.0.iter_mut().enumerate() {
-            if statuses[rank].is_none() {
-                statuses[rank] = child.try_wait().expect("wait for rank");
-            }
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "ranks did not finish within {DEADLINE:?} (killed)"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    ranks
-        .0
-        .iter_mut()
-        .zip(statuses)
-        .map(|(child, status)| {
-            let mut out = String::new();
-            let mut err = String::new();
-            child
-                .stdout
-                .take()
-                .unwrap()
-                .read_to_string(&mut out)
-                .unwrap();
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            (status.unwrap(), out, err)
-        })
-        .collect()
-}
-
-/// Launches `world` ranks and returns each rank's reports, indexed `[rank][epoch]`.
+/// Launches `world` ranks (`ddp_tests::RankJob`: one deadline, every rank killed and reaped
+/// past it) and returns each rank's reports, indexed `[rank][epoch]`.
 fn launch(run: &Run) -> Vec<Vec<EpochReport>> {
-    let children = (0..run.world)
-        .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_data_worker"))
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", run.world.to_string())
-                .env("DATA_LEN", run.len.to_string())
-                .env("BATCH_SIZE", run.batch.to_string())
-                .env("DROP_LAST", run.drop_last.to_string())
-                .env("DROP_LAST_BATCH", run.drop_last_batch.to_string())
-                .env("EPOCHS", run.epochs.to_string())
-                .env("SEED", "1234")
-                .env("NUM_WORKERS", "2")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn data_worker")
-        })
-        .collect();
-    let outputs = wait_all(Ranks(children));
+    let job = ddp_tests::RankJob::new(env!("CARGO_BIN_EXE_data_worker"), run.world)
+        .env("DATA_LEN", run.len.to_string())
+        .env("BATCH_SIZE", run.batch.to_string())
+        .env("DROP_LAST", run.drop_last.to_string())
+        .env("DROP_LAST_BATCH", run.drop_last_batch.to_string())
+        .env("EPOCHS", run.epochs.to_string())
+        .env("SEED", "1234")
+        .env("NUM_WORKERS", "2")
+        .deadline(DEADLINE)
+        .run()
+        .expect("spawn data_worker");
+    let outputs = job
+        .ranks
+        .iter()
+        .map(|r| (r.success(), r.stdout.clone(), r.output()));
 
     let mut reports = Vec::new();
-    for (rank, (status, out, err)) in outputs.into_iter().enumerate() {
-        assert!(status.success(), "rank {rank} failed with {status}: {err}");
+    for (rank, (ok, out, all)) in outputs.enumerate() {
+        assert!(ok, "rank {rank} failed:\n{}\n{all}", job.report());
         let epochs: Vec<EpochReport> = out
             .lines()
             .map(|l| serde_json::from_str(l).expect("report line"))
@@ -266,17 +208,18 @@ fn tiny_and_empty_datasets_give_equal_epochs_without_hanging() {
 
 #[test]
 fn bad_rank_is_a_clear_error() {
-    let child = Command::new(env!("CARGO_BIN_EXE_data_worker"))
-        .env("RANK", "3")
-        .env("WORLD_SIZE", "3")
+    // One process claiming rank 3 of a world of 3.
+    let job = ddp_tests::RankJob::new(env!("CARGO_BIN_EXE_data_worker"), 3)
+        .only_ranks([0])
+        .rank_env(0, "RANK", "3")
         .env("DATA_LEN", "10")
         .env("BATCH_SIZE", "2")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+        .deadline(DEADLINE)
+        .run()
         .expect("spawn data_worker");
-    let (status, _, err) = wait_all(Ranks(vec![child])).remove(0);
-    assert!(!status.success());
+    let r = job.rank(0);
+    let err = &r.stderr;
+    assert!(!r.success() && !r.timed_out, "{}", job.report());
     assert!(
         err.contains("rank 3 is out of range for world size 3"),
         "{err}"

@@ -3,88 +3,42 @@
 //! reference on the joined batch that rank 0 computes from the same initial weights.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use ddp_tests::{JobResult, RankJob};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 
 struct RankRun {
-    outputs: Vec<Output>,
+    result: JobResult,
     out_dir: PathBuf,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
-/// Starts `world` ranks of the worker with torchrun's environment, waits for all of them
-/// (killing every rank once the deadline passes) and returns their outputs.
+/// Starts `world` ranks of the worker with torchrun's environment (`ddp_tests::RankJob`: every
+/// rank killed and reaped past the deadline) and waits for all of them.
 fn launch(world: usize, name: &str, args: &[&str]) -> RankRun {
     let out_dir = std::env::temp_dir().join(format!(
         "burn-ddp-test-{name}-{}-{}",
         std::process::id(),
-        free_port()
+        ddp_tests::free_port()
     ));
     let _ = std::fs::remove_dir_all(&out_dir);
     std::fs::create_dir_all(&out_dir).expect("temp dir");
-    let port = free_port().to_string();
-    let mut children: Vec<Child> = (0..world)
-        .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_ddp_worker"))
-                .args(args)
-                .arg("--out")
-                .arg(&out_dir)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("GROUP_RANK", "0")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("DDP_TIMEOUT_SECS", "60")
-                .env("RAYON_NUM_THREADS", "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn ddp_worker")
-        })
-        .collect();
-    let start = Instant::now();
-    loop {
-        let done = children
-            .iter_mut()
-            .all(|c| c.try_wait().expect("try_wait").is_some());
-        if done {
-            break;
-        }
-        if start.elapsed() > DEADLINE {
-            for c in &mut children {
-                let _ = c.kill();
-            }
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let outputs = children
-        .into_iter()
-        .map(|c| c.wait_with_output().expect("collect output"))
-        .collect();
-    RankRun { outputs, out_dir }
+    let result = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), world)
+        .args(args)
+        .arg("--out")
+        .arg(&out_dir)
+        .env("DDP_TIMEOUT_SECS", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .deadline(DEADLINE)
+        .run()
+        .expect("spawn ddp_worker");
+    RankRun { result, out_dir }
 }
 
 impl RankRun {
     fn assert_success(&self) {
-        for (rank, o) in self.outputs.iter().enumerate() {
-            assert!(
-                o.status.success(),
-                "rank {rank} failed ({}):\n{}",
-                o.status,
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
+        assert!(self.result.success(), "{}", self.result.report());
     }
 
     fn params(&self, file: &str) -> Vec<f32> {
@@ -236,9 +190,12 @@ fn a_branch_used_only_on_rank_1_matches_the_single_process_run() {
 #[test]
 fn mismatched_models_fail_on_every_rank_with_a_clear_error() {
     let run = launch(3, "mismatch", &["--scenario", "mismatch", "--steps", "1"]);
-    for (rank, o) in run.outputs.iter().enumerate() {
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "rank {rank} should fail");
+    for o in &run.result.ranks {
+        let (rank, err) = (o.rank, &o.stderr);
+        assert!(
+            !o.success() && !o.timed_out,
+            "rank {rank} should fail by itself"
+        );
         assert!(
             err.contains("the model differs across ranks")
                 && err.contains("`fc1.weight`")

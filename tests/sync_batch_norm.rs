@@ -16,9 +16,8 @@
 mod case;
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::module::{Module, Param};
 use burn::nn::{BatchNorm, BatchNormConfig};
@@ -508,16 +507,8 @@ mod cuda {
 
 static RUN: AtomicUsize = AtomicUsize::new(0);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts one `syncbn_worker` per rank with torchrun's variables, waits (deadline 240 s, then
-/// kills them all) and returns each rank's report.
+/// Starts one `syncbn_worker` per rank with torchrun's variables (`ddp_tests::RankJob`: deadline
+/// 240 s, every rank killed and reaped after it) and returns each rank's report.
 fn run_ranks(case: &Case) -> Vec<RankResult> {
     let world = case.rows.len();
     let dir: PathBuf = std::env::temp_dir().join(format!(
@@ -528,67 +519,14 @@ fn run_ranks(case: &Case) -> Vec<RankResult> {
     std::fs::create_dir_all(&dir).unwrap();
     let case_path = dir.join("case.json");
     std::fs::write(&case_path, serde_json::to_vec(case).unwrap()).unwrap();
-    let port = free_port();
-    let mut children: Vec<Child> = (0..world)
-        .map(|rank| {
-            let log = std::fs::File::create(dir.join(format!("rank{rank}.log"))).unwrap();
-            Command::new(env!("CARGO_BIN_EXE_syncbn_worker"))
-                .arg(&case_path)
-                .arg(&dir)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("GROUP_RANK", "0")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("DDP_TIMEOUT_SECS", "60")
-                .env_remove("SLURM_PROCID")
-                .env_remove("SLURM_NTASKS")
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .expect("spawning syncbn_worker")
-        })
-        .collect();
-    let logs = |dir: &PathBuf| {
-        (0..world)
-            .map(|r| {
-                format!(
-                    "--- rank {r}:\n{}",
-                    std::fs::read_to_string(dir.join(format!("rank{r}.log"))).unwrap_or_default()
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let mut done = vec![false; world];
-    while done.iter().any(|d| !d) {
-        for (rank, child) in children.iter_mut().enumerate() {
-            if done[rank] {
-                continue;
-            }
-            if let Some(status) = child.try_wait().unwrap() {
-                if !status.success() {
-                    for c in children.iter_mut() {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                    }
-                    panic!("rank {rank} failed ({status})\n{}", logs(&dir));
-                }
-                done[rank] = true;
-            }
-        }
-        if Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            panic!("ranks did not finish within 240 s\n{}", logs(&dir));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let job = ddp_tests::RankJob::new(env!("CARGO_BIN_EXE_syncbn_worker"), world)
+        .arg(&case_path)
+        .arg(&dir)
+        .env("DDP_TIMEOUT_SECS", "60")
+        .deadline(Duration::from_secs(240))
+        .run()
+        .expect("spawning syncbn_worker");
+    assert!(job.success(), "{}", job.report());
     let results = (0..world)
         .map(|r| {
             serde_json::from_slice(&std::fs::read(dir.join(format!("rank{r}.json"))).unwrap())
