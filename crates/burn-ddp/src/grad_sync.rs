@@ -780,10 +780,48 @@ mod tests {
         frozen: Linear,
     }
 
+    impl Net {
+        fn new(device: &Device) -> Self {
+            Net {
+                a: LinearConfig::new(3, 4).init(device),
+                b: LinearConfig::new(4, 2).init(device),
+                unused: LinearConfig::new(3, 3).init(device),
+                frozen: LinearConfig::new(3, 1).init(device).no_grad(),
+            }
+        }
+    }
+
     fn grads_of(net: &Net, device: &Device) -> GradientsParams {
         let x = Tensor::<2>::random([5, 3], Distribution::Default, device);
         let loss = net.b.forward(net.a.forward(x.clone())).sum() + net.frozen.forward(x).sum();
         GradientsParams::from_grads(loss.backward(), net)
+    }
+
+    /// Syncs `net`'s gradients in a world of one and checks they come back unchanged: same
+    /// values and shapes, none for the unused and the frozen layer.
+    fn round_trip(net: &Net, device: &Device, sync: &mut GradientSynchronizer) {
+        let grads = grads_of(net, device);
+        let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
+        let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
+        let out = sync.sync(net, grads).unwrap();
+        assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
+        assert_eq!(
+            values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
+            before_bb
+        );
+        assert_eq!(
+            out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
+            &[3, 4]
+        );
+        assert!(
+            out.get::<2>(net.unused.weight.id).is_none(),
+            "unused stays absent"
+        );
+        assert!(
+            out.get::<2>(net.frozen.weight.id).is_none(),
+            "frozen has none"
+        );
+        assert_eq!(out.len(), 4, "a.w a.b b.w b.b");
     }
 
     fn values<const D: usize>(g: &GradientsParams, id: ParamId) -> Option<Vec<f32>> {
@@ -796,41 +834,15 @@ mod tests {
     #[test]
     fn full_pipeline_in_a_world_of_one_returns_the_same_gradients() {
         let device = Device::flex().autodiff();
-        let net = Net {
-            a: LinearConfig::new(3, 4).init(&device),
-            b: LinearConfig::new(4, 2).init(&device),
-            unused: LinearConfig::new(3, 3).init(&device),
-            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
-        };
+        let net = Net::new(&device);
         let group = Arc::new(Mutex::new(ProcessGroup::single()));
         for (cap, overlap) in [4, 16, 40, 1 << 20]
             .into_iter()
             .flat_map(|c| [(c, true), (c, false)])
         {
-            let grads = grads_of(&net, &device);
-            let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
-            let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
             let mut sync = GradientSynchronizer::new(group.clone(), cap).with_overlap(overlap);
             sync.skip_when_alone = false;
-            let out = sync.sync(&net, grads).unwrap();
-            assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
-            assert_eq!(
-                values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
-                before_bb
-            );
-            assert_eq!(
-                out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
-                &[3, 4]
-            );
-            assert!(
-                out.get::<2>(net.unused.weight.id).is_none(),
-                "unused stays absent"
-            );
-            assert!(
-                out.get::<2>(net.frozen.weight.id).is_none(),
-                "frozen has none"
-            );
-            assert_eq!(out.len(), 4, "a.w a.b b.w b.b");
+            round_trip(&net, &device, &mut sync);
             let st = sync.last_stats();
             assert_eq!(st.elements, 3 * 4 + 4 + 4 * 2 + 2);
             // Sizes in visit order: a.weight 12, a.bias 4, b.weight 8, b.bias 2.
@@ -879,12 +891,7 @@ mod tests {
     #[test]
     fn presence_exchange_decodes_the_device_vote() {
         let device = Device::flex().autodiff();
-        let net = Net {
-            a: LinearConfig::new(3, 4).init(&device),
-            b: LinearConfig::new(4, 2).init(&device),
-            unused: LinearConfig::new(3, 3).init(&device),
-            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
-        };
+        let net = Net::new(&device);
         let mut grads = grads_of(&net, &device);
         let mut collector = SlotCollector {
             grads: &mut grads,
@@ -909,12 +916,7 @@ mod tests {
     fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
         use ddp_comm::nccl::{NcclGroup, NcclOptions};
         let device = Device::cuda(0).autodiff();
-        let net = Net {
-            a: LinearConfig::new(3, 4).init(&device),
-            b: LinearConfig::new(4, 2).init(&device),
-            unused: LinearConfig::new(3, 3).init(&device),
-            frozen: LinearConfig::new(3, 1).init(&device).no_grad(),
-        };
+        let net = Net::new(&device);
         let nccl = NcclGroup::single(&NcclOptions {
             device: Some(0),
             ..NcclOptions::default()
@@ -923,24 +925,10 @@ mod tests {
         let nccl = Arc::new(Mutex::new(nccl));
         let group = Arc::new(Mutex::new(ProcessGroup::single()));
         for cap in [4, 40, 1 << 20] {
-            let grads = grads_of(&net, &device);
-            let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
-            let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
             let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
             sync.skip_when_alone = false;
-            let out = sync.sync(&net, grads).unwrap();
+            round_trip(&net, &device, &mut sync);
             assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
-            assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
-            assert_eq!(
-                values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
-                before_bb
-            );
-            assert_eq!(
-                out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
-                &[3, 4]
-            );
-            assert!(out.get::<2>(net.unused.weight.id).is_none());
-            assert_eq!(out.len(), 4);
         }
     }
 
