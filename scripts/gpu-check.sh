@@ -28,24 +28,30 @@ die() { echo "gpu-check: $*" >&2; exit 2; }
 # build half
 # ------------------------------------------------------------------------------------------
 
-# build_test PACKAGE TEST [CARGO ARGS...]: builds integration test TEST of PACKAGE in release
-# mode and registers its ignored tests.
-build_test() {
-  local pkg=$1 test=$2; shift 2
-  local exe
-  exe=$(cargo test -p "$pkg" --release --no-run --test "$test" --message-format=json "$@" \
-        | python3 -c '
+# artifact NAME KIND: reads cargo's --message-format=json on stdin and prints the executable of
+# the last artifact named NAME whose target kinds include KIND ("test" or "bin").
+artifact() {
+  python3 -c '
 import json, sys
-want = sys.argv[1]
+want, kind = sys.argv[1], sys.argv[2]
 for line in sys.stdin:
     try:
         m = json.loads(line)
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == want \
-            and "test" in m["target"]["kind"] and m.get("executable"):
+            and kind in m["target"]["kind"] and m.get("executable"):
         print(m["executable"])
-' "$test" | tail -n1)
+' "$1" "$2" | tail -n1
+}
+
+# build_test PACKAGE TEST [CARGO ARGS...]: builds integration test TEST of PACKAGE in release
+# mode and registers its ignored tests.
+build_test() {
+  local pkg=$1 test=$2; shift 2
+  local exe
+  exe=$(cargo test -p "$pkg" --release --no-run --test "$test" --message-format=json "$@" \
+        | artifact "$test" test)
   [ -n "$exe" ] || die "no test executable for $pkg --test $test"
   local dst="$BIN/${pkg}-${test}-tests"
   cp "$exe" "$dst"
@@ -58,17 +64,7 @@ build_bin() {
   local pkg=$1 bin=$2; shift 2
   local exe
   exe=$(cargo build -p "$pkg" --release --bin "$bin" --message-format=json "$@" \
-        | python3 -c '
-import json, sys
-want = sys.argv[1]
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == want and m.get("executable"):
-        print(m["executable"])
-' "$bin" | tail -n1)
+        | artifact "$bin" bin)
   [ -n "$exe" ] || die "no binary $bin in $pkg"
   cp "$exe" "$BIN/$bin"
   strip --strip-debug "$BIN/$bin" 2>/dev/null || true
