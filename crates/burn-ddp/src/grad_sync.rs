@@ -390,7 +390,8 @@ impl GradientSynchronizer {
             let packed = pack_on_device(slots, bucket);
             times.fill += t.elapsed();
             let t = Instant::now();
-            let reduced = crate::nccl::all_reduce_mean(&mut crate::nccl::lock(nccl), packed)?;
+            let reduced =
+                crate::nccl::all_reduce(&mut crate::nccl::lock(nccl), packed, ReduceOp::Mean)?;
             times.all_reduce += t.elapsed();
             let t = Instant::now();
             let mut off = 0;

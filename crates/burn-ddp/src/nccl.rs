@@ -191,72 +191,128 @@ fn buffer_err(what: &str, msg: impl std::fmt::Display) -> DdpError {
     }
 }
 
-/// Replaces the f32 tensor `packed` (on `nccl`'s CUDA device) by its element-wise mean over
-/// all ranks, all-reduced by NCCL in device memory; see the [module docs](self) for the
-/// steps. Every rank must call it with the same length, in the same order.
+/// Replaces the f32 tensor `packed` (on `nccl`'s CUDA device) by its element-wise reduction
+/// (`op`) over all ranks, all-reduced by NCCL in device memory; see the [module docs](self)
+/// for the steps. Every rank must call it with the same length, in the same order.
 ///
 /// # Errors
 /// The tensor is not an f32 CubeCL CUDA tensor on the group's device, its buffer could not be
 /// reached or the device reported a fault, or the NCCL call failed (the group is then
 /// broken).
-pub(crate) fn all_reduce_mean(nccl: &mut NcclGroup, packed: Tensor<1>) -> Result<Tensor<1>> {
-    const WHAT: &str = "gradient bucket (NCCL path)";
-    let packed = packed.inner();
-    let device = packed.device();
-    let numel = packed.shape().num_elements();
-    if packed.dtype() != DType::F32 {
+pub(crate) fn all_reduce(
+    nccl: &mut NcclGroup,
+    packed: Tensor<1>,
+    op: ReduceOp,
+) -> Result<Tensor<1>> {
+    on_device_buffer(
+        nccl,
+        packed,
+        "all-reduced tensor (NCCL path)",
+        |nccl, ptr, numel| {
+            // SAFETY: per `on_device_buffer`'s contract for `ptr` and `numel`.
+            unsafe { nccl.all_reduce_raw::<f32>(ptr, numel, op) }
+        },
+    )
+}
+
+/// All-gathers every rank's f32 tensor `local` (the same length `n` on every rank, on
+/// `nccl`'s CUDA device) into one `[W · n]` tensor in rank order, by NCCL in device memory.
+///
+/// The output buffer is allocated by Burn, this rank's slot filled with `local`, and NCCL's
+/// in-place all-gather fills the others.
+///
+/// # Errors
+/// As [`all_reduce`].
+pub(crate) fn all_gather(nccl: &mut NcclGroup, local: Tensor<1>) -> Result<Tensor<1>> {
+    let (rank, world) = (nccl.rank(), nccl.world_size());
+    let [n] = local.dims();
+    let device = local.device();
+    let slots = Tensor::<1>::zeros([world * n], (&device, DType::F32))
+        .slice_assign(burn::tensor::s![rank * n..(rank + 1) * n], local);
+    on_device_buffer(
+        nccl,
+        slots,
+        "all-gathered tensor (NCCL path)",
+        |nccl, ptr, total| {
+            debug_assert_eq!(total, world * n);
+            let mine = ptr + (rank * n * std::mem::size_of::<f32>()) as u64;
+            // SAFETY: per `on_device_buffer`'s contract: `ptr` holds `world · n` f32 values, and
+            // `mine` is this rank's slot inside it (NCCL's in-place all-gather).
+            unsafe { nccl.all_gather_raw::<f32>(mine, n, ptr) }
+        },
+    )
+}
+
+/// Steps 2–6 of the [module docs](self): hands the device buffer of the f32 tensor `t` (on
+/// `nccl`'s device) to `collective` as `(group, pointer, number of f32 values)` and returns
+/// the buffer, with what the collective wrote into it, as a new tensor.
+///
+/// The pointer addresses `numel` f32 values that no other tensor shares and that every
+/// earlier kernel has finished writing; they stay allocated while `collective` runs, which
+/// must return only once NCCL is done with them (ddp-comm's calls do).
+fn on_device_buffer(
+    nccl: &mut NcclGroup,
+    t: Tensor<1>,
+    what: &str,
+    collective: impl FnOnce(
+        &mut NcclGroup,
+        ddp_comm::nccl::cudarc::driver::sys::CUdeviceptr,
+        usize,
+    ) -> ddp_comm::Result<()>,
+) -> Result<Tensor<1>> {
+    let t = t.inner();
+    let device = t.device();
+    let numel = t.shape().num_elements();
+    if t.dtype() != DType::F32 {
         return Err(buffer_err(
-            WHAT,
-            format!("expected f32, got {:?}", packed.dtype()),
+            what,
+            format!("expected f32, got {:?}", t.dtype()),
         ));
     }
     if cuda_ordinal(&device) != Some(nccl.device_ordinal()) {
         return Err(buffer_err(
-            WHAT,
+            what,
             format!(
-                "the bucket lives on {device:?} but the NCCL group runs on CUDA device {}",
+                "the tensor lives on {device:?} but the NCCL group runs on CUDA device {}",
                 nccl.device_ordinal()
             ),
         ));
     }
     if numel == 0 {
-        return Ok(packed);
+        return Ok(t);
     }
 
     // 2. The CubeCL tensor behind the fusion handle (runs the queued fused operations).
-    let fused: FusionTensor<FusionCubeRuntime> = packed
+    let fused: FusionTensor<FusionCubeRuntime> = t
         .try_into_primitive::<Cube>()
-        .map_err(|e| buffer_err(WHAT, format!("not a CubeCL tensor: {e:?}")))?;
+        .map_err(|e| buffer_err(what, format!("not a CubeCL tensor: {e:?}")))?;
     let fusion_client = fused.client.clone();
     let cube = fusion_client.resolve_tensor_float::<CubeBackend>(fused);
 
     // 3. A contiguous f32 buffer of exactly `numel` values that no other tensor shares.
     let cube = exclusive_buffer(cube);
 
-    // 4. Stream order: everything that wrote the bucket has finished before NCCL reads it.
+    // 4. Stream order: everything that wrote the buffer has finished before NCCL reads it.
     device
         .sync()
-        .map_err(|e| buffer_err(WHAT, format!("device sync before NCCL: {e:?}")))?;
+        .map_err(|e| buffer_err(what, format!("device sync before NCCL: {e:?}")))?;
     {
         let resource = cube
             .client
             .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
-            .map_err(|e| buffer_err(WHAT, format!("CUDA buffer of the bucket: {e}")))?;
+            .map_err(|e| buffer_err(what, format!("CUDA buffer: {e}")))?;
         cubecl::future::block_on(cube.client.sync())
-            .map_err(|e| buffer_err(WHAT, format!("CubeCL stream sync before NCCL: {e}")))?;
+            .map_err(|e| buffer_err(what, format!("CubeCL stream sync before NCCL: {e}")))?;
         let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
         if bytes < (numel * std::mem::size_of::<f32>()) as u64 {
             return Err(buffer_err(
-                WHAT,
+                what,
                 format!("the CUDA buffer holds {bytes} bytes, fewer than {numel} f32 values"),
             ));
         }
-        // 5. In place, on NCCL's stream; returns once NCCL finished (or timed out/aborted).
-        // SAFETY: `ptr` addresses the `numel` f32 values of `cube`'s buffer on the group's
-        // device (checked above; the CubeCL resource includes the handle's offset). The
-        // buffer is `cube`'s alone (`exclusive_buffer`), `resource` keeps the allocation in
-        // place until this block ends, and the syncs above finished every write to it.
-        unsafe { nccl.all_reduce_raw::<f32>(ptr, numel, ReduceOp::Mean)? };
+        // 5. On NCCL's stream; returns once NCCL finished (or timed out/aborted). `resource`
+        // keeps the allocation in place until this block ends.
+        collective(nccl, ptr, numel)?;
     }
 
     // 6. Back into Fusion as a fresh tensor.

@@ -5,15 +5,18 @@
 //!
 //! All operations take the input as a contiguous-or-not `[N, C, S]` tensor (`S` is the product of
 //! the spatial dimensions, 1 for `[N, C]` inputs) and describe each channel's centring with a
-//! `[3, C]` "channel parameter" tensor `P`:
+//! `[4, C]` "channel parameter" tensor `P`:
 //!
 //! - `P[0, c]` — the *pivot* `K_c`: this rank's first sample of channel `c`. Subtracting it first
 //!   (`x − K`, exact in floating point for values within a factor of two) keeps a large common
 //!   offset (mean 1000, std 0.01) out of every accumulation.
-//! - `P[1, c]` — `m_c = μ_c − K_c`, the global mean relative to the pivot (computed in f64).
+//! - `P[1, c]` — `m_c = μ_c − K_c`, the global mean relative to the pivot.
 //! - `P[2, c]` — `1 / sqrt(σ²_c + ε)` for the global biased variance `σ²_c`.
+//! - `P[3, c]` — `1 / N`, the reciprocal of the number of samples of the channel over all
+//!   ranks (read by the backward pass only).
 //!
-//! so `x − μ` is evaluated as `(x − K) − m`.
+//! so `x − μ` is evaluated as `(x − K) − m`. `P` is computed on the device from every rank's
+//! statistics, so neither the forward nor the backward pass needs host values.
 
 use burn::backend::{
     Backend, TensorMetadata,
@@ -57,20 +60,18 @@ pub trait SyncBatchNormBackend: Backend {
         tensor_ops::stats::<Self>(x)
     }
 
-    /// `y = ((x − K) − m) · (γ · invstd) + β` per channel, with `P = [K; m; invstd]`.
+    /// `y = ((x − K) − m) · (γ · invstd) + β` per channel, with `P = [K; m; invstd; 1/N]`.
     ///
-    /// `host` carries the global statistics the autodiff backward pass needs; other backends
-    /// ignore it.
+    /// On `Autodiff` its backward pass makes the cross-rank all-reduce of the 2C sums.
     #[fusion(dtype = x, shape = x)]
     fn sync_bn_normalize(
         x: FloatTensor<Self>,
         params: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
-        host: BackwardHost,
         kernels: bool,
     ) -> FloatTensor<Self> {
-        let _ = (kernels, host);
+        let _ = kernels;
         tensor_ops::normalize::<Self>(x, params, gamma, beta)
     }
 
@@ -113,8 +114,12 @@ pub mod tensor_ops {
         [shape[0], shape[1], shape[2]]
     }
 
-    /// Row `row` of a `[k, C]` tensor as a `[1, C, 1]` tensor.
-    fn channel_row<B: Backend>(t: FloatTensor<B>, row: usize, channels: usize) -> FloatTensor<B> {
+    /// Row `row` of a `[k, C]` tensor as a `[C]` tensor.
+    pub(crate) fn row<B: Backend>(
+        t: FloatTensor<B>,
+        row: usize,
+        channels: usize,
+    ) -> FloatTensor<B> {
         let row = B::float_slice(
             t,
             &[
@@ -122,7 +127,15 @@ pub mod tensor_ops {
                 Slice::full(),
             ],
         );
-        B::float_reshape(row, Shape::new([1, channels, 1]))
+        B::float_reshape(row, Shape::new([channels]))
+    }
+
+    /// Row `row` of a `[k, C]` tensor as a `[1, C, 1]` tensor.
+    fn channel_row<B: Backend>(t: FloatTensor<B>, row: usize, channels: usize) -> FloatTensor<B> {
+        B::float_reshape(
+            self::row::<B>(t, row, channels),
+            Shape::new([1, channels, 1]),
+        )
     }
 
     /// `[N, C, S]` → `[C, N·S]`.
@@ -209,23 +222,17 @@ pub mod tensor_ops {
     }
 }
 
-/// Host-side values the backward pass needs, fixed by the forward pass's cross-rank statistics.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BackwardHost {
-    /// `1 / sqrt(σ² + ε)` per channel (global statistics).
-    pub invstd: Vec<f64>,
-    /// Number of samples per channel over all ranks.
-    pub total_count: f64,
-}
-
 /// Reads a small backend tensor to the host as f64 (blocking).
-pub(crate) fn read_host<B: Backend>(t: FloatTensor<B>) -> Vec<f64> {
+pub(crate) fn read_host<B: Backend>(
+    t: FloatTensor<B>,
+) -> Result<Vec<f64>, super::SyncBatchNormError> {
+    let err = |what: String| super::SyncBatchNormError::Device(what);
     let data = burn::tensor::try_read_sync(B::float_into_data(t))
-        .expect("SyncBatchNorm: this platform can't read tensors synchronously")
-        .expect("SyncBatchNorm: reading per-channel statistics from the device failed");
+        .ok_or_else(|| err("this platform can't read tensors synchronously".into()))?
+        .map_err(|e| err(format!("reading per-channel values from the device: {e:?}")))?;
     data.convert::<f64>()
-        .try_to_vec::<f64>()
-        .expect("a converted f64 tensor reads as f64")
+        .try_into_vec::<f64>()
+        .map_err(|e| err(format!("per-channel values as f64: {e:?}")))
 }
 
 /// Uploads a small host buffer as a `shape` tensor of `dtype` on `device`.
@@ -243,8 +250,8 @@ pub(crate) fn upload<B: Backend>(
 struct SyncBatchNormBackward;
 
 impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
-    // x and γ are checkpointed; the channel parameters and host values come from the forward.
-    type State = (NodeId, NodeId, FloatTensor<B>, BackwardHost, bool);
+    // x and γ are checkpointed; the channel parameters come from the forward pass.
+    type State = (NodeId, NodeId, FloatTensor<B>, bool);
 
     fn backward(
         self,
@@ -254,51 +261,50 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
     ) {
         let [node_x, node_gamma, node_beta] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (x_state, gamma_state, params, host, kernels) = ops.state;
+        let (x_state, gamma_state, params, kernels) = ops.state;
         let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
         let gamma: FloatTensor<B> = checkpointer.retrieve_node_output(gamma_state);
-        let channels = host.invstd.len();
-        let dtype = x.dtype();
-        let device = x.device();
+        let channels = params.shape()[1];
+        let row = |t: FloatTensor<B>, r: usize| tensor_ops::row::<B>(t, r, channels);
+        let invstd = row(params.clone(), 2);
 
-        // Local Σdy and Σdy·(x − μ) (zero on a rank without samples).
+        // Local Σdy and Σdy·(x − μ) (zero on a rank without samples), on the device.
         let local = if x.shape().num_elements() > 0 {
-            read_host::<B>(B::sync_bn_grad_sums(
-                grad.clone(),
-                x.clone(),
-                params.clone(),
-                kernels,
-            ))
+            B::sync_bn_grad_sums(grad.clone(), x.clone(), params.clone(), kernels)
         } else {
-            vec![0.0; 2 * channels]
+            B::float_zeros(Shape::new([2, channels]), &x.device(), x.dtype().into())
         };
 
         // γ and β: local gradients (averaged across ranks by DDP like any parameter).
         if let Some(node) = node_gamma {
-            let g: Vec<f64> = (0..channels)
-                .map(|c| local[channels + c] * host.invstd[c])
-                .collect();
-            grads.register::<B>(node.id, upload::<B>(&g, &[channels], dtype, &device));
+            grads.register::<B>(node.id, B::float_mul(row(local.clone(), 1), invstd.clone()));
         }
         if let Some(node) = node_beta {
-            grads.register::<B>(
-                node.id,
-                upload::<B>(&local[..channels], &[channels], dtype, &device),
-            );
+            grads.register::<B>(node.id, row(local.clone(), 0));
         }
 
         if let Some(node) = node_x {
             // One all-reduce of the 2C sums: every rank's input gradient depends on all samples.
-            let mut global = local;
-            super::collective::all_reduce_sum(&mut global);
-            let n = host.total_count;
-            let mut coeff = vec![0.0; 2 * channels];
-            for c in 0..channels {
-                coeff[c] = global[c] / n;
-                coeff[channels + c] = host.invstd[c] * host.invstd[c] * global[channels + c] / n;
-            }
+            let global = super::exchange::Exchange::current()
+                .all_reduce_sum::<B>(local)
+                .unwrap_or_else(|e| {
+                    // The autodiff backward pass can't return errors; the collective is broken
+                    // on every rank, so every rank stops with this message.
+                    tracing::error!(
+                        "SyncBatchNorm backward: all-reduce of the per-channel sums failed: {e}"
+                    );
+                    panic!("SyncBatchNorm backward: all-reduce of the per-channel sums failed: {e}")
+                });
+            let inv_n = row(params.clone(), 3);
+            // g0 = Σdy / N, g1 = invstd² · Σdy(x − μ) / N.
+            let g0 = B::float_mul(row(global.clone(), 0), inv_n.clone());
+            let g1 = B::float_mul(
+                B::float_mul(B::float_mul(invstd.clone(), invstd), row(global, 1)),
+                inv_n,
+            );
+            let as_row = |t: FloatTensor<B>| B::float_reshape(t, Shape::new([1, channels]));
+            let coeff = B::float_cat(vec![as_row(g0), as_row(g1)], 0);
             let dx = if x.shape().num_elements() > 0 {
-                let coeff = upload::<B>(&coeff, &[2, channels], dtype, &device);
                 B::sync_bn_grad_input(grad, x, params, gamma, coeff, kernels)
             } else {
                 grad
@@ -318,7 +324,6 @@ impl<B: SyncBatchNormBackend, C: CheckpointStrategy> SyncBatchNormBackend for Au
         params: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
-        host: BackwardHost,
         kernels: bool,
     ) -> FloatTensor<Self> {
         let params = params.into_primitive();
@@ -335,17 +340,15 @@ impl<B: SyncBatchNormBackend, C: CheckpointStrategy> SyncBatchNormBackend for Au
                     params.clone(),
                     gamma.into_primitive(),
                     beta.into_primitive(),
-                    host.clone(),
                     kernels,
                 );
-                prep.finish((x_state, gamma_state, params, host, kernels), output)
+                prep.finish((x_state, gamma_state, params, kernels), output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::sync_bn_normalize(
                 x.into_primitive(),
                 params,
                 gamma.into_primitive(),
                 beta.into_primitive(),
-                host,
                 kernels,
             )),
         }

@@ -19,7 +19,7 @@ use burn_cubecl::{
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
-use super::backend::{BackwardHost, SyncBatchNormBackend, tensor_ops};
+use super::backend::{SyncBatchNormBackend, tensor_ops};
 
 /// Units per cube of the per-channel reductions (a power of two; the shared buffers' size).
 const BLOCK: usize = 256;
@@ -418,7 +418,6 @@ impl SyncBatchNormBackend for CubeBackend {
         params: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
-        _host: BackwardHost,
         kernels: bool,
     ) -> FloatTensor<Self> {
         if !kernels {

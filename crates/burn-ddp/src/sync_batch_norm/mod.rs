@@ -6,15 +6,31 @@
 //!
 //! # Algorithm (PyTorch's)
 //!
-//! - **Forward (training)**: each rank computes per-channel (count, mean, M2) of its samples in
-//!   one pass, all-gathers them, and combines them with Chan's parallel formula in f64 (no
-//!   sum / sum-of-squares cancellation on data with a large mean). A rank with no samples still
-//!   takes part. The output is `(x − μ) / sqrt(σ² + ε) · γ + β` with the global μ and biased σ².
+//! - **Forward (training)**: each rank computes per-channel (pivot, mean, M2) of its samples in
+//!   one pass, all-gathers them with its count (4C values), and combines them on the device
+//!   with the parallel form of Chan's formula around a common pivot (no sum / sum-of-squares
+//!   cancellation on data with a large mean). A rank with no samples still takes part. The
+//!   output is `(x − μ) / sqrt(σ² + ε) · γ + β` with the global μ and biased σ².
 //! - **Backward**: each rank computes per-channel `Σdy` and `Σdy·(x − μ)` and all-reduces these
 //!   2C sums in **one** call; the input gradient uses the global sums, the γ/β gradients are the
 //!   local ones (DDP averages them like any other parameter gradient).
 //! - **Eval** uses the running statistics and makes no collective call. World size 1 (or no
 //!   process group installed, see [`crate::comm`]) makes no collective call either.
+//!
+//! # Where the statistics travel
+//!
+//! The statistics stay on the input's device from the statistics pass to the normalisation:
+//! the combination, `1/sqrt(σ² + ε)`, the backward coefficients and the running-statistics
+//! update are all tensor operations, so at world size 1 a training step reads nothing back to
+//! the host. Between ranks they go through NCCL in CUDA device memory when [`crate::Ddp`] has
+//! set up an NCCL communicator (feature `cuda`), and through the process group's host
+//! collectives otherwise (CPU, wgpu): 4C values read back and all-gathered per layer in
+//! forward, 2C all-reduced in backward.
+//!
+//! A batch in which no rank has a sample is an error ([`SyncBatchNormError::NoSamples`]) where
+//! the counts pass through the host; on the NCCL path (which never reads them back) such a
+//! batch leaves the running statistics unchanged, as does a single sample with
+//! [`RunningVariance::Unbiased`].
 //!
 //! # Paths
 //!
@@ -65,18 +81,19 @@
 //! per layer with `From`.
 
 pub mod backend;
+mod exchange;
 #[cfg(feature = "cube")]
 mod kernels;
 mod stats;
 
-pub use backend::{BackwardHost, SyncBatchNormBackend};
+pub use backend::SyncBatchNormBackend;
 pub use stats::ChannelStats;
 
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::config::Config;
 use burn::module::{Content, DisplaySettings, Flag, Module, ModuleDisplay, Param, RunningState};
 use burn::nn::{BatchNorm, BatchNormConfig};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// Which variance feeds `running_var`.
@@ -138,6 +155,9 @@ pub enum SyncBatchNormError {
     /// A collective failed (the process group is broken on every rank).
     #[error("SyncBatchNorm: collective failed: {0}")]
     Comm(#[from] ddp_comm::CommError),
+    /// Device memory could not be read or handed to NCCL, or an NCCL collective failed.
+    #[error("SyncBatchNorm: {0}")]
+    Device(String),
 }
 
 /// [`SyncBatchNorm`] configuration: [`BatchNormConfig`]'s fields plus the running-variance
@@ -343,14 +363,16 @@ impl SyncBatchNorm {
         input: Tensor<D>,
     ) -> Result<Tensor<D>, SyncBatchNormError> {
         let device = input.device();
-        let world_size = crate::comm::world_size();
+        let exchange = exchange::Exchange::current();
         let kernels = match self.path(&device) {
             Path::Extension { kernels } => kernels,
-            Path::Plain if world_size == 1 => return Ok(self.forward_train_plain(input)),
+            Path::Plain if exchange.world_size() == 1 => {
+                return Ok(self.forward_train_plain(input));
+            }
             Path::Plain => {
                 return Err(SyncBatchNormError::UnsupportedBackend {
                     device: format!("{device:?}"),
-                    world_size,
+                    world_size: exchange.world_size(),
                 });
             }
         };
@@ -362,75 +384,51 @@ impl SyncBatchNorm {
         let x = input.reshape([n, channels, spatial]);
         let dtype = x.dtype();
 
-        // Local (pivot, mean relative to the pivot, M2) per channel, in one pass.
-        let (pivot, local) = if count > 0 {
-            let raw = Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
+        // Local (pivot, mean relative to the pivot, M2) per channel in one pass, plus the
+        // count: the [4, C] every rank contributes. Nothing is read back here.
+        let local = if count > 0 {
+            Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
                 x.clone().detach().into_dispatch(),
                 kernels,
-            ));
-            let raw = host_f64(raw);
-            let pivot = raw[..channels].to_vec();
-            let local: Vec<ChannelStats> = (0..channels)
-                .map(|c| ChannelStats {
-                    count: count as f64,
-                    mean: raw[c] + raw[channels + c],
-                    m2: raw[2 * channels + c],
-                })
-                .collect();
-            (pivot, local)
+            ))
         } else {
-            (vec![0.0; channels], vec![ChannelStats::default(); channels])
+            Tensor::zeros([3, channels], (&device, dtype))
         };
+        // f32 whatever the input's dtype: counts stay exact up to 2^24 samples per rank.
+        let local = local.cast(DType::F32);
+        let local_pivot = local.clone().narrow(0, 0, 1).reshape([channels]);
+        let counts = Tensor::<2>::full([1, channels], count as f64, (&device, DType::F32));
+        let local = Tensor::cat(vec![local, counts], 0);
 
-        let global = collective::all_gather_stats(count as f64, &local)?;
-        let total = global.first().map_or(0.0, |s| s.count);
-        if total == 0.0 {
-            return Err(SyncBatchNormError::NoSamples);
+        let gathered = exchange.all_gather(local, stats::ROWS - 1, count)?;
+        if let Some(total) = gathered.total_count {
+            if total == 0.0 {
+                return Err(SyncBatchNormError::NoSamples);
+            }
+            if self.running_variance == RunningVariance::Unbiased && total < 2.0 {
+                return Err(SyncBatchNormError::TooFewSamples(total as u64));
+            }
         }
-        if self.running_variance == RunningVariance::Unbiased && total < 2.0 {
-            return Err(SyncBatchNormError::TooFewSamples(total as u64));
-        }
-
-        let invstd: Vec<f64> = global
-            .iter()
-            .map(|s| 1.0 / (s.biased_var() + self.epsilon).sqrt())
-            .collect();
-        let mut params = Vec::with_capacity(3 * channels);
-        params.extend_from_slice(&pivot);
-        params.extend((0..channels).map(|c| global[c].mean - pivot[c]));
-        params.extend_from_slice(&invstd);
-        let params = Tensor::<2>::from_data(
-            TensorData::new(params, [3, channels]).convert_dtype(dtype),
-            &device,
+        let global = stats::combine(
+            gathered.stats,
+            local_pivot,
+            self.epsilon,
+            self.running_variance == RunningVariance::Unbiased,
         );
 
-        let host = BackwardHost {
-            invstd,
-            total_count: total,
-        };
         let output = Tensor::<3>::from_dispatch(Dispatch::sync_bn_normalize(
             x.into_dispatch(),
-            params.into_dispatch(),
+            global.params.cast(dtype).into_dispatch(),
             self.gamma.val().into_dispatch(),
             self.beta.val().into_dispatch(),
-            host,
             kernels,
         ));
-
-        // Running statistics, on the device as BatchNorm does them.
-        let batch_mean: Vec<f64> = global.iter().map(|s| s.mean).collect();
-        let batch_var: Vec<f64> = global
-            .iter()
-            .map(|s| match self.running_variance {
-                RunningVariance::Biased => s.biased_var(),
-                RunningVariance::Unbiased => s.unbiased_var(),
-            })
-            .collect();
-        let vector = |v: Vec<f64>| {
-            Tensor::<1>::from_data(TensorData::new(v, [channels]).convert_dtype(dtype), &device)
-        };
-        self.update_running(vector(batch_mean), vector(batch_var), &device);
-
+        self.update_running(
+            global.mean.cast(dtype),
+            global.var.cast(dtype),
+            Some(global.valid),
+            &device,
+        );
         Ok(output.reshape(dims))
     }
 
@@ -452,30 +450,34 @@ impl SyncBatchNorm {
                     .mul_scalar(n as f64 / (n as f64 - 1.0))
             }
         };
-        self.update_running(result.mean.detach(), variance, &device);
+        self.update_running(result.mean.detach(), variance, None, &device);
         result.output
     }
 
-    fn update_running(&self, mean: Tensor<1>, var: Tensor<1>, device: &Device) {
-        let running_mean = self.running_mean.value_sync().to_device(device);
-        let running_var = self.running_var.value_sync().to_device(device);
-        let running_mean = running_mean
-            .mul_scalar(1.0 - self.momentum)
-            .add(mean.mul_scalar(self.momentum));
-        let running_var = running_var
-            .mul_scalar(1.0 - self.momentum)
-            .add(var.mul_scalar(self.momentum));
+    /// Moves the running statistics towards the batch's by `momentum`, on the device; channels
+    /// outside `valid` (too few samples, only known on the device) keep their values.
+    fn update_running(
+        &self,
+        mean: Tensor<1>,
+        var: Tensor<1>,
+        valid: Option<Tensor<1, burn::tensor::Bool>>,
+        device: &Device,
+    ) {
+        let blend = |old: Tensor<1>, new: Tensor<1>| {
+            let blended = old
+                .clone()
+                .mul_scalar(1.0 - self.momentum)
+                .add(new.mul_scalar(self.momentum));
+            match &valid {
+                Some(valid) => old.mask_where(valid.clone(), blended),
+                None => blended,
+            }
+        };
+        let running_mean = blend(self.running_mean.value_sync().to_device(device), mean);
+        let running_var = blend(self.running_var.value_sync().to_device(device), var);
         self.running_mean.update(running_mean.detach());
         self.running_var.update(running_var.detach());
     }
-}
-
-/// Reads a small tensor to the host as f64.
-fn host_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    t.into_data()
-        .convert::<f64>()
-        .try_to_vec::<f64>()
-        .expect("a converted f64 tensor reads as f64")
 }
 
 impl ModuleDisplay for SyncBatchNorm {
@@ -492,51 +494,5 @@ impl ModuleDisplay for SyncBatchNorm {
             .add("momentum", &self.momentum)
             .add("epsilon", &self.epsilon)
             .optional()
-    }
-}
-
-/// The collectives SyncBatchNorm makes, through the process-wide group ([`crate::comm`]).
-mod collective {
-    use super::{ChannelStats, SyncBatchNormError, stats};
-    use ddp_comm::ReduceOp;
-
-    /// All-gathers every rank's (count, mean, M2) per channel and combines them. World size 1:
-    /// no call.
-    pub(super) fn all_gather_stats(
-        count: f64,
-        local: &[ChannelStats],
-    ) -> Result<Vec<ChannelStats>, SyncBatchNormError> {
-        let Some(group) = crate::comm::group() else {
-            return Ok(local.to_vec());
-        };
-        let mut pg = crate::comm::lock(&group);
-        let world = pg.world_size();
-        if world == 1 {
-            return Ok(local.to_vec());
-        }
-        let packed = stats::pack(count, local);
-        let mut gathered = vec![0.0f64; packed.len() * world];
-        pg.all_gather(&packed, &mut gathered)?;
-        Ok(stats::combine_gathered(&gathered, local.len()))
-    }
-
-    /// Sums `buf` over all ranks in one all-reduce. World size 1: no call.
-    ///
-    /// # Panics
-    /// If the collective fails: this runs inside the autodiff backward pass, which can't return
-    /// errors; the group is broken on every rank, so every rank stops with this message.
-    pub(crate) fn all_reduce_sum(buf: &mut [f64]) {
-        let Some(group) = crate::comm::group() else {
-            return;
-        };
-        let mut pg = crate::comm::lock(&group);
-        if pg.world_size() == 1 {
-            return;
-        }
-        if let Err(e) = pg.all_reduce(buf, ReduceOp::Sum) {
-            panic!(
-                "SyncBatchNorm backward: all-reduce of the per-channel gradient sums failed: {e}"
-            );
-        }
     }
 }

@@ -1,5 +1,12 @@
-//! Per-channel statistics on the host and their cross-rank combination (Chan et al.'s parallel
-//! formula), in f64.
+//! Per-channel statistics and their cross-rank combination.
+//!
+//! [`combine`] is what [`SyncBatchNorm`](super::SyncBatchNorm) runs: it combines every rank's
+//! (pivot, mean, M2, count) on the device with tensor operations, so the statistics never
+//! have to visit the host (NCCL moves them in device memory; the host transport stages them).
+//! [`ChannelStats`] is the same combination on the host in f64 (Chan et al.'s pairwise
+//! formula), the reference the device combination is tested against.
+
+use burn::tensor::{Bool, DType, Tensor};
 
 /// One rank's statistics of one channel: sample count, mean and sum of squared deviations.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -58,30 +65,73 @@ impl ChannelStats {
     }
 }
 
-/// The layout every rank all-gathers: `[count, mean_0..mean_C, m2_0..m2_C]` (f64).
-pub(crate) fn pack(count: f64, stats: &[ChannelStats]) -> Vec<f64> {
-    let mut buf = Vec::with_capacity(1 + 2 * stats.len());
-    buf.push(count);
-    buf.extend(stats.iter().map(|s| s.mean));
-    buf.extend(stats.iter().map(|s| s.m2));
-    buf
+/// Rows of the `[ROWS, C]` statistics each rank contributes: the pivot `K` (the rank's first
+/// sample of the channel, 0 without samples), the mean of `x − K`, the M2 of `x` and the
+/// sample count.
+pub(crate) const ROWS: usize = 4;
+
+/// The global statistics of one training call, on the device (f32).
+pub(crate) struct Global {
+    /// `[4, C]` channel parameters for the normalisation and backward operations: this
+    /// rank's pivot `K`, `μ − K`, `1 / sqrt(σ² + ε)` and `1 / N` (see the backend docs).
+    pub params: Tensor<2>,
+    /// The global mean μ per channel.
+    pub mean: Tensor<1>,
+    /// The batch variance for the running statistics (biased or unbiased, as asked).
+    pub var: Tensor<1>,
+    /// Per channel: whether there were enough samples for `var` (N > 0, or N > 1 unbiased).
+    /// Where not, the running statistics keep their values.
+    pub valid: Tensor<1, Bool>,
 }
 
-/// Combines the gathered `pack`ed buffers of every rank (rank order), channel by channel.
-pub(crate) fn combine_gathered(gathered: &[f64], channels: usize) -> Vec<ChannelStats> {
-    let stride = 1 + 2 * channels;
-    let mut out = vec![ChannelStats::default(); channels];
-    for rank in gathered.chunks_exact(stride) {
-        let count = rank[0];
-        for (c, acc) in out.iter_mut().enumerate() {
-            *acc = acc.merge(ChannelStats {
-                count,
-                mean: rank[1 + c],
-                m2: rank[1 + channels + c],
-            });
-        }
+/// Combines the all-gathered `[W, ROWS, C]` statistics of every rank into the global ones,
+/// with tensor operations on their device, in f32.
+///
+/// Every rank's mean is first re-expressed relative to a common pivot `P` (the average of the
+/// non-empty ranks' pivots, which lies among the samples), so with data of mean 1000 and
+/// std 0.01 no step subtracts two large numbers whose difference matters:
+/// `d_r = (K_r − P) + m_r`, `δ = Σ n_r d_r / N`, `μ = P + δ`,
+/// `M2 = Σ M2_r + Σ n_r (d_r − δ)²` (the parallel form of Chan's update). Ranks with no
+/// samples have `n_r = 0` and drop out.
+pub(crate) fn combine(
+    gathered: Tensor<3>,
+    local_pivot: Tensor<1>,
+    epsilon: f64,
+    unbiased: bool,
+) -> Global {
+    let [world, rows, channels] = gathered.dims();
+    debug_assert_eq!(rows, ROWS);
+    let gathered = gathered.cast(DType::F32);
+    let row = |r: usize| gathered.clone().narrow(1, r, 1).reshape([world, channels]);
+    let (pivots, means, m2s, counts) = (row(0), row(1), row(2), row(3));
+
+    let present = counts.clone().greater_elem(0.0).float();
+    let present_ranks = present.clone().sum_dim(0).clamp_min(1.0); // [1, C]
+    let pivot = (pivots.clone() * present).sum_dim(0) / present_ranks;
+    let d = (pivots - pivot.clone()) + means;
+    let total = counts.clone().sum_dim(0); // [1, C]
+    let safe_total = total.clone().clamp_min(1.0);
+    let delta = (counts.clone() * d.clone()).sum_dim(0) / safe_total.clone();
+    let dev = d - delta.clone();
+    let m2 = m2s.sum_dim(0) + (counts * dev.clone() * dev).sum_dim(0);
+    let biased = m2.clone() / safe_total.clone();
+    let invstd = (biased.clone() + epsilon).sqrt().recip();
+
+    let local_pivot = local_pivot.cast(DType::F32).reshape([1, channels]);
+    let local_mean = (pivot.clone() - local_pivot.clone()) + delta.clone();
+    let params = Tensor::cat(vec![local_pivot, local_mean, invstd, safe_total.recip()], 0);
+    let var = if unbiased {
+        m2 / (total.clone() - 1.0).clamp_min(1.0)
+    } else {
+        biased
+    };
+    let valid = total.greater_elem(if unbiased { 1.0 } else { 0.0 });
+    Global {
+        params,
+        mean: (pivot + delta).reshape([channels]),
+        var: var.reshape([channels]),
+        valid: valid.reshape([channels]),
     }
-    out
 }
 
 #[cfg(test)]
@@ -114,39 +164,105 @@ mod tests {
         assert!((merged.m2 - want.m2).abs() <= 1e-9 * want.m2);
     }
 
+    /// `values[rank][channel]` → the `[W, 4, C]` layout every rank contributes, as the
+    /// kernels compute it (pivot = first sample, mean and M2 relative to it).
+    fn gathered(values: &[Vec<Vec<f64>>], channels: usize) -> (Vec<f32>, Vec<ChannelStats>) {
+        let mut flat = Vec::new();
+        let mut want = vec![ChannelStats::default(); channels];
+        for rank in values {
+            let mut rows = vec![vec![0.0f32; channels]; ROWS];
+            for (c, xs) in rank.iter().enumerate() {
+                if let Some(&k) = xs.first() {
+                    let s = direct(xs);
+                    rows[0][c] = k as f32;
+                    rows[1][c] = (s.mean - k) as f32;
+                    rows[2][c] = s.m2 as f32;
+                    rows[3][c] = xs.len() as f32;
+                    want[c] = want[c].merge(s);
+                }
+            }
+            flat.extend(rows.into_iter().flatten());
+        }
+        (flat, want)
+    }
+
     #[test]
-    fn gathered_layout_round_trips() {
-        let a = [
-            ChannelStats {
-                count: 2.0,
-                mean: 1.0,
-                m2: 2.0,
-            },
-            ChannelStats {
-                count: 2.0,
-                mean: -1.0,
-                m2: 0.5,
-            },
-        ];
-        let b = [ChannelStats::default(); 2];
-        let c = [
-            ChannelStats {
-                count: 1.0,
-                mean: 4.0,
-                m2: 0.0,
-            },
-            ChannelStats {
-                count: 1.0,
-                mean: 3.0,
-                m2: 0.0,
-            },
-        ];
-        let mut gathered = pack(2.0, &a);
-        gathered.extend(pack(0.0, &b));
-        gathered.extend(pack(1.0, &c));
-        let out = combine_gathered(&gathered, 2);
-        assert_eq!(out[0], a[0].merge(c[0]));
-        assert_eq!(out[1], a[1].merge(c[1]));
-        assert_eq!(out[0].count, 3.0);
+    fn device_combination_matches_f64_with_empty_ranks_and_a_large_mean() {
+        use burn::tensor::{Device, TensorData};
+        let device = Device::flex();
+        let channels = 2;
+        let sample = |rank: usize, i: usize, c: usize| {
+            let base = if c == 0 { 1000.0 } else { -3.0 };
+            let spread = if c == 0 { 0.01 } else { 2.0 };
+            base + spread * ((rank * 31 + i * 7 + c) as f64 * 0.37).sin()
+        };
+        let sizes = [5usize, 0, 3, 11];
+        let values: Vec<Vec<Vec<f64>>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| {
+                (0..channels)
+                    .map(|c| (0..n).map(|i| sample(r, i, c) as f32 as f64).collect())
+                    .collect()
+            })
+            .collect();
+        let (flat, want) = gathered(&values, channels);
+        let world = sizes.len();
+        let all = Tensor::<3>::from_data(TensorData::new(flat, [world, ROWS, channels]), &device);
+        for local_rank in [0, 1, 3] {
+            let local_pivot = all.clone().narrow(0, local_rank, 1).narrow(1, 0, 1);
+            let eps = 1e-5;
+            let global = combine(all.clone(), local_pivot.reshape([channels]), eps, false);
+            let read = |t: Tensor<1>| t.into_data().convert::<f64>().try_to_vec::<f64>().unwrap();
+            let mean = read(global.mean);
+            let var = read(global.var);
+            let params = global
+                .params
+                .into_data()
+                .convert::<f64>()
+                .try_to_vec::<f64>()
+                .unwrap();
+            for c in 0..channels {
+                let w = want[c];
+                assert!(
+                    (mean[c] - w.mean).abs() <= 1e-4,
+                    "mean {} vs {}",
+                    mean[c],
+                    w.mean
+                );
+                let rel = (var[c] - w.biased_var()).abs() / w.biased_var();
+                assert!(
+                    rel < 1e-4,
+                    "channel {c}: var {} vs {} ({rel})",
+                    var[c],
+                    w.biased_var()
+                );
+                let invstd = 1.0 / (w.biased_var() + eps).sqrt();
+                assert!((params[2 * channels + c] - invstd).abs() / invstd < 1e-4);
+                assert_eq!(params[3 * channels + c], (1.0 / w.count as f32) as f64);
+                // Row 0 is this rank's pivot, row 1 the global mean relative to it.
+                let k = params[c];
+                let exact = (w.mean - k) as f32 as f64;
+                assert!((params[channels + c] - exact).abs() <= 1e-4 * (1.0 + exact.abs()));
+            }
+            assert_eq!(read(global.valid.float()), vec![1.0; channels]);
+        }
+    }
+
+    #[test]
+    fn device_combination_of_no_samples_is_marked_invalid() {
+        use burn::tensor::{Device, TensorData};
+        let device = Device::flex();
+        let all = Tensor::<3>::from_data(TensorData::new(vec![0.0f32; 8], [1, ROWS, 2]), &device);
+        let global = combine(all, Tensor::zeros([2], &device), 1e-5, true);
+        let valid = global
+            .valid
+            .float()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        assert_eq!(valid, vec![0.0, 0.0]);
+        let params = global.params.into_data().try_to_vec::<f32>().unwrap();
+        assert!(params.iter().all(|v| v.is_finite()), "{params:?}");
     }
 }

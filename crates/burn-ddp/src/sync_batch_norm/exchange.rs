@@ -1,0 +1,219 @@
+//! How SyncBatchNorm's per-channel values travel between ranks.
+//!
+//! - [`Exchange::Local`]: world size 1 (or no process group): no collective and no readback;
+//!   the statistics stay on the device.
+//! - [`Exchange::Host`]: the process group's host collectives (TCP / shared memory). The
+//!   `[4, C]` statistics and the `[2, C]` backward sums are read to the host, exchanged in f64
+//!   and uploaded again — also how other GPU backends (wgpu) take part.
+//! - `Exchange::Nccl` (feature `cuda`): when [`crate::Ddp`] installed an NCCL communicator, the
+//!   same values are all-gathered / all-reduced by NCCL in CUDA device memory, with no host
+//!   round trip (see [`crate::nccl`]).
+//!
+//! Every rank picks the same variant: the group and the communicator are process-wide and set
+//! up collectively by [`crate::Ddp`], so the collectives of a layer always match across ranks.
+
+use std::any::Any;
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
+use burn::tensor::{Tensor, TensorData};
+use ddp_comm::ReduceOp;
+
+use super::SyncBatchNormError;
+use super::backend::{read_host, upload};
+use crate::comm::{self, SharedGroup};
+
+/// The transport of one SyncBatchNorm call; see the [module docs](self).
+pub(crate) enum Exchange {
+    /// No other rank.
+    Local,
+    /// Host-staged through the process group.
+    Host(SharedGroup),
+    /// NCCL on CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Nccl(crate::nccl::SharedNccl),
+}
+
+/// What [`Exchange::all_gather`] returns.
+pub(crate) struct Gathered {
+    /// `[W, R, C]`: every rank's `[R, C]` contribution, in rank order, on the caller's device.
+    pub stats: Tensor<3>,
+    /// The total sample count over all ranks where the host knows it without reading the
+    /// device (`None` on the NCCL path, which never reads the statistics back).
+    pub total_count: Option<f64>,
+}
+
+impl Exchange {
+    /// The transport every rank of this process group uses.
+    pub(crate) fn current() -> Exchange {
+        let Some(group) = comm::group() else {
+            return Exchange::Local;
+        };
+        if comm::lock(&group).world_size() == 1 {
+            return Exchange::Local;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = comm::nccl() {
+            return Exchange::Nccl(nccl);
+        }
+        Exchange::Host(group)
+    }
+
+    /// The number of ranks.
+    pub(crate) fn world_size(&self) -> usize {
+        match self {
+            Exchange::Local => 1,
+            Exchange::Host(group) => comm::lock(group).world_size(),
+            #[cfg(feature = "cuda")]
+            Exchange::Nccl(nccl) => crate::nccl::lock(nccl).world_size(),
+        }
+    }
+
+    /// All-gathers every rank's `[R, C]` tensor into `[W, R, C]` on `local`'s device. Row
+    /// `count_row` holds the rank's sample count `count` (the same in every channel).
+    pub(crate) fn all_gather(
+        &self,
+        local: Tensor<2>,
+        count_row: usize,
+        count: usize,
+    ) -> Result<Gathered, SyncBatchNormError> {
+        let [rows, channels] = local.dims();
+        match self {
+            Exchange::Local => Ok(Gathered {
+                stats: local.reshape([1, rows, channels]),
+                total_count: Some(count as f64),
+            }),
+            Exchange::Host(group) => {
+                let device = local.device();
+                let dtype = local.dtype();
+                let mine = local
+                    .into_data()
+                    .convert::<f64>()
+                    .try_into_vec::<f64>()
+                    .map_err(|e| SyncBatchNormError::Device(format!("{e:?}")))?;
+                let mut pg = comm::lock(group);
+                let world = pg.world_size();
+                let mut all = vec![0.0f64; mine.len() * world];
+                pg.all_gather(&mine, &mut all)?;
+                drop(pg);
+                let total = all
+                    .chunks_exact(rows * channels)
+                    .map(|rank| rank[count_row * channels])
+                    .sum();
+                let data = TensorData::new(all, [world, rows, channels]).convert_dtype(dtype);
+                Ok(Gathered {
+                    stats: Tensor::from_data(data, &device),
+                    total_count: Some(total),
+                })
+            }
+            #[cfg(feature = "cuda")]
+            Exchange::Nccl(nccl) => {
+                let mut nccl = crate::nccl::lock(nccl);
+                let world = nccl.world_size();
+                let flat = local
+                    .cast(burn::tensor::DType::F32)
+                    .reshape([rows * channels]);
+                let all = crate::nccl::all_gather(&mut nccl, flat)
+                    .map_err(|e| SyncBatchNormError::Device(e.to_string()))?;
+                Ok(Gathered {
+                    stats: all.reshape([world, rows, channels]),
+                    total_count: None,
+                })
+            }
+        }
+    }
+
+    /// Sums a backend tensor over all ranks (inside the autodiff backward pass).
+    pub(crate) fn all_reduce_sum<B: Backend>(
+        &self,
+        local: FloatTensor<B>,
+    ) -> Result<FloatTensor<B>, SyncBatchNormError> {
+        match self {
+            Exchange::Local => Ok(local),
+            Exchange::Host(group) => {
+                let (device, dtype, shape) = (local.device(), local.dtype(), local.shape());
+                let mut buf = read_host::<B>(local)?;
+                comm::lock(group).all_reduce(&mut buf, ReduceOp::Sum)?;
+                Ok(upload::<B>(&buf, &shape, dtype, &device))
+            }
+            #[cfg(feature = "cuda")]
+            Exchange::Nccl(nccl) => {
+                use burn::backend::Cube;
+                let dtype = local.dtype();
+                let [rows, channels] = local.shape().dims();
+                let cube = downcast::<B, Cube>(local).map_err(|_| {
+                    SyncBatchNormError::Device(
+                        "NCCL carries SyncBatchNorm's collectives, but this layer runs on a \
+                         non-CUDA backend; every rank must train on its CUDA device"
+                            .into(),
+                    )
+                })?;
+                let flat = Tensor::<2>::from_primitive::<Cube>(cube)
+                    .cast(burn::tensor::DType::F32)
+                    .reshape([rows * channels]);
+                let summed =
+                    crate::nccl::all_reduce(&mut crate::nccl::lock(nccl), flat, ReduceOp::Sum)
+                        .map_err(|e| SyncBatchNormError::Device(e.to_string()))?;
+                let cube = summed
+                    .reshape([rows, channels])
+                    .cast(dtype)
+                    .try_into_primitive::<Cube>()
+                    .map_err(|e| SyncBatchNormError::Device(format!("{e:?}")))?;
+                Ok(downcast::<Cube, B>(cube)
+                    .unwrap_or_else(|_| unreachable!("the tensor came from B")))
+            }
+        }
+    }
+}
+
+/// `Ok` when `FloatTensor<From>` is the same type as `FloatTensor<To>` (the backends are
+/// only known generically inside the autodiff backward pass).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn downcast<From: Backend, To: Backend>(
+    t: FloatTensor<From>,
+) -> Result<FloatTensor<To>, FloatTensor<From>> {
+    let boxed: Box<dyn Any> = Box::new(t);
+    match boxed.downcast::<FloatTensor<To>>() {
+        Ok(t) => Ok(*t),
+        Err(boxed) => Err(*boxed
+            .downcast::<FloatTensor<From>>()
+            .expect("the box holds a FloatTensor<From>")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::Device;
+
+    #[test]
+    fn downcast_accepts_only_the_same_primitive_type() {
+        let t = Tensor::<1>::from_floats([1.0, 2.0], &Device::flex())
+            .try_into_primitive::<Flex>()
+            .expect("a Flex tensor");
+        let same = downcast::<Flex, Flex>(t).unwrap_or_else(|_| panic!("Flex is Flex"));
+        #[cfg(feature = "cube")]
+        let same = match downcast::<Flex, burn::backend::Cube>(same) {
+            Ok(_) => panic!("a Flex tensor is not a Cube one"),
+            Err(same) => same,
+        };
+        let back = Tensor::<1>::from_primitive::<Flex>(same);
+        assert_eq!(
+            back.into_data().try_to_vec::<f32>().ok(),
+            Some(vec![1.0, 2.0])
+        );
+    }
+
+    #[test]
+    fn a_world_of_one_exchanges_nothing() {
+        // The lib tests install no group or a group of one (`ProcessGroup::single`).
+        let exchange = Exchange::current();
+        assert!(matches!(exchange, Exchange::Local));
+        assert_eq!(exchange.world_size(), 1);
+        let local = Tensor::<2>::ones([4, 3], &Device::flex());
+        let gathered = exchange.all_gather(local, 3, 7).expect("local");
+        assert_eq!(gathered.stats.dims(), [1, 4, 3]);
+        assert_eq!(gathered.total_count, Some(7.0));
+    }
+}
