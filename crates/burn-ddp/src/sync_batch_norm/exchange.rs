@@ -216,4 +216,39 @@ mod tests {
         assert_eq!(gathered.stats.dims(), [1, 4, 3]);
         assert_eq!(gathered.total_count, Some(7.0));
     }
+
+    /// The NCCL transport in a world of one: real NCCL calls on Burn CUDA tensors, which must
+    /// hand back exactly what they got.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
+                (cubecl-llvm downloads LLVM at build time)"]
+    fn nccl_transport_in_a_world_of_one_hands_back_its_input() {
+        use burn::backend::Cube;
+        use ddp_comm::nccl::{NcclGroup, NcclOptions};
+        use std::sync::{Arc, Mutex};
+        let device = Device::cuda(0);
+        let nccl = NcclGroup::single(&NcclOptions {
+            device: Some(0),
+            ..NcclOptions::default()
+        })
+        .expect("an NCCL communicator of one on GPU 0");
+        let exchange = Exchange::Nccl(Arc::new(Mutex::new(nccl)));
+        let local = Tensor::<2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
+        let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().expect("f32");
+        let want = values(local.clone());
+
+        let gathered = exchange
+            .all_gather(local.clone(), 1, 3)
+            .expect("all-gather");
+        assert_eq!(gathered.total_count, None);
+        assert_eq!(gathered.stats.dims(), [1, 2, 3]);
+        assert_eq!(values(gathered.stats.reshape([2, 3])), want);
+
+        let primitive = local.try_into_primitive::<Cube>().expect("a Cube tensor");
+        let summed = exchange
+            .all_reduce_sum::<Cube>(primitive)
+            .expect("all-reduce");
+        assert_eq!(values(Tensor::<2>::from_primitive::<Cube>(summed)), want);
+    }
 }
