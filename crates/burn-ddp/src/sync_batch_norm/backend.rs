@@ -39,6 +39,17 @@ fn per_channel_spec(x: &TensorSpec, rows: usize) -> TensorSpec {
     TensorSpec::new(Shape::new([rows, x.shape[1]]), x.dtype)
 }
 
+/// The scalar settings of [`SyncBatchNormBackend::sync_bn_combine`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CombineOptions {
+    /// Added to the variance in `1 / sqrt(σ² + ε)`.
+    pub epsilon: f64,
+    /// Weight of the batch statistics in the running-statistics update.
+    pub momentum: f64,
+    /// Whether the running variance takes `M2 / (N − 1)` (PyTorch) instead of `M2 / N`.
+    pub unbiased: bool,
+}
+
 /// Per-channel operations of a synchronised batch norm. The cross-rank combination is not here:
 /// these are local computations that a backend can implement with kernels.
 ///
@@ -51,13 +62,41 @@ fn per_channel_spec(x: &TensorSpec, rows: usize) -> TensorSpec {
     Autodiff
 )]
 pub trait SyncBatchNormBackend: Backend {
-    /// Local statistics of `x` (`[N, C, S]`, `N·S ≥ 1`): a `[3, C]` tensor of the pivot `K_c`
-    /// (the channel's first element), the mean of `x − K_c` and its sum of squared deviations
-    /// (M2), computed in one pass per channel.
-    #[fusion(meta = |x, _k| per_channel_spec(x, 3))]
+    /// Local statistics of `x` (`[N, C, S]`, `N·S ≥ 1`): a `[4, C]` tensor of the pivot `K_c`
+    /// (the channel's first element), the mean of `x − K_c`, its sum of squared deviations
+    /// (M2), computed in one pass per channel, and the count `N·S`.
+    #[fusion(meta = |x, _k| per_channel_spec(x, 4))]
     fn sync_bn_stats(x: FloatTensor<Self>, kernels: bool) -> FloatTensor<Self> {
         let _ = kernels;
         tensor_ops::stats::<Self>(x)
+    }
+
+    /// Combines every rank's statistics into the global ones, per channel, on the device, and
+    /// updates the running statistics.
+    ///
+    /// `gathered` is `[W, 4, C]`: each rank's [`sync_bn_stats`](Self::sync_bn_stats) (zeros
+    /// for a rank without samples), `local` this rank's `[4, C]`, `running_mean` and
+    /// `running_var` are `[C]`. Returns `[6, C]`: rows 0–3 the channel parameters `P` (this
+    /// rank's `K`, `μ − K`, `1 / sqrt(σ² + ε)`, `1 / N`), rows 4 and 5 the new running mean
+    /// and variance — `old · (1 − momentum) + batch · momentum` as BatchNorm updates them, with
+    /// the batch variance `M2 / N` (or `M2 / (N − 1)` when `unbiased`), or unchanged where the
+    /// channel had no sample (fewer than two when `unbiased`).
+    ///
+    /// The means are first re-expressed relative to a common pivot `P₀` (the average of the
+    /// non-empty ranks' pivots, which lies among the samples): `d_r = (K_r − P₀) + m_r`,
+    /// `δ = Σ n_r d_r / N`, `μ = P₀ + δ`, `M2 = Σ M2_r + Σ n_r (d_r − δ)²` (Chan's parallel
+    /// formula), so data with mean 1000 and std 0.01 loses nothing to cancellation.
+    #[fusion(meta = |_g, local, _rm, _rv, _o, _k| per_channel_spec(local, 6))]
+    fn sync_bn_combine(
+        gathered: FloatTensor<Self>,
+        local: FloatTensor<Self>,
+        running_mean: FloatTensor<Self>,
+        running_var: FloatTensor<Self>,
+        options: CombineOptions,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        let _ = kernels;
+        tensor_ops::combine::<Self>(gathered, local, running_mean, running_var, options)
     }
 
     /// `y = ((x − K) − m) · (γ · invstd) + β` per channel, with `P = [K; m; invstd; 1/N]`.
@@ -87,19 +126,20 @@ pub trait SyncBatchNormBackend: Backend {
         tensor_ops::grad_sums::<Self>(grad, x, params)
     }
 
-    /// Input gradient `dx = γ · invstd · (dy − g0 − (x − μ) · g1)` with `coeff = [g0; g1]`,
-    /// `g0 = Σdy / N`, `g1 = invstd² · Σdy(x − μ) / N` over every rank's samples.
+    /// Input gradient `dx = γ · invstd · (dy − g0 − (x − μ) · g1)` with `g0 = Σdy / N` and
+    /// `g1 = invstd² · Σdy(x − μ) / N`, from `sums = [Σdy; Σdy(x − μ)]` over every rank's
+    /// samples (`[2, C]`) and `1/N`, `invstd` from `params`.
     #[fusion(dtype = x, shape = x)]
     fn sync_bn_grad_input(
         grad: FloatTensor<Self>,
         x: FloatTensor<Self>,
         params: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
-        coeff: FloatTensor<Self>,
+        sums: FloatTensor<Self>,
         kernels: bool,
     ) -> FloatTensor<Self> {
         let _ = kernels;
-        tensor_ops::grad_input::<Self>(grad, x, params, gamma, coeff)
+        tensor_ops::grad_input::<Self>(grad, x, params, gamma, sums)
     }
 }
 
@@ -115,7 +155,7 @@ pub mod tensor_ops {
     }
 
     /// Row `row` of a `[k, C]` tensor as a `[C]` tensor.
-    pub(crate) fn row<B: Backend>(
+    pub(crate) fn row_of<B: Backend>(
         t: FloatTensor<B>,
         row: usize,
         channels: usize,
@@ -132,10 +172,7 @@ pub mod tensor_ops {
 
     /// Row `row` of a `[k, C]` tensor as a `[1, C, 1]` tensor.
     fn channel_row<B: Backend>(t: FloatTensor<B>, row: usize, channels: usize) -> FloatTensor<B> {
-        B::float_reshape(
-            self::row::<B>(t, row, channels),
-            Shape::new([1, channels, 1]),
-        )
+        B::float_reshape(row_of::<B>(t, row, channels), Shape::new([1, channels, 1]))
     }
 
     /// `[N, C, S]` → `[C, N·S]`.
@@ -153,6 +190,7 @@ pub mod tensor_ops {
     /// See [`SyncBatchNormBackend::sync_bn_stats`].
     pub fn stats<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
         let [n, c, s] = dims3::<B>(&x);
+        let (x_device, x_dtype) = (x.device(), x.dtype());
         let pivot = B::float_slice(
             x.clone(),
             &[
@@ -166,7 +204,13 @@ pub mod tensor_ops {
         let dev = B::float_sub(shifted, mean.clone());
         let m2 = B::float_sum_dim(B::float_mul(dev.clone(), dev), 1); // [C, 1]
         let row = |t: FloatTensor<B>| B::float_reshape(t, Shape::new([1, c]));
-        B::float_cat(vec![row(pivot), row(mean), row(m2)], 0)
+        let count = B::float_full(
+            Shape::new([1, c]),
+            ((n * s) as f64).into(),
+            &x_device,
+            x_dtype.into(),
+        );
+        B::float_cat(vec![row(pivot), row(mean), row(m2), count], 0)
     }
 
     /// See [`SyncBatchNormBackend::sync_bn_normalize`].
@@ -203,19 +247,119 @@ pub mod tensor_ops {
         B::float_cat(vec![sum(grad), sum(weighted)], 0)
     }
 
+    /// See [`SyncBatchNormBackend::sync_bn_combine`].
+    pub fn combine<B: Backend>(
+        gathered: FloatTensor<B>,
+        local: FloatTensor<B>,
+        running_mean: FloatTensor<B>,
+        running_var: FloatTensor<B>,
+        options: CombineOptions,
+    ) -> FloatTensor<B> {
+        let shape = gathered.shape();
+        let (world, c) = (shape[0], shape[2]);
+        let row = |r: usize| {
+            let rows = B::float_slice(
+                gathered.clone(),
+                &[
+                    Slice::full(),
+                    Slice::new(r as isize, Some(r as isize + 1), 1),
+                    Slice::full(),
+                ],
+            );
+            B::float_reshape(rows, Shape::new([world, c]))
+        };
+        let (pivots, means, m2s, counts) = (row(0), row(1), row(2), row(3));
+        let sum = |t: FloatTensor<B>| B::float_sum_dim(t, 0); // [1, C]
+        let at_least_one = |t: FloatTensor<B>| B::float_clamp_min(t, 1.0.into());
+        let as_row = |t: FloatTensor<B>| B::float_reshape(t, Shape::new([1, c]));
+
+        // Counts are whole numbers ≥ 0, so min(count, 1) is 1 exactly where a rank has samples.
+        let present = B::float_clamp_max(counts.clone(), 1.0.into());
+        let present_ranks = at_least_one(sum(present.clone()));
+        let pivot = B::float_div(sum(B::float_mul(pivots.clone(), present)), present_ranks);
+        let d = B::float_add(B::float_sub(pivots, pivot.clone()), means);
+        let total = sum(counts.clone());
+        let safe_total = at_least_one(total.clone());
+        let delta = B::float_div(
+            sum(B::float_mul(counts.clone(), d.clone())),
+            safe_total.clone(),
+        );
+        let dev = B::float_sub(d, delta.clone());
+        let m2 = B::float_add(
+            sum(m2s),
+            sum(B::float_mul(B::float_mul(counts, dev.clone()), dev)),
+        );
+        let biased = B::float_div(m2.clone(), safe_total.clone());
+        let invstd = B::float_recip(B::float_sqrt(B::float_add_scalar(
+            biased.clone(),
+            options.epsilon.into(),
+        )));
+        let local_pivot = as_row(row_of::<B>(local, 0, c));
+        let local_mean = B::float_add(
+            B::float_sub(pivot.clone(), local_pivot.clone()),
+            delta.clone(),
+        );
+
+        let (var, min_count) = if options.unbiased {
+            let n_minus_1 = at_least_one(B::float_sub_scalar(total.clone(), 1.0.into()));
+            (B::float_div(m2, n_minus_1), 1.0)
+        } else {
+            (biased, 0.0)
+        };
+        // BatchNorm's update, then kept only where total > min_count (a 0/1 mask: whole
+        // numbers again).
+        let valid = B::float_clamp_max(
+            B::float_clamp_min(B::float_sub_scalar(total, min_count.into()), 0.0.into()),
+            1.0.into(),
+        );
+        let invalid = B::float_add_scalar(B::float_neg(valid.clone()), 1.0.into());
+        let update = |old: FloatTensor<B>, batch: FloatTensor<B>| {
+            let old = as_row(old);
+            let blended = B::float_add(
+                B::float_mul_scalar(old.clone(), (1.0 - options.momentum).into()),
+                B::float_mul_scalar(batch, options.momentum.into()),
+            );
+            // blended · valid + old · (1 − valid): exactly one of the two, as both are finite.
+            B::float_add(
+                B::float_mul(blended, valid.clone()),
+                B::float_mul(old, invalid.clone()),
+            )
+        };
+        let new_mean = update(running_mean, B::float_add(pivot, delta));
+        let new_var = update(running_var, var);
+        B::float_cat(
+            vec![
+                local_pivot,
+                local_mean,
+                invstd,
+                B::float_recip(safe_total),
+                new_mean,
+                new_var,
+            ],
+            0,
+        )
+    }
+
     /// See [`SyncBatchNormBackend::sync_bn_grad_input`].
     pub fn grad_input<B: Backend>(
         grad: FloatTensor<B>,
         x: FloatTensor<B>,
         params: FloatTensor<B>,
         gamma: FloatTensor<B>,
-        coeff: FloatTensor<B>,
+        sums: FloatTensor<B>,
     ) -> FloatTensor<B> {
         let [_, c, _] = dims3::<B>(&x);
         let invstd = channel_row::<B>(params.clone(), 2, c);
+        let inv_n = channel_row::<B>(params.clone(), 3, c);
         let gamma = B::float_reshape(gamma, Shape::new([1, c, 1]));
-        let g0 = channel_row::<B>(coeff.clone(), 0, c);
-        let g1 = channel_row::<B>(coeff, 1, c);
+        let g0 = B::float_mul(channel_row::<B>(sums.clone(), 0, c), inv_n.clone());
+        let g1 = B::float_mul(
+            B::float_mul(
+                B::float_mul(invstd.clone(), invstd.clone()),
+                channel_row::<B>(sums, 1, c),
+            ),
+            inv_n,
+        );
         let xmu = centred::<B>(x, params, c);
         let inner = B::float_sub(B::float_sub(grad, g0), B::float_mul(xmu, g1));
         B::float_mul(inner, B::float_mul(gamma, invstd))
@@ -265,7 +409,7 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
         let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
         let gamma: FloatTensor<B> = checkpointer.retrieve_node_output(gamma_state);
         let channels = params.shape()[1];
-        let row = |t: FloatTensor<B>, r: usize| tensor_ops::row::<B>(t, r, channels);
+        let row = |t: FloatTensor<B>, r: usize| tensor_ops::row_of::<B>(t, r, channels);
         let invstd = row(params.clone(), 2);
 
         // Local Σdy and Σdy·(x − μ) (zero on a rank without samples), on the device.
@@ -295,17 +439,8 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
                     );
                     panic!("SyncBatchNorm backward: all-reduce of the per-channel sums failed: {e}")
                 });
-            let inv_n = row(params.clone(), 3);
-            // g0 = Σdy / N, g1 = invstd² · Σdy(x − μ) / N.
-            let g0 = B::float_mul(row(global.clone(), 0), inv_n.clone());
-            let g1 = B::float_mul(
-                B::float_mul(B::float_mul(invstd.clone(), invstd), row(global, 1)),
-                inv_n,
-            );
-            let as_row = |t: FloatTensor<B>| B::float_reshape(t, Shape::new([1, channels]));
-            let coeff = B::float_cat(vec![as_row(g0), as_row(g1)], 0);
             let dx = if x.shape().num_elements() > 0 {
-                B::sync_bn_grad_input(grad, x, params, gamma, coeff, kernels)
+                B::sync_bn_grad_input(grad, x, params, gamma, global, kernels)
             } else {
                 grad
             };
@@ -317,6 +452,24 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
 impl<B: SyncBatchNormBackend, C: CheckpointStrategy> SyncBatchNormBackend for Autodiff<B, C> {
     fn sync_bn_stats(x: FloatTensor<Self>, kernels: bool) -> FloatTensor<Self> {
         FloatTensor::<Self>::new(B::sync_bn_stats(x.into_primitive(), kernels))
+    }
+
+    fn sync_bn_combine(
+        gathered: FloatTensor<Self>,
+        local: FloatTensor<Self>,
+        running_mean: FloatTensor<Self>,
+        running_var: FloatTensor<Self>,
+        options: CombineOptions,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        FloatTensor::<Self>::new(B::sync_bn_combine(
+            gathered.into_primitive(),
+            local.into_primitive(),
+            running_mean.into_primitive(),
+            running_var.into_primitive(),
+            options,
+            kernels,
+        ))
     }
 
     fn sync_bn_normalize(
@@ -373,7 +526,7 @@ impl<B: SyncBatchNormBackend, C: CheckpointStrategy> SyncBatchNormBackend for Au
         x: FloatTensor<Self>,
         params: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
-        coeff: FloatTensor<Self>,
+        sums: FloatTensor<Self>,
         kernels: bool,
     ) -> FloatTensor<Self> {
         FloatTensor::<Self>::new(B::sync_bn_grad_input(
@@ -381,7 +534,7 @@ impl<B: SyncBatchNormBackend, C: CheckpointStrategy> SyncBatchNormBackend for Au
             x.into_primitive(),
             params.into_primitive(),
             gamma.into_primitive(),
-            coeff.into_primitive(),
+            sums.into_primitive(),
             kernels,
         ))
     }

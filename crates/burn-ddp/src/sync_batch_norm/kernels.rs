@@ -19,7 +19,7 @@ use burn_cubecl::{
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
-use super::backend::{SyncBatchNormBackend, tensor_ops};
+use super::backend::{CombineOptions, SyncBatchNormBackend, tensor_ops};
 
 /// Units per cube of the per-channel reductions (a power of two; the shared buffers' size).
 const BLOCK: usize = 256;
@@ -45,7 +45,7 @@ fn chan_merge<F: Float>(
     }
 }
 
-/// One cube per channel: out = [pivot; mean(x − pivot); M2] as a `[3, C]` tensor.
+/// One cube per channel: out = [pivot; mean(x − pivot); M2; count] as a `[4, C]` tensor.
 #[cube(launch)]
 fn stats_kernel<F: Float>(
     x: &Tensor<F>,
@@ -99,6 +99,7 @@ fn stats_kernel<F: Float>(
         out[c] = pivot;
         out[channels + c] = sh_mean[0];
         out[2 * channels + c] = sh_m2[0];
+        out[3 * channels + c] = sh_count[0];
     }
 }
 
@@ -225,6 +226,7 @@ fn stats_tiled_kernel<F: Float>(
         out[c] = pivot;
         out[channels + c] = sh_mean[tx];
         out[2 * channels + c] = sh_m2[tx];
+        out[3 * channels + c] = sh_count[tx];
     }
 }
 
@@ -309,14 +311,15 @@ fn normalize_kernel<F: Float>(
     out[i] = xmu * (gamma[c] * params[2 * channels + c]) + beta[c];
 }
 
-/// One unit per element: `dx = γ · invstd · (dy − g0 − (x − μ) · g1)`.
+/// One unit per element: `dx = γ · invstd · (dy − g0 − (x − μ) · g1)`, with
+/// `g0 = Σdy / N` and `g1 = invstd² · Σdy(x − μ) / N` from the global `sums`.
 #[cube(launch)]
 fn grad_input_kernel<F: Float>(
     grad: &Tensor<F>,
     x: &Tensor<F>,
     params: &Tensor<F>,
     gamma: &Tensor<F>,
-    coeff: &Tensor<F>,
+    sums: &Tensor<F>,
     out: &mut Tensor<F>,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -326,9 +329,112 @@ fn grad_input_kernel<F: Float>(
     }
     let channels = x.shape(1);
     let c = (i / x.shape(2)) % channels;
+    let invstd = params[2 * channels + c];
+    let inv_n = params[3 * channels + c];
+    let g0 = sums[c] * inv_n;
+    let g1 = invstd * invstd * sums[channels + c] * inv_n;
     let xmu = (x[i] - params[c]) - params[channels + c];
-    let inner = grad[i] - coeff[c] - xmu * coeff[channels + c];
-    out[i] = inner * (gamma[c] * params[2 * channels + c]);
+    let inner = grad[i] - g0 - xmu * g1;
+    out[i] = inner * (gamma[c] * invstd);
+}
+
+/// One unit per channel: combines every rank's `[K; mean of x − K; M2; count]` (`gathered`,
+/// a contiguous `[W, 4, C]`) into the `[6, C]` rows described at
+/// [`SyncBatchNormBackend::sync_bn_combine`]; `local` is this rank's contiguous `[4, C]`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn combine_kernel<F: Float>(
+    gathered: &Tensor<F>,
+    local: &Tensor<F>,
+    running_mean: &Tensor<F>,
+    running_var: &Tensor<F>,
+    out: &mut Tensor<F>,
+    epsilon: InputScalar,
+    momentum: InputScalar,
+    keep: InputScalar,
+    #[comptime] unbiased: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = ABSOLUTE_POS;
+    let channels = out.shape(1);
+    if c >= channels {
+        terminate!();
+    }
+    let world = gathered.shape(0);
+    let zero = F::new(0.0);
+    let one = F::new(1.0);
+
+    // The common pivot: the average of the non-empty ranks' pivots.
+    let mut pivots = zero;
+    let mut present = zero;
+    let mut r = 0;
+    while r < world {
+        let base = r * 4 * channels + c;
+        if gathered[base + 3 * channels] > zero {
+            pivots += gathered[base];
+            present += one;
+        }
+        r += 1;
+    }
+    if present < one {
+        present = one;
+    }
+    let pivot = pivots / present;
+
+    let mut total = zero;
+    let mut weighted = zero;
+    r = 0;
+    while r < world {
+        let base = r * 4 * channels + c;
+        let n = gathered[base + 3 * channels];
+        let d = (gathered[base] - pivot) + gathered[base + channels];
+        total += n;
+        weighted += n * d;
+        r += 1;
+    }
+    let mut safe_total = total;
+    if safe_total < one {
+        safe_total = one;
+    }
+    let delta = weighted / safe_total;
+
+    let mut m2 = zero;
+    r = 0;
+    while r < world {
+        let base = r * 4 * channels + c;
+        let n = gathered[base + 3 * channels];
+        let dev = (gathered[base] - pivot) + gathered[base + channels] - delta;
+        m2 += gathered[base + 2 * channels] + n * dev * dev;
+        r += 1;
+    }
+    let biased = m2 / safe_total;
+    let k = local[c];
+    out[c] = k;
+    out[channels + c] = (pivot - k) + delta;
+    out[2 * channels + c] = one / F::sqrt(biased + epsilon.get::<F>());
+    out[3 * channels + c] = one / safe_total;
+
+    // Running statistics: BatchNorm's update, or unchanged without enough samples.
+    let mut var = biased;
+    let mut min_count = zero;
+    if comptime!(unbiased) {
+        let mut n_minus_1 = total - one;
+        if n_minus_1 < one {
+            n_minus_1 = one;
+        }
+        var = m2 / n_minus_1;
+        min_count = one;
+    }
+    let mut new_mean = running_mean[c];
+    let mut new_var = running_var[c];
+    if total > min_count {
+        let m = momentum.get::<F>();
+        let kept = keep.get::<F>();
+        new_mean = new_mean * kept + (pivot + delta) * m;
+        new_var = new_var * kept + var * m;
+    }
+    out[4 * channels + c] = new_mean;
+    out[5 * channels + c] = new_var;
 }
 
 fn empty_like(t: &CubeTensor, shape: Shape) -> CubeTensor {
@@ -381,7 +487,7 @@ impl SyncBatchNormBackend for CubeBackend {
             x.shape().num_elements() > 0,
             "SyncBatchNorm per-channel reductions need at least one sample"
         );
-        let out = empty_like(&x, Shape::new([3, channels]));
+        let out = empty_like(&x, Shape::new([4, channels]));
         let (count, dim) = per_channel_launch(&x);
         let dtype = x.dtype;
         let (client, x_arg, out_arg) = (
@@ -410,6 +516,48 @@ impl SyncBatchNormBackend for CubeBackend {
                 dtype_to_storage_type(dtype),
             );
         }
+        out
+    }
+
+    fn sync_bn_combine(
+        gathered: FloatTensor<Self>,
+        local: FloatTensor<Self>,
+        running_mean: FloatTensor<Self>,
+        running_var: FloatTensor<Self>,
+        options: CombineOptions,
+        kernels: bool,
+    ) -> FloatTensor<Self> {
+        if !kernels {
+            return tensor_ops::combine::<Self>(
+                gathered,
+                local,
+                running_mean,
+                running_var,
+                options,
+            );
+        }
+        let gathered = into_contiguous(gathered);
+        let local = into_contiguous(local);
+        let channels = local.shape()[1];
+        let out = empty_like(&local, Shape::new([6, channels]));
+        let elem = dtype_to_storage_type(local.dtype);
+        let cube_dim = CubeDim::new(&out.client, channels);
+        let count = calculate_cube_count_elemwise(&out.client, channels, cube_dim);
+        combine_kernel::launch(
+            &out.client,
+            count,
+            cube_dim,
+            gathered.into_tensor_arg(),
+            local.into_tensor_arg(),
+            into_contiguous(running_mean).into_tensor_arg(),
+            into_contiguous(running_var).into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            InputScalar::new(options.epsilon, elem),
+            InputScalar::new(options.momentum, elem),
+            InputScalar::new(1.0 - options.momentum, elem),
+            options.unbiased,
+            elem,
+        );
         out
     }
 
@@ -503,11 +651,11 @@ impl SyncBatchNormBackend for CubeBackend {
         x: FloatTensor<Self>,
         params: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
-        coeff: FloatTensor<Self>,
+        sums: FloatTensor<Self>,
         kernels: bool,
     ) -> FloatTensor<Self> {
         if !kernels {
-            return tensor_ops::grad_input::<Self>(grad, x, params, gamma, coeff);
+            return tensor_ops::grad_input::<Self>(grad, x, params, gamma, sums);
         }
         let x = into_contiguous(x);
         let out = empty_like(&x, x.shape());
@@ -524,7 +672,7 @@ impl SyncBatchNormBackend for CubeBackend {
             x.into_tensor_arg(),
             into_contiguous(params).into_tensor_arg(),
             into_contiguous(gamma).into_tensor_arg(),
-            into_contiguous(coeff).into_tensor_arg(),
+            into_contiguous(sums).into_tensor_arg(),
             out.clone().into_tensor_arg(),
             dtype_to_storage_type(dtype),
         );

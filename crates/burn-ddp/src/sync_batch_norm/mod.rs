@@ -86,7 +86,7 @@ mod exchange;
 mod kernels;
 mod stats;
 
-pub use backend::SyncBatchNormBackend;
+pub use backend::{CombineOptions, SyncBatchNormBackend};
 pub use stats::ChannelStats;
 
 use burn::backend::{Dispatch, DispatchDevice};
@@ -384,23 +384,26 @@ impl SyncBatchNorm {
         let x = input.reshape([n, channels, spatial]);
         let dtype = x.dtype();
 
-        // Local (pivot, mean relative to the pivot, M2) per channel in one pass, plus the
-        // count: the [4, C] every rank contributes. Nothing is read back here.
-        let local = if count > 0 {
-            Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
+        // Local (pivot, mean relative to the pivot, M2, count) per channel in one pass: the
+        // [4, C] every rank contributes, combined in f32 whatever the input's dtype. Nothing
+        // is read back here.
+        let local = if count == 0 {
+            Tensor::zeros([stats::ROWS, channels], (&device, DType::F32))
+        } else {
+            let local = Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
                 x.clone().detach().into_dispatch(),
                 kernels,
-            ))
-        } else {
-            Tensor::zeros([3, channels], (&device, dtype))
+            ));
+            if dtype == DType::F32 {
+                local
+            } else {
+                // Half precision can't count far; the count row is rebuilt in f32.
+                let counts = Tensor::<2>::full([1, channels], count as f64, (&device, DType::F32));
+                Tensor::cat(vec![local.cast(DType::F32).narrow(0, 0, 3), counts], 0)
+            }
         };
-        // f32 whatever the input's dtype: counts stay exact up to 2^24 samples per rank.
-        let local = local.cast(DType::F32);
-        let local_pivot = local.clone().narrow(0, 0, 1).reshape([channels]);
-        let counts = Tensor::<2>::full([1, channels], count as f64, (&device, DType::F32));
-        let local = Tensor::cat(vec![local, counts], 0);
 
-        let gathered = exchange.all_gather(local, stats::ROWS - 1, count)?;
+        let gathered = exchange.all_gather(local.clone(), stats::ROWS - 1, count)?;
         if let Some(total) = gathered.total_count {
             if total == 0.0 {
                 return Err(SyncBatchNormError::NoSamples);
@@ -409,26 +412,42 @@ impl SyncBatchNorm {
                 return Err(SyncBatchNormError::TooFewSamples(total as u64));
             }
         }
-        let global = stats::combine(
-            gathered.stats,
-            local_pivot,
-            self.epsilon,
-            self.running_variance == RunningVariance::Unbiased,
-        );
-
+        // [6, C]: the channel parameters (rows 0–3) and the new running mean and variance.
+        let running = |state: &RunningState<Tensor<1>>| {
+            state
+                .value_sync()
+                .to_device(&device)
+                .cast(DType::F32)
+                .into_dispatch()
+        };
+        let global = Tensor::<2>::from_dispatch(Dispatch::sync_bn_combine(
+            gathered.stats.into_dispatch(),
+            local.into_dispatch(),
+            running(&self.running_mean),
+            running(&self.running_var),
+            CombineOptions {
+                epsilon: self.epsilon,
+                momentum: self.momentum,
+                unbiased: self.running_variance == RunningVariance::Unbiased,
+            },
+            kernels,
+        ));
         let output = Tensor::<3>::from_dispatch(Dispatch::sync_bn_normalize(
             x.into_dispatch(),
-            global.params.cast(dtype).into_dispatch(),
+            global
+                .clone()
+                .narrow(0, 0, stats::ROWS)
+                .cast(dtype)
+                .into_dispatch(),
             self.gamma.val().into_dispatch(),
             self.beta.val().into_dispatch(),
             kernels,
         ));
-        self.update_running(
-            global.mean.cast(dtype),
-            global.var.cast(dtype),
-            Some(global.valid),
-            &device,
-        );
+        let row = |r: usize| global.clone().narrow(0, r, 1).reshape([channels]);
+        let running_dtype = self.running_mean.value_sync().dtype();
+        self.running_mean
+            .update(row(4).cast(running_dtype).detach());
+        self.running_var.update(row(5).cast(running_dtype).detach());
         Ok(output.reshape(dims))
     }
 
@@ -450,28 +469,15 @@ impl SyncBatchNorm {
                     .mul_scalar(n as f64 / (n as f64 - 1.0))
             }
         };
-        self.update_running(result.mean.detach(), variance, None, &device);
+        self.update_running(result.mean.detach(), variance, &device);
         result.output
     }
 
-    /// Moves the running statistics towards the batch's by `momentum`, on the device; channels
-    /// outside `valid` (too few samples, only known on the device) keep their values.
-    fn update_running(
-        &self,
-        mean: Tensor<1>,
-        var: Tensor<1>,
-        valid: Option<Tensor<1, burn::tensor::Bool>>,
-        device: &Device,
-    ) {
+    /// Moves the running statistics towards the batch's by `momentum` (BatchNorm's update).
+    fn update_running(&self, mean: Tensor<1>, var: Tensor<1>, device: &Device) {
         let blend = |old: Tensor<1>, new: Tensor<1>| {
-            let blended = old
-                .clone()
-                .mul_scalar(1.0 - self.momentum)
-                .add(new.mul_scalar(self.momentum));
-            match &valid {
-                Some(valid) => old.mask_where(valid.clone(), blended),
-                None => blended,
-            }
+            old.mul_scalar(1.0 - self.momentum)
+                .add(new.mul_scalar(self.momentum))
         };
         let running_mean = blend(self.running_mean.value_sync().to_device(device), mean);
         let running_var = blend(self.running_var.value_sync().to_device(device), var);

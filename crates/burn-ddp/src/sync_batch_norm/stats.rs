@@ -1,12 +1,11 @@
 //! Per-channel statistics and their cross-rank combination.
 //!
-//! [`combine`] is what [`SyncBatchNorm`](super::SyncBatchNorm) runs: it combines every rank's
-//! (pivot, mean, M2, count) on the device with tensor operations, so the statistics never
-//! have to visit the host (NCCL moves them in device memory; the host transport stages them).
-//! [`ChannelStats`] is the same combination on the host in f64 (Chan et al.'s pairwise
-//! formula), the reference the device combination is tested against.
-
-use burn::tensor::{Bool, DType, Tensor};
+//! [`SyncBatchNorm`](super::SyncBatchNorm) combines every rank's (pivot, mean, M2, count) on
+//! the device ([`SyncBatchNormBackend::sync_bn_combine`](super::SyncBatchNormBackend::sync_bn_combine):
+//! a CubeCL kernel or tensor operations), so the statistics never have to visit the host (NCCL
+//! moves them in device memory; the host transport stages them). [`ChannelStats`] is the same
+//! combination on the host in f64 (Chan et al.'s pairwise formula), the reference the device
+//! combination is tested against.
 
 /// One rank's statistics of one channel: sample count, mean and sum of squared deviations.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -70,70 +69,6 @@ impl ChannelStats {
 /// sample count.
 pub(crate) const ROWS: usize = 4;
 
-/// The global statistics of one training call, on the device (f32).
-pub(crate) struct Global {
-    /// `[4, C]` channel parameters for the normalisation and backward operations: this
-    /// rank's pivot `K`, `μ − K`, `1 / sqrt(σ² + ε)` and `1 / N` (see the backend docs).
-    pub params: Tensor<2>,
-    /// The global mean μ per channel.
-    pub mean: Tensor<1>,
-    /// The batch variance for the running statistics (biased or unbiased, as asked).
-    pub var: Tensor<1>,
-    /// Per channel: whether there were enough samples for `var` (N > 0, or N > 1 unbiased).
-    /// Where not, the running statistics keep their values.
-    pub valid: Tensor<1, Bool>,
-}
-
-/// Combines the all-gathered `[W, ROWS, C]` statistics of every rank into the global ones,
-/// with tensor operations on their device, in f32.
-///
-/// Every rank's mean is first re-expressed relative to a common pivot `P` (the average of the
-/// non-empty ranks' pivots, which lies among the samples), so with data of mean 1000 and
-/// std 0.01 no step subtracts two large numbers whose difference matters:
-/// `d_r = (K_r − P) + m_r`, `δ = Σ n_r d_r / N`, `μ = P + δ`,
-/// `M2 = Σ M2_r + Σ n_r (d_r − δ)²` (the parallel form of Chan's update). Ranks with no
-/// samples have `n_r = 0` and drop out.
-pub(crate) fn combine(
-    gathered: Tensor<3>,
-    local_pivot: Tensor<1>,
-    epsilon: f64,
-    unbiased: bool,
-) -> Global {
-    let [world, rows, channels] = gathered.dims();
-    debug_assert_eq!(rows, ROWS);
-    let gathered = gathered.cast(DType::F32);
-    let row = |r: usize| gathered.clone().narrow(1, r, 1).reshape([world, channels]);
-    let (pivots, means, m2s, counts) = (row(0), row(1), row(2), row(3));
-
-    let present = counts.clone().greater_elem(0.0).float();
-    let present_ranks = present.clone().sum_dim(0).clamp_min(1.0); // [1, C]
-    let pivot = (pivots.clone() * present).sum_dim(0) / present_ranks;
-    let d = (pivots - pivot.clone()) + means;
-    let total = counts.clone().sum_dim(0); // [1, C]
-    let safe_total = total.clone().clamp_min(1.0);
-    let delta = (counts.clone() * d.clone()).sum_dim(0) / safe_total.clone();
-    let dev = d - delta.clone();
-    let m2 = m2s.sum_dim(0) + (counts * dev.clone() * dev).sum_dim(0);
-    let biased = m2.clone() / safe_total.clone();
-    let invstd = (biased.clone() + epsilon).sqrt().recip();
-
-    let local_pivot = local_pivot.cast(DType::F32).reshape([1, channels]);
-    let local_mean = (pivot.clone() - local_pivot.clone()) + delta.clone();
-    let params = Tensor::cat(vec![local_pivot, local_mean, invstd, safe_total.recip()], 0);
-    let var = if unbiased {
-        m2 / (total.clone() - 1.0).clamp_min(1.0)
-    } else {
-        biased
-    };
-    let valid = total.greater_elem(if unbiased { 1.0 } else { 0.0 });
-    Global {
-        params,
-        mean: (pivot + delta).reshape([channels]),
-        var: var.reshape([channels]),
-        valid: valid.reshape([channels]),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,10 +121,46 @@ mod tests {
         (flat, want)
     }
 
-    #[test]
-    fn device_combination_matches_f64_with_empty_ranks_and_a_large_mean() {
-        use burn::tensor::{Device, TensorData};
-        let device = Device::flex();
+    /// The running statistics the combination tests start from (C = 2).
+    const RUNNING: ([f32; 2], [f32; 2]) = ([0.5, -1.0], [2.0, 3.0]);
+
+    /// `sync_bn_combine` on `device` as f64 rows (`[6 · C]`).
+    fn combine_on(
+        device: &burn::tensor::Device,
+        kernels: bool,
+        gathered: (Vec<f32>, [usize; 3]),
+        local_rank: usize,
+        unbiased: bool,
+    ) -> Vec<f64> {
+        use super::super::{CombineOptions, SyncBatchNormBackend};
+        use burn::backend::Dispatch;
+        use burn::tensor::{Tensor, TensorData};
+        let (flat, shape) = gathered;
+        let all = Tensor::<3>::from_data(TensorData::new(flat, shape), device);
+        let local = all
+            .clone()
+            .narrow(0, local_rank, 1)
+            .reshape([shape[1], shape[2]]);
+        let out = Tensor::<2>::from_dispatch(Dispatch::sync_bn_combine(
+            all.into_dispatch(),
+            local.into_dispatch(),
+            Tensor::<1>::from_floats(RUNNING.0, device).into_dispatch(),
+            Tensor::<1>::from_floats(RUNNING.1, device).into_dispatch(),
+            CombineOptions {
+                epsilon: 1e-5,
+                momentum: 0.1,
+                unbiased,
+            },
+            kernels,
+        ));
+        assert_eq!(out.dims(), [6, shape[2]]);
+        out.into_data()
+            .convert::<f64>()
+            .try_to_vec::<f64>()
+            .unwrap()
+    }
+
+    fn check_combination(device: &burn::tensor::Device, kernels: bool) {
         let channels = 2;
         let sample = |rank: usize, i: usize, c: usize| {
             let base = if c == 0 { 1000.0 } else { -3.0 };
@@ -207,62 +178,69 @@ mod tests {
             })
             .collect();
         let (flat, want) = gathered(&values, channels);
-        let world = sizes.len();
-        let all = Tensor::<3>::from_data(TensorData::new(flat, [world, ROWS, channels]), &device);
+        let shape = [sizes.len(), ROWS, channels];
         for local_rank in [0, 1, 3] {
-            let local_pivot = all.clone().narrow(0, local_rank, 1).narrow(1, 0, 1);
-            let eps = 1e-5;
-            let global = combine(all.clone(), local_pivot.reshape([channels]), eps, false);
-            let read = |t: Tensor<1>| t.into_data().convert::<f64>().try_to_vec::<f64>().unwrap();
-            let mean = read(global.mean);
-            let var = read(global.var);
-            let params = global
-                .params
-                .into_data()
-                .convert::<f64>()
-                .try_to_vec::<f64>()
-                .unwrap();
-            for c in 0..channels {
-                let w = want[c];
-                assert!(
-                    (mean[c] - w.mean).abs() <= 1e-4,
-                    "mean {} vs {}",
-                    mean[c],
-                    w.mean
-                );
-                let rel = (var[c] - w.biased_var()).abs() / w.biased_var();
-                assert!(
-                    rel < 1e-4,
-                    "channel {c}: var {} vs {} ({rel})",
-                    var[c],
-                    w.biased_var()
-                );
-                let invstd = 1.0 / (w.biased_var() + eps).sqrt();
-                assert!((params[2 * channels + c] - invstd).abs() / invstd < 1e-4);
-                assert_eq!(params[3 * channels + c], (1.0 / w.count as f32) as f64);
-                // Row 0 is this rank's pivot, row 1 the global mean relative to it.
-                let k = params[c];
-                let exact = (w.mean - k) as f32 as f64;
-                assert!((params[channels + c] - exact).abs() <= 1e-4 * (1.0 + exact.abs()));
+            for unbiased in [false, true] {
+                let out = combine_on(device, kernels, (flat.clone(), shape), local_rank, unbiased);
+                let at = |r: usize, c: usize| out[r * channels + c];
+                for (c, w) in want.iter().enumerate() {
+                    let what = format!("kernels {kernels}, rank {local_rank}, channel {c}");
+                    // Row 0: this rank's pivot; row 1: the global mean relative to it.
+                    let k = values[local_rank][c].first().copied().unwrap_or(0.0);
+                    assert_eq!(at(0, c), k, "{what}: pivot");
+                    let exact = w.mean - k;
+                    assert!(
+                        (at(1, c) - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                        "{what}"
+                    );
+                    let invstd = 1.0 / (w.biased_var() + 1e-5).sqrt();
+                    assert!((at(2, c) - invstd).abs() / invstd < 1e-4, "{what}: invstd");
+                    assert!((at(3, c) * w.count - 1.0).abs() < 1e-6, "{what}: 1/N");
+                    let mean = 0.9 * RUNNING.0[c] as f64 + 0.1 * w.mean;
+                    assert!((at(4, c) - mean).abs() <= 1e-4, "{what}: running mean");
+                    let var = if unbiased {
+                        w.unbiased_var()
+                    } else {
+                        w.biased_var()
+                    };
+                    let var = 0.9 * RUNNING.1[c] as f64 + 0.1 * var;
+                    assert!(
+                        (at(5, c) - var).abs() / var < 1e-5,
+                        "{what}: {} vs {var}",
+                        at(5, c)
+                    );
+                }
             }
-            assert_eq!(read(global.valid.float()), vec![1.0; channels]);
         }
+
+        // No sample anywhere: finite parameters, and the running statistics keep their values.
+        let out = combine_on(
+            device,
+            kernels,
+            (vec![0.0; 2 * ROWS], [1, ROWS, 2]),
+            0,
+            true,
+        );
+        assert!(out.iter().all(|v| v.is_finite()), "{out:?}");
+        let running: Vec<f64> = RUNNING
+            .0
+            .iter()
+            .chain(&RUNNING.1)
+            .map(|&v| v as f64)
+            .collect();
+        assert_eq!(&out[8..12], running.as_slice());
     }
 
     #[test]
-    fn device_combination_of_no_samples_is_marked_invalid() {
-        use burn::tensor::{Device, TensorData};
-        let device = Device::flex();
-        let all = Tensor::<3>::from_data(TensorData::new(vec![0.0f32; 8], [1, ROWS, 2]), &device);
-        let global = combine(all, Tensor::zeros([2], &device), 1e-5, true);
-        let valid = global
-            .valid
-            .float()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap();
-        assert_eq!(valid, vec![0.0, 0.0]);
-        let params = global.params.into_data().try_to_vec::<f32>().unwrap();
-        assert!(params.iter().all(|v| v.is_finite()), "{params:?}");
+    fn device_combination_matches_f64_with_empty_ranks_and_a_large_mean() {
+        check_combination(&burn::tensor::Device::flex(), false);
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn device_combination_kernel_and_tensor_ops_on_wgpu_match_f64() {
+        let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        check_combination(&device, true);
+        check_combination(&device, false);
     }
 }
