@@ -5,28 +5,32 @@
 //! can't be built where it was written. Until it has run on a GPU, treat it as unverified and
 //! use [`NcclPolicy::Disabled`] if in doubt.
 //!
-//! # How a bucket travels
+//! # How the buckets travel
 //!
-//! [`crate::GradientSynchronizer`] plans buckets exactly as on the host path; for each bucket
-//! on a CUDA device it:
+//! [`crate::GradientSynchronizer`] plans buckets exactly as on the host path; on a CUDA device
+//! it:
 //!
-//! 1. flattens the bucket's gradients (zeros where this rank has none) and concatenates them
+//! 1. flattens each bucket's gradients (zeros where this rank has none) and concatenates them
 //!    on the device with Burn tensor ops (`Tensor::cat`), in f32;
-//! 2. resolves the concatenated tensor to its CubeCL tensor: `Tensor::try_into_primitive` on
+//! 2. resolves each concatenated tensor to its CubeCL tensor: `Tensor::try_into_primitive` on
 //!    Burn's `Cube` backend (`Fusion<CubeBackend>`), then the fusion client's
 //!    `resolve_tensor_float::<CubeBackend>`, which runs the queued fused operations;
-//! 3. makes sure the buffer is the bucket's own: contiguous, one f32 per element, and not
+//! 3. makes sure each buffer is the bucket's own: contiguous, one f32 per element, and not
 //!    shared with another tensor (`CubeTensor::can_mut`); otherwise it copies it first;
-//! 4. orders the streams: `Device::sync` (the fusion execution stream has finished the
-//!    kernels that wrote the bucket), then CubeCL's `get_resource` for the buffer (which also
-//!    makes the calling thread's CubeCL stream wait for the buffer's producer stream and keeps
-//!    the allocation in place while held) and `client.sync()` on that stream;
-//! 5. all-reduces the buffer in place with NCCL (`ncclAvg`: the mean over ranks) on the NCCL
-//!    group's own stream; the call returns once NCCL has finished (ddp-comm's watchdog waits
-//!    on an event with the collective timeout), so no Burn kernel queued afterwards can read
-//!    the buffer before the result is in it;
-//! 6. hands the buffer back to Fusion as a new tensor (the same registration
-//!    `float_from_data` makes) and slices it per parameter with tensor ops.
+//! 4. orders the streams, once for all buckets: `Device::sync` (the fusion execution stream
+//!    has finished the kernels that wrote them), then CubeCL's `get_resource` for each buffer
+//!    (which also makes the calling thread's CubeCL stream wait for the buffer's producer
+//!    stream and keeps the allocation in place while held) and `client.sync()` on that stream;
+//! 5. all-reduces every buffer in place with NCCL (`ncclAvg`: the mean over ranks) in **one
+//!    NCCL group call** on the NCCL group's own stream, so NCCL runs the buckets back to back
+//!    without a host round trip between them; the call returns once NCCL has finished
+//!    (ddp-comm's watchdog waits on an event with the collective timeout), so no Burn kernel
+//!    queued afterwards can read a buffer before the result is in it;
+//! 6. hands the buffers back to Fusion as new tensors (the same registration
+//!    `float_from_data` makes) and slices them per parameter with tensor ops.
+//!
+//! SyncBatchNorm's all-gather of its statistics and all-reduce of its backward sums take the
+//! same steps 2–6 for one buffer each (see `sync_batch_norm`'s module docs).
 //!
 //! The presence bitmap and the choice of path travel over the host process group, as before.
 //!
@@ -191,6 +195,9 @@ fn buffer_err(what: &str, msg: impl std::fmt::Display) -> DdpError {
     }
 }
 
+/// A raw CUDA device pointer (cudarc's `CUdeviceptr`).
+type DevicePtr = ddp_comm::nccl::cudarc::driver::sys::CUdeviceptr;
+
 /// Replaces the f32 tensor `packed` (on `nccl`'s CUDA device) by its element-wise reduction
 /// (`op`) over all ranks, all-reduced by NCCL in device memory; see the [module docs](self)
 /// for the steps. Every rank must call it with the same length, in the same order.
@@ -204,13 +211,29 @@ pub(crate) fn all_reduce(
     packed: Tensor<1>,
     op: ReduceOp,
 ) -> Result<Tensor<1>> {
-    on_device_buffer(
+    let mut out = all_reduce_many(nccl, vec![packed], op)?;
+    Ok(out.pop().expect("one tensor in, one out"))
+}
+
+/// [`all_reduce`] of several f32 tensors at once: one device synchronisation, then one NCCL
+/// group call that reduces every buffer back to back on NCCL's stream, and one wait. Every
+/// rank must pass the same number of tensors with the same lengths, in the same order.
+///
+/// # Errors
+/// As [`all_reduce`].
+pub(crate) fn all_reduce_many(
+    nccl: &mut NcclGroup,
+    tensors: Vec<Tensor<1>>,
+    op: ReduceOp,
+) -> Result<Vec<Tensor<1>>> {
+    on_device_buffers(
         nccl,
-        packed,
+        tensors,
         "all-reduced tensor (NCCL path)",
-        |nccl, ptr, numel| {
-            // SAFETY: per `on_device_buffer`'s contract for `ptr` and `numel`.
-            unsafe { nccl.all_reduce_raw::<f32>(ptr, numel, op) }
+        |nccl, buffers| {
+            // SAFETY: per `on_device_buffers`' contract for every (pointer, length) pair; the
+            // buffers are distinct allocations (`exclusive_buffer`).
+            unsafe { nccl.all_reduce_many_raw::<f32>(buffers, op) }
         },
     )
 }
@@ -229,97 +252,138 @@ pub(crate) fn all_gather(nccl: &mut NcclGroup, local: Tensor<1>) -> Result<Tenso
     let device = local.device();
     let slots = Tensor::<1>::zeros([world * n], (&device, DType::F32))
         .slice_assign(burn::tensor::s![rank * n..(rank + 1) * n], local);
-    on_device_buffer(
+    let mut out = on_device_buffers(
         nccl,
-        slots,
+        vec![slots],
         "all-gathered tensor (NCCL path)",
-        |nccl, ptr, total| {
+        |nccl, buffers| {
+            let &[(ptr, total)] = buffers else {
+                unreachable!("one tensor in");
+            };
             debug_assert_eq!(total, world * n);
             let mine = ptr + (rank * n * std::mem::size_of::<f32>()) as u64;
-            // SAFETY: per `on_device_buffer`'s contract: `ptr` holds `world · n` f32 values, and
-            // `mine` is this rank's slot inside it (NCCL's in-place all-gather).
+            // SAFETY: per `on_device_buffers`' contract: `ptr` holds `world · n` f32 values,
+            // and `mine` is this rank's slot inside it (NCCL's in-place all-gather).
             unsafe { nccl.all_gather_raw::<f32>(mine, n, ptr) }
         },
-    )
+    )?;
+    Ok(out.pop().expect("one tensor in, one out"))
 }
 
-/// Steps 2–6 of the [module docs](self): hands the device buffer of the f32 tensor `t` (on
-/// `nccl`'s device) to `collective` as `(group, pointer, number of f32 values)` and returns
-/// the buffer, with what the collective wrote into it, as a new tensor.
+/// One tensor on its way to NCCL (a handful live for one call, so their size doesn't matter).
+#[allow(clippy::large_enum_variant)]
+enum Staged {
+    /// Nothing to hand over (no elements).
+    Empty(Tensor<1>),
+    /// A CubeCL buffer of the tensor's own, and the fusion client to hand it back to.
+    Buffer(FusionClient<FusionCubeRuntime>, CubeTensor),
+}
+
+/// Steps 2–6 of the [module docs](self): hands the device buffers of the f32 tensors (on
+/// `nccl`'s device) to `collective` as `(pointer, number of f32 values)` pairs and returns
+/// the buffers, with what the collective wrote into them, as new tensors (same order).
 ///
-/// The pointer addresses `numel` f32 values that no other tensor shares and that every
-/// earlier kernel has finished writing; they stay allocated while `collective` runs, which
-/// must return only once NCCL is done with them (ddp-comm's calls do).
-fn on_device_buffer(
+/// The pointers address buffers that no other tensor shares and that every earlier kernel
+/// has finished writing (one device synchronisation for all of them); they stay allocated
+/// while `collective` runs, which must return only once NCCL is done with them (ddp-comm's
+/// calls do). Tensors without elements are passed through and left out of the pairs.
+fn on_device_buffers(
     nccl: &mut NcclGroup,
-    t: Tensor<1>,
+    tensors: Vec<Tensor<1>>,
     what: &str,
-    collective: impl FnOnce(
-        &mut NcclGroup,
-        ddp_comm::nccl::cudarc::driver::sys::CUdeviceptr,
-        usize,
-    ) -> ddp_comm::Result<()>,
-) -> Result<Tensor<1>> {
-    let t = t.inner();
-    let device = t.device();
-    let numel = t.shape().num_elements();
-    if t.dtype() != DType::F32 {
-        return Err(buffer_err(
-            what,
-            format!("expected f32, got {:?}", t.dtype()),
-        ));
+    collective: impl FnOnce(&mut NcclGroup, &[(DevicePtr, usize)]) -> ddp_comm::Result<()>,
+) -> Result<Vec<Tensor<1>>> {
+    let mut staged = Vec::with_capacity(tensors.len());
+    let mut device = None;
+    for t in tensors {
+        let t = t.inner();
+        if t.dtype() != DType::F32 {
+            return Err(buffer_err(
+                what,
+                format!("expected f32, got {:?}", t.dtype()),
+            ));
+        }
+        let on = t.device();
+        if cuda_ordinal(&on) != Some(nccl.device_ordinal()) {
+            return Err(buffer_err(
+                what,
+                format!(
+                    "the tensor lives on {on:?} but the NCCL group runs on CUDA device {}",
+                    nccl.device_ordinal()
+                ),
+            ));
+        }
+        if t.shape().num_elements() == 0 {
+            staged.push(Staged::Empty(t));
+            continue;
+        }
+        device = Some(on);
+        // 2. The CubeCL tensor behind the fusion handle (runs the queued fused operations).
+        let fused: FusionTensor<FusionCubeRuntime> = t
+            .try_into_primitive::<Cube>()
+            .map_err(|e| buffer_err(what, format!("not a CubeCL tensor: {e:?}")))?;
+        let client = fused.client.clone();
+        let cube = client.resolve_tensor_float::<CubeBackend>(fused);
+        // 3. A contiguous f32 buffer of exactly its values that no other tensor shares.
+        staged.push(Staged::Buffer(client, exclusive_buffer(cube)));
     }
-    if cuda_ordinal(&device) != Some(nccl.device_ordinal()) {
-        return Err(buffer_err(
-            what,
-            format!(
-                "the tensor lives on {device:?} but the NCCL group runs on CUDA device {}",
-                nccl.device_ordinal()
-            ),
-        ));
-    }
-    if numel == 0 {
-        return Ok(t);
-    }
+    let Some(device) = device else {
+        return Ok(staged
+            .into_iter()
+            .map(|s| match s {
+                Staged::Empty(t) => t,
+                Staged::Buffer(..) => unreachable!("no buffer without a device"),
+            })
+            .collect());
+    };
 
-    // 2. The CubeCL tensor behind the fusion handle (runs the queued fused operations).
-    let fused: FusionTensor<FusionCubeRuntime> = t
-        .try_into_primitive::<Cube>()
-        .map_err(|e| buffer_err(what, format!("not a CubeCL tensor: {e:?}")))?;
-    let fusion_client = fused.client.clone();
-    let cube = fusion_client.resolve_tensor_float::<CubeBackend>(fused);
-
-    // 3. A contiguous f32 buffer of exactly `numel` values that no other tensor shares.
-    let cube = exclusive_buffer(cube);
-
-    // 4. Stream order: everything that wrote the buffer has finished before NCCL reads it.
+    // 4. Stream order: everything that wrote the buffers has finished before NCCL reads them.
     device
         .sync()
         .map_err(|e| buffer_err(what, format!("device sync before NCCL: {e:?}")))?;
     {
-        let resource = cube
-            .client
-            .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
-            .map_err(|e| buffer_err(what, format!("CUDA buffer: {e}")))?;
-        cubecl::future::block_on(cube.client.sync())
-            .map_err(|e| buffer_err(what, format!("CubeCL stream sync before NCCL: {e}")))?;
-        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-        if bytes < (numel * std::mem::size_of::<f32>()) as u64 {
-            return Err(buffer_err(
-                what,
-                format!("the CUDA buffer holds {bytes} bytes, fewer than {numel} f32 values"),
-            ));
+        let mut resources = Vec::new();
+        let mut buffers = Vec::new();
+        let mut cube_client = None;
+        for entry in &staged {
+            let Staged::Buffer(_, cube) = entry else {
+                continue;
+            };
+            let numel = cube.shape().num_elements();
+            let resource = cube
+                .client
+                .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
+                .map_err(|e| buffer_err(what, format!("CUDA buffer: {e}")))?;
+            let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+            if bytes < (numel * std::mem::size_of::<f32>()) as u64 {
+                return Err(buffer_err(
+                    what,
+                    format!("the CUDA buffer holds {bytes} bytes, fewer than {numel} f32 values"),
+                ));
+            }
+            buffers.push((ptr, numel));
+            resources.push(resource);
+            cube_client.get_or_insert_with(|| cube.client.clone());
         }
-        // 5. On NCCL's stream; returns once NCCL finished (or timed out/aborted). `resource`
-        // keeps the allocation in place until this block ends.
-        collective(nccl, ptr, numel)?;
+        if let Some(client) = cube_client {
+            cubecl::future::block_on(client.sync())
+                .map_err(|e| buffer_err(what, format!("CubeCL stream sync before NCCL: {e}")))?;
+        }
+        // 5. On NCCL's stream; returns once NCCL finished (or timed out/aborted). `resources`
+        // keep the allocations in place until this block ends.
+        collective(nccl, &buffers)?;
     }
 
-    // 6. Back into Fusion as a fresh tensor.
-    Ok(Tensor::from_primitive::<Cube>(register_in_fusion(
-        &fusion_client,
-        cube,
-    )))
+    // 6. Back into Fusion as fresh tensors.
+    Ok(staged
+        .into_iter()
+        .map(|s| match s {
+            Staged::Empty(t) => t,
+            Staged::Buffer(client, cube) => {
+                Tensor::from_primitive::<Cube>(register_in_fusion(&client, cube))
+            }
+        })
+        .collect())
 }
 
 /// `cube` itself when it is a contiguous buffer holding exactly its elements and no other

@@ -213,6 +213,36 @@ fn world1_raw_pointer_collectives() {
 
 #[test]
 #[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+fn world1_grouped_raw_all_reduce_of_several_buffers() {
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    let stream = g.stream().clone();
+    let a = ramp(3000, |i| i as f32 * 0.5);
+    let b = ramp(17, |i| -(i as f32));
+    let buf_a = stream.clone_htod(&a).unwrap();
+    let buf_b = stream.clone_htod(&b).unwrap();
+    let empty = stream.clone_htod(&[0.0f32]).unwrap();
+    stream.synchronize().unwrap();
+    {
+        let (pa, _ra) = buf_a.device_ptr(&stream);
+        let (pb, _rb) = buf_b.device_ptr(&stream);
+        let (pe, _re) = empty.device_ptr(&stream);
+        // SAFETY: three live, disjoint, idle buffers on the group's device.
+        unsafe {
+            g.all_reduce_many_raw::<f32>(&[(pa, 3000), (pe, 0), (pb, 17)], ReduceOp::Mean)
+                .unwrap();
+            g.all_reduce_many_raw::<f32>(&[], ReduceOp::Sum).unwrap();
+        }
+    }
+    assert_eq!(stream.clone_dtoh(&buf_a).unwrap(), a);
+    assert_eq!(stream.clone_dtoh(&buf_b).unwrap(), b);
+    // The group is still usable afterwards.
+    let mut one = stream.clone_htod(&[2.0f32]).unwrap();
+    g.all_reduce(&mut one, ReduceOp::Sum).unwrap();
+    assert_eq!(stream.clone_dtoh(&one).unwrap(), vec![2.0]);
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
 fn world1_large_all_reduce_and_timings() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     let stream = g.stream().clone();

@@ -739,6 +739,63 @@ impl NcclGroup {
         })
     }
 
+    /// [`NcclGroup::all_reduce_raw`] over several buffers at once: one NCCL group call
+    /// (`ncclGroupStart` … `ncclGroupEnd`), so NCCL runs the reductions back to back on its
+    /// stream and the host waits once for all of them. Every rank must pass the same number of
+    /// buffers with the same lengths, in the same order. No buffers: returns at once.
+    ///
+    /// # Safety
+    /// As for [`NcclGroup::all_reduce_raw`], for every `(pointer, length)` pair; the buffers
+    /// must not overlap.
+    pub unsafe fn all_reduce_many_raw<T: NcclElement>(
+        &mut self,
+        buffers: &[(cudarc::driver::sys::CUdeviceptr, usize)],
+        op: ReduceOp,
+    ) -> Result<()> {
+        if buffers.is_empty() {
+            return Ok(());
+        }
+        let total: usize = buffers.iter().map(|&(_, len)| len).sum();
+        let what = format!(
+            "all_reduce({op:?}, {} buffers, {total} x {} raw)",
+            buffers.len(),
+            T::NAME
+        );
+        self.collective(&what, |comm, s| {
+            // SAFETY: per this function's contract; every call between start and end is
+            // deferred to `ncclGroupEnd`, which is always reached once the group started.
+            unsafe {
+                let started = sys::ncclGroupStart();
+                if started != ncclResult_t::ncclSuccess {
+                    return started;
+                }
+                let mut first_error = ncclResult_t::ncclSuccess;
+                for &(ptr, len) in buffers {
+                    let r = sys::ncclAllReduce(
+                        ptr as *const _,
+                        ptr as *mut _,
+                        len,
+                        T::as_nccl_type(),
+                        nccl_op(op),
+                        comm,
+                        s,
+                    );
+                    let failed =
+                        !matches!(r, ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress);
+                    if failed && first_error == ncclResult_t::ncclSuccess {
+                        first_error = r;
+                    }
+                }
+                let ended = sys::ncclGroupEnd();
+                if first_error != ncclResult_t::ncclSuccess {
+                    first_error
+                } else {
+                    ended
+                }
+            }
+        })
+    }
+
     /// [`NcclGroup::broadcast`] on memory owned elsewhere.
     ///
     /// # Safety
