@@ -13,7 +13,7 @@ use clap::Parser;
 use train_cnn::data::DataSpec;
 use train_cnn::dist::{Backend, Cluster, DdpCluster};
 use train_cnn::model::NormLayer;
-use train_cnn::train::{self, TrainConfig, TrainError};
+use train_cnn::train::{self, LrSchedule, TrainConfig, TrainError};
 
 /// Train a small CNN with BatchNorm on one rank of a data-parallel run.
 #[derive(Debug, Parser)]
@@ -25,9 +25,12 @@ struct Args {
     /// Total number of epochs.
     #[arg(long, default_value_t = 4)]
     epochs: usize,
-    /// SGD learning rate (momentum 0.9).
+    /// SGD learning rate (momentum 0.9), the peak of the schedule.
     #[arg(long, default_value_t = 0.02)]
     lr: f64,
+    /// Learning-rate schedule: cosine decay to 0 over the run, or constant.
+    #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
+    lr_schedule: LrSchedule,
     /// Seed of initialisation, synthetic data and data order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -83,6 +86,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         batch_size: args.batch_size,
         epochs: args.epochs,
         lr: args.lr,
+        schedule: args.lr_schedule,
         seed: args.seed,
         data: args.data,
         synthetic_sizes: (args.train_size, args.eval_size),

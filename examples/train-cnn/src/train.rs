@@ -26,8 +26,10 @@ pub struct TrainConfig {
     pub batch_size: usize,
     /// Total number of epochs (a resumed run continues up to this number).
     pub epochs: usize,
-    /// SGD learning rate (momentum 0.9).
+    /// SGD learning rate (momentum 0.9): the peak of the schedule.
     pub lr: f64,
+    /// How the learning rate changes over the run.
+    pub schedule: LrSchedule,
     /// Seed of the model initialisation, the synthetic data and the data order.
     pub seed: u64,
     /// The dataset.
@@ -51,6 +53,7 @@ impl TrainConfig {
             batch_size: 32,
             epochs: 4,
             lr: 0.02,
+            schedule: LrSchedule::Cosine,
             seed: 42,
             data: DataSpec::Synthetic,
             synthetic_sizes: (10000, 2000),
@@ -58,6 +61,38 @@ impl TrainConfig {
             out: out.into(),
             resume: false,
             progress: true,
+        }
+    }
+}
+
+/// How the learning rate changes over a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LrSchedule {
+    /// Cosine decay from `lr` at the first step towards 0 after the last one
+    /// (`lr · (1 + cos(π · step / steps)) / 2`), a pure function of the global step, so a
+    /// resumed run continues the same curve.
+    #[default]
+    Cosine,
+    /// `lr` at every step.
+    Constant,
+}
+
+impl LrSchedule {
+    /// The learning rate at 0-based global step `step` of `steps`.
+    ///
+    /// ```
+    /// use train_cnn::train::LrSchedule;
+    /// assert_eq!(LrSchedule::Cosine.at(0.1, 0, 10), 0.1);
+    /// assert!((LrSchedule::Cosine.at(0.1, 5, 10) - 0.05).abs() < 1e-12);
+    /// assert_eq!(LrSchedule::Constant.at(0.1, 9, 10), 0.1);
+    /// ```
+    pub fn at(self, lr: f64, step: usize, steps: usize) -> f64 {
+        match self {
+            LrSchedule::Constant => lr,
+            LrSchedule::Cosine => {
+                let progress = step as f64 / steps.max(1) as f64;
+                lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
         }
     }
 }
@@ -268,7 +303,12 @@ pub fn train<N: NormLayer, C: Cluster>(
         // Every rank has the same number of indices, so the same number of full batches; the
         // partial batch at the end is dropped (a batch of 1 has no BatchNorm statistics).
         let mut sums = [0f64; 3]; // loss × n, correct, n
-        for chunk in indices.chunks_exact(cfg.batch_size) {
+        for (i, chunk) in indices.chunks_exact(cfg.batch_size).enumerate() {
+            let lr = cfg.schedule.at(
+                cfg.lr,
+                epoch * batches_per_epoch + i,
+                cfg.epochs * batches_per_epoch,
+            );
             let batch = make_batch(&batcher, &*splits.train.0, chunk, &device);
             let n = chunk.len() as f64;
             let logits = model.forward(batch.images);
@@ -276,7 +316,7 @@ pub fn train<N: NormLayer, C: Cluster>(
             let loss = loss_fn.forward(logits, batch.targets);
             let loss_value = loss.clone().into_scalar::<f32>() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(cfg.lr, model, grads)?;
+            model = optim.step(lr, model, grads)?;
             sums[0] += loss_value * n;
             sums[1] += correct as f64;
             sums[2] += n;
