@@ -9,6 +9,8 @@
 //!   over its own rows, so the ranks' losses sum to the joined batch's loss); running statistics
 //!   equal on every rank.
 //! - Mean 1000, std 0.01: batch statistics within 1e-4 relative of an f64 reference.
+//! - Half-precision inputs (f16, bf16) with an M2 beyond f16's range: the f32 accumulation
+//!   matches the f32 layer within half-precision rounding.
 //!
 //! Tolerances are relative to the largest magnitude of the reference tensor.
 
@@ -250,12 +252,16 @@ fn assert_results_close(what: &str, got: &RankResult, want: &RankResult, tol: f6
 
 /// World size 1: SyncBatchNorm on `device` ≡ BatchNorm on `device`.
 fn check_world1(device: &Device, tensor_ops: bool) {
-    for (rows, spatial) in [
-        (vec![7], vec![]),
-        (vec![5], vec![3, 4]),
-        (vec![4], vec![10]),
+    // Odd channel counts and maps (100 × 7×7, 33 × 33) too: outputs whose rows are not a power
+    // of two in bytes are where a padded (pitched) output layout would show.
+    for (rows, channels, spatial) in [
+        (vec![7], 3, vec![]),
+        (vec![5], 3, vec![3, 4]),
+        (vec![4], 3, vec![10]),
+        (vec![3], 100, vec![7, 7]),
+        (vec![2], 33, vec![33]),
     ] {
-        let mut case = make_case(&rows, 3, &spatial, 2, 11 + rows[0] as u64);
+        let mut case = make_case(&rows, channels, &spatial, 2, 11 + rows[0] as u64);
         case.tensor_ops = tensor_ops;
         let device = device.clone().autodiff();
         let want = run_joined(&case, &Layer::Bn(init_bn(&case, &device)), &device);
@@ -317,6 +323,73 @@ fn check_large_mean(device: &Device, tensor_ops: bool) {
 #[test]
 fn large_mean_statistics_flex() {
     check_large_mean(&Device::flex(), false);
+}
+
+/// Half-precision input (γ, β stay f32): 64Ki samples per channel with std 3 give an M2 of
+/// ~590k, beyond f16's range, so every accumulation must be f32. Output, input gradient and
+/// γ/β gradients must match the same layer on the f32 values, within half-precision
+/// rounding, and be finite.
+fn check_half(device: &Device, dtype: burn::tensor::DType, tensor_ops: bool) {
+    use burn::tensor::DType;
+    let (n, c, s) = (64, 2, 1024);
+    let mut rng = Rng(23);
+    let device = device.clone().autodiff();
+    let x = Tensor::<3>::from_data(
+        TensorData::new(rng.vec(n * c * s, 2.0, 3.0), [n, c, s]),
+        &device,
+    )
+    .cast(dtype)
+    .cast(DType::F32); // values representable in `dtype`
+    let w = Tensor::<3>::from_data(
+        TensorData::new(rng.vec(n * c * s, 0.0, 1.0), [n, c, s]),
+        &device,
+    );
+    let implementation = if tensor_ops {
+        SyncBatchNormImpl::TensorOps
+    } else {
+        SyncBatchNormImpl::Auto
+    };
+    let run = |input_dtype: DType| {
+        let layer = SyncBatchNormConfig::new(c)
+            .with_implementation(implementation)
+            .init(&device);
+        let input = x.clone().detach().cast(input_dtype).require_grad();
+        let y = layer.forward(input.clone());
+        assert_eq!(y.dtype(), input_dtype);
+        let grads = (y.clone().cast(DType::F32) * w.clone()).sum().backward();
+        let dx = input.grad(&grads).expect("input gradient");
+        let dgamma = layer.gamma.grad(&grads).expect("γ gradient");
+        let dbeta = layer.beta.grad(&grads).expect("β gradient");
+        let f32s = |t: Tensor<3>| values(t.cast(DType::F32));
+        (
+            f32s(y.detach()),
+            f32s(dx),
+            values(dgamma.cast(DType::F32)),
+            values(dbeta.cast(DType::F32)),
+            values(layer.running_var.value_sync()),
+        )
+    };
+    let (y, dx, dgamma, dbeta, var) = run(dtype);
+    let (y_ref, dx_ref, dgamma_ref, dbeta_ref, var_ref) = run(DType::F32);
+    for (what, got, want) in [
+        ("output", &y, &y_ref),
+        ("input grad", &dx, &dx_ref),
+        ("γ grad", &dgamma, &dgamma_ref),
+        ("β grad", &dbeta, &dbeta_ref),
+        ("running var", &var, &var_ref),
+    ] {
+        assert!(
+            got.iter().all(|v| v.is_finite()),
+            "{dtype:?} {what}: not finite"
+        );
+        assert_close(&format!("{dtype:?} {what}"), got, want, 2e-2);
+    }
+}
+
+#[test]
+fn half_precision_input_flex() {
+    check_half(&Device::flex(), burn::tensor::DType::F16, true);
+    check_half(&Device::flex(), burn::tensor::DType::BF16, true);
 }
 
 #[test]
@@ -467,6 +540,11 @@ mod wgpu {
     }
 
     #[test]
+    fn half_precision_input_wgpu_kernels() {
+        check_half(&device(), burn::tensor::DType::F16, false);
+    }
+
+    #[test]
     fn large_mean_statistics_wgpu_kernels() {
         check_large_mean(&device(), false);
     }
@@ -485,6 +563,13 @@ mod cuda {
     #[ignore = "needs CUDA"]
     fn world1_matches_batch_norm_cuda_kernels() {
         check_world1(&Device::cuda(0), false);
+    }
+
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn half_precision_input_cuda_kernels() {
+        check_half(&Device::cuda(0), burn::tensor::DType::F16, false);
+        check_half(&Device::cuda(0), burn::tensor::DType::BF16, false);
     }
 
     #[test]

@@ -42,13 +42,15 @@ fn steps() -> Vec<Step> {
             ],
         ),
         Step {
-            what: "burn-ddp CUDA path type-check and clippy (DOCS_RS=1)",
+            what: "burn-ddp CUDA path and CUDA tests type-check and clippy (DOCS_RS=1)",
             args: vec![
                 "clippy",
                 "-p",
                 "burn-ddp",
+                "-p",
+                "ddp-tests",
                 "--features",
-                "cuda",
+                "burn-ddp/cuda,ddp-tests/cuda",
                 "--all-targets",
                 "--",
                 "-D",

@@ -32,6 +32,11 @@
 //! SyncBatchNorm's all-gather of its statistics and all-reduce of its backward sums take the
 //! same steps 2–6 for one buffer each (see `sync_batch_norm`'s module docs).
 //!
+//! A rank that fails before its NCCL call (a tensor on the wrong device, a CUDA fault while
+//! staging) returns its error at once; the other ranks are then inside the collective and
+//! fail with ddp-comm's timeout (`DDP_TIMEOUT_SECS`) instead of a hang. Agreeing first over the
+//! host group would cost a host round trip per call, which this path exists to avoid.
+//!
 //! The presence bitmap and the choice of path travel over the host process group, as before.
 //!
 //! # Choosing the path
@@ -386,11 +391,15 @@ fn on_device_buffers(
         .collect())
 }
 
-/// `cube` itself when it is a contiguous buffer holding exactly its elements and no other
+/// `cube` itself when it is contiguous (packed strides from its first element) and no other
 /// tensor shares its handle, otherwise a fresh contiguous copy.
+///
+/// Slack after the elements (allocations are rounded up) or an offset into a larger
+/// allocation is fine: NCCL gets the resource's pointer, which includes the offset, and the
+/// element count; the caller checks that the resource holds that many values.
 fn exclusive_buffer(cube: CubeTensor) -> CubeTensor {
     let cube = into_contiguous(cube);
-    if cube.can_mut() && cube.is_contiguous_buffer() {
+    if cube.can_mut() && cube.is_contiguous() {
         cube
     } else {
         // `copy` launches into a new allocation (the clone inside keeps `cube` read-only).

@@ -36,7 +36,7 @@ use burn::backend::fusion::custom::TensorSpec;
 /// Lazy-Fusion metadata of the `[rows, C]` per-channel outputs.
 #[cfg(feature = "cube")]
 fn per_channel_spec(x: &TensorSpec, rows: usize) -> TensorSpec {
-    TensorSpec::new(Shape::new([rows, x.shape[1]]), x.dtype)
+    TensorSpec::new(Shape::new([rows, x.shape[1]]), burn::tensor::DType::F32)
 }
 
 /// The scalar settings of [`SyncBatchNormBackend::sync_bn_combine`].
@@ -187,8 +187,26 @@ pub mod tensor_ops {
         B::float_sub(B::float_sub(x, pivot), m)
     }
 
+    /// `t` in f32 (itself when it already is).
+    fn to_f32<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
+        to_dtype::<B>(t, burn::tensor::DType::F32)
+    }
+
+    /// `t` in `dtype` (itself when it already is).
+    pub(crate) fn to_dtype<B: Backend>(
+        t: FloatTensor<B>,
+        dtype: burn::tensor::DType,
+    ) -> FloatTensor<B> {
+        if t.dtype() == dtype {
+            t
+        } else {
+            B::float_cast(t, dtype.into())
+        }
+    }
+
     /// See [`SyncBatchNormBackend::sync_bn_stats`].
     pub fn stats<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+        let x = to_f32::<B>(x);
         let [n, c, s] = dims3::<B>(&x);
         let (x_device, x_dtype) = (x.device(), x.dtype());
         let pivot = B::float_slice(
@@ -221,11 +239,14 @@ pub mod tensor_ops {
         beta: FloatTensor<B>,
     ) -> FloatTensor<B> {
         let [_, c, _] = dims3::<B>(&x);
+        let dtype = x.dtype();
+        let (x, gamma, beta) = (to_f32::<B>(x), to_f32::<B>(gamma), to_f32::<B>(beta));
         let invstd = channel_row::<B>(params.clone(), 2, c);
         let gamma = B::float_reshape(gamma, Shape::new([1, c, 1]));
         let beta = B::float_reshape(beta, Shape::new([1, c, 1]));
         let scale = B::float_mul(invstd, gamma);
-        B::float_add(B::float_mul(centred::<B>(x, params, c), scale), beta)
+        let y = B::float_add(B::float_mul(centred::<B>(x, params, c), scale), beta);
+        to_dtype::<B>(y, dtype)
     }
 
     /// See [`SyncBatchNormBackend::sync_bn_grad_sums`].
@@ -236,6 +257,7 @@ pub mod tensor_ops {
     ) -> FloatTensor<B> {
         let dims = dims3::<B>(&x);
         let c = dims[1];
+        let (grad, x) = (to_f32::<B>(grad), to_f32::<B>(x));
         let xmu = centred::<B>(x, params, c);
         let weighted = B::float_mul(grad.clone(), xmu);
         let sum = |t: FloatTensor<B>| {
@@ -349,20 +371,23 @@ pub mod tensor_ops {
         sums: FloatTensor<B>,
     ) -> FloatTensor<B> {
         let [_, c, _] = dims3::<B>(&x);
+        let dtype = x.dtype();
+        let (grad, x, gamma) = (to_f32::<B>(grad), to_f32::<B>(x), to_f32::<B>(gamma));
         let invstd = channel_row::<B>(params.clone(), 2, c);
         let inv_n = channel_row::<B>(params.clone(), 3, c);
         let gamma = B::float_reshape(gamma, Shape::new([1, c, 1]));
         let g0 = B::float_mul(channel_row::<B>(sums.clone(), 0, c), inv_n.clone());
+        // invstd · (invstd · (Σ / N)): no invstd² that could overflow on its own.
         let g1 = B::float_mul(
+            invstd.clone(),
             B::float_mul(
-                B::float_mul(invstd.clone(), invstd.clone()),
-                channel_row::<B>(sums, 1, c),
+                invstd.clone(),
+                B::float_mul(channel_row::<B>(sums, 1, c), inv_n),
             ),
-            inv_n,
         );
         let xmu = centred::<B>(x, params, c);
         let inner = B::float_sub(B::float_sub(grad, g0), B::float_mul(xmu, g1));
-        B::float_mul(inner, B::float_mul(gamma, invstd))
+        to_dtype::<B>(B::float_mul(inner, B::float_mul(gamma, invstd)), dtype)
     }
 }
 
@@ -412,19 +437,27 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
         let row = |t: FloatTensor<B>, r: usize| tensor_ops::row_of::<B>(t, r, channels);
         let invstd = row(params.clone(), 2);
 
-        // Local Σdy and Σdy·(x − μ) (zero on a rank without samples), on the device.
+        // Local Σdy and Σdy·(x − μ) in f32 (zero on a rank without samples), on the device.
         let local = if x.shape().num_elements() > 0 {
             B::sync_bn_grad_sums(grad.clone(), x.clone(), params.clone(), kernels)
         } else {
-            B::float_zeros(Shape::new([2, channels]), &x.device(), x.dtype().into())
+            B::float_zeros(
+                Shape::new([2, channels]),
+                &x.device(),
+                burn::tensor::FloatDType::F32,
+            )
         };
 
-        // γ and β: local gradients (averaged across ranks by DDP like any parameter).
+        // γ and β: local gradients (averaged across ranks by DDP like any parameter), in the
+        // dtype γ and β had in the forward pass (the input's; see `SyncBatchNorm::forward`).
+        let param_dtype = gamma.dtype();
         if let Some(node) = node_gamma {
-            grads.register::<B>(node.id, B::float_mul(row(local.clone(), 1), invstd.clone()));
+            let g = B::float_mul(row(local.clone(), 1), invstd.clone());
+            grads.register::<B>(node.id, tensor_ops::to_dtype::<B>(g, param_dtype));
         }
         if let Some(node) = node_beta {
-            grads.register::<B>(node.id, row(local.clone(), 0));
+            let g = row(local.clone(), 0);
+            grads.register::<B>(node.id, tensor_ops::to_dtype::<B>(g, param_dtype));
         }
 
         if let Some(node) = node_x {

@@ -11,11 +11,18 @@
 //! the channel's first element — and the cube combines the units' partials with Chan's formula
 //! in shared memory. The two element-wise kernels launch one unit per element. Every kernel
 //! reads its input once.
+//!
+//! Whatever the input's float type `F` (f32, f16, bf16), every accumulation and every
+//! per-channel value is f32: the statistics and backward sums are written as f32, the channel
+//! parameters are read as f32, and only the element-wise outputs are converted back to `F`
+//! (PyTorch's rule for half-precision batch norm). Outputs are allocated contiguous: the
+//! kernels index them as packed arrays.
 
 use burn::backend::{TensorMetadata, cubecl::dtype_to_storage_type, tensor::FloatTensor};
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeBackend, kernel::into_contiguous, ops::numeric::empty_device_dtype, tensor::CubeTensor,
+    CubeBackend, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
@@ -49,7 +56,7 @@ fn chan_merge<F: Float>(
 #[cube(launch)]
 fn stats_kernel<F: Float>(
     x: &Tensor<F>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<f32>,
     #[comptime] block: usize,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -59,18 +66,18 @@ fn stats_kernel<F: Float>(
     let channels = x.shape(1);
     let spatial = x.shape(2);
     let total = x.shape(0) * spatial;
-    let pivot = x[c * spatial];
+    let pivot = f32::cast_from(x[c * spatial]);
 
     // Welford over this unit's elements.
-    let mut count = F::new(0.0);
-    let mut mean = F::new(0.0);
-    let mut m2 = F::new(0.0);
+    let mut count = f32::new(0.0);
+    let mut mean = f32::new(0.0);
+    let mut m2 = f32::new(0.0);
     let mut j = unit;
     while j < total {
         let sample = j / spatial;
         let s = j % spatial;
-        let v = x[(sample * channels + c) * spatial + s] - pivot;
-        count += F::new(1.0);
+        let v = f32::cast_from(x[(sample * channels + c) * spatial + s]) - pivot;
+        count += f32::new(1.0);
         let delta = v - mean;
         mean += delta / count;
         m2 += delta * (v - mean);
@@ -89,7 +96,7 @@ fn stats_kernel<F: Float>(
     let mut stride = units / 2;
     while stride > 0 {
         if unit < stride {
-            chan_merge::<F>(&mut sh_count, &mut sh_mean, &mut sh_m2, unit, unit + stride);
+            chan_merge::<f32>(&mut sh_count, &mut sh_mean, &mut sh_m2, unit, unit + stride);
         }
         sync_cube();
         stride /= 2;
@@ -108,8 +115,8 @@ fn stats_kernel<F: Float>(
 fn grad_sums_kernel<F: Float>(
     grad: &Tensor<F>,
     x: &Tensor<F>,
-    params: &Tensor<F>,
-    out: &mut Tensor<F>,
+    params: &Tensor<f32>,
+    out: &mut Tensor<f32>,
     #[comptime] block: usize,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -122,16 +129,16 @@ fn grad_sums_kernel<F: Float>(
     let pivot = params[c];
     let m = params[channels + c];
 
-    let mut sum_dy = F::new(0.0);
-    let mut sum_dy_xmu = F::new(0.0);
+    let mut sum_dy = f32::new(0.0);
+    let mut sum_dy_xmu = f32::new(0.0);
     let mut j = unit;
     while j < total {
         let sample = j / spatial;
         let s = j % spatial;
         let index = (sample * channels + c) * spatial + s;
-        let dy = grad[index];
+        let dy = f32::cast_from(grad[index]);
         sum_dy += dy;
-        sum_dy_xmu += dy * ((x[index] - pivot) - m);
+        sum_dy_xmu += dy * ((f32::cast_from(x[index]) - pivot) - m);
         j += units;
     }
 
@@ -166,7 +173,7 @@ fn grad_sums_kernel<F: Float>(
 #[cube(launch)]
 fn stats_tiled_kernel<F: Float>(
     x: &Tensor<F>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<f32>,
     #[comptime] block: usize,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -179,18 +186,18 @@ fn stats_tiled_kernel<F: Float>(
     let spatial = x.shape(2);
     let total = x.shape(0) * spatial;
 
-    let mut count = F::new(0.0);
-    let mut mean = F::new(0.0);
-    let mut m2 = F::new(0.0);
-    let mut pivot = F::new(0.0);
+    let mut count = f32::new(0.0);
+    let mut mean = f32::new(0.0);
+    let mut m2 = f32::new(0.0);
+    let mut pivot = f32::new(0.0);
     if c < channels {
-        pivot = x[c * spatial];
+        pivot = f32::cast_from(x[c * spatial]);
         let mut j = ty;
         while j < total {
             let sample = j / spatial;
             let s = j % spatial;
-            let v = x[(sample * channels + c) * spatial + s] - pivot;
-            count += F::new(1.0);
+            let v = f32::cast_from(x[(sample * channels + c) * spatial + s]) - pivot;
+            count += f32::new(1.0);
             let delta = v - mean;
             mean += delta / count;
             m2 += delta * (v - mean);
@@ -210,7 +217,7 @@ fn stats_tiled_kernel<F: Float>(
     let mut stride = rows / 2;
     while stride > 0 {
         if ty < stride {
-            chan_merge::<F>(
+            chan_merge::<f32>(
                 &mut sh_count,
                 &mut sh_mean,
                 &mut sh_m2,
@@ -235,8 +242,8 @@ fn stats_tiled_kernel<F: Float>(
 fn grad_sums_tiled_kernel<F: Float>(
     grad: &Tensor<F>,
     x: &Tensor<F>,
-    params: &Tensor<F>,
-    out: &mut Tensor<F>,
+    params: &Tensor<f32>,
+    out: &mut Tensor<f32>,
     #[comptime] block: usize,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -249,8 +256,8 @@ fn grad_sums_tiled_kernel<F: Float>(
     let spatial = x.shape(2);
     let total = x.shape(0) * spatial;
 
-    let mut sum_dy = F::new(0.0);
-    let mut sum_dy_xmu = F::new(0.0);
+    let mut sum_dy = f32::new(0.0);
+    let mut sum_dy_xmu = f32::new(0.0);
     if c < channels {
         let pivot = params[c];
         let m = params[channels + c];
@@ -259,9 +266,9 @@ fn grad_sums_tiled_kernel<F: Float>(
             let sample = j / spatial;
             let s = j % spatial;
             let index = (sample * channels + c) * spatial + s;
-            let dy = grad[index];
+            let dy = f32::cast_from(grad[index]);
             sum_dy += dy;
-            sum_dy_xmu += dy * ((x[index] - pivot) - m);
+            sum_dy_xmu += dy * ((f32::cast_from(x[index]) - pivot) - m);
             j += rows;
         }
     }
@@ -295,7 +302,7 @@ fn grad_sums_tiled_kernel<F: Float>(
 #[cube(launch)]
 fn normalize_kernel<F: Float>(
     x: &Tensor<F>,
-    params: &Tensor<F>,
+    params: &Tensor<f32>,
     gamma: &Tensor<F>,
     beta: &Tensor<F>,
     out: &mut Tensor<F>,
@@ -307,8 +314,9 @@ fn normalize_kernel<F: Float>(
     }
     let channels = x.shape(1);
     let c = (i / x.shape(2)) % channels;
-    let xmu = (x[i] - params[c]) - params[channels + c];
-    out[i] = xmu * (gamma[c] * params[2 * channels + c]) + beta[c];
+    let xmu = (f32::cast_from(x[i]) - params[c]) - params[channels + c];
+    let scale = f32::cast_from(gamma[c]) * params[2 * channels + c];
+    out[i] = F::cast_from(xmu * scale + f32::cast_from(beta[c]));
 }
 
 /// One unit per element: `dx = γ · invstd · (dy − g0 − (x − μ) · g1)`, with
@@ -317,9 +325,9 @@ fn normalize_kernel<F: Float>(
 fn grad_input_kernel<F: Float>(
     grad: &Tensor<F>,
     x: &Tensor<F>,
-    params: &Tensor<F>,
+    params: &Tensor<f32>,
     gamma: &Tensor<F>,
-    sums: &Tensor<F>,
+    sums: &Tensor<f32>,
     out: &mut Tensor<F>,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -332,10 +340,11 @@ fn grad_input_kernel<F: Float>(
     let invstd = params[2 * channels + c];
     let inv_n = params[3 * channels + c];
     let g0 = sums[c] * inv_n;
-    let g1 = invstd * invstd * sums[channels + c] * inv_n;
-    let xmu = (x[i] - params[c]) - params[channels + c];
-    let inner = grad[i] - g0 - xmu * g1;
-    out[i] = inner * (gamma[c] * invstd);
+    // invstd · (invstd · (Σ / N)): no invstd² that could overflow on its own.
+    let g1 = invstd * (invstd * (sums[channels + c] * inv_n));
+    let xmu = (f32::cast_from(x[i]) - params[c]) - params[channels + c];
+    let inner = f32::cast_from(grad[i]) - g0 - xmu * g1;
+    out[i] = F::cast_from(inner * (f32::cast_from(gamma[c]) * invstd));
 }
 
 /// One unit per channel: combines every rank's `[K; mean of x − K; M2; count]` (`gathered`,
@@ -437,8 +446,15 @@ fn combine_kernel<F: Float>(
     out[5 * channels + c] = new_var;
 }
 
+/// A packed (contiguous) output of `shape` on `t`'s device, of `t`'s dtype. Not the backend's
+/// default layout: on CUDA that pads rows (pitched), and the kernels write packed arrays.
 fn empty_like(t: &CubeTensor, shape: Shape) -> CubeTensor {
-    empty_device_dtype(t.client.clone(), t.device.clone(), shape, t.dtype)
+    empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, t.dtype)
+}
+
+/// A packed f32 output of `shape` on `t`'s device (statistics and sums).
+fn empty_f32(t: &CubeTensor, shape: Shape) -> CubeTensor {
+    empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, DType::F32)
 }
 
 /// Channels per cube of the tiled reductions, and sample rows per cube (`TILE_C · TILE_ROWS =
@@ -487,7 +503,7 @@ impl SyncBatchNormBackend for CubeBackend {
             x.shape().num_elements() > 0,
             "SyncBatchNorm per-channel reductions need at least one sample"
         );
-        let out = empty_like(&x, Shape::new([4, channels]));
+        let out = empty_f32(&x, Shape::new([4, channels]));
         let (count, dim) = per_channel_launch(&x);
         let dtype = x.dtype;
         let (client, x_arg, out_arg) = (
@@ -607,7 +623,7 @@ impl SyncBatchNormBackend for CubeBackend {
             x.shape().num_elements() > 0,
             "SyncBatchNorm per-channel reductions need at least one sample"
         );
-        let out = empty_like(&x, Shape::new([2, channels]));
+        let out = empty_f32(&x, Shape::new([2, channels]));
         let (count, dim) = per_channel_launch(&x);
         let dtype = x.dtype;
         let is_tiled = tiled(&x);

@@ -2,7 +2,7 @@
 //!
 //! With small per-rank batches, per-rank BatchNorm statistics turn into noise; [`SyncBatchNorm`]
 //! normalises with the mean and variance of *every* rank's samples, so N ranks × batch b
-//! normalise exactly like one process with batch N·b.
+//! normalise like one process with batch N·b (to float rounding).
 //!
 //! # Algorithm (PyTorch's)
 //!
@@ -47,8 +47,8 @@
 //! [`BatchNorm`]'s parameters (`gamma`, `beta`, `running_mean`, `running_var`). So:
 //!
 //! 1. **Declare** `SyncBatchNorm` where the model had `BatchNorm` (same field names). At world
-//!    size 1 it computes exactly what `BatchNorm` computes, so one model definition serves both
-//!    single-process and distributed runs.
+//!    size 1 it computes what `BatchNorm` computes (to float rounding), so one model
+//!    definition serves both single-process and distributed runs.
 //! 2. **Load** an existing BatchNorm model's record (or checkpoint file) into it with
 //!    [`Module::load_record`] — nothing to rename.
 //! 3. For a layer you already hold, `SyncBatchNorm::from(batch_norm)` moves its parameters
@@ -100,7 +100,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum RunningVariance {
     /// Burn's `BatchNorm` convention: the biased batch variance `M2 / n` (the default; world
-    /// size 1 equals `BatchNorm` exactly).
+    /// size 1 matches `BatchNorm`).
     #[default]
     Biased,
     /// PyTorch's convention: the unbiased batch variance `M2 / (n − 1)` over all ranks' samples.
@@ -385,22 +385,15 @@ impl SyncBatchNorm {
         let dtype = x.dtype();
 
         // Local (pivot, mean relative to the pivot, M2, count) per channel in one pass: the
-        // [4, C] every rank contributes, combined in f32 whatever the input's dtype. Nothing
-        // is read back here.
+        // [4, C] every rank contributes, in f32 whatever the input's dtype (so are all the
+        // per-channel values below). Nothing is read back here.
         let local = if count == 0 {
             Tensor::zeros([stats::ROWS, channels], (&device, DType::F32))
         } else {
-            let local = Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
+            Tensor::<2>::from_dispatch(Dispatch::sync_bn_stats(
                 x.clone().detach().into_dispatch(),
                 kernels,
-            ));
-            if dtype == DType::F32 {
-                local
-            } else {
-                // Half precision can't count far; the count row is rebuilt in f32.
-                let counts = Tensor::<2>::full([1, channels], count as f64, (&device, DType::F32));
-                Tensor::cat(vec![local.cast(DType::F32).narrow(0, 0, 3), counts], 0)
-            }
+            ))
         };
 
         let gathered = exchange.all_gather(local.clone(), stats::ROWS - 1, count)?;
@@ -434,13 +427,11 @@ impl SyncBatchNorm {
         ));
         let output = Tensor::<3>::from_dispatch(Dispatch::sync_bn_normalize(
             x.into_dispatch(),
-            global
-                .clone()
-                .narrow(0, 0, stats::ROWS)
-                .cast(dtype)
-                .into_dispatch(),
-            self.gamma.val().into_dispatch(),
-            self.beta.val().into_dispatch(),
+            global.clone().narrow(0, 0, stats::ROWS).into_dispatch(),
+            // γ and β in the input's dtype (a no-op unless they differ; their gradients flow
+            // back through the cast).
+            self.gamma.val().cast(dtype).into_dispatch(),
+            self.beta.val().cast(dtype).into_dispatch(),
             kernels,
         ));
         let row = |r: usize| global.clone().narrow(0, r, 1).reshape([channels]);
