@@ -44,8 +44,12 @@ pub struct CheckpointMeta {
     pub batch_size: usize,
     /// World size of the run that wrote it.
     pub world_size: usize,
-    /// Learning rate.
+    /// Learning rate (the peak of the schedule).
     pub lr: f64,
+    /// The learning-rate schedule and the total number of epochs it spans (`--lr-schedule`,
+    /// `--epochs`); `None` in checkpoints written before schedules existed (constant lr).
+    #[serde(default)]
+    pub schedule: Option<(String, usize)>,
     /// The data source (`--data`).
     pub data: String,
     /// Metrics of the completed epochs.
@@ -194,6 +198,7 @@ mod tests {
                 batch_size: 32,
                 world_size: 2,
                 lr: 0.05,
+                schedule: Some(("cosine".into(), 4)),
                 data: "synthetic".into(),
                 history: vec![],
             },

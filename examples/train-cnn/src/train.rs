@@ -78,6 +78,14 @@ pub enum LrSchedule {
 }
 
 impl LrSchedule {
+    /// The name `--lr-schedule` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            LrSchedule::Cosine => "cosine",
+            LrSchedule::Constant => "constant",
+        }
+    }
+
     /// The learning rate at 0-based global step `step` of `steps`.
     ///
     /// ```
@@ -233,6 +241,31 @@ pub fn train<N: NormLayer, C: Cluster>(
                 ck.meta.model, model_cfg
             )));
         }
+        // (schedule, epochs it spans); a constant rate spans nothing.
+        let span = |name: &str, epochs: usize| {
+            let epochs = if name == LrSchedule::Constant.name() {
+                0
+            } else {
+                epochs
+            };
+            (name.to_string(), epochs)
+        };
+        let saved = ck.meta.schedule.as_ref().map_or_else(
+            || span(LrSchedule::Constant.name(), 0),
+            |(n, e)| span(n, *e),
+        );
+        let now = span(cfg.schedule.name(), cfg.epochs);
+        if ck.meta.lr != cfg.lr || saved != now {
+            tracing::warn!(
+                "resuming a run trained with lr {} ({} schedule over {} epochs) with lr {} ({} over {} epochs): the learning rates differ from an uninterrupted run",
+                ck.meta.lr,
+                saved.0,
+                saved.1,
+                cfg.lr,
+                now.0,
+                now.1
+            );
+        }
         if ck.meta.batch_size != cfg.batch_size || ck.meta.world_size != world {
             tracing::warn!(
                 "resuming a run of {} ranks × batch {} with {world} ranks × batch {}: the optimisation differs from an uninterrupted run",
@@ -361,6 +394,7 @@ pub fn train<N: NormLayer, C: Cluster>(
                     batch_size: cfg.batch_size,
                     world_size: world,
                     lr: cfg.lr,
+                    schedule: Some((cfg.schedule.name().to_string(), cfg.epochs)),
                     data: cfg.data.to_string(),
                     history: history.clone(),
                 },

@@ -50,11 +50,16 @@ pub struct CombineOptions {
     pub unbiased: bool,
 }
 
-/// Per-channel operations of a synchronised batch norm. The cross-rank combination is not here:
-/// these are local computations that a backend can implement with kernels.
+/// Per-channel operations of a synchronised batch norm. The cross-rank exchange is not here:
+/// these are computations on one device that a backend can implement with kernels.
 ///
 /// `kernels = false` asks a backend that has kernels to use the tensor-op implementation instead
 /// (the default bodies), so both paths can be compared on one device.
+///
+/// **Dtypes.** `x` and `grad` may be f32, f16 or bf16; everything per channel is f32: the
+/// statistics and backward sums these operations return, and the channel parameters, γ, β,
+/// running statistics and gathered statistics they take (the kernels read those as f32). The
+/// element-wise results (`sync_bn_normalize`, `sync_bn_grad_input`) have `x`'s dtype.
 #[burn::backend::backend_extension(
     Cube: cfg(feature = "cube"),
     Flex,

@@ -14,8 +14,9 @@
 //!
 //! Whatever the input's float type `F` (f32, f16, bf16), every accumulation and every
 //! per-channel value is f32: the statistics and backward sums are written as f32, the channel
-//! parameters are read as f32, and only the element-wise outputs are converted back to `F`
-//! (PyTorch's rule for half-precision batch norm). Outputs are allocated contiguous: the
+//! parameters, γ and β are read as f32, and only the element-wise outputs are converted back to
+//! `F` (PyTorch's rule for half-precision batch norm). A CubeCL tensor argument carries no
+//! type, so the launchers assert that those inputs really are f32. Outputs are allocated contiguous: the
 //! kernels index them as packed arrays.
 
 use burn::backend::{TensorMetadata, cubecl::dtype_to_storage_type, tensor::FloatTensor};
@@ -303,8 +304,8 @@ fn grad_sums_tiled_kernel<F: Float>(
 fn normalize_kernel<F: Float>(
     x: &Tensor<F>,
     params: &Tensor<f32>,
-    gamma: &Tensor<F>,
-    beta: &Tensor<F>,
+    gamma: &Tensor<f32>,
+    beta: &Tensor<f32>,
     out: &mut Tensor<F>,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -315,8 +316,8 @@ fn normalize_kernel<F: Float>(
     let channels = x.shape(1);
     let c = (i / x.shape(2)) % channels;
     let xmu = (f32::cast_from(x[i]) - params[c]) - params[channels + c];
-    let scale = f32::cast_from(gamma[c]) * params[2 * channels + c];
-    out[i] = F::cast_from(xmu * scale + f32::cast_from(beta[c]));
+    let scale = gamma[c] * params[2 * channels + c];
+    out[i] = F::cast_from(xmu * scale + beta[c]);
 }
 
 /// One unit per element: `dx = γ · invstd · (dy − g0 − (x − μ) · g1)`, with
@@ -326,7 +327,7 @@ fn grad_input_kernel<F: Float>(
     grad: &Tensor<F>,
     x: &Tensor<F>,
     params: &Tensor<f32>,
-    gamma: &Tensor<F>,
+    gamma: &Tensor<f32>,
     sums: &Tensor<f32>,
     out: &mut Tensor<F>,
     #[define(F)] _dtype: ElemType,
@@ -344,7 +345,7 @@ fn grad_input_kernel<F: Float>(
     let g1 = invstd * (invstd * (sums[channels + c] * inv_n));
     let xmu = (f32::cast_from(x[i]) - params[c]) - params[channels + c];
     let inner = f32::cast_from(grad[i]) - g0 - xmu * g1;
-    out[i] = F::cast_from(inner * (f32::cast_from(gamma[c]) * invstd));
+    out[i] = F::cast_from(inner * (gamma[c] * invstd));
 }
 
 /// One unit per channel: combines every rank's `[K; mean of x − K; M2; count]` (`gathered`,
@@ -452,6 +453,18 @@ fn empty_like(t: &CubeTensor, shape: Shape) -> CubeTensor {
     empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, t.dtype)
 }
 
+/// `t` made contiguous, after checking that it is f32: a kernel argument declared
+/// `&Tensor<f32>` would read any other dtype's bytes as f32.
+fn f32_arg(t: CubeTensor, what: &str) -> CubeTensor {
+    assert_eq!(
+        t.dtype,
+        DType::F32,
+        "SyncBatchNorm kernels take {what} in f32, got {:?}",
+        t.dtype
+    );
+    into_contiguous(t)
+}
+
 /// A packed f32 output of `shape` on `t`'s device (statistics and sums).
 fn empty_f32(t: &CubeTensor, shape: Shape) -> CubeTensor {
     empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, DType::F32)
@@ -552,8 +565,8 @@ impl SyncBatchNormBackend for CubeBackend {
                 options,
             );
         }
-        let gathered = into_contiguous(gathered);
-        let local = into_contiguous(local);
+        let gathered = f32_arg(gathered, "the gathered statistics");
+        let local = f32_arg(local, "this rank's statistics");
         let channels = local.shape()[1];
         let out = empty_like(&local, Shape::new([6, channels]));
         let elem = dtype_to_storage_type(local.dtype);
@@ -565,8 +578,8 @@ impl SyncBatchNormBackend for CubeBackend {
             cube_dim,
             gathered.into_tensor_arg(),
             local.into_tensor_arg(),
-            into_contiguous(running_mean).into_tensor_arg(),
-            into_contiguous(running_var).into_tensor_arg(),
+            f32_arg(running_mean, "the running mean").into_tensor_arg(),
+            f32_arg(running_var, "the running variance").into_tensor_arg(),
             out.clone().into_tensor_arg(),
             InputScalar::new(options.epsilon, elem),
             InputScalar::new(options.momentum, elem),
@@ -599,9 +612,9 @@ impl SyncBatchNormBackend for CubeBackend {
             count,
             dim,
             x.into_tensor_arg(),
-            into_contiguous(params).into_tensor_arg(),
-            into_contiguous(gamma).into_tensor_arg(),
-            into_contiguous(beta).into_tensor_arg(),
+            f32_arg(params, "the channel parameters").into_tensor_arg(),
+            f32_arg(gamma, "γ").into_tensor_arg(),
+            f32_arg(beta, "β").into_tensor_arg(),
             out.clone().into_tensor_arg(),
             dtype_to_storage_type(dtype),
         );
@@ -630,7 +643,7 @@ impl SyncBatchNormBackend for CubeBackend {
         let args = (
             into_contiguous(grad).into_tensor_arg(),
             x.into_tensor_arg(),
-            into_contiguous(params).into_tensor_arg(),
+            f32_arg(params, "the channel parameters").into_tensor_arg(),
             out.clone().into_tensor_arg(),
         );
         let elem = dtype_to_storage_type(dtype);
@@ -686,9 +699,9 @@ impl SyncBatchNormBackend for CubeBackend {
             dim,
             into_contiguous(grad).into_tensor_arg(),
             x.into_tensor_arg(),
-            into_contiguous(params).into_tensor_arg(),
-            into_contiguous(gamma).into_tensor_arg(),
-            into_contiguous(sums).into_tensor_arg(),
+            f32_arg(params, "the channel parameters").into_tensor_arg(),
+            f32_arg(gamma, "γ").into_tensor_arg(),
+            f32_arg(sums, "the backward sums").into_tensor_arg(),
             out.clone().into_tensor_arg(),
             dtype_to_storage_type(dtype),
         );

@@ -382,7 +382,6 @@ impl SyncBatchNorm {
         let spatial: usize = dims[2..].iter().product();
         let count = n * spatial;
         let x = input.reshape([n, channels, spatial]);
-        let dtype = x.dtype();
 
         // Local (pivot, mean relative to the pivot, M2, count) per channel in one pass: the
         // [4, C] every rank contributes, in f32 whatever the input's dtype (so are all the
@@ -428,10 +427,10 @@ impl SyncBatchNorm {
         let output = Tensor::<3>::from_dispatch(Dispatch::sync_bn_normalize(
             x.into_dispatch(),
             global.clone().narrow(0, 0, stats::ROWS).into_dispatch(),
-            // γ and β in the input's dtype (a no-op unless they differ; their gradients flow
-            // back through the cast).
-            self.gamma.val().cast(dtype).into_dispatch(),
-            self.beta.val().cast(dtype).into_dispatch(),
+            // γ and β in f32 whatever the input's dtype, as PyTorch keeps them (a no-op for f32
+            // parameters; the gradients flow back through the cast).
+            self.gamma.val().cast(DType::F32).into_dispatch(),
+            self.beta.val().cast(DType::F32).into_dispatch(),
             kernels,
         ));
         let row = |r: usize| global.clone().narrow(0, r, 1).reshape([channels]);
