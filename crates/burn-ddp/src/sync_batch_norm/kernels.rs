@@ -53,6 +53,54 @@ fn chan_merge<F: Float>(
     }
 }
 
+/// The shared-memory reduction of `lanes` partial (count, mean, M2) triples that sit `spacing`
+/// slots apart, by a tree of Chan combinations: afterwards lane 0's `slot` holds them all. Every
+/// unit of the cube calls it (it synchronises the cube); `lanes` is a power of two and a
+/// runtime value (a comptime-derived loop bound failed verification: see DESIGN.md).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn chan_tree(
+    count: &mut Shared<[f32]>,
+    mean: &mut Shared<[f32]>,
+    m2: &mut Shared<[f32]>,
+    slot: usize,
+    lane: usize,
+    lanes: usize,
+    spacing: usize,
+) {
+    let mut stride = lanes / 2;
+    while stride > 0 {
+        if lane < stride {
+            chan_merge::<f32>(count, mean, m2, slot, slot + stride * spacing);
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
+/// [`chan_tree`] for two running sums: afterwards lane 0's `slot` holds each total.
+#[cube]
+fn sum_tree(
+    a: &mut Shared<[f32]>,
+    b: &mut Shared<[f32]>,
+    slot: usize,
+    lane: usize,
+    lanes: usize,
+    spacing: usize,
+) {
+    let mut stride = lanes / 2;
+    while stride > 0 {
+        if lane < stride {
+            let sum_a = a[slot] + a[slot + stride * spacing];
+            let sum_b = b[slot] + b[slot + stride * spacing];
+            a[slot] = sum_a;
+            b[slot] = sum_b;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
 /// One cube per channel: out = [pivot; mean(x − pivot); M2; count] as a `[4, C]` tensor.
 #[cube(launch)]
 fn stats_kernel<F: Float>(
@@ -93,15 +141,15 @@ fn stats_kernel<F: Float>(
     sh_m2[unit] = m2;
     sync_cube();
 
-    // Tree of Chan combinations (the loop bound is a runtime value: see DESIGN.md).
-    let mut stride = units / 2;
-    while stride > 0 {
-        if unit < stride {
-            chan_merge::<f32>(&mut sh_count, &mut sh_mean, &mut sh_m2, unit, unit + stride);
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    chan_tree(
+        &mut sh_count,
+        &mut sh_mean,
+        &mut sh_m2,
+        unit,
+        unit,
+        units,
+        1,
+    );
 
     if unit == 0 {
         out[c] = pivot;
@@ -149,17 +197,7 @@ fn grad_sums_kernel<F: Float>(
     sh_dy_xmu[unit] = sum_dy_xmu;
     sync_cube();
 
-    let mut stride = units / 2;
-    while stride > 0 {
-        if unit < stride {
-            let a = sh_dy[unit] + sh_dy[unit + stride];
-            let b = sh_dy_xmu[unit] + sh_dy_xmu[unit + stride];
-            sh_dy[unit] = a;
-            sh_dy_xmu[unit] = b;
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    sum_tree(&mut sh_dy, &mut sh_dy_xmu, unit, unit, units, 1);
 
     if unit == 0 {
         out[c] = sh_dy[0];
@@ -215,20 +253,15 @@ fn stats_tiled_kernel<F: Float>(
     sh_m2[slot] = m2;
     sync_cube();
 
-    let mut stride = rows / 2;
-    while stride > 0 {
-        if ty < stride {
-            chan_merge::<f32>(
-                &mut sh_count,
-                &mut sh_mean,
-                &mut sh_m2,
-                slot,
-                slot + stride * width,
-            );
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    chan_tree(
+        &mut sh_count,
+        &mut sh_mean,
+        &mut sh_m2,
+        slot,
+        ty,
+        rows,
+        width,
+    );
 
     if ty == 0 && c < channels {
         out[c] = pivot;
@@ -281,17 +314,7 @@ fn grad_sums_tiled_kernel<F: Float>(
     sh_dy_xmu[slot] = sum_dy_xmu;
     sync_cube();
 
-    let mut stride = rows / 2;
-    while stride > 0 {
-        if ty < stride {
-            let a = sh_dy[slot] + sh_dy[slot + stride * width];
-            let b = sh_dy_xmu[slot] + sh_dy_xmu[slot + stride * width];
-            sh_dy[slot] = a;
-            sh_dy_xmu[slot] = b;
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    sum_tree(&mut sh_dy, &mut sh_dy_xmu, slot, ty, rows, width);
 
     if ty == 0 && c < channels {
         out[c] = sh_dy[tx];
