@@ -12,6 +12,8 @@ use burn::store::ModuleRecord;
 use burn::tensor::{Bytes, Device};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use burn_ddp::data::ShardedDataLoaderBuilder;
+
 use crate::checkpoint::{self, Checkpoint, CheckpointError, CheckpointMeta, SamplerState};
 use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
 use crate::dist::{Cluster, DistError, StepOptimizer};
@@ -120,6 +122,9 @@ pub enum TrainError {
     /// Process-group problem.
     #[error(transparent)]
     Dist(#[from] DistError),
+    /// The sharded loader (a bad setting, or a batch that didn't arrive in time).
+    #[error("training data: {0}")]
+    Loader(#[from] burn_ddp::data::DataError),
     /// Output files.
     #[error("writing {path}: {source}")]
     Output {
@@ -327,23 +332,33 @@ pub fn train<N: NormLayer, C: Cluster>(
     }
 
     let batcher = ImageBatcher { rows, cols };
+    // burn-ddp's sharded loader: PyTorch's DistributedSampler order (seed + epoch, padded,
+    // rank-strided), batches built by a background worker. Every rank has the same number of
+    // items, so the same number of full batches; the partial batch at the end is dropped (a
+    // batch of 1 has no BatchNorm statistics).
+    let loader = ShardedDataLoaderBuilder::new(batcher)
+        .batch_size(cfg.batch_size)
+        .seed(sampler.seed)
+        .drop_last_batch(true)
+        .num_workers(1)
+        .build(splits.train.clone(), cluster.rank(), world, device.clone())?;
+    debug_assert_eq!(loader.num_batches(), batches_per_epoch);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut header_printed = false;
     for epoch in start..cfg.epochs {
         let t0 = Instant::now();
         sampler.epoch = epoch as u64;
-        let indices = cluster.train_indices(splits.train.0.len(), sampler.seed, sampler.epoch)?;
-        // Every rank has the same number of indices, so the same number of full batches; the
-        // partial batch at the end is dropped (a batch of 1 has no BatchNorm statistics).
+        loader.set_epoch(sampler.epoch);
         let mut sums = [0f64; 3]; // loss × n, correct, n
-        for (i, chunk) in indices.chunks_exact(cfg.batch_size).enumerate() {
+        for (i, batch) in loader.batches().enumerate() {
+            let batch = batch?;
             let lr = cfg.schedule.at(
                 cfg.lr,
                 epoch * batches_per_epoch + i,
                 cfg.epochs * batches_per_epoch,
             );
-            let batch = make_batch(&batcher, &*splits.train.0, chunk, &device);
-            let n = chunk.len() as f64;
+            let items = batch.targets.dims()[0];
+            let n = items as f64;
             let logits = model.forward(batch.images);
             let correct = count_correct(logits.clone(), batch.targets.clone());
             let loss = loss_fn.forward(logits, batch.targets);
@@ -353,7 +368,7 @@ pub fn train<N: NormLayer, C: Cluster>(
             sums[0] += loss_value * n;
             sums[1] += correct as f64;
             sums[2] += n;
-            bar.inc(chunk.len() as u64 * world as u64);
+            bar.inc(items as u64 * world as u64);
             bar.set_message(format!(
                 "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
                 epoch + 1,

@@ -7,7 +7,7 @@ use burn::tensor::Device;
 use burn_ddp::{Ddp, DdpOptimizer};
 use ddp_comm::ReduceOp;
 
-use super::{Cluster, DistError, StepOptimizer, shard_indices};
+use super::{Cluster, DistError, StepOptimizer};
 
 fn err(e: impl std::fmt::Display) -> DistError {
     DistError(e.to_string())
@@ -131,10 +131,5 @@ impl Cluster for DdpCluster {
 
     fn barrier(&mut self) -> Result<(), DistError> {
         self.ddp.barrier().map_err(err)
-    }
-
-    /// burn-ddp's `DistributedSampler` ([`shard_indices`]).
-    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
-        shard_indices(len, seed, epoch, self.rank(), self.world_size())
     }
 }

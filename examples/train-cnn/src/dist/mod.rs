@@ -15,8 +15,6 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device};
 
-use burn_ddp::data::DistributedSampler;
-
 /// A failure of a collective operation or of the process group.
 #[derive(Debug, thiserror::Error)]
 #[error("distributed: {0}")]
@@ -89,10 +87,6 @@ pub trait Cluster {
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) -> Result<(), DistError>;
     /// Waits for every rank.
     fn barrier(&mut self) -> Result<(), DistError>;
-    /// The training sample indices of this rank for `epoch`: a permutation of `0..len` from
-    /// `seed + epoch`, padded to a multiple of the world size by repeating its head, and this
-    /// rank's `r::world` slice (PyTorch's `DistributedSampler`). Every rank gets the same count.
-    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError>;
 }
 
 /// One process, no communication.
@@ -143,55 +137,5 @@ impl Cluster for Local {
 
     fn barrier(&mut self) -> Result<(), DistError> {
         Ok(())
-    }
-
-    fn train_indices(&self, len: usize, seed: u64, epoch: u64) -> Result<Vec<usize>, DistError> {
-        shard_indices(len, seed, epoch, 0, 1)
-    }
-}
-
-/// This rank's training indices for `epoch`: burn-ddp's [`DistributedSampler`] (a permutation
-/// of `0..len` from `seed + epoch`, padded by repeating its head, rank `r` takes `r::world`).
-/// One process uses the same permutation as N ranks, so N ranks × batch b see, step by step,
-/// the same samples as one process × batch N·b.
-pub fn shard_indices(
-    len: usize,
-    seed: u64,
-    epoch: u64,
-    rank: usize,
-    world: usize,
-) -> Result<Vec<usize>, DistError> {
-    let mut sampler = DistributedSampler::new(len, world, rank)
-        .map_err(|e| DistError(e.to_string()))?
-        .with_seed(seed);
-    sampler.set_epoch(epoch);
-    Ok(sampler.indices())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shards_cover_everything_and_change_with_the_epoch() {
-        for (len, world) in [(10, 1), (10, 3), (7, 4), (1, 2)] {
-            let shards: Vec<Vec<usize>> = (0..world)
-                .map(|r| shard_indices(len, 5, 0, r, world).unwrap())
-                .collect();
-            let n = shards[0].len();
-            assert!(shards.iter().all(|s| s.len() == n));
-            let mut all: Vec<usize> = shards.concat();
-            all.sort_unstable();
-            all.dedup();
-            assert_eq!(all, (0..len).collect::<Vec<_>>());
-        }
-        assert_ne!(
-            shard_indices(100, 5, 0, 0, 1).unwrap(),
-            shard_indices(100, 5, 1, 0, 1).unwrap()
-        );
-        assert_eq!(
-            shard_indices(100, 5, 1, 0, 1).unwrap(),
-            shard_indices(100, 5, 1, 0, 1).unwrap()
-        );
     }
 }
