@@ -405,18 +405,17 @@ impl SyncBatchNorm {
             }
         }
         // [6, C]: the channel parameters (rows 0–3) and the new running mean and variance.
-        let running = |state: &RunningState<Tensor<1>>| {
-            state
-                .value_sync()
-                .to_device(&device)
-                .cast(DType::F32)
-                .into_dispatch()
-        };
+        let (running_mean, running_var) = (
+            self.running_mean.value_sync(),
+            self.running_var.value_sync(),
+        );
+        let running_dtype = running_mean.dtype();
+        let running = |state: Tensor<1>| state.to_device(&device).cast(DType::F32).into_dispatch();
         let global = Tensor::<2>::from_dispatch(Dispatch::sync_bn_combine(
             gathered.stats.into_dispatch(),
             local.into_dispatch(),
-            running(&self.running_mean),
-            running(&self.running_var),
+            running(running_mean),
+            running(running_var),
             CombineOptions {
                 epsilon: self.epsilon,
                 momentum: self.momentum,
@@ -434,7 +433,6 @@ impl SyncBatchNorm {
             kernels,
         ));
         let row = |r: usize| global.clone().narrow(0, r, 1).reshape([channels]);
-        let running_dtype = self.running_mean.value_sync().dtype();
         self.running_mean
             .update(row(4).cast(running_dtype).detach());
         self.running_var.update(row(5).cast(running_dtype).detach());

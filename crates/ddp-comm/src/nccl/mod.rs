@@ -92,6 +92,32 @@ macro_rules! nccl_element {
 }
 nccl_element!(f32, f64, i32, i64, u8);
 
+/// Enqueues one in-place `ncclAllReduce` of `len` elements at `ptr` on stream `s`.
+///
+/// # Safety
+/// `ptr` must address `len` elements of `T` in device memory of `comm`'s device, valid until
+/// the reduction has run.
+unsafe fn enqueue_all_reduce_in_place<T: NcclElement>(
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    len: usize,
+    op: ReduceOp,
+    comm: ncclComm_t,
+    s: sys::cudaStream_t,
+) -> ncclResult_t {
+    // SAFETY: per this function's contract.
+    unsafe {
+        sys::ncclAllReduce(
+            ptr as *const _,
+            ptr as *mut _,
+            len,
+            T::as_nccl_type(),
+            nccl_op(op),
+            comm,
+            s,
+        )
+    }
+}
+
 /// NCCL's operation for a [`ReduceOp`]. `Mean` is `ncclAvg`: for floats a pre-multiplied sum,
 /// for integers a sum followed by an integer division (truncating, like Rust's `/`).
 fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
@@ -548,17 +574,7 @@ impl NcclGroup {
         self.collective(&what, |comm, s| {
             // SAFETY: `ptr` holds `len` elements of T on this group's device; the buffer is
             // borrowed mutably until the call completed (collective waits).
-            unsafe {
-                sys::ncclAllReduce(
-                    ptr as *const _,
-                    ptr as *mut _,
-                    len,
-                    T::as_nccl_type(),
-                    nccl_op(op),
-                    comm,
-                    s,
-                )
-            }
+            unsafe { enqueue_all_reduce_in_place::<T>(ptr, len, op, comm, s) }
         })
     }
 
@@ -725,17 +741,7 @@ impl NcclGroup {
         let what = format!("all_reduce({op:?}, {len} x {} raw)", T::NAME);
         self.collective(&what, |comm, s| {
             // SAFETY: per this function's contract.
-            unsafe {
-                sys::ncclAllReduce(
-                    ptr as *const _,
-                    ptr as *mut _,
-                    len,
-                    T::as_nccl_type(),
-                    nccl_op(op),
-                    comm,
-                    s,
-                )
-            }
+            unsafe { enqueue_all_reduce_in_place::<T>(ptr, len, op, comm, s) }
         })
     }
 
@@ -771,15 +777,7 @@ impl NcclGroup {
                 }
                 let mut first_error = ncclResult_t::ncclSuccess;
                 for &(ptr, len) in buffers {
-                    let r = sys::ncclAllReduce(
-                        ptr as *const _,
-                        ptr as *mut _,
-                        len,
-                        T::as_nccl_type(),
-                        nccl_op(op),
-                        comm,
-                        s,
-                    );
+                    let r = enqueue_all_reduce_in_place::<T>(ptr, len, op, comm, s);
                     let failed =
                         !matches!(r, ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress);
                     if failed && first_error == ncclResult_t::ncclSuccess {
