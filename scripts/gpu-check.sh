@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # One GPU check for burn-ddp, in two halves:
 #
-#   scripts/gpu-check.sh build   # on a build machine (cargo, crates.io; no GPU needed):
-#                                # builds the GPU test binaries into .gpu-bin/ (git-ignored)
-#   scripts/gpu-check.sh run     # on a machine with one NVIDIA GPU (no network, no cargo):
+#   scripts/gpu-check.sh build   # on a build machine (cargo; no GPU needed): builds the CUDA
+#                                # binaries CI links, packs them into .gpu-bin/ (git-ignored)
+#   scripts/gpu-check.sh run     # on a machine with an NVIDIA GPU (no network, no cargo):
 #                                # finds libcuda and libnccl, runs every check, prints ONE table
 #
 # With this workplace's device tool, after `build` here:
 #   run(command="bash scripts/gpu-check.sh run", carry=[".gpu-bin", ".gl"], timeout_s=540)
-# (.gl holds the Vulkan loader that `build` downloads for the wgpu checks). The run half finishes
-# within GPU_CHECK_BUDGET seconds (default 450) and skips what no longer fits.
+# (.gl holds the Vulkan loader that `build` downloads for the wgpu rows). The run half finishes
+# within GPU_CHECK_BUDGET seconds (default 450) and skips what no longer fits. Without a GPU
+# (a dry run on the build machine) every CUDA row fails with the no-driver error, as it must.
 #
 # What `build` registers lives in .gpu-bin/manifest.tsv, one check per line:
 #   libtest<TAB>LABEL<TAB>BINARY            every #[ignore]d test of a libtest binary, one row each
+#                                           (tests named two_gpus_* only with 2+ GPUs)
 #   cmd<TAB>LABEL<TAB>TIMEOUT_S<TAB>COMMAND  a command; exit status 0 = pass
 # Output a check prints from "BENCH |" or "OUTCOME" to the end of a line is shown under the table
 # (libtest may print "test NAME ... " before it on the same line).
@@ -21,6 +23,13 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 BIN=.gpu-bin
 MANIFEST=$BIN/manifest.tsv
+# Where `run` unpacks the binaries (they don't fit the carry limit unpacked).
+GPU_BIN=${GPU_CHECK_BIN_DIR:-/tmp/gpu-check-bin}
+export GPU_BIN
+# The features of CI's CUDA build (keep in step with xtask/src/ci.rs; `build` checks), so
+# `build` reuses what `cargo xtask ci` compiled and packs the binaries CI linked.
+CUDA_FEATURES="ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda"
+CUDA_PACKAGES=(-p burn-ddp -p ddp-tests -p train-cnn)
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
@@ -28,55 +37,43 @@ die() { echo "gpu-check: $*" >&2; exit 2; }
 # build half
 # ------------------------------------------------------------------------------------------
 
-# artifact NAME KIND: reads cargo's --message-format=json on stdin and prints the executable of
-# the last artifact named NAME whose target kinds include KIND ("test" or "bin").
-artifact() {
-  python3 -c '
+# pick NAME KIND DEST: copies the executable of the last artifact named NAME of target kind
+# KIND in cargo's JSON ($JSON) into the staging folder as DEST, stripped. KIND "bin" and
+# "example" take the program, any other kind ("lib", "test") its test harness.
+pick() {
+  local exe
+  exe=$(python3 -c '
 import json, sys
 want, kind = sys.argv[1], sys.argv[2]
+harness = kind not in ("bin", "example")
+found = ""
 for line in sys.stdin:
     try:
         m = json.loads(line)
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == want \
-            and kind in m["target"]["kind"] and m.get("executable"):
-        print(m["executable"])
-' "$1" "$2" | tail -n1
+            and kind in m["target"]["kind"] and m.get("executable") \
+            and m["profile"]["test"] == harness:
+        found = m["executable"]
+print(found)
+' "$1" "$2" <"$JSON")
+  [ -n "$exe" ] || die "no $2 executable named $1 in cargo's output"
+  cp "$exe" "$BIN/stage/$3"
+  strip "$BIN/stage/$3" 2>/dev/null || true
 }
 
-# build_test PACKAGE TEST [CARGO ARGS...]: builds integration test TEST of PACKAGE in release
-# mode and registers its ignored tests.
-build_test() {
-  local pkg=$1 test=$2; shift 2
-  local exe
-  exe=$(cargo test -p "$pkg" --release --no-run --test "$test" --message-format=json "$@" \
-        | artifact "$test" test)
-  [ -n "$exe" ] || die "no test executable for $pkg --test $test"
-  local dst="$BIN/${pkg}-${test}-tests"
-  cp "$exe" "$dst"
-  strip --strip-debug "$dst" 2>/dev/null || true
-  printf 'libtest\t%s\t%s\n' "$pkg/$test" "$dst" >>"$MANIFEST"
-}
-
-# build_bin PACKAGE BIN [CARGO ARGS...]: builds a binary in release mode into .gpu-bin/.
-build_bin() {
-  local pkg=$1 bin=$2; shift 2
-  local exe
-  exe=$(cargo build -p "$pkg" --release --bin "$bin" --message-format=json "$@" \
-        | artifact "$bin" bin)
-  [ -n "$exe" ] || die "no binary $bin in $pkg"
-  cp "$exe" "$BIN/$bin"
-  strip --strip-debug "$BIN/$bin" 2>/dev/null || true
-}
-
-# register_cmd LABEL TIMEOUT_S COMMAND: a check run as `bash -c COMMAND` from the repo root.
-register_cmd() {
-  printf 'cmd\t%s\t%s\t%s\n' "$1" "$2" "$3" >>"$MANIFEST"
-}
+# register_libtest LABEL FILE / register_cmd LABEL TIMEOUT_S COMMAND (run by `bash -c` from the
+# repo root; $GPU_BIN is the folder of the unpacked binaries).
+register_libtest() { printf 'libtest\t%s\t%s\n' "$1" "$2" >>"$MANIFEST"; }
+register_cmd() { printf 'cmd\t%s\t%s\t%s\n' "$1" "$2" "$3" >>"$MANIFEST"; }
 
 do_build() {
   command -v cargo >/dev/null || die "build needs cargo"
+  command -v python3 >/dev/null || die "build needs python3 (to read cargo's JSON)"
+  command -v xz >/dev/null || die "build needs xz"
+  grep -q "\"$CUDA_FEATURES\"" xtask/src/ci.rs ||
+    die "CUDA_FEATURES is out of step with xtask/src/ci.rs"
   local exclude
   exclude=$(git rev-parse --git-path info/exclude 2>/dev/null || true)
   if [ -n "$exclude" ] && ! grep -qx '/.gpu-bin/' "$exclude" 2>/dev/null; then
@@ -84,37 +81,56 @@ do_build() {
     echo '/.gpu-bin/' >>"$exclude"
   fi
   rm -rf "$BIN"
-  mkdir -p "$BIN"
+  mkdir -p "$BIN/stage"
   : >"$MANIFEST"
+  JSON=$BIN/cargo.json
 
-  # NCCL transport: world size 1 on device buffers, raw pointers, the init watchdog, two
-  # processes on one GPU (crates/ddp-comm/tests/nccl.rs).
-  build_test ddp-comm nccl --features nccl
+  # CI's CUDA build (dev profile, optimised dependencies): CubeCL kernels on CUDA, NCCL on
+  # device memory, and train-cnn, which also trains on wgpu and on the CPU.
+  cargo test --no-run "${CUDA_PACKAGES[@]}" --tests --features "$CUDA_FEATURES" \
+    --message-format=json >"$JSON"
+  pick burn_ddp lib burn-ddp-tests
+  pick sync_batch_norm test sync_batch_norm-tests
+  pick ddp test ddp-tests
+  pick ddp_worker bin ddp_worker
+  pick syncbn_worker bin syncbn_worker
+  pick train-cnn bin train-cnn
+  # The NCCL transport's tests (no Burn); in release, for the benchmarks: ddprun, the
+  # all-reduce benchmark and xtask (`xtask train --gpus 1 --program …` needs no cargo).
+  cargo test --no-run -p ddp-comm --features nccl --test nccl --message-format=json >"$JSON"
+  pick nccl test ddp-comm-nccl-tests
+  cargo build --release -p ddp-comm --features nccl --bin ddprun --example allreduce_bench \
+    -p xtask --message-format=json >"$JSON"
+  pick ddprun bin ddprun
+  pick allreduce_bench example allreduce_bench
+  pick xtask bin xtask
+  cp scripts/gloo_allreduce.py "$BIN/stage/"
+  rm -f "$JSON"
 
-  # ---- EXTRA CHECKS: other crates add their lines here (see docs/gpu.md) -------------------
-  # SyncBatchNorm CubeCL kernels through wgpu on NVIDIA's Vulkan driver: kernels and tensor ops
-  # against Burn's BatchNorm (exit 1 above 1e-4 relative), then BatchNorm vs SyncBatchNorm
-  # timings there. The binary is stripped and gzipped to fit the carry limit. Needs the Vulkan
-  # loader on the GPU machine: carry ".gl" (device README) — `run` unpacks it.
-  build_bin ddp-tests syncbn_bench --features wgpu
-  strip "$BIN/syncbn_bench" 2>/dev/null || true
-  gzip -9f "$BIN/syncbn_bench"
-  register_cmd "SyncBatchNorm kernels vs BatchNorm on the GPU (wgpu/Vulkan)" 240 \
-    "set -o pipefail; gunzip -c .gpu-bin/syncbn_bench.gz >/tmp/syncbn_bench && chmod +x /tmp/syncbn_bench && /tmp/syncbn_bench --ranks 0 --steps 10 --batches 8,32,64 2>&1 | sed 's/^|/BENCH |/'"
-  #
-  # 2-rank DDP equivalence sharing the one GPU over the host-staged path (wgpu on NVIDIA's
-  # Vulkan driver): 2 ranks × batch 4 with Adam vs one process × batch 8 from the same weights,
-  # ranks bitwise identical after every step, max |Δparam| ≤ 1e-5.
-  build_bin ddp-comm ddprun
-  strip "$BIN/ddprun" 2>/dev/null || true
-  build_bin ddp-tests ddp_worker --features wgpu
-  strip "$BIN/ddp_worker" 2>/dev/null || true
-  gzip -9f "$BIN/ddp_worker"
-  register_cmd "DDP 2 ranks sharing the GPU (wgpu, host-staged) = 1 process" 240 \
-    "gunzip -c .gpu-bin/ddp_worker.gz >/tmp/ddp_worker && chmod +x /tmp/ddp_worker && .gpu-bin/ddprun --nproc-per-node 2 -- /tmp/ddp_worker --scenario equiv --optim adam --device wgpu --check 1e-5 --out /tmp/gpu-check-ddp"
-  # -----------------------------------------------------------------------------------------
+  # One archive with a dictionary larger than one binary: the CUDA binaries share LLVM and
+  # Burn, which xz then stores about once.
+  local raw
+  raw=$(du -sb "$BIN/stage" | cut -f1)
+  tar -C "$BIN/stage" -cf - . | xz -9 --lzma2=preset=9,dict=512MiB -T1 >"$BIN/bins.tar.xz"
+  rm -rf "$BIN/stage"
 
-  # The Vulkan loader for the wgpu checks, as amd64 Debian packages in .gl/ (git-ignored; carry
+  # Checks in order of importance (the run half skips what its time budget no longer fits).
+  register_libtest "SyncBatchNorm on CUDA (kernels, NCCL, host-staged)" sync_batch_norm-tests
+  register_libtest "burn-ddp on CUDA (NCCL device buffers, gradient path)" burn-ddp-tests
+  register_cmd "train-cnn 1 epoch: cuda vs cpu, same seed" 240 \
+    "bash scripts/gpu-check.sh compare-backends"
+  register_cmd "DDP world of one via ddprun: NCCL gradients + SyncBatchNorm over NCCL" 180 \
+    "bash scripts/gpu-check.sh ddprun-nccl"
+  register_libtest "DDP equivalence on CUDA (1 GPU over NCCL, 2 ranks)" ddp-tests
+  register_cmd "step time: cuda / wgpu / cpu; BatchNorm vs SyncBatchNorm" 300 \
+    "bash scripts/gpu-check.sh step-times"
+  register_libtest "ddp-comm NCCL transport" ddp-comm-nccl-tests
+  register_cmd "cargo xtask train --gpus 1 (the xtask binary, --program)" 150 \
+    "\$GPU_BIN/xtask train --gpus 1 --epochs 1 --program \$GPU_BIN/train-cnn --out /tmp/gpu-check-xtask -- --train-size 2000 --eval-size 500 --no-progress"
+  register_cmd "CPU all-reduce scaling: 2, 4, 8 ranks (shm), gloo beside it" 200 \
+    "bash scripts/gpu-check.sh cpu-scaling"
+
+  # The Vulkan loader for the wgpu rows, as amd64 Debian packages in .gl/ (git-ignored; carry
   # it with .gpu-bin). The GPU machine has NVIDIA's Vulkan driver but maybe no loader.
   if ! compgen -G ".gl/*.deb" >/dev/null && command -v apt-get >/dev/null; then
     mkdir -p .gl /tmp/gpu-check-apt/partial
@@ -123,16 +139,77 @@ do_build() {
        (cd .gl && apt-get "${o[@]}" download -qq libvulkan1 >/dev/null 2>&1); then
       echo "gpu-check: Vulkan loader packages in .gl/: $(ls .gl)"
     else
-      echo "gpu-check: could not download the Vulkan loader; the wgpu checks need one on the GPU machine" >&2
+      echo "gpu-check: could not download the Vulkan loader; the wgpu rows need one on the GPU machine" >&2
     fi
   fi
 
   local bytes
   bytes=$(du -sb "$BIN" | cut -f1)
-  echo "gpu-check: built into $BIN/ ($((bytes / 1048576)) MiB; the device tool carries 64 MiB in all):"
-  ls -l "$BIN"
+  echo "gpu-check: $((raw / 1048576)) MiB of stripped binaries packed into $BIN/bins.tar.xz ($((bytes / 1048576)) MiB; the device tool carries 64 MiB in all)"
   cat "$MANIFEST"
   [ "$bytes" -lt $((60 * 1048576)) ] || echo "gpu-check: WARNING: $BIN is over 60 MiB" >&2
+}
+
+# ------------------------------------------------------------------------------------------
+# checks that run through this script (on the GPU machine, after `run` unpacked GPU_BIN)
+# ------------------------------------------------------------------------------------------
+
+# train NAME FLAGS…: one short train-cnn run, output under /tmp/gpu-check-train/NAME.
+train() {
+  local name=$1
+  shift
+  "$GPU_BIN/train-cnn" --epochs 1 --seed 7 --train-size 2000 --eval-size 500 --batch-size 32 \
+    --no-progress --out "/tmp/gpu-check-train/$name" "$@"
+}
+
+# The CUDA run against the CPU run with the same seed: the losses after one epoch agree to 1e-3
+# (relative); f32 sums in another order on each device keep them from agreeing bitwise.
+compare_backends() {
+  train cuda --backend cuda --sync-bn
+  train cpu --backend cpu --sync-bn
+  python3 "$ROOT/scripts/gpu_check_report.py" compare /tmp/gpu-check-train/cuda /tmp/gpu-check-train/cpu 1e-3
+}
+
+# DDP in a world of one under ddprun with DDP_NCCL=required: gradient buckets and SyncBatchNorm's
+# statistics go through a one-rank NCCL communicator (the log line proves it was created).
+ddprun_nccl() {
+  local log=/tmp/gpu-check-ddprun.log
+  DDP_NCCL=required RUST_LOG=burn_ddp=info "$GPU_BIN/ddprun" --nproc-per-node 1 -- \
+    "$GPU_BIN/train-cnn" --backend cuda --sync-bn --epochs 1 --train-size 2000 --eval-size 500 \
+    --no-progress --out /tmp/gpu-check-ddprun 2>&1 | tee "$log"
+  grep -q 'one-rank NCCL communicator' "$log" || die "no NCCL communicator was created"
+  echo "OUTCOME ddprun world of one: gradients and SyncBatchNorm statistics over NCCL"
+}
+
+# samples/s of epoch 2 (epoch 1 includes compiling the kernels) on each backend, and BatchNorm
+# vs SyncBatchNorm on CUDA.
+step_times() {
+  local r
+  for r in "cuda-bn --backend cuda" "cuda-syncbn --backend cuda --sync-bn" \
+           "wgpu-syncbn --backend wgpu --sync-bn" "cpu-syncbn --backend cpu --sync-bn"; do
+    # shellcheck disable=SC2086
+    train $r --epochs 2 || echo "gpu-check: ${r%% *} failed" >&2
+  done
+  python3 "$ROOT/scripts/gpu_check_report.py" step-times /tmp/gpu-check-train 32
+}
+
+# ddp-comm's all-reduce over shared memory at 2, 4, 8 ranks, and PyTorch gloo beside it when
+# this machine's Python has torch.
+cpu_scaling() {
+  local n
+  for n in 2 4 8; do
+    "$GPU_BIN/ddprun" --nproc-per-node "$n" --no-prefix -- "$GPU_BIN/allreduce_bench" \
+      --sizes 1M,25M --transport shm |
+      awk -v n="$n" '$1 ~ /^[0-9]/ { print "BENCH | ddp-comm shm, " n " ranks | " $0 }'
+  done
+  if python3 -c 'import torch.distributed' 2>/dev/null; then
+    for n in 2 4 8; do
+      python3 -m torch.distributed.run --nproc-per-node "$n" "$GPU_BIN/gloo_allreduce.py" \
+        --sizes 1M,25M 2>/dev/null | grep '^BENCH' || echo "gpu-check: gloo at $n ranks failed" >&2
+    done
+  else
+    echo "OUTCOME no torch on this machine: gloo not measured"
+  fi
 }
 
 # ------------------------------------------------------------------------------------------
@@ -168,8 +245,11 @@ add_lib_dir() {
 setup_libraries() {
   # The Vulkan loader and friends, carried as Debian packages (device README), for wgpu checks.
   if compgen -G ".gl/*.deb" >/dev/null; then
-    for f in .gl/*.deb; do dpkg -x "$f" /; done
-    ldconfig || true
+    local f
+    for f in .gl/*.deb; do
+      dpkg -x "$f" / 2>/dev/null || echo "gpu-check: could not unpack $f; the wgpu rows may fail" >&2
+    done
+    ldconfig 2>/dev/null || true
   fi
   if [ -z "${VK_DRIVER_FILES:-}" ] && [ -e /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
@@ -239,6 +319,31 @@ EOF
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
   export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   export RUST_BACKTRACE=${RUST_BACKTRACE:-0}
+  # Few autotune candidates: kernels compile through LLVM in every process, and the check has
+  # minutes. Ranks compiling at different speeds must not trip the collective timeout.
+  export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+  export DDP_TIMEOUT_SECS=${DDP_TIMEOUT_SECS:-120}
+  # Test binaries start the rank programs unpacked beside them (ddp_tests::BIN_DIR_VAR).
+  export DDP_TESTS_BIN_DIR=$GPU_BIN
+}
+
+# Unpacks .gpu-bin/bins.tar.xz into $GPU_BIN with Python (xz may be missing there) and checks
+# that every binary's libraries resolve.
+unpack_binaries() {
+  rm -rf "$GPU_BIN"
+  mkdir -p "$GPU_BIN"
+  python3 -c 'import lzma, sys, tarfile
+with lzma.open(sys.argv[1]) as f, tarfile.open(fileobj=f, mode="r|") as t:
+    t.extractall(sys.argv[2])' "$BIN/bins.tar.xz" "$GPU_BIN" || die "cannot unpack $BIN/bins.tar.xz"
+  chmod +x "$GPU_BIN"/* 2>/dev/null || true
+  local f missing
+  for f in "$GPU_BIN"/*; do
+    [ -x "$f" ] && [ ! -d "$f" ] || continue
+    missing=$(ldd "$f" 2>&1 | grep -E 'not found|version .* not found' || true)
+    if [ -n "$missing" ]; then
+      NOTES+=("--- ldd $(basename "$f"): $missing")
+    fi
+  done
 }
 
 # The panic message of a failed check (or its last lines), cut to a readable width.
@@ -252,7 +357,7 @@ failure_excerpt() {
 
 # Runs each #[ignore]d test of a libtest binary on its own, with a per-test timeout.
 run_libtest() {
-  local label=$1 bin=$2
+  local label=$1 bin=$GPU_BIN/$2
   if [ ! -x "$bin" ]; then
     row "$label" "MISSING" "-" "$bin not built (scripts/gpu-check.sh build)"
     FAILED=1
@@ -262,6 +367,10 @@ run_libtest() {
   names=$("$bin" --list --ignored --format=terse 2>/dev/null | sed -n 's/: test$//p' | grep -v 'child_entry' || true)
   local name
   for name in $names; do
+    if [[ $name == *two_gpus* ]] && [ "${GPU_COUNT:-0}" -lt 2 ]; then
+      row "$label::$name" "SKIPPED" "-" "needs 2 CUDA devices ($GPU_COUNT visible)"
+      continue
+    fi
     local budget
     budget=$(left)
     if [ "$budget" -lt 20 ]; then
@@ -323,12 +432,17 @@ run_cmd() {
 
 do_run() {
   [ -s "$MANIFEST" ] || die "$MANIFEST missing: run 'scripts/gpu-check.sh build' on the build machine and carry .gpu-bin"
+  [ -s "$BIN/bins.tar.xz" ] || die "$BIN/bins.tar.xz missing: run 'scripts/gpu-check.sh build' and carry .gpu-bin"
   mkdir -p "$LOG_DIR"
   setup_libraries
+  unpack_binaries
 
-  local gpu driver
+  local gpu driver cuda_version nccl_version
   gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n1 || true)
   driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 || true)
+  GPU_COUNT=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  cuda_version=$(nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*' | head -n1 || true)
+  nccl_version=$(basename "$(readlink -f "${NCCL_LIB:-none}")")
 
   while IFS=$'\t' read -r kind label a b; do
     case $kind in
@@ -342,8 +456,9 @@ do_run() {
   {
     echo
     echo "## burn-ddp GPU check ($(date -u +%FT%TZ), $(( $(date +%s) - START )) s)"
-    echo "GPU: ${gpu:-none found by nvidia-smi}; driver ${driver:-?}"
-    echo "libcuda: ${CUDA_LIB:-NOT FOUND}; libnccl: ${NCCL_LIB:-NOT FOUND}"
+    echo "GPU: ${gpu:-none found by nvidia-smi} (${GPU_COUNT:-0} visible); driver ${driver:-?}; ${cuda_version:-CUDA version ?}"
+    echo "libcuda: ${CUDA_LIB:-NOT FOUND}; libnccl: ${NCCL_LIB:-NOT FOUND} ($nccl_version)"
+    echo "CUBECL_AUTOTUNE_LEVEL=$CUBECL_AUTOTUNE_LEVEL; binaries: CI's CUDA build (dev profile, optimised dependencies)"
     echo
     printf '| %-58s | %-7s | %7s | %s |\n' "check" "result" "seconds" "note"
     printf '|%s|%s|%s|%s|\n' "$(printf -- '-%.0s' {1..60})" "---------" "---------" "------"
@@ -369,5 +484,10 @@ do_run() {
 case "${1:-}" in
   build) do_build ;;
   run) do_run ;;
+  # Checks the manifest runs (on the GPU machine, from `run`).
+  compare-backends) compare_backends ;;
+  ddprun-nccl) ddprun_nccl ;;
+  step-times) step_times ;;
+  cpu-scaling) cpu_scaling ;;
   *) echo "usage: $0 build|run" >&2; exit 2 ;;
 esac

@@ -30,6 +30,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// The variable naming a folder that holds the rank programs, overriding their build paths
+/// (see [`RankJob::new`]).
+pub const BIN_DIR_VAR: &str = "DDP_TESTS_BIN_DIR";
+
 /// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -66,9 +70,18 @@ pub struct RankJob {
 impl RankJob {
     /// `world_size` ranks of `program` (all started unless [`RankJob::only_ranks`] says
     /// otherwise); the default deadline is 120 s.
+    ///
+    /// When [`BIN_DIR_VAR`] is set, the program with the same file name in that folder runs
+    /// instead: test binaries copied to another machine (the GPU check) find the rank programs
+    /// copied beside them, whatever path `env!("CARGO_BIN_EXE_…")` compiled in.
     pub fn new(program: impl Into<PathBuf>, world_size: usize) -> Self {
+        let program = program.into();
+        let program = match (std::env::var_os(BIN_DIR_VAR), program.file_name()) {
+            (Some(dir), Some(name)) => PathBuf::from(dir).join(name),
+            _ => program,
+        };
         RankJob {
-            program: program.into(),
+            program,
             args: Vec::new(),
             world_size,
             env: Vec::new(),
@@ -97,6 +110,14 @@ impl RankJob {
     /// Sets an environment variable for every rank (overrides the launch variables too).
     pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Sets several environment variables for every rank, as [`RankJob::env`].
+    pub fn envs(mut self, vars: &[(&str, &str)]) -> Self {
+        for (k, v) in vars {
+            self = self.env(*k, *v);
+        }
         self
     }
 

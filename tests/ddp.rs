@@ -17,6 +17,11 @@ struct RankRun {
 /// Starts `world` ranks of the worker with torchrun's environment (`ddp_tests::RankJob`: every
 /// rank killed and reaped past the deadline) and waits for all of them.
 fn launch(world: usize, name: &str, args: &[&str]) -> RankRun {
+    launch_with_env(world, name, args, &[])
+}
+
+/// [`launch`] with extra variables for every rank.
+fn launch_with_env(world: usize, name: &str, args: &[&str], env: &[(&str, &str)]) -> RankRun {
     let out_dir = std::env::temp_dir().join(format!(
         "burn-ddp-test-{name}-{}-{}",
         std::process::id(),
@@ -30,6 +35,7 @@ fn launch(world: usize, name: &str, args: &[&str]) -> RankRun {
         .arg(&out_dir)
         .env("DDP_TIMEOUT_SECS", "60")
         .env("RAYON_NUM_THREADS", "1")
+        .envs(env)
         .deadline(DEADLINE)
         .run()
         .expect("spawn ddp_worker");
@@ -222,4 +228,53 @@ fn a_learner_run_matches_the_hand_written_loop() {
         ],
     );
     run.assert_matches_reference(2, 1e-6);
+}
+
+/// DDP on CUDA devices (`cargo xtask gpu-check` runs these where a GPU is lent).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    /// `equiv` on CUDA ranks with `DDP_NCCL=policy`; the worker fails if a communicator
+    /// exists but a sync took the host path.
+    fn cuda_equivalence(world: usize, optim: &str, policy: &str) {
+        let name = format!("cuda-{world}-{optim}-{policy}");
+        let args = [
+            "--device",
+            "cuda",
+            "--scenario",
+            "equiv",
+            "--optim",
+            optim,
+            "--steps",
+            "5",
+        ];
+        let run = launch_with_env(world, &name, &args, &[("DDP_NCCL", policy)]);
+        // GPU kernels reorder sums differently than one process on the joined batch.
+        run.assert_matches_reference(world, 1e-4);
+    }
+
+    /// A world of one with `DDP_NCCL=required`: every bucket goes through a one-rank NCCL
+    /// communicator on device memory (staging, group call, hand-back to Fusion).
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn one_gpu_through_nccl_matches_one_process() {
+        cuda_equivalence(1, "adam", "required");
+    }
+
+    /// Two ranks on GPU 0 when it is the only one (NCCL refuses that, so the host path),
+    /// or one GPU each.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn two_ranks_on_cuda_match_one_process_on_the_joined_batch() {
+        cuda_equivalence(2, "sgd", "auto");
+    }
+
+    /// Two GPUs, gradients all-reduced by NCCL (required: no host fallback).
+    #[test]
+    #[ignore = "needs 2 CUDA devices"]
+    fn two_gpus_over_nccl_match_one_process_on_the_joined_batch() {
+        cuda_equivalence(2, "sgd", "required");
+        cuda_equivalence(2, "adam", "required");
+    }
 }

@@ -73,6 +73,7 @@ fn make_case(rows: &[usize], channels: usize, spatial: &[usize], steps: usize, s
         .collect();
     Case {
         device: "flex".into(),
+        nccl: false,
         tensor_ops: false,
         unbiased: false,
         channels,
@@ -583,12 +584,37 @@ mod cuda {
         check_large_mean(&Device::cuda(0), false);
     }
 
+    /// Two ranks sharing GPU 0 (or one GPU each): statistics host-staged over the process
+    /// group (NCCL refuses two ranks on one GPU).
     #[test]
     #[ignore = "needs CUDA"]
-    fn world2_matches_joined_batch_cuda() {
+    fn world2_host_staged_matches_joined_batch_cuda() {
         let mut case = make_case(&[5, 3], 3, &[4, 4], 2, 31);
         case.device = "cuda".into();
         check_ranks(&case);
+    }
+
+    /// A world of one with `NcclPolicy::Required`: the statistics' all-gather and the
+    /// backward all-reduce go through a one-rank NCCL communicator on device memory.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn world1_over_nccl_matches_batch_norm_cuda() {
+        let mut case = make_case(&[6], 5, &[3, 3], 2, 37);
+        case.device = "cuda".into();
+        case.nccl = true;
+        check_ranks(&case);
+    }
+
+    /// Two GPUs, statistics over NCCL, uneven batches (one rank with a single sample).
+    #[test]
+    #[ignore = "needs 2 CUDA devices"]
+    fn two_gpus_uneven_batches_over_nccl_match_joined_batch() {
+        for (rows, spatial) in [(vec![7, 1], vec![3, 5]), (vec![2, 9], vec![])] {
+            let mut case = make_case(&rows, 6, &spatial, 3, 41);
+            case.device = "cuda".into();
+            case.nccl = true;
+            check_ranks(&case);
+        }
     }
 }
 

@@ -46,6 +46,10 @@ enum DeviceArg {
     /// The default wgpu adapter (needs the `wgpu` feature); several ranks may share one GPU.
     #[cfg(feature = "wgpu")]
     Wgpu,
+    /// CUDA device `LOCAL_RANK` (device 0 when one is visible; needs the `cuda` feature).
+    /// `DDP_NCCL` picks the gradient path; with NCCL every sync must take the device path.
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -331,6 +335,8 @@ fn run(args: &Args) -> Result<(), String> {
         DeviceArg::Cpu => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
         DeviceArg::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(feature = "cuda")]
+        DeviceArg::Cuda => builder,
     };
     let ddp = builder.init().map_err(|e| e.to_string())?;
     let (rank, world) = (ddp.rank(), ddp.world_size());
@@ -364,6 +370,12 @@ fn run(args: &Args) -> Result<(), String> {
         model = optim
             .try_step(LR, model, acc.grads())
             .map_err(|e| e.to_string())?;
+        #[cfg(feature = "cuda")]
+        if ddp.nccl().is_some() && !optim.synchronizer_mut().last_sync_on_device() {
+            return Err(format!(
+                "step {step}: an NCCL communicator exists but the gradients took the host path"
+            ));
+        }
         check_identical(&ddp, &model, step + 1)?;
     }
     write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
@@ -420,8 +432,16 @@ fn run(args: &Args) -> Result<(), String> {
             .zip(&reference)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
+        #[cfg(feature = "cuda")]
+        let path = if ddp.nccl().is_some() {
+            "NCCL on device memory"
+        } else {
+            "host-staged"
+        };
+        #[cfg(not(feature = "cuda"))]
+        let path = "host";
         println!(
-            "OUTCOME {world} ranks × batch {b} ({:?}, {:?}) vs 1 process × {}: max |Δparam| = {max:.1e}, ranks bitwise identical every step",
+            "OUTCOME {world} ranks × batch {b} ({:?}, {:?}, gradients {path}) vs 1 process × {}: max |Δparam| = {max:.1e}, ranks bitwise identical every step",
             args.device,
             args.optim,
             world * b

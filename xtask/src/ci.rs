@@ -1,36 +1,47 @@
 //! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
 //!
-//! One feature set is used for every step (`ddp-tests/wgpu`, `ddp-comm/nccl`) so Cargo builds
-//! the Burn stack once for checking and once for testing. The NCCL transport is checked and
-//! tested through `ddp-comm/nccl`. Burn's CUDA backend cannot be built without downloading
-//! LLVM, so burn-ddp's CUDA path (NCCL on device memory, CubeCL kernels on CUDA) is
-//! type-checked and linted with `DOCS_RS=1`, which skips that download.
+//! Every build step uses one profile (`dev`: optimised dependencies without debug info) and
+//! one target directory. The tests use one feature set ([`FEATURES`]); the CUDA steps use a
+//! superset of it ([`CUDA_FEATURES`]), so Cargo rebuilds only the crates whose features change
+//! (Burn's umbrella crates, cubecl-cuda and its LLVM) and links the CUDA binaries — train-cnn,
+//! the CUDA test binaries and the rank programs they launch — that `cargo xtask gpu-check
+//! build` packs for a GPU machine. A link error fails CI. Burn's CUDA backend builds against
+//! the LLVM bundle its build script downloads, or, without internet, against the system LLVM
+//! that `cargo xtask setup-cuda-build` points it at.
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Instant;
 
-/// The features every CI step uses.
+/// The features of clippy and the tests: the CubeCL kernels on wgpu (lavapipe) and the NCCL
+/// transport (cudarc, loaded at run time).
 pub const FEATURES: &str = "ddp-tests/wgpu,ddp-comm/nccl";
+
+/// [`FEATURES`] plus Burn's CUDA backend in burn-ddp, the rank programs and train-cnn.
+pub const CUDA_FEATURES: &str = "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda";
+
+/// The packages built with [`CUDA_FEATURES`].
+pub const CUDA_PACKAGES: [&str; 6] = ["-p", "burn-ddp", "-p", "ddp-tests", "-p", "train-cnn"];
+
+/// The tests of the CUDA build that need no GPU (they check the errors a machine without a
+/// usable GPU gives); the others are `#[ignore]`d and run under `cargo xtask gpu-check`.
+pub const CUDA_NO_GPU_TESTS: [&str; 2] = ["without_a_usable_gpu", "without_a_cuda_driver"];
 
 /// One CI step: a description and the cargo arguments.
 struct Step {
     what: &'static str,
     args: Vec<&'static str>,
-    env: Vec<(&'static str, &'static str)>,
 }
 
 fn steps() -> Vec<Step> {
-    let step = |what, args: &[&'static str]| Step {
+    let step = |what, parts: &[&[&'static str]]| Step {
         what,
-        args: args.to_vec(),
-        env: Vec::new(),
+        args: parts.concat(),
     };
     vec![
-        step("formatting", &["fmt", "--all", "--", "--check"]),
+        step("formatting", &[&["fmt", "--all", "--", "--check"]]),
         step(
             "clippy (all targets, warnings denied)",
-            &[
+            &[&[
                 "clippy",
                 "--workspace",
                 "--all-targets",
@@ -39,28 +50,35 @@ fn steps() -> Vec<Step> {
                 "--",
                 "-D",
                 "warnings",
+            ]],
+        ),
+        step(
+            "clippy of the CUDA build (all targets, warnings denied)",
+            &[
+                &["clippy"],
+                &CUDA_PACKAGES,
+                &[
+                    "--all-targets",
+                    "--features",
+                    CUDA_FEATURES,
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
             ],
         ),
-        Step {
-            what: "burn-ddp CUDA path and CUDA tests type-check and clippy (DOCS_RS=1)",
-            args: vec![
-                "clippy",
-                "-p",
-                "burn-ddp",
-                "-p",
-                "ddp-tests",
-                "--features",
-                "burn-ddp/cuda,ddp-tests/cuda",
-                "--all-targets",
-                "--",
-                "-D",
-                "warnings",
-            ],
-            env: vec![("DOCS_RS", "1")],
-        },
         step(
             "tests (unit, multi-process integration, doc)",
-            &["test", "--workspace", "--features", FEATURES],
+            &[&["test", "--workspace", "--features", FEATURES]],
+        ),
+        step(
+            "CUDA binaries built and linked; their no-GPU tests",
+            &[
+                &["test"],
+                &CUDA_PACKAGES,
+                &["--tests", "--features", CUDA_FEATURES, "--"],
+                &CUDA_NO_GPU_TESTS,
+            ],
         ),
     ]
 }
@@ -68,6 +86,12 @@ fn steps() -> Vec<Step> {
 /// Runs every step; stops at the first failure.
 pub fn run(root: &Path) -> Result<(), String> {
     let all = Instant::now();
+    if let Err(e) = crate::cuda_build::check(root) {
+        eprintln!(
+            "==> note: {e}; the CUDA steps will download LLVM (without internet, run \
+             `cargo xtask setup-cuda-build` first)"
+        );
+    }
     for (i, s) in steps().iter().enumerate() {
         let t = Instant::now();
         eprintln!(
@@ -77,9 +101,8 @@ pub fn run(root: &Path) -> Result<(), String> {
             s.what,
             s.args.join(" ")
         );
-        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        let status = crate::cargo()
             .args(&s.args)
-            .envs(s.env.iter().copied())
             .current_dir(root)
             .status()
             .map_err(|e| format!("could not run cargo: {e}"))?;

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo xtask ci
+//! cargo xtask setup-cuda-build [--llvm DIR] [--check]
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
 //! cargo xtask compare [--cpus N] [--batch-size b] …
 //! cargo xtask bench ddp|syncbn|data
@@ -16,6 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand};
 
 mod ci;
+mod cuda_build;
 mod train;
 
 #[derive(Parser, Debug)]
@@ -27,8 +29,12 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Everything CI checks: formatting, clippy, the CUDA type-check and all tests.
+    /// Everything CI checks: formatting, clippy, all tests, and the CUDA binaries built and
+    /// linked (with their no-GPU tests run).
     Ci,
+    /// Point the LLVM folder Burn's CUDA build expects at an installed LLVM, so that building
+    /// with `--features cuda` needs no download (for machines without internet, e.g. CI).
+    SetupCudaBuild(cuda_build::SetupArgs),
     /// Train the example CNN data-parallel (2 CPU ranks by default; `--gpus N` on CUDA).
     Train(train::TrainArgs),
     /// The BatchNorm experiment: 1 process × B vs N ranks × B/N with per-rank BatchNorm vs
@@ -115,6 +121,7 @@ fn main() -> ExitCode {
             &extra,
         ),
         Cmd::Ci => ci::run(&workspace_root()),
+        Cmd::SetupCudaBuild(a) => cuda_build::setup(&workspace_root(), &a),
         Cmd::Train(a) => train::train(&workspace_root(), &a),
         Cmd::Compare(a) => train::compare(&workspace_root(), &a),
         Cmd::Bench {
@@ -151,6 +158,35 @@ fn target_dir(root: &Path) -> PathBuf {
         .unwrap_or_else(|| root.join("target"))
 }
 
+/// The variables `cargo run` sets for xtask itself. A nested cargo must not see them: build
+/// scripts that watch them (ring's watches `CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`, …) would rerun
+/// and rebuild everything above them (the whole CUDA stack) whenever cargo is run both from here
+/// and directly.
+const XTASK_ONLY_VARS: [&str; 8] = [
+    "CARGO_MANIFEST_DIR",
+    "CARGO_MANIFEST_PATH",
+    "CARGO_MANIFEST_LINKS",
+    "CARGO_CRATE_NAME",
+    "CARGO_BIN_NAME",
+    "CARGO_PRIMARY_PACKAGE",
+    "CARGO_RUSTC_CURRENT_DIR",
+    "OUT_DIR",
+];
+
+/// A `cargo` command (the one that runs xtask) with none of xtask's own package variables.
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    for var in XTASK_ONLY_VARS {
+        cmd.env_remove(var);
+    }
+    for (var, _) in std::env::vars_os() {
+        if var.to_str().is_some_and(|v| v.starts_with("CARGO_PKG_")) {
+            cmd.env_remove(var);
+        }
+    }
+    cmd
+}
+
 fn run(cmd: &mut Command) -> Result<(), String> {
     let status = cmd
         .status()
@@ -175,8 +211,7 @@ fn bench_allreduce(
         }
     }
     let root = workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(&cargo).current_dir(&root).args([
+    run(cargo().current_dir(&root).args([
         "build",
         "--release",
         "-p",
@@ -222,8 +257,7 @@ fn bench_allreduce(
 /// Builds `build_args` in release and runs `binary` (relative to `target/release`).
 fn bench_program(build_args: &[&str], binary: &str, extra: &[String]) -> Result<(), String> {
     let root = workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(&cargo)
+    run(cargo()
         .current_dir(&root)
         .args(["build", "--release"])
         .args(build_args))?;
@@ -235,8 +269,7 @@ fn bench_program(build_args: &[&str], binary: &str, extra: &[String]) -> Result<
 /// `cargo xtask bench ddp`: the same rank program alone (the baseline) and on `nproc` ranks.
 fn bench_ddp(nproc: u32, extra: &[String]) -> Result<(), String> {
     let root = workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(&cargo).current_dir(&root).args([
+    run(cargo().current_dir(&root).args([
         "build",
         "--release",
         "-p",

@@ -3,7 +3,6 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use clap::{Args, ValueEnum};
 use ddp_comm::{LaunchConfig, launch};
@@ -87,32 +86,19 @@ impl TrainArgs {
     }
 }
 
-/// Fails with a clear message when CUDA cannot work here.
+/// Fails with a clear message when `gpus` CUDA ranks cannot run here (the same check every
+/// rank makes in `burn_ddp::init`, made once before the build).
 fn check_cuda(gpus: usize) -> Result<(), String> {
-    let ldconfig = Command::new("ldconfig").arg("-p").output();
-    let has_libcuda = ldconfig
-        .map(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so"))
-        .unwrap_or(false)
-        || std::env::var_os("LD_LIBRARY_PATH")
-            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("libcuda.so.1").exists()));
-    if !has_libcuda {
-        return Err(format!(
-            "--gpus {gpus}: no CUDA driver found (libcuda.so is not in the linker cache or \
-             LD_LIBRARY_PATH). Run on CPU ranks with `cargo xtask train --cpus N`, or on a \
+    let visible = ddp_comm::nccl::visible_cuda_devices().map_err(|e| {
+        format!(
+            "--gpus {gpus}: {e}. Run on CPU ranks with `cargo xtask train --cpus N`, or on a \
              non-CUDA GPU with `--backend wgpu`."
-        ));
-    }
-    let visible = Command::new("nvidia-smi")
-        .arg("--list-gpus")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().count());
-    if let Some(n) = visible
-        && n < gpus
-    {
+        )
+    })?;
+    if visible < gpus {
         return Err(format!(
-            "--gpus {gpus}: only {n} CUDA device(s) visible (nvidia-smi)"
+            "--gpus {gpus}: only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES={})",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
         ));
     }
     Ok(())
@@ -128,7 +114,7 @@ fn build_example(root: &Path, a: &TrainArgs, backend: BackendArg) -> Result<Path
             Err(format!("--program {}: no such file", p.display()))
         };
     }
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    let mut cmd = crate::cargo();
     cmd.current_dir(root).args([
         "build",
         "--release",

@@ -47,6 +47,9 @@ pub struct DdpBuilder {
     env: Option<LaunchEnv>,
     #[cfg(feature = "cuda")]
     nccl: crate::nccl::NcclPolicy,
+    /// Whether [`DdpBuilder::nccl`] was called (else `DDP_NCCL` decides).
+    #[cfg(feature = "cuda")]
+    nccl_set: bool,
 }
 
 impl std::fmt::Debug for DdpBuilder {
@@ -71,6 +74,8 @@ impl Default for DdpBuilder {
             env: None,
             #[cfg(feature = "cuda")]
             nccl: crate::nccl::NcclPolicy::default(),
+            #[cfg(feature = "cuda")]
+            nccl_set: false,
         }
     }
 }
@@ -117,12 +122,12 @@ impl DdpBuilder {
     }
 
     /// Whether gradient buckets are all-reduced by NCCL on CUDA device memory (feature
-    /// `cuda`; default [`NcclPolicy::Auto`](crate::nccl::NcclPolicy::Auto): when every rank
-    /// can, otherwise the host path). See [`crate::nccl`] — that path is type-checked but
-    /// has not run yet.
+    /// `cuda`; default: `DDP_NCCL` when set, else [`NcclPolicy::Auto`](crate::nccl::NcclPolicy::Auto):
+    /// when every rank can, otherwise the host path). See [`crate::nccl`].
     #[cfg(feature = "cuda")]
     pub fn nccl(mut self, policy: crate::nccl::NcclPolicy) -> Self {
         self.nccl = policy;
+        self.nccl_set = true;
         self
     }
 
@@ -142,6 +147,15 @@ impl DdpBuilder {
             Some(env) => env,
             None => LaunchEnv::from_env().map_err(ddp_comm::CommError::from)?,
         };
+        // The device first: a node without a usable GPU fails on every rank with one clear
+        // error before any rank joins the group or loads data.
+        let device = match self.device {
+            DeviceChoice::Fixed(d) => {
+                check_device(&d)?;
+                d
+            }
+            DeviceChoice::Auto => auto_device(env.local_rank, env.local_world_size)?,
+        };
         #[cfg(feature = "cuda")]
         let group_options = self.group_options.clone();
         let group = match comm::group() {
@@ -158,18 +172,21 @@ impl DdpBuilder {
             let g = comm::lock(&group);
             (g.rank(), g.world_size())
         };
-        let device = match self.device {
-            DeviceChoice::Fixed(d) => d,
-            DeviceChoice::Auto => auto_device(env.local_rank),
-        };
         #[cfg(feature = "cuda")]
         let nccl = match comm::nccl() {
             Some(n) => {
                 tracing::debug!("reusing the NCCL communicator already installed");
                 Some(n)
             }
-            None => crate::nccl::connect(&env, &group, &group_options, &device, self.nccl)?
-                .map(|n| comm::install_nccl(n).0),
+            None => {
+                let policy = if self.nccl_set {
+                    self.nccl
+                } else {
+                    crate::nccl::NcclPolicy::from_env()?.unwrap_or(self.nccl)
+                };
+                crate::nccl::connect(&env, &group, &group_options, &device, policy)?
+                    .map(|n| comm::install_nccl(n).0)
+            }
         };
         tracing::info!(
             rank,
@@ -219,14 +236,27 @@ fn is_gpu(device: &Device) -> bool {
     }
 }
 
+/// CUDA device `LOCAL_RANK` (device 0 when the rank sees only one), checked to exist.
 #[cfg(feature = "cuda")]
-fn auto_device(local_rank: usize) -> Device {
-    Device::cuda(local_rank)
+fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
+    let ordinal = ddp_comm::nccl::cuda_device_for_local_rank(local_rank, local_world_size)
+        .map_err(DdpError::Device)?;
+    Ok(Device::cuda(ordinal))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn auto_device(_local_rank: usize) -> Device {
-    Device::flex()
+fn auto_device(_local_rank: usize, _local_world_size: usize) -> Result<Device> {
+    Ok(Device::flex())
+}
+
+/// Checks that a CUDA device chosen by the caller exists (other devices need no check).
+fn check_device(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(ordinal) = crate::nccl::cuda_ordinal(device) {
+        ddp_comm::nccl::check_cuda_device(ordinal).map_err(DdpError::Device)?;
+    }
+    let _ = device;
+    Ok(())
 }
 
 /// This process's place in a data-parallel job: rank, world size, device and the shared
@@ -398,4 +428,33 @@ fn data_vec<E: burn::tensor::Element>(data: TensorData) -> Result<Vec<E>> {
             what: "metric".into(),
             msg: format!("{e:?}"),
         })
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::*;
+
+    /// Built with CUDA on a machine without a usable GPU (CI): `init` fails with one readable
+    /// error before it joins a group, for the automatic device and for an explicit one.
+    #[test]
+    fn init_without_a_cuda_driver_is_one_clear_error() {
+        if ddp_comm::nccl::visible_cuda_devices().is_ok_and(|n| n > 0) {
+            // A GPU machine: `cargo xtask gpu-check` runs the CUDA path itself.
+            return;
+        }
+        let builders = [Ddp::builder(), Ddp::builder().device(Device::cuda(0))];
+        for builder in builders {
+            let err = builder
+                .launch_env(LaunchEnv::single_process())
+                .init()
+                .unwrap_err();
+            assert!(matches!(err, DdpError::Device(_)), "{err:?}");
+            let msg = err.to_string();
+            assert!(msg.starts_with("no usable device for this rank: "), "{msg}");
+            assert!(
+                msg.contains("libcuda not found") || msg.contains("no CUDA device"),
+                "{msg}"
+            );
+        }
+    }
 }

@@ -41,6 +41,11 @@ pub enum DdpError {
         /// What went wrong.
         msg: String,
     },
+    /// The device this rank should train on can't be used: no CUDA driver, no device, or
+    /// more ranks on this node than visible devices. Raised by [`crate::init`] before the
+    /// rank joins the group.
+    #[error("no usable device for this rank: {0}")]
+    Device(CommError),
     /// An invalid setting was passed to a builder.
     #[error("invalid setting: {0}")]
     InvalidSetting(String),

@@ -206,6 +206,9 @@ impl GradientSynchronizer {
     pub fn with_nccl(mut self, nccl: crate::nccl::SharedNccl) -> Self {
         let ordinal = crate::nccl::lock(&nccl).device_ordinal();
         self.nccl = Some((nccl, ordinal));
+        // A communicator in a world of one exists only when it was asked for
+        // (`NcclPolicy::Required`): then every sync runs the device path, as with N ranks.
+        self.skip_when_alone = false;
         self
     }
 

@@ -1,9 +1,9 @@
 //! Gradient buckets all-reduced by NCCL on CUDA device memory (feature `cuda`).
 //!
-//! **Status: type-checked only.** This path compiles against Burn 0.22.1 / CubeCL 0.11.3
-//! (`DOCS_RS=1 cargo check -p burn-ddp --features cuda`) but has not run: Burn's CUDA backend
-//! can't be built where it was written. Until it has run on a GPU, treat it as unverified and
-//! use [`NcclPolicy::Disabled`] if in doubt.
+//! **Status: built and linked, not yet run on a GPU.** CI builds and links this path against
+//! Burn 0.22.1 / CubeCL 0.11.3 (`cargo xtask ci`), and `cargo xtask gpu-check` runs it where
+//! a GPU is lent; until that has happened, treat it as unverified and use
+//! [`NcclPolicy::Disabled`] (or `DDP_NCCL=off`) if in doubt.
 //!
 //! # How the buckets travel
 //!
@@ -84,7 +84,45 @@ pub enum NcclPolicy {
     /// Never create an NCCL communicator: gradients always take the host path.
     Disabled,
     /// Fail [`crate::DdpBuilder::init`] on every rank when NCCL can't be used on some rank.
+    /// In a world of one, create a one-rank communicator and run every gradient sync and
+    /// SyncBatchNorm exchange through it, so that a single GPU exercises the path N GPUs
+    /// take (NCCL itself has nothing to exchange then).
     Required,
+}
+
+impl std::str::FromStr for NcclPolicy {
+    type Err = DdpError;
+
+    /// `auto`, `off` (or `disabled`), `required`; the values of `DDP_NCCL`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(NcclPolicy::Auto),
+            "off" | "disabled" => Ok(NcclPolicy::Disabled),
+            "required" => Ok(NcclPolicy::Required),
+            other => Err(DdpError::InvalidSetting(format!(
+                "NCCL policy {other:?}: expected auto, off or required"
+            ))),
+        }
+    }
+}
+
+/// The variable that sets [`NcclPolicy`] for programs that don't: `auto`, `off`, `required`.
+pub const NCCL_POLICY_VAR: &str = "DDP_NCCL";
+
+impl NcclPolicy {
+    /// The policy in [`NCCL_POLICY_VAR`], or `None` when it is unset.
+    ///
+    /// # Errors
+    /// The variable holds something else than `auto`, `off` or `required`.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var(NCCL_POLICY_VAR) {
+            Ok(v) => v
+                .parse()
+                .map(Some)
+                .map_err(|e| DdpError::InvalidSetting(format!("{NCCL_POLICY_VAR}: {e}"))),
+            Err(_) => Ok(None),
+        }
+    }
 }
 
 /// The CUDA ordinal of `device` when it is a CubeCL CUDA device (autodiff or not).
@@ -135,7 +173,7 @@ pub(crate) fn connect(
         (g.rank(), g.world_size())
     };
     if world_size == 1 {
-        return Ok(None);
+        return connect_alone(device, policy);
     }
     let unusable = |why: String| -> Result<Option<SharedNccl>> {
         if policy == NcclPolicy::Required {
@@ -191,6 +229,28 @@ pub(crate) fn connect(
             unusable("another rank failed to create its NCCL communicator (see its log)".into())
         }
     }
+}
+
+/// A world of one: a one-rank communicator with [`NcclPolicy::Required`], otherwise none.
+fn connect_alone(device: &Device, policy: NcclPolicy) -> Result<Option<SharedNccl>> {
+    if policy != NcclPolicy::Required {
+        return Ok(None);
+    }
+    let ordinal = local_capability(device, policy).map_err(DdpError::NcclUnavailable)?;
+    let opts = NcclOptions {
+        device: Some(ordinal),
+        ..NcclOptions::default()
+    };
+    let nccl = NcclGroup::single(&opts).map_err(|e| {
+        DdpError::NcclUnavailable(format!("creating a one-rank NCCL communicator: {e}"))
+    })?;
+    tracing::info!(
+        device = ordinal,
+        nccl = %nccl.nccl_version(),
+        "world of one with NcclPolicy::Required: gradient buckets and SyncBatchNorm statistics \
+         go through a one-rank NCCL communicator"
+    );
+    Ok(Some(Arc::new(Mutex::new(nccl))))
 }
 
 fn buffer_err(what: &str, msg: impl std::fmt::Display) -> DdpError {
@@ -426,4 +486,77 @@ fn register_in_fusion(
             NoOp::<CubeBackend>::new(),
         )
         .output()
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::TensorData;
+    use ddp_comm::nccl::cudarc::driver::result::{memcpy_dtoh_sync, memcpy_htod_sync};
+
+    use super::*;
+
+    fn values(t: &Tensor<1>) -> Vec<f32> {
+        t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+    }
+
+    /// NCCL in a world of one copies nothing, so it can't show a wrong pointer: this reads and
+    /// writes the handed-out device memory directly. Every pointer must address exactly its
+    /// tensor's values, and what is written there must come back in the returned tensors, for
+    /// a slice at an offset of a shared tensor (copied first), a fresh concatenation (used in
+    /// place) and a 2-D tensor whose rows CUDA may pad, reshaped to 1-D.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn device_buffers_address_the_values_and_hand_back_what_is_written() {
+        let device = Device::cuda(0);
+        let mut nccl = NcclGroup::single(&NcclOptions {
+            device: Some(0),
+            ..NcclOptions::default()
+        })
+        .unwrap();
+        let base_values: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let base = Tensor::<1>::from_data(TensorData::new(base_values.clone(), [64]), &device);
+        let slice = base.clone().slice(10..30);
+        let cat = Tensor::cat(
+            vec![base.clone().slice(0..5), Tensor::ones([7], &device)],
+            0,
+        );
+        let grid: Vec<f32> = (0..7 * 13).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let pitched = Tensor::<2>::from_data(TensorData::new(grid, [7, 13]), &device).reshape([91]);
+        let inputs = vec![slice, cat, pitched];
+        let expected: Vec<Vec<f32>> = inputs.iter().map(values).collect();
+        let pattern = |len: usize, k: usize| -> Vec<f32> {
+            (0..len).map(|i| -(i as f32) - 100.0 * k as f32).collect()
+        };
+        let seen = std::cell::RefCell::new(Vec::new());
+        let out = on_device_buffers(&mut nccl, inputs, "test tensor", |nccl, buffers| {
+            nccl.context().bind_to_thread().unwrap();
+            for (k, &(ptr, len)) in buffers.iter().enumerate() {
+                let mut host = vec![0f32; len];
+                // SAFETY: `on_device_buffers` hands out `len` f32 values at `ptr`.
+                unsafe { memcpy_dtoh_sync(&mut host, ptr) }.unwrap();
+                seen.borrow_mut().push(host);
+                // SAFETY: as above; the buffers are the tensors' own.
+                unsafe { memcpy_htod_sync(ptr, &pattern(len, k)) }.unwrap();
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            seen.into_inner(),
+            expected,
+            "device memory differs from the tensors"
+        );
+        for (k, (t, want)) in out.iter().zip(&expected).enumerate() {
+            assert_eq!(
+                values(t),
+                pattern(want.len(), k),
+                "tensor {k} lost the write"
+            );
+        }
+        assert_eq!(
+            values(&base),
+            base_values,
+            "the shared tensor was written in place"
+        );
+    }
 }

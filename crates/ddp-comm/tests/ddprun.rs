@@ -380,6 +380,44 @@ fn failing_rank_exit_code_is_returned_and_every_other_rank_is_stopped() {
 }
 
 #[test]
+fn a_failure_of_the_last_rank_to_exit_is_never_dropped() {
+    // One rank per node (the multi-node shape): immediate and late failures.
+    for script in ["exit 3", "sleep 0.2; exit 3"] {
+        let r = run(&mut ddprun_cmd(&[
+            "--nproc-per-node",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]));
+        assert_eq!(r.code(), Some(3), "{script}: {}", r.stderr);
+        assert!(
+            r.stderr
+                .contains("ddprun: rank 0 failed with exit code 3 after "),
+            "{script}: {}",
+            r.stderr
+        );
+    }
+    // Every rank failing at once.
+    let r = run(&mut ddprun_cmd(&[
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "exit 2",
+    ]));
+    assert_eq!(r.code(), Some(2), "{}", r.stderr);
+    let summary = r
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("ddprun:"))
+        .count();
+    assert_eq!(summary, 1, "exactly one summary line: {}", r.stderr);
+}
+
+#[test]
 fn rank_killed_by_sigkill_gives_137_and_names_the_signal() {
     let scratch = Scratch::new("kill9");
     let script = format!(

@@ -20,6 +20,11 @@ fn free_port() -> u16 {
 
 /// Starts `world` ranks of train-cnn with `args`.
 fn spawn_ranks(world: usize, args: &[String]) -> Vec<Child> {
+    spawn_ranks_with_env(world, args, &[])
+}
+
+/// Starts `world` ranks of train-cnn with `args` and the extra variables `env`.
+fn spawn_ranks_with_env(world: usize, args: &[String], env: &[(&str, &str)]) -> Vec<Child> {
     let port = free_port().to_string();
     let token = format!("train-cnn-test-{}-{port}", std::process::id());
     (0..world)
@@ -36,6 +41,7 @@ fn spawn_ranks(world: usize, args: &[String]) -> Vec<Child> {
                 .env("DDP_JOB_TOKEN", &token)
                 .env("RAYON_NUM_THREADS", "1")
                 .env("OMP_NUM_THREADS", "1")
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -147,5 +153,46 @@ fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
     assert_eq!(
         read_json(&out.join("metrics.json")).unwrap().len(),
         ck.meta.epochs_done + 1
+    );
+}
+
+/// Built with CUDA: ranks that can't get a GPU stop with one readable error each, before any
+/// work. Without a driver (CI) the error says `libcuda not found`; on a GPU machine
+/// `CUDA_VISIBLE_DEVICES=` hides every device, and the error says so.
+#[cfg(feature = "cuda")]
+#[test]
+fn without_a_usable_gpu_every_rank_says_so_and_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut a = args(&out, 1);
+    a.extend(["--backend".to_string(), "cuda".to_string()]);
+    let start = Instant::now();
+    let results = wait_all(
+        spawn_ranks_with_env(2, &a, &[("CUDA_VISIBLE_DEVICES", "")]),
+        start,
+    );
+    for (r, (ok, _, err)) in results.iter().enumerate() {
+        assert!(!ok, "rank {r} succeeded without a GPU");
+        assert_eq!(
+            err.matches("train-cnn: error").count(),
+            1,
+            "rank {r}: {err}"
+        );
+        assert!(
+            err.contains("train-cnn: error: distributed: no usable device for this rank:"),
+            "rank {r}: {err}"
+        );
+        assert!(
+            err.contains("libcuda not found") || err.contains("no CUDA device is visible"),
+            "rank {r}: {err}"
+        );
+        assert!(!err.contains("panicked"), "rank {r}: {err}");
+    }
+    // Before any work: no output was written and no rank waited for the other.
+    assert!(!out.join("metrics.json").exists());
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
     );
 }

@@ -6,8 +6,12 @@ use serde::{Deserialize, Serialize};
 /// One equivalence case: per-rank inputs for a few training steps.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Case {
-    /// "flex" or "wgpu".
+    /// "flex", "wgpu" or "cuda" (CUDA device `LOCAL_RANK`, or 0 when one is visible).
     pub device: String,
+    /// On CUDA: the statistics travel through NCCL (`NcclPolicy::Required`; in a world of one
+    /// a one-rank communicator), otherwise host-staged over the process group.
+    #[serde(default)]
+    pub nccl: bool,
     /// Use the tensor-op path even where kernels exist.
     pub tensor_ops: bool,
     /// PyTorch's unbiased running variance.

@@ -9,19 +9,30 @@ use std::process::ExitCode;
 
 use burn::module::Param;
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_ddp::Ddp;
 use burn_ddp::sync_batch_norm::{
     RunningVariance, SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormImpl,
 };
 use case::{Case, RankResult, StepResult};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::ReduceOp;
 
-fn device(name: &str) -> Result<Device, String> {
-    match name {
-        "flex" => Ok(Device::flex()),
+/// Joins the job on the case's device: a fixed device for flex/wgpu, CUDA device `LOCAL_RANK`
+/// (device 0 when only one is visible) with the case's NCCL policy for cuda.
+fn join(case: &Case) -> Result<Ddp, String> {
+    let builder = Ddp::builder();
+    let builder = match case.device.as_str() {
+        "flex" => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
-        "wgpu" => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
-        other => Err(format!("unknown or disabled device {other:?}")),
-    }
+        "wgpu" => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(feature = "cuda")]
+        "cuda" => builder.nccl(if case.nccl {
+            burn_ddp::nccl::NcclPolicy::Required
+        } else {
+            burn_ddp::nccl::NcclPolicy::Disabled
+        }),
+        other => return Err(format!("unknown or disabled device {other:?}")),
+    };
+    builder.init().map_err(|e| e.to_string())
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -36,18 +47,21 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
         &std::fs::read(case_path).map_err(|e| format!("reading {case_path}: {e}"))?,
     )
     .map_err(|e| format!("parsing {case_path}: {e}"))?;
-    let pg = ProcessGroup::from_env().map_err(|e| e.to_string())?;
-    let rank = pg.rank();
-    let world = pg.world_size();
+    let ddp = join(&case)?;
+    let (rank, world) = (ddp.rank(), ddp.world_size());
     if world != case.rows.len() {
         return Err(format!(
             "world size {world} but the case has {} ranks",
             case.rows.len()
         ));
     }
-    let (group, _) = burn_ddp::comm::install(pg);
+    let group = ddp.group().clone();
+    #[cfg(feature = "cuda")]
+    if case.nccl && ddp.nccl().is_none() {
+        return Err("the case asks for NCCL but Ddp created no communicator".into());
+    }
 
-    let device = device(&case.device)?.autodiff();
+    let device = ddp.device().clone().autodiff();
     let channels = case.channels;
     let mut layer: SyncBatchNorm = SyncBatchNormConfig::new(channels)
         .with_running_variance(if case.unbiased {

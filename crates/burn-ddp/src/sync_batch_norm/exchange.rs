@@ -46,15 +46,17 @@ pub(crate) struct Gathered {
 impl Exchange {
     /// The transport every rank of this process group uses.
     pub(crate) fn current() -> Exchange {
+        // An NCCL communicator first: in a world of one it exists only when it was asked for
+        // (`NcclPolicy::Required`), and then the statistics take the NCCL path as with N ranks.
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = comm::nccl() {
+            return Exchange::Nccl(nccl);
+        }
         let Some(group) = comm::group() else {
             return Exchange::Local;
         };
         if comm::lock(&group).world_size() == 1 {
             return Exchange::Local;
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(nccl) = comm::nccl() {
-            return Exchange::Nccl(nccl);
         }
         Exchange::Host(group)
     }

@@ -585,10 +585,8 @@ fn watch(
                 }
             }
         }
-        if running == 0 {
-            break;
-        }
-
+        // Record a failure before deciding that the launch is over: the rank that failed may
+        // be the last one to exit (one rank per node, or every rank failing together).
         if let Some((rank, exit)) = newly_failed {
             first_failure = Some(Failure {
                 rank,
@@ -596,9 +594,14 @@ fn watch(
                 elapsed: start.elapsed(),
                 stopped: running,
             });
-            tracing::info!(rank, %exit, "rank failed; stopping the other {running} rank(s)");
-            stop(ranks, libc::SIGTERM);
-            kill_at = Some(Instant::now() + cfg.grace);
+            if running > 0 {
+                tracing::info!(rank, %exit, "rank failed; stopping the other {running} rank(s)");
+                stop(ranks, libc::SIGTERM);
+                kill_at = Some(Instant::now() + cfg.grace);
+            }
+        }
+        if running == 0 {
+            break;
         }
 
         if let Some((sig, count)) = forwarding.and_then(SignalForwarding::received)
@@ -853,6 +856,88 @@ mod tests {
         assert_eq!((f.rank, f.exit), (2, RankExit::Code(5)));
         assert_eq!(report.exit_code(), 5);
         assert_eq!(report.exits[0], RankExit::Signal(libc::SIGTERM));
+    }
+
+    /// Launches `script` on `n` ranks with a short grace period.
+    fn launch_sh(n: usize, script: &str) -> LaunchReport {
+        let c = LaunchConfig {
+            grace: Duration::from_millis(200),
+            prefix_output: false,
+            ..cfg(n)
+        };
+        launch(&c, "sh", &["-c", script]).unwrap()
+    }
+
+    #[test]
+    fn a_single_rank_that_fails_fails_the_launch() {
+        let report = launch_sh(1, "exit 3");
+        let f = report.first_failure.clone().expect("failure recorded");
+        assert_eq!((f.rank, f.exit, f.stopped), (0, RankExit::Code(3), 0));
+        assert_eq!(report.exit_code(), 3);
+        assert!(!report.success());
+        let line = report.summary().unwrap();
+        assert!(line.contains("rank 0 failed with exit code 3"), "{line}");
+        assert!(line.contains("no other rank was running"), "{line}");
+        // Failing late (after the launcher's first polls) is the same.
+        let report = launch_sh(1, "sleep 0.2; exit 1");
+        assert_eq!(report.exit_code(), 1, "{report:?}");
+    }
+
+    #[test]
+    fn ranks_failing_together_fail_the_launch() {
+        let report = launch_sh(3, "exit 4");
+        assert_eq!(report.exit_code(), 4, "{report:?}");
+        // A rank not yet reaped when the first failure is seen gets the SIGTERM.
+        assert!(
+            report
+                .exits
+                .iter()
+                .all(|e| matches!(*e, RankExit::Code(4) | RankExit::Signal(libc::SIGTERM))),
+            "{report:?}"
+        );
+        assert!(
+            report
+                .summary()
+                .unwrap()
+                .contains("failed with exit code 4")
+        );
+    }
+
+    #[test]
+    fn the_last_rank_to_exit_failing_is_reported() {
+        // Staggered: ranks 0 and 1 succeed first, rank 2 fails last.
+        let report = launch_sh(
+            3,
+            r#"if [ "$RANK" = 2 ]; then sleep 0.3; exit 7; fi; exit 0"#,
+        );
+        let f = report.first_failure.clone().expect("failure recorded");
+        assert_eq!((f.rank, f.exit), (2, RankExit::Code(7)));
+        assert_eq!(report.exit_code(), 7);
+        assert_eq!(&report.exits[..2], &[RankExit::Code(0); 2]);
+    }
+
+    #[test]
+    fn a_rank_killed_by_a_signal_fails_the_launch() {
+        let report = launch_sh(1, "kill -9 $$");
+        assert_eq!(
+            report.first_failure.as_ref().unwrap().exit,
+            RankExit::Signal(9)
+        );
+        assert_eq!(report.exit_code(), 137);
+        let report = launch_sh(
+            2,
+            r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; exec sleep 30"#,
+        );
+        assert_eq!(report.exit_code(), 137, "{report:?}");
+        assert_eq!(report.exits[0], RankExit::Signal(libc::SIGTERM));
+    }
+
+    #[test]
+    fn ranks_that_all_succeed_succeed() {
+        let report = launch_sh(2, "sleep 0.1; exit 0");
+        assert!(report.success(), "{report:?}");
+        assert_eq!(report.exit_code(), 0);
+        assert_eq!(report.summary(), None);
     }
 
     #[test]

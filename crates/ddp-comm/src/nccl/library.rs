@@ -177,7 +177,7 @@ fn ld_library_path() -> String {
     std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "<unset>".into())
 }
 
-fn missing_cuda_message() -> String {
+pub(crate) fn missing_cuda_message() -> String {
     format!(
         "libcuda not found: cudarc could not load the NVIDIA driver library under any of {:?}. \
          This machine has no NVIDIA driver, or its folder (often /usr/lib/x86_64-linux-gnu or \

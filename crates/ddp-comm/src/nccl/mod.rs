@@ -42,6 +42,7 @@
 //! ```
 
 mod comm;
+mod device;
 pub mod library;
 pub mod rendezvous;
 
@@ -58,6 +59,7 @@ use cudarc::nccl::sys::{self, ncclComm_t, ncclRedOp_t, ncclResult_t};
 /// The cudarc this transport is built on, so callers allocate buffers with the same version.
 pub use cudarc;
 pub use cudarc::driver::{CudaView, CudaViewMut};
+pub use device::{check_cuda_device, cuda_device_for_local_rank, visible_cuda_devices};
 pub use library::{Libraries, MIN_NCCL_VERSION, NcclVersion, check_libraries};
 
 use self::comm::{InitFailure, RawComm, cuda_error};
@@ -247,17 +249,17 @@ impl DeviceChoice {
         }
     }
 
-    fn resolve(self, visible: usize) -> usize {
+    fn resolve(self, visible: usize) -> Result<usize> {
         match self {
-            DeviceChoice::Explicit(d) => d,
-            DeviceChoice::LocalRank(r) if visible == 1 && r > 0 => {
-                tracing::info!(
-                    local_rank = r,
-                    "one CUDA device visible to this rank: using device 0 instead of LOCAL_RANK"
-                );
-                0
-            }
-            DeviceChoice::LocalRank(r) => r,
+            DeviceChoice::Explicit(d) if d < visible => Ok(d),
+            DeviceChoice::Explicit(d) => Err(CommError::InvalidArgument(format!(
+                "CUDA device {d} requested (NcclOptions::device) but only {visible} device(s) \
+                 are visible (CUDA_VISIBLE_DEVICES={})",
+                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+            ))),
+            // Only this rank's own device is checked here; `cuda_device_for_local_rank`
+            // checks the whole node before any work starts.
+            DeviceChoice::LocalRank(r) => device::device_for_local_rank(r, r + 1, visible),
         }
     }
 }
@@ -340,17 +342,7 @@ impl NcclGroup {
                 "rank {rank} is out of range for a world of {world_size}"
             )));
         }
-        let count = CudaContext::device_count()
-            .map_err(|e| cuda_error("counting devices (cuInit/cuDeviceGetCount)", e))?;
-        let count = count.max(0) as usize;
-        let device = device.resolve(count);
-        if device >= count {
-            return Err(CommError::InvalidArgument(format!(
-                "CUDA device {device} requested (LOCAL_RANK or NcclOptions::device) but only \
-                 {count} device(s) are visible (CUDA_VISIBLE_DEVICES={})",
-                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
-            )));
-        }
+        let device = device.resolve(visible_cuda_devices()?)?;
         let ctx = CudaContext::new(device)
             .map_err(|e| cuda_error(&format!("creating a context on device {device}"), e))?;
         let stream = ctx
@@ -952,12 +944,15 @@ mod tests {
     #[test]
     fn device_choice_follows_local_rank_unless_one_device_is_visible() {
         let mut o = NcclOptions::default();
-        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(4), 3);
-        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1), 0);
-        // Out of range with several devices: left for the caller's clear error.
-        assert_eq!(DeviceChoice::from_options(&o, 5).resolve(4), 5);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(4).unwrap(), 3);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1).unwrap(), 0);
+        // Out of range with several devices: a clear error.
+        let err = DeviceChoice::from_options(&o, 5).resolve(4).unwrap_err();
+        assert!(err.to_string().contains("LOCAL_RANK 5"), "{err}");
         o.device = Some(2);
-        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1), 2);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(3).unwrap(), 2);
+        let err = DeviceChoice::from_options(&o, 3).resolve(1).unwrap_err();
+        assert!(err.to_string().contains("CUDA device 2 requested"), "{err}");
     }
 
     #[test]
