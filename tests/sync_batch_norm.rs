@@ -425,6 +425,46 @@ fn unbiased_running_variance_follows_pytorch() {
     }
 }
 
+/// One sample per channel over all ranks with the unbiased running variance (`M2 / (n − 1)`
+/// undefined): no error, output β, running statistics unchanged — on every path.
+#[test]
+fn one_sample_with_the_unbiased_variance_leaves_the_running_statistics_on_every_path() {
+    let check_world1 = |device: &Device, what: &str| {
+        let device = device.clone().autodiff();
+        let layer = SyncBatchNormConfig::new(3)
+            .with_running_variance(RunningVariance::Unbiased)
+            .init(&device);
+        let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, -2.0, 5.0], [1, 3]), &device);
+        let y = layer
+            .try_forward(x)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_close(&format!("{what} y"), &values(y), &[0.0; 3], 1e-6);
+        assert_eq!(
+            values(layer.running_mean.value_sync()),
+            vec![0.0; 3],
+            "{what}"
+        );
+        assert_eq!(
+            values(layer.running_var.value_sync()),
+            vec![1.0; 3],
+            "{what}"
+        );
+    };
+    check_world1(&Device::flex(), "world 1, tensor ops (Flex)");
+    #[cfg(feature = "wgpu")]
+    check_world1(
+        &Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        "world 1, CubeCL kernels (wgpu)",
+    );
+    // Two ranks, host-staged: one sample between them.
+    let mut case = make_case(&[1, 0], 3, &[], 1, 47);
+    case.unbiased = true;
+    for (rank, got) in run_ranks(&case).iter().enumerate() {
+        assert_eq!(got.running_mean, vec![0.0; 3], "rank {rank}");
+        assert_eq!(got.running_var, vec![1.0; 3], "rank {rank}");
+    }
+}
+
 #[test]
 fn batch_norm_record_loads_and_layers_convert() {
     let device = Device::flex();

@@ -58,6 +58,10 @@ pub struct TrainArgs {
     /// Continue from `OUT/checkpoint.bin`.
     #[arg(long)]
     pub resume: bool,
+    /// Start the ranks again after a rank failed, up to this many times (torchrun's
+    /// --max-restarts); train-cnn resumes from its last checkpoint.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
     /// Run this `train-cnn` binary instead of building one in release (e.g. a debug build).
     #[arg(long, value_name = "PATH")]
     pub program: Option<PathBuf>,
@@ -182,17 +186,27 @@ fn example_args(
 }
 
 /// Launches `ranks` processes of `program`; returns an error naming the failed rank.
-fn launch_ranks(ranks: usize, program: &Path, args: &[OsString]) -> Result<(), String> {
+fn launch_ranks(
+    ranks: usize,
+    max_restarts: usize,
+    program: &Path,
+    args: &[OsString],
+) -> Result<(), String> {
     let cfg = LaunchConfig {
         nproc_per_node: ranks,
         rank0_stderr_direct: true,
         forward_signals: true,
+        max_restarts,
         ..LaunchConfig::default()
     };
     let report = launch(&cfg, program.as_os_str(), args).map_err(|e| e.to_string())?;
     if report.success() {
+        let restarts = match report.attempt {
+            0 => String::new(),
+            n => format!(" after {n} restart(s)"),
+        };
         eprintln!(
-            "xtask: all {} ranks exited 0 in {:.1} s",
+            "xtask: all {} ranks exited 0 in {:.1} s{restarts}",
             report.exits.len(),
             report.elapsed.as_secs_f64()
         );
@@ -224,7 +238,7 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         out.display()
     );
     let args = example_args(a, backend, batch, a.sync_bn(), &out);
-    launch_ranks(ranks, &program, &args)
+    launch_ranks(ranks, a.max_restarts, &program, &args)
 }
 
 /// The last epoch's metrics of a run.
@@ -281,7 +295,7 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
         let dir = out.join(format!("run{}", i + 1));
         eprintln!("xtask compare: {name}: {n} rank(s) × batch {batch}");
         let args = example_args(a, backend, batch, sync, &dir);
-        launch_ranks(n, &program, &args)?;
+        launch_ranks(n, a.max_restarts, &program, &args)?;
         let m = last_epoch(&dir)?;
         let f = |k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
         results.push(RunSummary {

@@ -23,6 +23,28 @@ pub fn install(pg: ProcessGroup) -> (SharedGroup, bool) {
     (g.clone(), fresh)
 }
 
+/// What [`crate::Ddp`] joined the process-wide group with, to refuse a second `init` with other
+/// settings.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct JoinedWith {
+    /// `rank/world_size@master_addr:master_port`.
+    pub(crate) job: String,
+    /// The group's options.
+    pub(crate) options: ddp_comm::GroupOptions,
+}
+
+static JOINED_WITH: OnceLock<JoinedWith> = OnceLock::new();
+
+/// Records the settings of the group [`crate::Ddp`] installed; the first call wins.
+pub(crate) fn record_joined_with(joined: JoinedWith) {
+    let _ = JOINED_WITH.set(joined);
+}
+
+/// The settings [`record_joined_with`] recorded, if any.
+pub(crate) fn joined_with() -> Option<&'static JoinedWith> {
+    JOINED_WITH.get()
+}
+
 /// The process-wide group, if [`install`] has been called.
 pub fn group() -> Option<SharedGroup> {
     GROUP.get().cloned()

@@ -158,14 +158,42 @@ impl DdpBuilder {
         };
         #[cfg(feature = "cuda")]
         let group_options = self.group_options.clone();
+        let joining = comm::JoinedWith {
+            job: format!(
+                "rank {}/{} at {}",
+                env.rank,
+                env.world_size,
+                env.master_endpoint()
+            ),
+            options: self.group_options.clone(),
+        };
         let group = match comm::group() {
             Some(g) => {
+                // A second `init` in one process shares the first group; with other settings
+                // that would silently ignore them.
+                match comm::joined_with() {
+                    Some(first) if *first != joining => {
+                        return Err(DdpError::InvalidSetting(format!(
+                            "burn_ddp::init was called again with other settings ({} {:?}) \
+                             than the group this process joined ({} {:?}); a process joins \
+                             one group",
+                            joining.job, joining.options, first.job, first.options
+                        )));
+                    }
+                    Some(_) => {}
+                    // Installed by hand (`comm::install`): the first `init` sets the rule.
+                    None => comm::record_joined_with(joining),
+                }
                 tracing::debug!("reusing the process group already installed");
                 g
             }
             None => {
                 let pg = ProcessGroup::init(&env, self.group_options)?;
-                comm::install(pg).0
+                let (g, fresh) = comm::install(pg);
+                if fresh {
+                    comm::record_joined_with(joining);
+                }
+                g
             }
         };
         let (rank, world_size) = {

@@ -34,7 +34,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -51,6 +51,10 @@ const MAX_HANDSHAKE_FRAME: usize = 4096;
 const MAX_FRAME: usize = 64 << 20;
 /// How long the server waits for a new connection's handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections that may be in their handshake at once; more are refused at accept.
+const MAX_UNAUTHENTICATED: usize = 64;
+/// The longest a `get`/`wait` waits on the server, whatever timeout it asked for.
+const MAX_WAIT: Duration = Duration::from_secs(3600);
 /// How often the accept loop checks for shutdown (it wakes at once for new connections).
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// Default deadline for a reply to a request that does not wait for keys.
@@ -58,6 +62,8 @@ const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// First and largest pause between connection attempts.
 const CONNECT_BACKOFF_START: Duration = Duration::from_millis(2);
 const CONNECT_BACKOFF_CAP: Duration = Duration::from_millis(50);
+/// How often a rank still connecting to the store says so.
+const CONNECT_PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
 // Requests (client → server).
 const OP_HELLO: u8 = 1;
@@ -227,6 +233,10 @@ struct Shared {
     /// Clones of open connections, so that shutdown can unblock their threads.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
+    /// Connections that have not finished their handshake (not yet shown the token).
+    unauthenticated: AtomicUsize,
+    /// Connections refused at accept because [`MAX_UNAUTHENTICATED`] were pending.
+    refused: AtomicU64,
 }
 
 impl Shared {
@@ -278,6 +288,8 @@ impl StoreServer {
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
+            unauthenticated: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
         });
         let accept = {
             let shared = Arc::clone(&shared);
@@ -297,6 +309,12 @@ impl StoreServer {
     /// The address actually bound (useful with port 0).
     pub fn local_addr(&self) -> std::net::SocketAddr {
         self.addr
+    }
+
+    /// Connections refused at accept because 64 others were still in their handshake (a port
+    /// scan or a flood of clients without the job token).
+    pub fn refused_connections(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
     }
 }
 
@@ -335,6 +353,20 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 workers.retain(|h| !h.is_finished());
+                // A port scan or a flood must not exhaust rank 0's threads or memory: at most
+                // MAX_UNAUTHENTICATED connections may be in their handshake at once.
+                if shared.unauthenticated.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
+                    let n = shared.refused.fetch_add(1, Ordering::Relaxed) + 1;
+                    if n.is_power_of_two() {
+                        tracing::warn!(
+                            %peer,
+                            "rendezvous store: refused a connection: {MAX_UNAUTHENTICATED} \
+                             connections are already in their handshake ({n} refused so far)"
+                        );
+                    }
+                    let _ = stream.shutdown(Shutdown::Both);
+                    continue;
+                }
                 let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = stream.set_nonblocking(false) {
                     tracing::warn!(%peer, "rendezvous store: dropping connection: {e}");
@@ -361,6 +393,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     break;
                 }
                 let sh = Arc::clone(&shared);
+                shared.unauthenticated.fetch_add(1, Ordering::SeqCst);
                 let spawned = std::thread::Builder::new()
                     .name("ddp-store-conn".into())
                     .spawn(move || {
@@ -373,6 +406,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 match spawned {
                     Ok(h) => workers.push(h),
                     Err(e) => {
+                        shared.unauthenticated.fetch_sub(1, Ordering::SeqCst);
                         tracing::warn!(%peer, "rendezvous store: cannot start a thread: {e}");
                         if let Some(s) = shared
                             .conns
@@ -439,30 +473,44 @@ fn check_handshake(frame: &[u8], token: Option<&str>) -> std::result::Result<(),
     }
 }
 
-fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+    let authenticated = handshake(stream, peer, shared);
+    shared.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+    if let Some(stream) = authenticated {
+        serve_requests(stream, peer, shared);
+    }
+}
+
+/// Reads and checks the client's handshake; the stream of an accepted client, else `None`.
+fn handshake(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) -> Option<TcpStream> {
     // The handshake: bounded size and time, since the peer is not trusted yet.
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
     let frame = match read_frame(&mut stream, MAX_HANDSHAKE_FRAME) {
         Ok(Some(f)) => f,
-        Ok(None) => return, // connected and closed (a port probe)
+        Ok(None) => return None, // connected and closed (a port probe)
         Err(e) => {
             tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: no valid handshake ({e})");
             let msg = format!("no valid handshake: {e}");
             let _ = write_frame(&mut stream, &Enc::op(R_REFUSED).bytes(msg.as_bytes()).0);
-            return;
+            return None;
         }
     };
     if let Err(why) = check_handshake(&frame, shared.token.as_deref()) {
         tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: {why}");
         let _ = write_frame(&mut stream, &Enc::op(R_REFUSED).bytes(why.as_bytes()).0);
         let _ = stream.shutdown(Shutdown::Both);
-        return;
+        return None;
     }
     if write_frame(&mut stream, &Enc::op(R_OK).0).is_err() {
-        return;
+        return None;
     }
     tracing::debug!(%peer, "rendezvous store: client connected");
+    Some(stream)
+}
+
+/// Serves an accepted client's requests until it closes the connection or the store stops.
+fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     // Accepted clients may stay idle for a whole training run: no read timeout. Shutdown
     // unblocks the read by closing the socket.
     let _ = stream.set_read_timeout(None);
@@ -545,7 +593,8 @@ fn handle_request(frame: &[u8], shared: &Shared) -> std::result::Result<Vec<u8>,
                 keys.push(d.string()?);
             }
             d.end()?;
-            let deadline = Instant::now().checked_add(timeout);
+            // No request waits forever: `Duration::MAX` and the like are clamped.
+            let deadline = Instant::now() + timeout.min(MAX_WAIT);
             let mut st = shared.lock();
             loop {
                 if st.shutdown {
@@ -563,13 +612,10 @@ fn handle_request(frame: &[u8], shared: &Shared) -> std::result::Result<Vec<u8>,
                     }
                     Some(missing) => {
                         let now = Instant::now();
-                        let remaining = match deadline {
-                            Some(d) if d <= now => {
-                                return Ok(Enc::op(R_TIMEOUT).bytes(missing.as_bytes()).0);
-                            }
-                            Some(d) => d - now,
-                            None => Duration::from_secs(3600),
-                        };
+                        if deadline <= now {
+                            return Ok(Enc::op(R_TIMEOUT).bytes(missing.as_bytes()).0);
+                        }
+                        let remaining = deadline - now;
                         st = shared
                             .changed
                             .wait_timeout(st, remaining)
@@ -633,6 +679,7 @@ impl StoreClient {
         let mut backoff = CONNECT_BACKOFF_START;
         let mut last_err;
         let mut attempts = 0u32;
+        let mut next_progress = start + CONNECT_PROGRESS_EVERY;
         loop {
             attempts += 1;
             match Self::attempt(endpoint, token, deadline) {
@@ -652,6 +699,16 @@ impl StoreClient {
                     peer: Some(0),
                     after: start.elapsed(),
                 });
+            }
+            if now >= next_progress {
+                // One line every ~10 s, so a rank waiting for rank 0 is not silent for the
+                // whole connect timeout.
+                tracing::warn!(
+                    "waiting for rank 0's store at {endpoint}: {:.0} s of {:.0} s ({last_err})",
+                    start.elapsed().as_secs_f64(),
+                    timeout.as_secs_f64()
+                );
+                next_progress = now + CONNECT_PROGRESS_EVERY;
             }
             std::thread::sleep(backoff.min(deadline - now));
             backoff = (backoff * 2).min(CONNECT_BACKOFF_CAP);

@@ -159,6 +159,29 @@ impl Checkpoint {
         })
     }
 
+    /// The parameter values of the model record, in visit order: the record decoded into a
+    /// BatchNorm CNN on the CPU (BatchNorm and SyncBatchNorm models have the same records).
+    /// Records name parameters by per-process ids, so compare these, not the bytes.
+    pub fn parameter_values(&self) -> Result<Vec<f32>, CheckpointError> {
+        use burn::module::Module;
+        let bad = |reason: String| CheckpointError::Corrupt {
+            path: PathBuf::from("<model record>"),
+            reason,
+        };
+        let device = burn::tensor::Device::flex();
+        let record = burn::store::ModuleRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(
+            self.model.clone(),
+        ))
+        .map_err(|e| bad(format!("{e}")))?;
+        let model = self
+            .meta
+            .model
+            .init::<burn::nn::BatchNorm>(&device)
+            .try_load_record(record)
+            .map_err(|e| bad(format!("the record does not fit the model: {e}")))?;
+        Ok(crate::model::parameter_values(&model))
+    }
+
     /// Reads the raw bytes of the checkpoint at `path` (to broadcast them before decoding).
     pub fn read_bytes(path: &Path) -> Result<Vec<u8>, CheckpointError> {
         std::fs::read(path).map_err(|source| CheckpointError::Io {

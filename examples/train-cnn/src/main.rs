@@ -34,7 +34,7 @@ struct Args {
     /// Seed of initialisation, synthetic data and data order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// `synthetic` (embedded, generated) or `mnist:DIR` (IDX files, uncompressed).
+    /// `synthetic` (embedded, generated) or `mnist:DIR` (IDX files, gzipped or not).
     #[arg(long, default_value = "synthetic")]
     data: DataSpec,
     /// Synthetic training images.
@@ -49,7 +49,8 @@ struct Args {
     /// Output directory (metrics, plot, checkpoint).
     #[arg(long, default_value = "runs/train-cnn")]
     out: PathBuf,
-    /// Continue from `OUT/checkpoint.bin`.
+    /// Continue from `OUT/checkpoint.bin` (automatic after a launcher's restart:
+    /// TORCHELASTIC_RESTART_COUNT or DDP_RESTART_COUNT above 0 and a checkpoint there).
     #[arg(long)]
     resume: bool,
     /// Synchronise BatchNorm statistics across ranks (SyncBatchNorm).
@@ -71,6 +72,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    install_panic_message();
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -79,6 +81,41 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints a panic as one `train-cnn: error: …` line (the backtrace only with `RUST_BACKTRACE`).
+/// Collectives inside Burn's forward and backward passes (SyncBatchNorm) can only fail by
+/// panicking, e.g. when another rank died; the user should read why, not a backtrace.
+fn install_panic_message() {
+    let backtrace = std::env::var("RUST_BACKTRACE").is_ok_and(|v| v != "0");
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a thread panicked".to_string());
+        let thread = std::thread::current();
+        let place = match thread.name() {
+            Some("main") | None => String::new(),
+            Some(name) => format!(" (in thread {name})"),
+        };
+        eprintln!("train-cnn: error{place}: {msg}");
+        if backtrace {
+            eprintln!("{}", std::backtrace::Backtrace::force_capture());
+        }
+    }));
+}
+
+/// Whether a launcher restarted this job after a failure (`ddprun --max-restarts`, torchrun's
+/// `--max-restarts`): then a checkpoint the failed attempt left is resumed without `--resume`.
+fn restarted() -> bool {
+    ddp_comm::launcher::RESTART_COUNT_VARS.iter().any(|var| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    })
 }
 
 fn run(args: Args) -> Result<(), TrainError> {
@@ -93,6 +130,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         channels: args.channels,
         out: args.out,
         resume: args.resume,
+        resume_if_present: restarted(),
         progress: !args.no_progress,
     };
     let mut cluster = DdpCluster::from_env(args.backend)?;

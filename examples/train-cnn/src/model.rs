@@ -124,6 +124,21 @@ impl CnnConfig {
     }
 }
 
+/// Every parameter value of `model` in visit order, as f32 (to compare two runs).
+pub fn parameter_values<N: NormLayer>(model: &Cnn<N>) -> Vec<f32> {
+    #[derive(Default)]
+    struct Collect(Vec<f32>);
+    impl burn::module::ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0.extend(data.try_to_vec::<f32>().unwrap_or_default());
+        }
+    }
+    let mut c = Collect::default();
+    model.visit(&mut c);
+    c.0
+}
+
 /// conv 3×3 → norm → ReLU → max-pool 2×2.
 #[derive(Module, Debug)]
 pub struct ConvBlock<N> {

@@ -44,6 +44,9 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Continue from `out/checkpoint.bin`.
     pub resume: bool,
+    /// Continue from `out/checkpoint.bin` when rank 0 finds one there, start afresh otherwise
+    /// (set when a launcher restarted the job: the failed attempt's checkpoint is resumed).
+    pub resume_if_present: bool,
     /// Show the progress bar (rank 0 only, and only on a terminal).
     pub progress: bool,
 }
@@ -62,6 +65,7 @@ impl TrainConfig {
             channels: vec![16, 32, 32],
             out: out.into(),
             resume: false,
+            resume_if_present: false,
             progress: true,
         }
     }
@@ -238,7 +242,9 @@ pub fn train<N: NormLayer, C: Cluster>(
         epoch: 0,
     };
     let mut resumed_after = None;
-    if cfg.resume {
+    let resume =
+        cfg.resume || (cfg.resume_if_present && checkpoint_on_main(cluster, &paths.checkpoint)?);
+    if resume {
         let ck = load_checkpoint(cluster, &paths.checkpoint)?;
         if ck.meta.model != model_cfg {
             return Err(TrainError::Config(format!(
@@ -517,6 +523,13 @@ fn write_outputs(paths: &OutputPaths, history: &[EpochMetrics]) -> Result<(), Tr
     metrics::write_json(&paths.json, history).map_err(io(&paths.json))?;
     plot::write_svg(&paths.plot, history)?;
     Ok(())
+}
+
+/// Whether rank 0 sees a checkpoint at `path` (every rank gets rank 0's answer).
+fn checkpoint_on_main<C: Cluster>(cluster: &mut C, path: &Path) -> Result<bool, TrainError> {
+    let mut found = [f64::from(u8::from(cluster.is_main() && path.is_file()))];
+    cluster.all_reduce_sum(&mut found)?;
+    Ok(found[0] > 0.0)
 }
 
 /// Rank 0 reads the checkpoint and broadcasts its bytes; every rank decodes them. A rank-0 read

@@ -1,9 +1,8 @@
 //! A run interrupted after one epoch and resumed ends with the same parameters (and BatchNorm
 //! running statistics) as an uninterrupted run.
 
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::BatchNorm;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use train_cnn::dist::Local;
 use train_cnn::metrics::EpochMetrics;
 use train_cnn::model::Cnn;
@@ -17,20 +16,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-#[derive(Default)]
-struct Collect(Vec<f32>);
-
-impl ModuleVisitor for Collect {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        self.0
-            .extend(param.val().into_data().try_to_vec::<f32>().unwrap());
-    }
-}
-
 fn values(model: &Cnn<BatchNorm>) -> Vec<f32> {
-    let mut c = Collect::default();
-    model.visit(&mut c);
-    c.0
+    train_cnn::model::parameter_values(model)
 }
 
 fn tiny(out: &std::path::Path, epochs: usize) -> TrainConfig {

@@ -29,8 +29,9 @@
 //!
 //! A batch in which no rank has a sample is an error ([`SyncBatchNormError::NoSamples`]) where
 //! the counts pass through the host; on the NCCL path (which never reads them back) such a
-//! batch leaves the running statistics unchanged, as does a single sample with
-//! [`RunningVariance::Unbiased`].
+//! batch leaves the running statistics unchanged. A single sample per channel over all ranks
+//! with [`RunningVariance::Unbiased`] (whose `M2 / (n − 1)` is then undefined) leaves the
+//! running statistics unchanged on every path, as the output is still defined (β).
 //!
 //! # Paths
 //!
@@ -137,11 +138,6 @@ pub enum SyncBatchNormError {
     /// No rank had any sample.
     #[error("SyncBatchNorm: no rank has any sample in this batch (total count 0)")]
     NoSamples,
-    /// PyTorch's unbiased running variance needs at least two samples per channel.
-    #[error(
-        "SyncBatchNorm: the unbiased running variance needs more than 1 value per channel over all ranks, got {0}"
-    )]
-    TooFewSamples(u64),
     /// The device's backend has no SyncBatchNorm implementation and the world size is > 1.
     #[error(
         "SyncBatchNorm with world size {world_size}: the backend of {device} has no SyncBatchNorm implementation (Flex and CubeCL devices do)"
@@ -396,13 +392,8 @@ impl SyncBatchNorm {
         };
 
         let gathered = exchange.all_gather(local.clone(), stats::ROWS - 1, count)?;
-        if let Some(total) = gathered.total_count {
-            if total == 0.0 {
-                return Err(SyncBatchNormError::NoSamples);
-            }
-            if self.running_variance == RunningVariance::Unbiased && total < 2.0 {
-                return Err(SyncBatchNormError::TooFewSamples(total as u64));
-            }
+        if gathered.total_count == Some(0.0) {
+            return Err(SyncBatchNormError::NoSamples);
         }
         // [6, C]: the channel parameters (rows 0–3) and the new running mean and variance.
         let (running_mean, running_var) = (
@@ -451,6 +442,11 @@ impl SyncBatchNorm {
             RunningVariance::Biased => result.variance.detach(),
             RunningVariance::Unbiased => {
                 let n = result.output.dims().iter().product::<usize>() / result.mean.dims()[0];
+                if n < 2 {
+                    // `M2 / (n − 1)` is undefined: the running statistics stay, as on the
+                    // other paths.
+                    return result.output;
+                }
                 result
                     .variance
                     .detach()

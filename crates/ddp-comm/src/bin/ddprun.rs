@@ -6,7 +6,9 @@
 //! ```
 //!
 //! Exit code: 0 when every rank succeeds; otherwise the first failing rank's exit code (128 +
-//! signal when it was killed by a signal), with one summary line on stderr.
+//! signal when it was killed by a signal), with one summary line on stderr. With
+//! `--max-restarts K` a failed group is started again up to K times (one line per failed
+//! attempt); the exit code is then the last attempt's.
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -56,6 +58,15 @@ struct Args {
     /// Do not prefix output lines with `[rank k] ` (ranks write to ddprun's streams directly).
     #[arg(long = "no-prefix", visible_alias = "no_prefix")]
     no_prefix: bool,
+    /// Start the whole group again after a rank failed, up to this many times (torchrun's
+    /// --max-restarts). Each attempt gets a fresh rendezvous and TORCHELASTIC_RESTART_COUNT /
+    /// DDP_RESTART_COUNT set to its number; the exit code is the last attempt's.
+    #[arg(
+        long = "max-restarts",
+        visible_alias = "max_restarts",
+        default_value_t = 0
+    )]
+    max_restarts: u32,
     /// Leave rank 0's stderr unprefixed and connected to ddprun's own, so a progress bar rank 0
     /// draws there sees the terminal (its stdout and the other ranks stay prefixed).
     #[arg(long = "rank0-stderr-direct")]
@@ -101,6 +112,7 @@ fn main() -> ExitCode {
         job_token: None,
         forward_signals: true,
         extra_env: Vec::new(),
+        max_restarts: args.max_restarts as usize,
     };
     let (program, rest) = args
         .command
@@ -110,6 +122,13 @@ fn main() -> ExitCode {
         Ok(report) => {
             if let Some(line) = report.summary() {
                 eprintln!("{line}");
+            } else if report.attempt > 0 {
+                eprintln!(
+                    "ddprun: all {} ranks exited 0 on restart {} of {}",
+                    report.exits.len(),
+                    report.attempt,
+                    args.max_restarts
+                );
             }
             ExitCode::from((report.exit_code() & 0xff) as u8)
         }

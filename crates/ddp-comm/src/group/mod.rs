@@ -70,7 +70,7 @@ pub trait Element: bytemuck::Pod + Send + Sync + PartialOrd + std::fmt::Debug + 
 }
 
 /// Settings for [`ProcessGroup::init`].
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GroupOptions {
     /// Deadline of every collective and of each wait inside it (default 300 s, or the value of
     /// `DDP_TIMEOUT_SECS`).

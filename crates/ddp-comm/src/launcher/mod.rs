@@ -75,6 +75,12 @@ pub struct LaunchConfig {
     pub forward_signals: bool,
     /// More variables for every rank, set last (they override the launcher's).
     pub extra_env: Vec<(String, String)>,
+    /// How often to start the whole group again after a rank failed (torchrun's
+    /// `--max-restarts`); 0 never restarts. Every attempt gets a fresh rendezvous (a new port
+    /// on one node, and always a job token of its own, so a rank left over from an earlier
+    /// attempt can never join) and `TORCHELASTIC_RESTART_COUNT` / `DDP_RESTART_COUNT` set to
+    /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
+    pub max_restarts: usize,
 }
 
 impl Default for LaunchConfig {
@@ -92,8 +98,23 @@ impl Default for LaunchConfig {
             job_token: None,
             forward_signals: false,
             extra_env: Vec::new(),
+            max_restarts: 0,
         }
     }
+}
+
+/// The variables that carry the attempt number to the ranks: torchrun's, and burn-ddp's alias.
+pub const RESTART_COUNT_VARS: [&str; 2] = ["TORCHELASTIC_RESTART_COUNT", "DDP_RESTART_COUNT"];
+
+/// How an earlier attempt of a launch ended (see [`LaunchConfig::max_restarts`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptEnd {
+    /// The attempt number, 0 for the first.
+    pub attempt: usize,
+    /// Its summary line (which rank failed, how, after how long).
+    pub summary: String,
+    /// Its exit code.
+    pub exit_code: i32,
 }
 
 /// Why a launch could not run.
@@ -208,8 +229,12 @@ pub struct LaunchReport {
     /// A signal the launcher received and forwarded (with `forward_signals`), if any, with the
     /// number of ranks it stopped.
     pub interrupted: Option<(i32, usize)>,
-    /// Time from the start of the launch until every rank was reaped.
+    /// Time from the start of this attempt until every rank was reaped.
     pub elapsed: Duration,
+    /// This attempt's number (0 unless the group was restarted).
+    pub attempt: usize,
+    /// How the earlier attempts ended, in order (empty without restarts).
+    pub restarts: Vec<AttemptEnd>,
 }
 
 impl LaunchReport {
@@ -247,8 +272,12 @@ impl LaunchReport {
                 1 => "stopped the other 1 rank".to_string(),
                 n => format!("stopped the other {n} ranks"),
             };
+            let attempt = match self.attempt {
+                0 => String::new(),
+                n => format!(" (restart {n})"),
+            };
             return Some(format!(
-                "ddprun: rank {} {how} after {:.2} s; {others}",
+                "ddprun: rank {} {how} after {:.2} s{attempt}; {others}",
                 f.rank,
                 f.elapsed.as_secs_f64()
             ));
@@ -408,6 +437,65 @@ pub fn launch(
     } else {
         None
     };
+    let mut restarts = Vec::new();
+    for attempt in 0.. {
+        let env = attempt_env(cfg, &env, attempt)?;
+        let mut report = launch_once(cfg, &env, program, args, forwarding.as_ref())?;
+        report.attempt = attempt;
+        let again = !report.success() && report.interrupted.is_none() && attempt < cfg.max_restarts;
+        if !again {
+            report.restarts = restarts;
+            return Ok(report);
+        }
+        let summary = report.summary().unwrap_or_default();
+        // The launcher's own line, like the ranks' output it copies: the user sees the
+        // restart when it happens, not only at the end.
+        eprintln!(
+            "{summary}; restarting the group (restart {} of {})",
+            attempt + 1,
+            cfg.max_restarts
+        );
+        restarts.push(AttemptEnd {
+            attempt,
+            summary,
+            exit_code: report.exit_code(),
+        });
+    }
+    unreachable!("the attempts loop returns")
+}
+
+/// The variables of attempt `attempt`: the restart counters, and from the first restart on a
+/// fresh port (one node, port not fixed) and a job token of the attempt's own.
+fn attempt_env(
+    cfg: &LaunchConfig,
+    first: &BTreeMap<String, String>,
+    attempt: usize,
+) -> Result<BTreeMap<String, String>, LaunchError> {
+    let mut env = first.clone();
+    for var in RESTART_COUNT_VARS {
+        env.insert(var.into(), attempt.to_string());
+    }
+    if attempt > 0 {
+        if cfg.master_port.is_none() && cfg.nnodes == 1 {
+            env.insert(
+                "MASTER_PORT".into(),
+                free_port(&cfg.master_addr)?.to_string(),
+            );
+        }
+        let token = format!("{}.restart{attempt}", first[TOKEN_VAR]);
+        env.insert(TOKEN_VAR.into(), token);
+    }
+    Ok(env)
+}
+
+/// One attempt: starts the ranks with `env`, watches them until all have ended, reaps them.
+fn launch_once(
+    cfg: &LaunchConfig,
+    env: &BTreeMap<String, String>,
+    program: &std::ffi::OsStr,
+    args: &[impl AsRef<std::ffi::OsStr>],
+    forwarding: Option<&SignalForwarding>,
+) -> Result<LaunchReport, LaunchError> {
     let start = Instant::now();
     let first_rank = cfg.node_rank * cfg.nproc_per_node;
     tracing::info!(
@@ -427,7 +515,7 @@ pub fn launch(
         let rank = first_rank + local;
         let mut cmd = Command::new(program);
         cmd.args(args)
-            .envs(&env)
+            .envs(env)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())
             .envs(cfg.extra_env.iter().map(|(k, v)| (k, v)))
@@ -514,8 +602,7 @@ pub fn launch(
     }
     drop(done_tx);
 
-    let report = watch(cfg, &mut ranks, forwarding.as_ref(), start, first_rank);
-    drop(forwarding);
+    let report = watch(cfg, &mut ranks, forwarding, start, first_rank);
 
     // Every rank is reaped. Kill what is left of each rank's process group (a background
     // grandchild would otherwise outlive the job and hold the output pipe open).
@@ -572,7 +659,17 @@ fn watch(
                     let exit = RankExit::from_status(status);
                     r.exit = Some(exit);
                     tracing::debug!(rank = r.rank, %exit, "rank exited");
-                    if !exit.success() && newly_failed.is_none() && kill_at.is_none() {
+                    // Several ranks seen failed in one poll (5 ms): a rank killed by a
+                    // signal is the likelier cause (its peers then fail on the closed
+                    // connection with an error code), else the lowest rank.
+                    let more_likely_cause = match newly_failed {
+                        None => true,
+                        Some((_, earlier)) => {
+                            matches!(exit, RankExit::Signal(_))
+                                && matches!(earlier, RankExit::Code(_))
+                        }
+                    };
+                    if !exit.success() && kill_at.is_none() && more_likely_cause {
                         newly_failed = Some((r.rank, exit));
                     }
                 }
@@ -643,6 +740,8 @@ fn watch(
         first_failure,
         interrupted,
         elapsed: start.elapsed(),
+        attempt: 0,
+        restarts: Vec::new(),
     }
 }
 
@@ -790,6 +889,8 @@ mod tests {
             first_failure: None,
             interrupted: None,
             elapsed: Duration::from_millis(10),
+            attempt: 0,
+            restarts: Vec::new(),
         };
         assert!(ok.success());
         assert_eq!(ok.exit_code(), 0);
@@ -938,6 +1039,62 @@ mod tests {
         assert!(report.success(), "{report:?}");
         assert_eq!(report.exit_code(), 0);
         assert_eq!(report.summary(), None);
+    }
+
+    /// Launches `script` on `n` ranks with up to `restarts` restarts.
+    fn launch_restarting(n: usize, restarts: usize, script: &str) -> LaunchReport {
+        let c = LaunchConfig {
+            grace: Duration::from_millis(200),
+            prefix_output: false,
+            max_restarts: restarts,
+            ..cfg(n)
+        };
+        launch(&c, "sh", &["-c", script]).unwrap()
+    }
+
+    #[test]
+    fn a_failed_group_is_restarted_and_every_attempt_sees_its_counter() {
+        // Rank 1 fails on the first two attempts; the third succeeds.
+        let dir = tempfile::tempdir().unwrap();
+        let script = format!(
+            r#"echo "$TORCHELASTIC_RESTART_COUNT $DDP_RESTART_COUNT $MASTER_PORT $DDP_JOB_TOKEN"                >> {}/seen.$RANK
+               if [ "$RANK" = 1 ] && [ "$DDP_RESTART_COUNT" -lt 2 ]; then exit 9; fi; exit 0"#,
+            dir.path().display()
+        );
+        let report = launch_restarting(2, 3, &script);
+        assert!(report.success(), "{report:?}");
+        assert_eq!(report.attempt, 2);
+        assert_eq!(report.restarts.len(), 2);
+        assert_eq!(report.restarts[0].exit_code, 9);
+        assert!(
+            report.restarts[1].summary.contains("(restart 1)"),
+            "{report:?}"
+        );
+        let seen = std::fs::read_to_string(dir.path().join("seen.0")).unwrap();
+        let lines: Vec<Vec<&str>> = seen.lines().map(|l| l.split(' ').collect()).collect();
+        assert_eq!(lines.len(), 3, "{seen}");
+        for (k, l) in lines.iter().enumerate() {
+            assert_eq!(
+                (l[0], l[1]),
+                (k.to_string().as_str(), k.to_string().as_str())
+            );
+        }
+        // A fresh rendezvous every attempt: its own job token (and a new port here).
+        let tokens: std::collections::BTreeSet<&str> = lines.iter().map(|l| l[3]).collect();
+        assert_eq!(tokens.len(), 3, "{seen}");
+        assert!(lines[1][3].starts_with(lines[0][3]) && lines[1][3].ends_with(".restart1"));
+    }
+
+    #[test]
+    fn restarts_run_out_and_the_last_attempt_decides_the_exit_code() {
+        let report = launch_restarting(1, 2, r#"exit $((DDP_RESTART_COUNT + 3))"#);
+        assert_eq!(report.attempt, 2);
+        assert_eq!(report.restarts.len(), 2);
+        assert_eq!(report.exit_code(), 5, "{report:?}");
+        assert!(report.summary().unwrap().contains("(restart 2)"));
+        // Success needs no restart.
+        let report = launch_restarting(2, 2, "exit 0");
+        assert!(report.success() && report.attempt == 0 && report.restarts.is_empty());
     }
 
     #[test]

@@ -109,19 +109,33 @@ impl ImageSet for IdxImages {
     }
 }
 
+/// Reads an IDX file, or the gzipped `PATH.gz` next to it (MNIST is distributed gzipped) when
+/// `PATH` itself is missing.
 fn read(path: &Path) -> Result<Vec<u8>, DataError> {
-    std::fs::read(path).map_err(|source| {
-        let gz = PathBuf::from(format!("{}.gz", path.display()));
-        DataError::Io {
-            path: path.to_path_buf(),
-            hint: if gz.exists() {
-                " (found a .gz next to it: decompress it with `gunzip`)".into()
-            } else {
-                String::new()
-            },
-            source,
-        }
+    let gz = PathBuf::from(format!("{}.gz", path.display()));
+    if !path.exists() && gz.exists() {
+        return read_gz(&gz);
+    }
+    std::fs::read(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        hint: String::new(),
+        source,
     })
+}
+
+fn read_gz(path: &Path) -> Result<Vec<u8>, DataError> {
+    use std::io::Read;
+    let io = |source| DataError::Io {
+        path: path.to_path_buf(),
+        hint: " (a gzipped IDX file)".into(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    flate2::read::GzDecoder::new(std::io::BufReader::new(file))
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    Ok(bytes)
 }
 
 /// Checks the header of an IDX file of unsigned bytes with `rank` dimensions and returns the
@@ -209,6 +223,32 @@ mod tests {
         let p0 = ((5 * 12) * 7 % 256) as f32;
         assert!((it.pixels[0] - (p0 / 255.0 - MEAN) / STD).abs() < 1e-6);
         assert_eq!(it.pixels.len(), 12);
+    }
+
+    #[test]
+    fn reads_gzipped_files_as_mnist_is_distributed() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        write_split(dir.path(), MnistSplit::Test, 7);
+        let plain = IdxImages::load_split(dir.path(), MnistSplit::Test).unwrap();
+        let (im, lb) = MnistSplit::Test.files();
+        for name in [im, lb] {
+            let path = dir.path().join(name);
+            let mut gz = flate2::write::GzEncoder::new(
+                std::fs::File::create(dir.path().join(format!("{name}.gz"))).unwrap(),
+                flate2::Compression::default(),
+            );
+            gz.write_all(&std::fs::read(&path).unwrap()).unwrap();
+            gz.finish().unwrap();
+            std::fs::remove_file(path).unwrap();
+        }
+        let gzipped = IdxImages::load_split(dir.path(), MnistSplit::Test).unwrap();
+        assert_eq!(gzipped.len(), 7);
+        assert_eq!(gzipped.item(3), plain.item(3));
+        // A corrupt .gz is a clear error naming it.
+        std::fs::write(dir.path().join(format!("{im}.gz")), b"not gzip").unwrap();
+        let e = IdxImages::load_split(dir.path(), MnistSplit::Test).unwrap_err();
+        assert!(e.to_string().contains(&format!("{im}.gz")), "{e}");
     }
 
     #[test]
