@@ -100,9 +100,10 @@ do_build() {
   cargo test --no-run -p ddp-comm --features nccl --test nccl --message-format=json >"$JSON"
   pick nccl test ddp-comm-nccl-tests
   cargo build --release -p ddp-comm --features nccl --bin ddprun --example allreduce_bench \
-    -p xtask --message-format=json >"$JSON"
+    --message-format=json >"$JSON"
   pick ddprun bin ddprun
   pick allreduce_bench example allreduce_bench
+  cargo build --release -p xtask --message-format=json >"$JSON"
   pick xtask bin xtask
   cp scripts/gloo_allreduce.py "$BIN/stage/"
   rm -f "$JSON"
@@ -154,19 +155,19 @@ do_build() {
 # checks that run through this script (on the GPU machine, after `run` unpacked GPU_BIN)
 # ------------------------------------------------------------------------------------------
 
-# train NAME FLAGS…: one short train-cnn run, output under /tmp/gpu-check-train/NAME.
+# train NAME FLAGS…: a short train-cnn run (give --epochs), output under /tmp/gpu-check-train/NAME.
 train() {
   local name=$1
   shift
-  "$GPU_BIN/train-cnn" --epochs 1 --seed 7 --train-size 2000 --eval-size 500 --batch-size 32 \
+  "$GPU_BIN/train-cnn" --seed 7 --train-size 2000 --eval-size 500 --batch-size 32 \
     --no-progress --out "/tmp/gpu-check-train/$name" "$@"
 }
 
 # The CUDA run against the CPU run with the same seed: the losses after one epoch agree to 1e-3
 # (relative); f32 sums in another order on each device keep them from agreeing bitwise.
 compare_backends() {
-  train cuda --backend cuda --sync-bn
-  train cpu --backend cpu --sync-bn
+  train cuda --backend cuda --sync-bn --epochs 1
+  train cpu --backend cpu --sync-bn --epochs 1
   python3 "$ROOT/scripts/gpu_check_report.py" compare /tmp/gpu-check-train/cuda /tmp/gpu-check-train/cpu 1e-3
 }
 

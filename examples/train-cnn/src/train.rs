@@ -184,8 +184,10 @@ pub struct Trained<N> {
 ///
 /// Every rank calls this; rank 0 alone shows progress and writes files.
 ///
-/// The model is initialised from Burn's device generator seeded with `cfg.seed` (then replaced by
-/// rank 0's weights on every rank); another thread drawing random numbers at the same time
+/// The model is initialised on the CPU from Burn's generator seeded with `cfg.seed`, whatever
+/// the training device (each backend's generator draws other numbers, and a run on CUDA must
+/// start from the weights of the same run on the CPU), then moved to the device and replaced by
+/// rank 0's weights on every rank. Another thread drawing random numbers at the same time
 /// perturbs that stream, so run one training per process when reproducibility matters.
 pub fn train<N: NormLayer, C: Cluster>(
     cluster: &mut C,
@@ -221,7 +223,16 @@ pub fn train<N: NormLayer, C: Cluster>(
 
     let device = cluster.device();
     device.seed(cfg.seed);
-    let mut model: Cnn<N> = model_cfg.init(&device);
+    let init_device = Device::flex().autodiff();
+    init_device.seed(cfg.seed);
+    let mut model: Cnn<N> = model_cfg.init(&init_device);
+    if init_device != device {
+        // Parameters are drawn lazily, on first use: draw them here, on the CPU, first; then
+        // `fork` moves them as trainable leaves (`to_device` would record the move in the
+        // autodiff graph, which the first backward pass then consumes).
+        initialise_now(&model);
+        model = model.fork(&device);
+    }
     let sgd = SgdConfig::new().with_momentum(Some(MomentumConfig {
         momentum: 0.9,
         dampening: 0.0,
@@ -523,6 +534,20 @@ fn write_outputs(paths: &OutputPaths, history: &[EpochMetrics]) -> Result<(), Tr
     metrics::write_json(&paths.json, history).map_err(io(&paths.json))?;
     plot::write_svg(&paths.plot, history)?;
     Ok(())
+}
+
+/// Draws every lazily initialised parameter of `model` now, on the device it was built on.
+fn initialise_now<M: Module>(model: &M) {
+    struct Touch;
+    impl burn::module::ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::tensor::Tensor<D>>,
+        ) {
+            let _ = param.val();
+        }
+    }
+    model.visit(&mut Touch);
 }
 
 /// Whether rank 0 sees a checkpoint at `path` (every rank gets rank 0's answer).

@@ -25,7 +25,12 @@ fn spawn_ranks(world: usize, args: &[String]) -> Vec<Child> {
 
 /// Starts `world` ranks of train-cnn with `args` and the extra variables `env`.
 fn spawn_ranks_with_env(world: usize, args: &[String], env: &[(&str, &str)]) -> Vec<Child> {
-    let port = free_port().to_string();
+    spawn_ranks_on(world, args, env, free_port())
+}
+
+/// Starts `world` ranks of train-cnn whose rank 0 serves the rendezvous store on `port`.
+fn spawn_ranks_on(world: usize, args: &[String], env: &[(&str, &str)], port: u16) -> Vec<Child> {
+    let port = port.to_string();
     let token = format!("train-cnn-test-{}-{port}", std::process::id());
     (0..world)
         .map(|r| {
@@ -194,5 +199,74 @@ fn without_a_usable_gpu_every_rank_says_so_and_fails() {
         start.elapsed() < Duration::from_secs(30),
         "{:?}",
         start.elapsed()
+    );
+}
+
+/// Threads of process `pid` (`Threads:` in /proc/PID/status).
+fn threads(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
+/// 500 connections that never present the job token, at rank 0's store during a 2-rank run:
+/// the run finishes, rank 0 logs the refusals, and its thread count stays bounded (64
+/// connections at most may sit in their handshake).
+#[test]
+fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut a = args(&out, 6);
+    let at = a.iter().position(|x| x == "--train-size").unwrap();
+    a[at + 1] = "8000".into(); // a run of several seconds
+    let port = free_port();
+    let start = Instant::now();
+    let children = spawn_ranks_on(2, &a, &[], port);
+    let pid0 = children[0].id();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+        if start.elapsed() > Duration::from_secs(60) {
+            let results = wait_all(children, start);
+            panic!("rank 0's store never came up: {results:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Both ranks joined and train (rank 1 connects within milliseconds of the store).
+    std::thread::sleep(Duration::from_millis(500));
+    let before = threads(pid0);
+    let flood: Vec<std::net::TcpStream> = (0..500)
+        .filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let during = threads(pid0);
+    // A live rank 0 has its training threads; an exited one has none (or one, a zombie).
+    assert!(
+        during > 1,
+        "rank 0 ended before the flood was in: make the run longer"
+    );
+    let results = wait_all(children, start);
+    let opened = flood.len();
+    drop(flood);
+    for (r, (ok, _, err)) in results.iter().enumerate() {
+        assert!(ok, "rank {r} failed during the flood: {err}");
+    }
+    let err0 = &results[0].2;
+    assert!(
+        err0.contains("refused a connection"),
+        "no refusal logged: {err0}"
+    );
+    eprintln!(
+        "flood of {opened} connections at rank 0's store: rank 0 had {before} threads before, \
+         {during} during; the run finished in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(
+        during <= before + 64 + 2,
+        "{during} threads during the flood, {before} before"
     );
 }
