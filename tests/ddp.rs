@@ -94,21 +94,29 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn equivalence(world: usize, optim: &str) {
-    let run = launch(
-        world,
-        &format!("equiv-{world}-{optim}"),
-        &[
-            "--scenario",
-            "equiv",
-            "--optim",
-            optim,
-            "--steps",
-            "5",
-            "--batch",
-            "4",
-        ],
-    );
-    run.assert_matches_reference(world, 1e-5);
+    equivalence_with(world, optim, &[], &[], 1e-5);
+}
+
+/// `equiv` (5 steps, batch 4) with more worker arguments and variables, rank 0 within `tol` of
+/// the single-process reference.
+fn equivalence_with(world: usize, optim: &str, more: &[&str], env: &[(&str, &str)], tol: f32) {
+    let mut name = format!("equiv-{world}-{optim}");
+    for part in more.iter().chain(env.iter().map(|(_, v)| v)) {
+        name = format!("{name}-{part}");
+    }
+    let mut args = vec![
+        "--scenario",
+        "equiv",
+        "--optim",
+        optim,
+        "--steps",
+        "5",
+        "--batch",
+        "4",
+    ];
+    args.extend(more);
+    let run = launch_with_env(world, &name, &args, env);
+    run.assert_matches_reference(world, tol);
 }
 
 #[test]
@@ -236,22 +244,16 @@ mod cuda {
     use super::*;
 
     /// `equiv` on CUDA ranks with `DDP_NCCL=policy`; the worker fails if a communicator
-    /// exists but a sync took the host path.
+    /// exists but a sync took the host path. GPU kernels sum in another order than one process
+    /// on the joined batch, hence 1e-4.
     fn cuda_equivalence(world: usize, optim: &str, policy: &str) {
-        let name = format!("cuda-{world}-{optim}-{policy}");
-        let args = [
-            "--device",
-            "cuda",
-            "--scenario",
-            "equiv",
-            "--optim",
+        equivalence_with(
+            world,
             optim,
-            "--steps",
-            "5",
-        ];
-        let run = launch_with_env(world, &name, &args, &[("DDP_NCCL", policy)]);
-        // GPU kernels reorder sums differently than one process on the joined batch.
-        run.assert_matches_reference(world, 1e-4);
+            &["--device", "cuda"],
+            &[("DDP_NCCL", policy)],
+            1e-4,
+        );
     }
 
     /// A world of one with `DDP_NCCL=required`: every bucket goes through a one-rank NCCL
