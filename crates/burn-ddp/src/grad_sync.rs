@@ -25,7 +25,7 @@
 //! With the `cuda` feature and an NCCL communicator ([`GradientSynchronizer::with_nccl`],
 //! set up by [`crate::Ddp`]), buckets whose gradients sit on that CUDA device on every rank
 //! are instead concatenated on the device, all-reduced there by NCCL and sliced back, with no
-//! host copy (same buckets, same order; see [`crate::nccl`] — type-checked, not yet run).
+//! host copy (same buckets, same order; see [`crate::nccl`] — built and linked in CI, not yet run on a GPU).
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

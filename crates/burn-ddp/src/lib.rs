@@ -62,7 +62,7 @@
 //!   25 MiB, host copies overlapped with all-reduces on a comm thread) and then runs the
 //!   wrapped Burn optimizer. Gradient accumulation communicates only at the step.
 //!   With the `cuda` feature, buckets on CUDA devices are instead all-reduced by NCCL in
-//!   device memory when every rank can (module `nccl`; type-checked, not yet run on a GPU).
+//!   device memory when every rank can (module `nccl`; built and linked in CI, not yet run on a GPU).
 //! - With burn-train (feature `learner`), wrap the model in `DdpModel` instead; see the
 //!   `learner` module.
 //! - [`Ddp::average_scalar`] / [`Ddp::average_tensor`] average metrics; [`Ddp::barrier`] and
