@@ -245,6 +245,29 @@ mod tests {
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
+    /// A process killed in the middle of a save leaves at most its temporary file (the rename
+    /// is the only step that touches the checkpoint): the previous checkpoint still loads, and
+    /// the next save replaces it as usual.
+    #[test]
+    fn a_save_cut_short_leaves_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(FILE_NAME);
+        let first = sample();
+        first.save(&p).unwrap();
+        // What a writer killed after half of its bytes leaves behind (its pid in the name).
+        let mut newer = sample();
+        newer.meta.epochs_done = 3;
+        let bytes = newer.to_bytes();
+        std::fs::write(
+            dir.path().join(format!(".{FILE_NAME}.tmp-999999")),
+            &bytes[..bytes.len() / 2],
+        )
+        .unwrap();
+        assert_eq!(Checkpoint::load(&p).unwrap(), first);
+        newer.save(&p).unwrap();
+        assert_eq!(Checkpoint::load(&p).unwrap().meta.epochs_done, 3);
+    }
+
     #[test]
     fn damage_is_detected() {
         let bytes = sample().to_bytes();
