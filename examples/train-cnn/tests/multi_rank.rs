@@ -244,11 +244,7 @@ fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
         .collect();
     std::thread::sleep(Duration::from_millis(100));
     let during = threads(pid0);
-    // A live rank 0 has its training threads; an exited one has none (or one, a zombie).
-    assert!(
-        during > 1,
-        "rank 0 ended before the flood was in: make the run longer"
-    );
+    // Reap the ranks before any assertion can fail.
     let results = wait_all(children, start);
     let opened = flood.len();
     drop(flood);
@@ -264,6 +260,11 @@ fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
         "flood of {opened} connections at rank 0's store: rank 0 had {before} threads before, \
          {during} during; the run finished in {:.1} s",
         start.elapsed().as_secs_f64()
+    );
+    // A live rank 0 has its training threads; an exited one has none (or one, a zombie).
+    assert!(
+        during > 1,
+        "rank 0 ended before the flood was in: make the run longer"
     );
     assert!(
         during <= before + 64 + 2,
