@@ -82,3 +82,23 @@ pub fn nccl() -> Option<crate::nccl::SharedNccl> {
 pub fn lock(g: &SharedGroup) -> std::sync::MutexGuard<'_, ProcessGroup> {
     g.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// Anything that names a process group to run a collective in: a [`crate::Ddp`], or a
+/// [`SharedGroup`] itself (e.g. `Arc::new(Mutex::new(ProcessGroup::single()))` in a program
+/// that runs alone).
+pub trait GroupHandle {
+    /// The group.
+    fn process_group(&self) -> &SharedGroup;
+}
+
+impl GroupHandle for SharedGroup {
+    fn process_group(&self) -> &SharedGroup {
+        self
+    }
+}
+
+impl GroupHandle for crate::Ddp {
+    fn process_group(&self) -> &SharedGroup {
+        self.group()
+    }
+}

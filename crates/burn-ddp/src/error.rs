@@ -46,6 +46,9 @@ pub enum DdpError {
     /// rank joins the group.
     #[error("no usable device for this rank: {0}")]
     Device(CommError),
+    /// A checkpoint could not be saved, read or restored ([`crate::checkpoint`]).
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// An invalid setting was passed to a builder.
     #[error("invalid setting: {0}")]
     InvalidSetting(String),

@@ -65,9 +65,12 @@
 //!   device memory when every rank can (module `nccl`; built and linked in CI, not yet run on a GPU).
 //! - With burn-train (feature `learner`), wrap the model in `DdpModel` instead; see the
 //!   `learner` module.
+//! - [`checkpoint::Checkpointer`] saves model, optimizer, progress and metadata from rank 0
+//!   atomically and resumes every rank from it (after a restart by `ddprun --max-restarts`).
 //! - [`Ddp::average_scalar`] / [`Ddp::average_tensor`] average metrics; [`Ddp::barrier`] and
 //!   [`Ddp::run_on_main`] order work across ranks.
 
+pub mod checkpoint;
 pub mod comm;
 mod context;
 pub mod data;

@@ -53,6 +53,10 @@ struct Args {
     /// TORCHELASTIC_RESTART_COUNT or DDP_RESTART_COUNT above 0 and a checkpoint there).
     #[arg(long)]
     resume: bool,
+    /// Also save a checkpoint every N optimizer steps (0: only after each epoch); a resumed
+    /// run continues at the exact batch.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    checkpoint_every_steps: u64,
     /// Synchronise BatchNorm statistics across ranks (SyncBatchNorm).
     #[arg(long)]
     sync_bn: bool,
@@ -130,6 +134,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         channels: args.channels,
         out: args.out,
         resume: args.resume,
+        checkpoint_every_steps: args.checkpoint_every_steps,
         resume_if_present: restarted(),
         progress: !args.no_progress,
     };

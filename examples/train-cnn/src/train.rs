@@ -8,13 +8,15 @@ use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, SgdConfig};
-use burn::store::ModuleRecord;
-use burn::tensor::{Bytes, Device};
+use burn::tensor::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use burn_ddp::data::ShardedDataLoaderBuilder;
 
-use crate::checkpoint::{self, Checkpoint, CheckpointError, CheckpointMeta, SamplerState};
+use burn_ddp::checkpoint::{Checkpointer, Progress};
+use burn_ddp::data::LoaderState;
+
+use crate::checkpoint::{self, CheckpointError, CheckpointMeta, PartialEpoch};
 use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
 use crate::dist::{Cluster, DistError, StepOptimizer};
 use crate::metrics::{self, EpochMetrics};
@@ -44,6 +46,9 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Continue from `out/checkpoint.bin`.
     pub resume: bool,
+    /// Also save a checkpoint every this many optimizer steps (0: only after each epoch); a
+    /// run resumed from one continues at the exact batch.
+    pub checkpoint_every_steps: u64,
     /// Continue from `out/checkpoint.bin` when rank 0 finds one there, start afresh otherwise
     /// (set when a launcher restarted the job: the failed attempt's checkpoint is resumed).
     pub resume_if_present: bool,
@@ -65,6 +70,7 @@ impl TrainConfig {
             channels: vec![16, 32, 32],
             out: out.into(),
             resume: false,
+            checkpoint_every_steps: 0,
             resume_if_present: false,
             progress: true,
         }
@@ -140,6 +146,15 @@ pub enum TrainError {
     /// The plot.
     #[error(transparent)]
     Plot(#[from] PlotError),
+}
+
+impl From<burn_ddp::DdpError> for TrainError {
+    fn from(e: burn_ddp::DdpError) -> Self {
+        match e {
+            burn_ddp::DdpError::Checkpoint(e) => TrainError::Checkpoint(e),
+            e => TrainError::Dist(DistError(e.to_string())),
+        }
+    }
 }
 
 /// Where a run wrote its outputs.
@@ -247,20 +262,28 @@ pub fn train<N: NormLayer, C: Cluster>(
         })?;
     }
 
+    let ckpt = Checkpointer::new(&cfg.out).every_steps(cfg.checkpoint_every_steps);
     let mut history = Vec::new();
-    let mut sampler = SamplerState {
-        seed: cfg.seed,
-        epoch: 0,
-    };
-    let mut resumed_after = None;
-    let resume =
-        cfg.resume || (cfg.resume_if_present && checkpoint_on_main(cluster, &paths.checkpoint)?);
+    let mut seed = cfg.seed;
+    let mut resumed_at = None;
+    let mut partial = None;
+    let resume = cfg.resume || (cfg.resume_if_present && ckpt.exists(cluster.group())?);
     if resume {
-        let ck = load_checkpoint(cluster, &paths.checkpoint)?;
-        if ck.meta.model != model_cfg {
+        let Some(r) = ckpt.load::<_, CheckpointMeta>(cluster.group(), model, &mut optim)? else {
+            return Err(CheckpointError::Io {
+                path: paths.checkpoint.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "--resume: rank 0 finds no checkpoint there",
+                ),
+            }
+            .into());
+        };
+        let meta = r.metadata;
+        if meta.model != model_cfg {
             return Err(TrainError::Config(format!(
                 "the checkpoint holds a model {:?}, these settings build {:?}",
-                ck.meta.model, model_cfg
+                meta.model, model_cfg
             )));
         }
         // (schedule, epochs it spans); a constant rate spans nothing.
@@ -272,15 +295,12 @@ pub fn train<N: NormLayer, C: Cluster>(
             };
             (name.to_string(), epochs)
         };
-        let saved = ck.meta.schedule.as_ref().map_or_else(
-            || span(LrSchedule::Constant.name(), 0),
-            |(n, e)| span(n, *e),
-        );
+        let saved = span(&meta.schedule.0, meta.schedule.1);
         let now = span(cfg.schedule.name(), cfg.epochs);
-        if ck.meta.lr != cfg.lr || saved != now {
+        if meta.lr != cfg.lr || saved != now {
             tracing::warn!(
                 "resuming a run trained with lr {} ({} schedule over {} epochs) with lr {} ({} over {} epochs): the learning rates differ from an uninterrupted run",
-                ck.meta.lr,
+                meta.lr,
                 saved.0,
                 saved.1,
                 cfg.lr,
@@ -288,32 +308,26 @@ pub fn train<N: NormLayer, C: Cluster>(
                 now.1
             );
         }
-        if ck.meta.batch_size != cfg.batch_size || ck.meta.world_size != world {
+        if meta.batch_size != cfg.batch_size || r.world_size != world {
             tracing::warn!(
                 "resuming a run of {} ranks × batch {} with {world} ranks × batch {}: the optimisation differs from an uninterrupted run",
-                ck.meta.world_size,
-                ck.meta.batch_size,
+                r.world_size,
+                meta.batch_size,
                 cfg.batch_size
             );
         }
-        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ck.model)).map_err(|e| {
-            CheckpointError::Corrupt {
-                path: paths.checkpoint.clone(),
-                reason: format!("model record: {e}"),
-            }
-        })?;
-        model = model
-            .try_load_record(record)
-            .map_err(|e| CheckpointError::Corrupt {
-                path: paths.checkpoint.clone(),
-                reason: format!("model record does not fit the model: {e}"),
-            })?;
-        optim.load_state_bytes(ck.optimizer)?;
-        sampler = ck.meta.sampler;
-        history = ck.meta.history;
-        resumed_after = Some(ck.meta.epochs_done);
-        tracing::info!("resumed after epoch {}", ck.meta.epochs_done);
+        model = r.model;
+        seed = meta.seed;
+        history = meta.history;
+        partial = meta.partial;
+        resumed_at = Some(r.progress);
+        tracing::info!(
+            "resumed after {} epochs and {} steps",
+            r.progress.epochs_done,
+            r.progress.step
+        );
     }
+    let resumed_after = resumed_at.map(|p| p.epochs_done as usize);
     let mut model = cluster.broadcast_model(model)?;
 
     let start = history.len();
@@ -355,19 +369,46 @@ pub fn train<N: NormLayer, C: Cluster>(
     // batch of 1 has no BatchNorm statistics).
     let loader = ShardedDataLoaderBuilder::new(batcher)
         .batch_size(cfg.batch_size)
-        .seed(sampler.seed)
+        .seed(seed)
         .drop_last_batch(true)
         .num_workers(1)
         .build(splits.train.clone(), cluster.rank(), world, device.clone())?;
     debug_assert_eq!(loader.num_batches(), batches_per_epoch);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut header_printed = false;
+    if let Some(state) = resumed_at.and_then(|p| p.loader) {
+        // A checkpoint from the middle of an epoch: continue that epoch at its next batch.
+        loader.load_state(state);
+    }
+    let meta = |history: &[EpochMetrics], partial: Option<PartialEpoch>| CheckpointMeta {
+        seed,
+        model: model_cfg.clone(),
+        norm: N::NAME.to_string(),
+        batch_size: cfg.batch_size,
+        lr: cfg.lr,
+        schedule: (cfg.schedule.name().to_string(), cfg.epochs),
+        data: cfg.data.to_string(),
+        history: history.to_vec(),
+        partial,
+    };
     for epoch in start..cfg.epochs {
         let t0 = Instant::now();
-        sampler.epoch = epoch as u64;
-        loader.set_epoch(sampler.epoch);
-        let mut sums = [0f64; 3]; // loss × n, correct, n
-        for (i, batch) in loader.batches().enumerate() {
+        if loader.epoch() != epoch as u64 {
+            loader.set_epoch(epoch as u64);
+        }
+        let skip = loader.state().batches_done;
+        // loss × n, correct, n; a resumed epoch's sums so far are counted once, on rank 0.
+        let mut sums = [0f64; 3];
+        let mut seconds_before = 0.0;
+        if let Some(p) = partial.take().filter(|_| skip > 0) {
+            seconds_before = p.seconds;
+            if cluster.is_main() {
+                sums = p.sums;
+            }
+        }
+        bar.inc((skip * cfg.batch_size * world) as u64);
+        for (j, batch) in loader.batches().enumerate() {
+            let i = skip + j;
             let batch = batch?;
             let lr = cfg.schedule.at(
                 cfg.lr,
@@ -392,8 +433,29 @@ pub fn train<N: NormLayer, C: Cluster>(
                 cfg.epochs,
                 bar.per_sec()
             ));
+            let step = (epoch * batches_per_epoch + i + 1) as u64;
+            if ckpt.due_after_step(step) && i + 1 < batches_per_epoch {
+                let mut so_far = sums;
+                cluster.all_reduce_sum(&mut so_far)?;
+                let progress = Progress {
+                    step,
+                    epochs_done: epoch as u64,
+                    loader: Some(loader.state()),
+                };
+                let p = PartialEpoch {
+                    sums: so_far,
+                    seconds: seconds_before + t0.elapsed().as_secs_f64(),
+                };
+                ckpt.save(
+                    cluster.group(),
+                    &model,
+                    &optim,
+                    progress,
+                    &meta(&history, Some(p)),
+                )?;
+            }
         }
-        let train_seconds = t0.elapsed().as_secs_f64();
+        let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
         cluster.all_reduce_sum(&mut sums)?;
         let (eval_loss, eval_accuracy) = evaluate(cluster, &model, &splits, &batcher, &device)?;
         let m = EpochMetrics {
@@ -406,7 +468,6 @@ pub fn train<N: NormLayer, C: Cluster>(
             seconds: t0.elapsed().as_secs_f64(),
         };
         history.push(m);
-        sampler.epoch = epoch as u64 + 1;
         if cluster.is_main() {
             let table = metrics::table(&history);
             let mut lines = table.lines();
@@ -417,24 +478,22 @@ pub fn train<N: NormLayer, C: Cluster>(
             }
             say(&bar, lines.last().unwrap_or_default());
             write_outputs(&paths, &history)?;
-            let ck = Checkpoint {
-                meta: CheckpointMeta {
-                    epochs_done: epoch + 1,
-                    sampler,
-                    model: model_cfg.clone(),
-                    norm: N::NAME.to_string(),
-                    batch_size: cfg.batch_size,
-                    world_size: world,
-                    lr: cfg.lr,
-                    schedule: Some((cfg.schedule.name().to_string(), cfg.epochs)),
-                    data: cfg.data.to_string(),
-                    history: history.clone(),
-                },
-                model: model_bytes(&model, &paths.checkpoint)?,
-                optimizer: optim.state_bytes()?,
-            };
-            ck.save(&paths.checkpoint)?;
         }
+        let progress = Progress {
+            step: ((epoch + 1) * batches_per_epoch) as u64,
+            epochs_done: epoch as u64 + 1,
+            loader: Some(LoaderState {
+                epoch: epoch as u64 + 1,
+                batches_done: 0,
+            }),
+        };
+        ckpt.save(
+            cluster.group(),
+            &model,
+            &optim,
+            progress,
+            &meta(&history, None),
+        )?;
     }
     bar.finish_and_clear();
     if cluster.is_main() && remaining == 0 {
@@ -513,18 +572,6 @@ fn evaluate<N: NormLayer, C: Cluster>(
     Ok((sums[0] / sums[2], sums[1] / sums[2]))
 }
 
-fn model_bytes<N: NormLayer>(model: &Cnn<N>, path: &Path) -> Result<Vec<u8>, TrainError> {
-    let bytes = model
-        .clone()
-        .into_record()
-        .into_bytes()
-        .map_err(|e| CheckpointError::Corrupt {
-            path: path.to_path_buf(),
-            reason: format!("serialising the model: {e}"),
-        })?;
-    Ok(bytes.to_vec())
-}
-
 fn write_outputs(paths: &OutputPaths, history: &[EpochMetrics]) -> Result<(), TrainError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -548,39 +595,4 @@ fn initialise_now<M: Module>(model: &M) {
         }
     }
     model.visit(&mut Touch);
-}
-
-/// Whether rank 0 sees a checkpoint at `path` (every rank gets rank 0's answer).
-fn checkpoint_on_main<C: Cluster>(cluster: &mut C, path: &Path) -> Result<bool, TrainError> {
-    let mut found = [f64::from(u8::from(cluster.is_main() && path.is_file()))];
-    cluster.all_reduce_sum(&mut found)?;
-    Ok(found[0] > 0.0)
-}
-
-/// Rank 0 reads the checkpoint and broadcasts its bytes; every rank decodes them. A rank-0 read
-/// failure is sent as an empty buffer so every rank stops with an error instead of waiting.
-fn load_checkpoint<C: Cluster>(cluster: &mut C, path: &Path) -> Result<Checkpoint, TrainError> {
-    let mut local_err = None;
-    let mut bytes = if cluster.is_main() {
-        match Checkpoint::read_bytes(path) {
-            Ok(b) => b,
-            Err(e) => {
-                local_err = Some(e);
-                Vec::new()
-            }
-        }
-    } else {
-        Vec::new()
-    };
-    cluster.broadcast_bytes(&mut bytes)?;
-    if let Some(e) = local_err {
-        return Err(e.into());
-    }
-    if bytes.is_empty() {
-        return Err(TrainError::Checkpoint(CheckpointError::Corrupt {
-            path: path.to_path_buf(),
-            reason: "rank 0 could not read it".into(),
-        }));
-    }
-    Ok(Checkpoint::from_bytes(&bytes, path)?)
 }

@@ -115,9 +115,9 @@ fn two_ranks_train_and_only_rank_zero_reports() {
     let h = read_json(&out.join("metrics.json")).unwrap();
     assert_eq!(h.len(), 2);
     assert!(h[1].train_loss < h[0].train_loss, "{h:?}");
-    let ck = Checkpoint::load(&out.join("checkpoint.bin")).unwrap();
-    assert_eq!(ck.meta.world_size, 2);
-    assert_eq!(ck.meta.epochs_done, 2);
+    let ck = Checkpoint::read(&out.join("checkpoint.bin")).unwrap();
+    assert_eq!(ck.world_size, 2);
+    assert_eq!(ck.progress.epochs_done, 2);
 }
 
 #[test]
@@ -149,15 +149,16 @@ fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
     assert!(!err0.contains("panicked"), "{err0}");
 
     // The checkpoint is intact and a single process resumes from it.
-    let ck = Checkpoint::load(&ck_path).unwrap();
-    assert!(ck.meta.epochs_done >= 1);
-    let mut a = args(&out, ck.meta.epochs_done + 1);
+    let ck = Checkpoint::read(&ck_path).unwrap();
+    let done = ck.progress.epochs_done as usize;
+    assert!(done >= 1);
+    let mut a = args(&out, done + 1);
     a.push("--resume".into());
     let results = wait_all(spawn_ranks(1, &a), Instant::now());
     assert!(results[0].0, "resume failed: {}", results[0].2);
     assert_eq!(
         read_json(&out.join("metrics.json")).unwrap().len(),
-        ck.meta.epochs_done + 1
+        done + 1
     );
 }
 

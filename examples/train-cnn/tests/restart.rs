@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ddp_comm::launcher::{LaunchConfig, LaunchReport, launch};
-use train_cnn::checkpoint::{Checkpoint, FILE_NAME};
+use train_cnn::checkpoint::{Checkpoint, FILE_NAME, parameter_values};
 use train_cnn::metrics::read_json;
 
 /// Each launch gets this long; the launcher kills its ranks when the test thread dies.
@@ -26,10 +26,29 @@ fi
 exec "$@"
 "#;
 
-fn train_args(out: &Path) -> Vec<String> {
+/// Rank 0 of the first attempt — the rank that writes checkpoints — is killed (SIGKILL) in the
+/// middle of its second checkpoint write: once the first checkpoint exists and the temporary
+/// file of the next save appears (every write pauses half-way, `DDP_CHECKPOINT_WRITE_PAUSE_MS`).
+/// The checkpoint in place at that moment and the temporaries are copied to `$MARKS` first.
+const KILL_RANK_0_DURING_A_WRITE: &str = r#"
+if [ "$RANK" = 0 ] && [ "$DDP_RESTART_COUNT" = 0 ]; then
+  ( dir=$(dirname "$CHECKPOINT")
+    while [ ! -f "$CHECKPOINT" ]; do sleep 0.01; done
+    while ! ls "$dir"/.checkpoint.bin.tmp-* >/dev/null 2>&1; do sleep 0.01; done
+    cp "$CHECKPOINT" "$MARKS/in-place-at-kill"
+    ls "$dir"/.checkpoint.bin.tmp-* > "$MARKS/temporaries"
+    kill -9 $$ ) &
+fi
+exec "$@"
+"#;
+
+/// Every checkpoint write pauses this long half-way in the run that kills a writer.
+const WRITE_PAUSE_MS: &str = "700";
+
+fn train_args(out: &Path, epochs: usize, extra: &str) -> Vec<String> {
     let s = format!(
         "--train-size 4000 --eval-size 200 --batch-size 16 --channels 4,8,8 --lr 0.05 --seed 3 \
-         --sync-bn --no-progress --epochs 3 --out {}",
+         --sync-bn --no-progress --epochs {epochs} --out {}{extra}",
         out.display()
     );
     s.split(' ').map(String::from).collect()
@@ -63,16 +82,32 @@ fn launch_with_deadline(cfg: LaunchConfig, program: String, args: Vec<String>) -
 
 /// `sh -c KILL_RANK_1_IN_EPOCH_2 sh train-cnn ARGS…`.
 fn killing_run(max_restarts: usize, out: &Path, marks: &Path) -> LaunchReport {
+    let cfg = config(max_restarts, marks, &out.join(FILE_NAME));
+    run_under(cfg, KILL_RANK_1_IN_EPOCH_2, train_args(out, 3, ""), marks)
+}
+
+/// `sh -c SCRIPT sh train-cnn ARGS…` under the launcher.
+fn run_under(cfg: LaunchConfig, script: &str, train: Vec<String>, marks: &Path) -> LaunchReport {
     std::fs::create_dir_all(marks).unwrap();
     let mut args = vec![
         "-c".to_string(),
-        KILL_RANK_1_IN_EPOCH_2.to_string(),
+        script.to_string(),
         "sh".to_string(),
         env!("CARGO_BIN_EXE_train-cnn").to_string(),
     ];
-    args.extend(train_args(out));
-    let cfg = config(max_restarts, marks, &out.join(FILE_NAME));
+    args.extend(train);
     launch_with_deadline(cfg, "sh".into(), args)
+}
+
+/// The largest difference between the final parameters of two runs.
+fn max_param_diff(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (Checkpoint::read(a).unwrap(), Checkpoint::read(b).unwrap());
+    let (pa, pb) = (parameter_values(&a).unwrap(), parameter_values(&b).unwrap());
+    assert_eq!(pa.len(), pb.len());
+    pa.iter()
+        .zip(&pb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }
 
 fn read_time(path: PathBuf) -> f64 {
@@ -93,7 +128,7 @@ fn a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one() {
     let report = launch_with_deadline(
         cfg,
         env!("CARGO_BIN_EXE_train-cnn").into(),
-        train_args(&straight),
+        train_args(&straight, 3, ""),
     );
     assert!(report.success(), "uninterrupted run failed: {report:?}");
     let straight_secs = start.elapsed().as_secs_f64();
@@ -113,16 +148,9 @@ fn a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one() {
     let restarted_secs = start.elapsed().as_secs_f64();
 
     // The restarted attempt resumed and ended where the uninterrupted run ended.
-    let a = Checkpoint::load(&straight.join(FILE_NAME)).unwrap();
-    let b = Checkpoint::load(&restarted.join(FILE_NAME)).unwrap();
-    assert_eq!(b.meta.epochs_done, 3);
-    let (pa, pb) = (a.parameter_values().unwrap(), b.parameter_values().unwrap());
-    assert_eq!(pa.len(), pb.len());
-    let max_diff = pa
-        .iter()
-        .zip(&pb)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
+    let b = Checkpoint::read(&restarted.join(FILE_NAME)).unwrap();
+    assert_eq!(b.progress.epochs_done, 3);
+    let max_diff = max_param_diff(&straight.join(FILE_NAME), &restarted.join(FILE_NAME));
     assert!(
         max_diff <= 1e-6,
         "final parameters differ: max |Δparam| = {max_diff:e}"
@@ -159,4 +187,98 @@ fn without_restarts_the_killed_rank_fails_the_job_with_137() {
         line.contains("rank 1 was killed by signal 9 (SIGKILL)"),
         "{line}"
     );
+}
+
+/// The writer of the checkpoints, killed in the middle of a save (its temporary file half
+/// written): the restarted job resumes from the previous checkpoint — saved in the middle of
+/// an epoch (`--checkpoint-every-steps`), so the run continues at that exact batch — and ends
+/// where an uninterrupted run ends.
+#[test]
+fn a_kill_during_a_checkpoint_write_resumes_from_the_previous_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let marks = dir.path().join("marks");
+    // 4000 samples, 2 ranks, batch 16: 125 steps per epoch; saves at steps 40, 80, 120, 125, …
+    let every = " --checkpoint-every-steps 40";
+    let straight = dir.path().join("straight");
+    let cfg = config(0, &marks, &straight.join(FILE_NAME));
+    let report = launch_with_deadline(
+        cfg,
+        env!("CARGO_BIN_EXE_train-cnn").into(),
+        train_args(&straight, 2, every),
+    );
+    assert!(report.success(), "uninterrupted run failed: {report:?}");
+
+    let restarted = dir.path().join("restarted");
+    let mut cfg = config(1, &marks, &restarted.join(FILE_NAME));
+    cfg.extra_env.push((
+        burn_ddp::checkpoint::WRITE_PAUSE_VAR.into(),
+        WRITE_PAUSE_MS.into(),
+    ));
+    let report = run_under(
+        cfg,
+        KILL_RANK_0_DURING_A_WRITE,
+        train_args(&restarted, 2, every),
+        &marks,
+    );
+    assert!(report.success(), "the restarted run failed: {report:?}");
+    assert_eq!(report.attempt, 1, "no restart happened: {report:?}");
+    assert!(
+        report.restarts[0]
+            .summary
+            .contains("rank 0 was killed by signal 9"),
+        "{report:?}"
+    );
+
+    // At the kill, a save was half-way (its temporary existed) and the checkpoint in place was
+    // the previous one, from step 40 in the middle of epoch 1.
+    let temporaries = std::fs::read_to_string(marks.join("temporaries")).unwrap();
+    assert!(
+        temporaries.contains(".checkpoint.bin.tmp-"),
+        "{temporaries}"
+    );
+    let in_place = Checkpoint::read(&marks.join("in-place-at-kill")).unwrap();
+    assert_eq!(in_place.progress.step, 40, "{:?}", in_place.progress);
+    assert_eq!(in_place.progress.epochs_done, 0);
+    // The dead writer's temporary was removed when the restarted job read the checkpoint.
+    let left: Vec<_> = std::fs::read_dir(&restarted)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+
+    let max_diff = max_param_diff(&straight.join(FILE_NAME), &restarted.join(FILE_NAME));
+    assert!(
+        max_diff <= 1e-6,
+        "final parameters differ: max |Δparam| = {max_diff:e}"
+    );
+    let (ha, hb) = (
+        read_json(&straight.join("metrics.json")).unwrap(),
+        read_json(&restarted.join("metrics.json")).unwrap(),
+    );
+    assert_eq!(ha.len(), 2);
+    assert_eq!(hb.len(), 2);
+    for (x, y) in ha.iter().zip(&hb) {
+        // The resumed epoch's training sums were carried over in the checkpoint and added in
+        // another order. Evaluation reads BatchNorm's running statistics, which come back
+        // from the mid-epoch record within float rounding (the trainable parameters exactly:
+        // the train losses agree to the last bit in a one-process run).
+        let rel = |a: f64, b: f64| ((a - b) / a).abs();
+        assert!(
+            rel(x.train_loss, y.train_loss) < 1e-9,
+            "epoch {}: train loss {} vs {}",
+            x.epoch,
+            x.train_loss,
+            y.train_loss
+        );
+        assert!(
+            rel(x.eval_loss, y.eval_loss) < 1e-6,
+            "epoch {}: eval loss {} vs {}",
+            x.epoch,
+            x.eval_loss,
+            y.eval_loss
+        );
+        assert_eq!(x.train_accuracy, y.train_accuracy, "epoch {}", x.epoch);
+    }
+    eprintln!("kill during a checkpoint write: resumed from step 40, max |Δparam| {max_diff:e}");
 }

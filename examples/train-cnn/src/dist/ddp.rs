@@ -84,14 +84,6 @@ impl StepOptimizer for DdpOptimizer {
     ) -> Result<M, DistError> {
         self.try_step(lr, module, grads).map_err(err)
     }
-
-    fn state_bytes(&self) -> Result<Vec<u8>, DistError> {
-        self.optimizer().state_bytes()
-    }
-
-    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), DistError> {
-        self.optimizer_mut().load_state_bytes(bytes)
-    }
 }
 
 impl Cluster for DdpCluster {
@@ -123,10 +115,8 @@ impl Cluster for DdpCluster {
             .map_err(err)
     }
 
-    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) -> Result<(), DistError> {
-        burn_ddp::comm::lock(self.ddp.group())
-            .broadcast_bytes(bytes, 0)
-            .map_err(err)
+    fn group(&self) -> &burn_ddp::comm::SharedGroup {
+        self.ddp.group()
     }
 
     fn barrier(&mut self) -> Result<(), DistError> {

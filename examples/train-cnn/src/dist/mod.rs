@@ -11,17 +11,23 @@ pub mod ddp;
 
 pub use ddp::{Backend, DdpCluster};
 
+use std::sync::{Arc, Mutex};
+
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::{Bytes, Device};
+use burn::tensor::Device;
+use burn_ddp::checkpoint::OptimizerState;
+use burn_ddp::comm::SharedGroup;
+use ddp_comm::ProcessGroup;
 
 /// A failure of a collective operation or of the process group.
 #[derive(Debug, thiserror::Error)]
 #[error("distributed: {0}")]
 pub struct DistError(pub String);
 
-/// An optimizer as the training loop uses it: step, and save / restore its state.
-pub trait StepOptimizer {
+/// An optimizer as the training loop uses it: step, and save / restore its state (burn-ddp's
+/// [`OptimizerState`], for checkpoints).
+pub trait StepOptimizer: OptimizerState {
     /// Updates `module` from `grads` (after averaging them across ranks, for a distributed one).
     fn step<M: Module>(
         &mut self,
@@ -29,10 +35,6 @@ pub trait StepOptimizer {
         module: M,
         grads: GradientsParams,
     ) -> Result<M, DistError>;
-    /// The optimizer state (burnpack bytes).
-    fn state_bytes(&self) -> Result<Vec<u8>, DistError>;
-    /// Restores a state written by [`state_bytes`](Self::state_bytes).
-    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), DistError>;
 }
 
 impl StepOptimizer for ModuleOptimizer {
@@ -43,22 +45,6 @@ impl StepOptimizer for ModuleOptimizer {
         grads: GradientsParams,
     ) -> Result<M, DistError> {
         Ok(ModuleOptimizer::step(self, lr, module, grads))
-    }
-
-    fn state_bytes(&self) -> Result<Vec<u8>, DistError> {
-        let b = self
-            .into_bytes()
-            .map_err(|e| DistError(format!("serialising the optimizer: {e}")))?;
-        Ok(b.to_vec())
-    }
-
-    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), DistError> {
-        let loaded = self
-            .clone()
-            .from_bytes(Bytes::from_bytes_vec(bytes))
-            .map_err(|e| DistError(format!("restoring the optimizer: {e}")))?;
-        *self = loaded;
-        Ok(())
     }
 }
 
@@ -83,8 +69,8 @@ pub trait Cluster {
     fn optimizer(&mut self, inner: ModuleOptimizer) -> Self::Optimizer;
     /// Element-wise sum of `values` over all ranks, in place.
     fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<(), DistError>;
-    /// Replaces `bytes` on every rank with rank 0's.
-    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) -> Result<(), DistError>;
+    /// The process group (for burn-ddp's collective checkpoint calls).
+    fn group(&self) -> &SharedGroup;
     /// Waits for every rank.
     fn barrier(&mut self) -> Result<(), DistError>;
 }
@@ -93,6 +79,7 @@ pub trait Cluster {
 #[derive(Debug, Clone)]
 pub struct Local {
     device: Device,
+    group: SharedGroup,
 }
 
 impl Local {
@@ -100,6 +87,7 @@ impl Local {
     pub fn new(device: Device) -> Self {
         Self {
             device: device.autodiff(),
+            group: Arc::new(Mutex::new(ProcessGroup::single())),
         }
     }
 }
@@ -131,8 +119,8 @@ impl Cluster for Local {
         Ok(())
     }
 
-    fn broadcast_bytes(&mut self, _bytes: &mut Vec<u8>) -> Result<(), DistError> {
-        Ok(())
+    fn group(&self) -> &SharedGroup {
+        &self.group
     }
 
     fn barrier(&mut self) -> Result<(), DistError> {

@@ -1,0 +1,310 @@
+//! The checkpoint file: its byte layout, its checksum and the atomic write.
+//!
+//! Layout (little-endian): magic `BURNDDPC`, format version `u32`, the lengths of the three
+//! sections as `u64`, the CRC-32 of the sections, then the sections: the header (JSON:
+//! progress, world size, the user's metadata), the model record (burnpack), the optimizer
+//! state (burnpack).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{Checkpoint, CheckpointError};
+
+const MAGIC: &[u8; 8] = b"BURNDDPC";
+const VERSION: u32 = 1;
+const HEADER_LEN: usize = 8 + 4 + 3 * 8 + 4;
+
+/// Fault injection for tests: when set to a number of milliseconds, every checkpoint write
+/// pauses that long with half of its bytes in the temporary file, so a test can kill the
+/// writer in the middle of a save. Leave it unset in real runs.
+pub const WRITE_PAUSE_VAR: &str = "DDP_CHECKPOINT_WRITE_PAUSE_MS";
+
+/// The header section: everything but the two records.
+#[derive(Serialize, serde::Deserialize)]
+struct Header<T> {
+    progress: super::Progress,
+    world_size: usize,
+    metadata: T,
+}
+
+impl<T: Serialize> Checkpoint<T> {
+    /// Encodes the checkpoint in the file format.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Encode`] when the metadata does not serialise to JSON.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, CheckpointError> {
+        let header = serde_json::to_vec(&Header {
+            progress: self.progress,
+            world_size: self.world_size,
+            metadata: &self.metadata,
+        })
+        .map_err(|e| CheckpointError::Encode(format!("metadata: {e}")))?;
+        let sections = [&header[..], &self.model, &self.optimizer];
+        let mut out =
+            Vec::with_capacity(HEADER_LEN + sections.iter().map(|s| s.len()).sum::<usize>());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        for s in sections {
+            out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&checksum(&sections).to_le_bytes());
+        for s in sections {
+            out.extend_from_slice(s);
+        }
+        Ok(out)
+    }
+
+    /// Writes the checkpoint to `path` atomically: a temporary file in the same directory,
+    /// fsync, rename over `path`, fsync of the directory. A crash at any point leaves either
+    /// the previous file or the new one at `path`, never a mix.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Io`] naming the file; [`CheckpointError::Encode`].
+    pub fn write(&self, path: &Path) -> Result<(), CheckpointError> {
+        let bytes = self.to_bytes()?;
+        write_atomic(path, &bytes).map_err(|source| CheckpointError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+}
+
+impl<T: DeserializeOwned> Checkpoint<T> {
+    /// Decodes a checkpoint; `origin` names it in errors.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Corrupt`] for anything but a complete, undamaged checkpoint whose
+    /// metadata has type `T`.
+    pub fn from_bytes(bytes: &[u8], origin: &Path) -> Result<Self, CheckpointError> {
+        let bad = |reason: String| CheckpointError::Corrupt {
+            path: origin.to_path_buf(),
+            reason,
+        };
+        if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
+            return Err(bad(
+                "not a burn-ddp checkpoint (bad magic or too short)".into()
+            ));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(bad(format!(
+                "format version {version}, this burn-ddp reads version {VERSION}"
+            )));
+        }
+        let lens = [u64_at(12), u64_at(20), u64_at(28)];
+        let sum = u32_at(36);
+        let total = lens
+            .iter()
+            .try_fold(HEADER_LEN as u64, |a, &l| a.checked_add(l))
+            .ok_or_else(|| bad("section lengths overflow".into()))?;
+        if total != bytes.len() as u64 {
+            return Err(bad(format!(
+                "{} bytes, its header says {total} (truncated or altered)",
+                bytes.len()
+            )));
+        }
+        let (header, rest) = bytes[HEADER_LEN..].split_at(lens[0] as usize);
+        let (model, optimizer) = rest.split_at(lens[1] as usize);
+        if checksum(&[header, model, optimizer]) != sum {
+            return Err(bad("checksum mismatch (the file is damaged)".into()));
+        }
+        let header: Header<T> =
+            serde_json::from_slice(header).map_err(|e| bad(format!("header: {e}")))?;
+        Ok(Self {
+            progress: header.progress,
+            world_size: header.world_size,
+            metadata: header.metadata,
+            model: model.to_vec(),
+            optimizer: optimizer.to_vec(),
+        })
+    }
+
+    /// Reads and decodes the checkpoint at `path`.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Io`] when the file can't be read; [`CheckpointError::Corrupt`].
+    pub fn read(path: &Path) -> Result<Self, CheckpointError> {
+        Self::from_bytes(&read_file(path)?, path)
+    }
+}
+
+/// The raw bytes of the file at `path`.
+pub(super) fn read_file(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    std::fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn checksum(sections: &[&[u8]]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for s in sections {
+        h.update(s);
+    }
+    h.finalize()
+}
+
+/// The temporary file a writer with process id `pid` uses for `path`.
+fn temporary_name(path: &Path, pid: u32) -> Option<PathBuf> {
+    let name = path.file_name()?.to_string_lossy();
+    Some(path.with_file_name(format!(".{name}.tmp-{pid}")))
+}
+
+/// Writes `bytes` to a temporary file next to `path`, fsyncs it and renames it over `path`.
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = temporary_name(path, std::process::id()).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the path has no file name",
+        )
+    })?;
+    let pause = std::env::var(WRITE_PAUSE_VAR)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis);
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        let (first, second) = bytes.split_at(bytes.len() / 2);
+        f.write_all(first)?;
+        if let Some(pause) = pause {
+            f.flush()?;
+            tracing::warn!(
+                "{WRITE_PAUSE_VAR}: pausing {pause:?} in the middle of writing {}",
+                tmp.display()
+            );
+            std::thread::sleep(pause);
+        }
+        f.write_all(second)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    // Make the rename itself durable (best effort: not every platform syncs a directory).
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Removes the temporary files that writers killed in the middle of a save left next to
+/// `path` (any process's but this one's). Returns how many were removed.
+pub(super) fn remove_stale_temporaries(path: &Path) -> usize {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return 0;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!(".{}.tmp-", name.to_string_lossy());
+    let mine = temporary_name(path, std::process::id());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let p = entry.path();
+        let stale =
+            entry.file_name().to_string_lossy().starts_with(&prefix) && Some(&p) != mine.as_ref();
+        if stale && std::fs::remove_file(&p).is_ok() {
+            tracing::info!(
+                "removed {}, left by a save that did not finish",
+                p.display()
+            );
+            removed += 1;
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Progress;
+    use super::*;
+    use crate::data::LoaderState;
+
+    fn sample() -> Checkpoint<Vec<String>> {
+        Checkpoint {
+            progress: Progress {
+                step: 250,
+                epochs_done: 2,
+                loader: Some(LoaderState {
+                    epoch: 2,
+                    batches_done: 17,
+                }),
+            },
+            world_size: 4,
+            metadata: vec!["lr 0.1".into()],
+            model: (0..=255).collect(),
+            optimizer: vec![7; 100],
+        }
+    }
+
+    #[test]
+    fn round_trips_through_a_file_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("checkpoint.bin");
+        let c = sample();
+        c.write(&p).unwrap();
+        assert_eq!(Checkpoint::read(&p).unwrap(), c);
+        let mut c2 = sample();
+        c2.progress.step = 300;
+        c2.write(&p).unwrap();
+        assert_eq!(
+            Checkpoint::<Vec<String>>::read(&p).unwrap().progress.step,
+            300
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// What a writer killed half-way leaves is its temporary file; the checkpoint at the path
+    /// is still the previous one, and the stale temporary is removed by the next reader.
+    #[test]
+    fn a_save_cut_short_leaves_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("checkpoint.bin");
+        let first = sample();
+        first.write(&p).unwrap();
+        let mut newer = sample();
+        newer.progress.step = 999;
+        let bytes = newer.to_bytes().unwrap();
+        let stale = temporary_name(&p, 999_999).unwrap();
+        std::fs::write(&stale, &bytes[..bytes.len() / 2]).unwrap();
+        assert_eq!(Checkpoint::read(&p).unwrap(), first);
+        assert_eq!(remove_stale_temporaries(&p), 1);
+        assert!(!stale.exists());
+        assert!(p.exists());
+    }
+
+    #[test]
+    fn damage_is_detected_and_named() {
+        let bytes = sample().to_bytes().unwrap();
+        let p = Path::new("<test>");
+        let e = Checkpoint::<Vec<String>>::from_bytes(&bytes[..bytes.len() - 1], p).unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+        for at in [HEADER_LEN + 3, bytes.len() - 1] {
+            let mut flipped = bytes.clone();
+            flipped[at] ^= 1;
+            let e = Checkpoint::<Vec<String>>::from_bytes(&flipped, p).unwrap_err();
+            assert!(e.to_string().contains("checksum"), "{e}");
+        }
+        let e = Checkpoint::<Vec<String>>::from_bytes(b"not a checkpoint, just some words..", p)
+            .unwrap_err();
+        assert!(e.to_string().contains("magic"), "{e}");
+        // Metadata of another type is refused, not misread.
+        let e = Checkpoint::<u64>::from_bytes(&bytes, p).unwrap_err();
+        assert!(e.to_string().contains("header"), "{e}");
+        let e = Checkpoint::<Vec<String>>::read(Path::new("/nonexistent/ck.bin")).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/ck.bin"), "{e}");
+    }
+}

@@ -1,0 +1,435 @@
+//! Training checkpoints for data-parallel jobs: rank 0 writes, every rank resumes.
+//!
+//! A [`Checkpointer`] saves the model, the optimizer state, where the run stands
+//! ([`Progress`]: global step, epochs done, the sharded loader's position) and metadata of
+//! the program's own (any `serde` type) into one file, **atomically** (temporary file, fsync,
+//! rename) and with a CRC-32 over its contents. Only rank 0 writes; every rank learns whether
+//! the write succeeded, so a full disk stops every rank with the same error. On start,
+//! [`Checkpointer::load`] has rank 0 read the file and broadcast it; every rank decodes the
+//! same bytes and continues at the exact step. A crash in the middle of a save leaves the
+//! previous checkpoint in place (the next load removes the dead writer's temporary file).
+//!
+//! ```no_run
+//! # use burn::module::Module;
+//! # use burn::nn::{Linear, LinearConfig};
+//! # use burn::optim::{GradientsParams, SgdConfig};
+//! # use burn::tensor::Tensor;
+//! use burn_ddp::checkpoint::{Checkpointer, Progress};
+//! # fn main() -> Result<(), burn_ddp::DdpError> {
+//! let ddp = burn_ddp::init()?;
+//! let device = ddp.device().clone().autodiff();
+//! let model: Linear = LinearConfig::new(8, 1).init(&device);
+//! let mut optim = burn_ddp::DdpOptimizer::new(&ddp, SgdConfig::new().init());
+//! let ckpt = Checkpointer::new("runs/my-job").every_steps(500);
+//!
+//! // On start (and after a restart): resume when rank 0 finds a checkpoint.
+//! let (model, mut step) = match ckpt.load::<_, String>(&ddp, model, &mut optim)? {
+//!     Some(resumed) => (resumed.model, resumed.progress.step),
+//!     None => (model, 0),
+//! };
+//! let mut model = ddp.replicate_model(model)?;
+//! # let batches: Vec<(Tensor<2>, Tensor<2>)> = vec![];
+//! for (x, y) in batches {
+//!     let loss = (model.forward(x) - y).powi_scalar(2).mean();
+//!     let grads = GradientsParams::from_grads(loss.backward(), &model);
+//!     model = optim.step(1e-2, model, grads);
+//!     step += 1;
+//!     if ckpt.due_after_step(step) {
+//!         let progress = Progress { step, ..Progress::default() };
+//!         ckpt.save(&ddp, &model, &optim, progress, &"my notes".to_string())?;
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Every rank must call [`Checkpointer::save`], [`Checkpointer::load`] and
+//! [`Checkpointer::exists`] at the same points (they are collectives).
+
+mod file;
+
+use std::num::NonZeroU64;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+pub use file::WRITE_PAUSE_VAR;
+
+use crate::comm::{self, GroupHandle};
+use crate::data::LoaderState;
+use crate::error::{DdpError, Result};
+use crate::optimizer::DdpOptimizer;
+
+/// The checkpoint's file name under the directory given to [`Checkpointer::new`].
+pub const DEFAULT_FILE_NAME: &str = "checkpoint.bin";
+
+/// Where a training run stands: saved with every checkpoint, returned on resume.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Optimizer steps taken so far (the global step).
+    pub step: u64,
+    /// Epochs completed.
+    pub epochs_done: u64,
+    /// The sharded loader's position ([`crate::data::ShardedDataLoader::state`]), to continue
+    /// the data order at the exact batch; `None` when the program doesn't use the loader.
+    pub loader: Option<LoaderState>,
+}
+
+/// One checkpoint in memory: progress, metadata of type `T`, and the two records.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint<T> {
+    /// Where the run stood.
+    pub progress: Progress,
+    /// The world size of the job that wrote it.
+    pub world_size: usize,
+    /// The program's own metadata.
+    pub metadata: T,
+    /// The model record (burnpack bytes, [`Module::into_record`]).
+    pub model: Vec<u8>,
+    /// The optimizer state (burnpack bytes, [`OptimizerState::state_bytes`]).
+    pub optimizer: Vec<u8>,
+}
+
+impl<T> Checkpoint<T> {
+    /// Captures `model` and `optim` now.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Encode`] when a record can't be serialised.
+    pub fn capture<M: Module>(
+        model: &M,
+        optim: &impl OptimizerState,
+        progress: Progress,
+        world_size: usize,
+        metadata: T,
+    ) -> Result<Self, CheckpointError> {
+        let model = model
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map_err(|e| CheckpointError::Encode(format!("the model record: {e}")))?
+            .to_vec();
+        Ok(Self {
+            progress,
+            world_size,
+            metadata,
+            model,
+            optimizer: optim.state_bytes()?,
+        })
+    }
+
+    /// `model` with the checkpoint's parameters and buffers; `origin` names the checkpoint in
+    /// errors.
+    ///
+    /// # Errors
+    /// [`CheckpointError::DoesNotFit`] when the record is not one of this model.
+    pub fn restore_model<M: Module>(&self, model: M, origin: &Path) -> Result<M, CheckpointError> {
+        let misfit = |reason: String| CheckpointError::DoesNotFit {
+            path: origin.to_path_buf(),
+            reason,
+        };
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(self.model.clone()))
+            .map_err(|e| misfit(format!("the model record: {e}")))?;
+        model
+            .try_load_record(record)
+            .map_err(|e| misfit(format!("the model record does not fit the model: {e}")))
+    }
+}
+
+/// Errors of saving, reading and restoring checkpoints.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// The file could not be read or written.
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The bytes are not a complete, undamaged checkpoint.
+    #[error("checkpoint {path} is not usable: {reason}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The checkpoint is fine but was written for another model or optimizer.
+    #[error("checkpoint {path} does not fit this run: {reason}")]
+    DoesNotFit {
+        /// The file.
+        path: PathBuf,
+        /// What differs.
+        reason: String,
+    },
+    /// A record or the metadata could not be serialised.
+    #[error("cannot encode the checkpoint: {0}")]
+    Encode(String),
+    /// Rank 0 failed to write or read the checkpoint; this is its error, as every other rank
+    /// reports it.
+    #[error("on rank 0: {0}")]
+    OnRankZero(String),
+}
+
+/// An optimizer whose state a checkpoint can hold: Burn's [`ModuleOptimizer`] and the
+/// [`DdpOptimizer`] wrapping one.
+pub trait OptimizerState {
+    /// The state (burnpack bytes).
+    ///
+    /// # Errors
+    /// [`CheckpointError::Encode`] when it can't be serialised.
+    fn state_bytes(&self) -> Result<Vec<u8>, CheckpointError>;
+
+    /// Restores a state written by [`state_bytes`](Self::state_bytes).
+    ///
+    /// # Errors
+    /// [`CheckpointError::DoesNotFit`] (with an empty path) when the bytes are not a state of
+    /// this optimizer.
+    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), CheckpointError>;
+}
+
+impl OptimizerState for ModuleOptimizer {
+    fn state_bytes(&self) -> Result<Vec<u8>, CheckpointError> {
+        let b = self
+            .into_bytes()
+            .map_err(|e| CheckpointError::Encode(format!("the optimizer state: {e}")))?;
+        Ok(b.to_vec())
+    }
+
+    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), CheckpointError> {
+        *self = self
+            .clone()
+            .from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| CheckpointError::DoesNotFit {
+                path: PathBuf::new(),
+                reason: format!("the optimizer state: {e}"),
+            })?;
+        Ok(())
+    }
+}
+
+impl OptimizerState for DdpOptimizer {
+    fn state_bytes(&self) -> Result<Vec<u8>, CheckpointError> {
+        self.optimizer().state_bytes()
+    }
+
+    fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), CheckpointError> {
+        self.optimizer_mut().load_state_bytes(bytes)
+    }
+}
+
+/// What [`Checkpointer::load`] resumed.
+#[derive(Debug)]
+pub struct Resumed<M, T> {
+    /// The model with the checkpoint's parameters and buffers (the same on every rank).
+    pub model: M,
+    /// Where the run stood.
+    pub progress: Progress,
+    /// The world size of the job that wrote the checkpoint.
+    pub world_size: usize,
+    /// The program's metadata.
+    pub metadata: T,
+}
+
+/// Saves and resumes a job's checkpoint (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct Checkpointer {
+    path: PathBuf,
+    every_steps: Option<NonZeroU64>,
+    every_epochs: Option<NonZeroU64>,
+}
+
+/// A rank-0 outcome as broadcast to every rank: a tag byte, then the payload.
+const NONE: u8 = 0;
+const FOUND: u8 = 1;
+const FAILED: u8 = 2;
+
+impl Checkpointer {
+    /// Checkpoints in `dir/checkpoint.bin`, saved after every epoch until told otherwise.
+    pub fn new(dir: impl AsRef<Path>) -> Self {
+        Self::at(dir.as_ref().join(DEFAULT_FILE_NAME))
+    }
+
+    /// Checkpoints in the file `path`, saved after every epoch until told otherwise.
+    pub fn at(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            every_steps: None,
+            every_epochs: NonZeroU64::new(1),
+        }
+    }
+
+    /// Save every `steps` optimizer steps (0: never by step count).
+    #[must_use]
+    pub fn every_steps(mut self, steps: u64) -> Self {
+        self.every_steps = NonZeroU64::new(steps);
+        self
+    }
+
+    /// Save every `epochs` epochs (0: never by epoch count; the default is 1).
+    #[must_use]
+    pub fn every_epochs(mut self, epochs: u64) -> Self {
+        self.every_epochs = NonZeroU64::new(epochs);
+        self
+    }
+
+    /// The checkpoint file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether a save is due after global step `step` (counting from 1).
+    pub fn due_after_step(&self, step: u64) -> bool {
+        self.every_steps.is_some_and(|n| step > 0 && step % n == 0)
+    }
+
+    /// Whether a save is due after `epochs_done` epochs.
+    pub fn due_after_epoch(&self, epochs_done: u64) -> bool {
+        self.every_epochs
+            .is_some_and(|n| epochs_done > 0 && epochs_done % n == 0)
+    }
+
+    /// Whether rank 0 finds a checkpoint file (every rank gets rank 0's answer). Collective.
+    ///
+    /// # Errors
+    /// [`DdpError::Comm`] when the broadcast fails.
+    pub fn exists(&self, group: &impl GroupHandle) -> Result<bool> {
+        let g = group.process_group();
+        let mut found = vec![u8::from(self.path.is_file())];
+        comm::lock(g).broadcast_bytes(&mut found, 0)?;
+        Ok(found.first() == Some(&1))
+    }
+
+    /// Rank 0 writes a checkpoint of `model`, `optim`, `progress` and `metadata`; the other
+    /// ranks only wait for its outcome, so they all return the same result. Collective.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] on every rank when rank 0 could not write it
+    /// ([`CheckpointError::OnRankZero`] on the others); [`DdpError::Comm`].
+    pub fn save<M: Module, T: Serialize>(
+        &self,
+        group: &impl GroupHandle,
+        model: &M,
+        optim: &impl OptimizerState,
+        progress: Progress,
+        metadata: &T,
+    ) -> Result<()> {
+        let g = group.process_group();
+        let (rank, world_size) = {
+            let pg = comm::lock(g);
+            (pg.rank(), pg.world_size())
+        };
+        let outcome = if rank == 0 {
+            Checkpoint::capture(model, optim, progress, world_size, metadata)
+                .and_then(|ck| ck.write(&self.path))
+        } else {
+            Ok(())
+        };
+        let mut status = match &outcome {
+            Ok(()) => Vec::new(),
+            Err(e) => e.to_string().into_bytes(),
+        };
+        comm::lock(g).broadcast_bytes(&mut status, 0)?;
+        outcome?;
+        if !status.is_empty() {
+            return Err(
+                CheckpointError::OnRankZero(String::from_utf8_lossy(&status).into()).into(),
+            );
+        }
+        if rank == 0 {
+            tracing::info!(
+                step = progress.step,
+                epochs_done = progress.epochs_done,
+                "checkpoint written to {}",
+                self.path.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Resumes from the checkpoint when rank 0 finds one: rank 0 reads the file and
+    /// broadcasts its bytes, every rank decodes them, loads the model record into `model` and
+    /// the optimizer state into `optim`. `Ok(None)` (and `optim` untouched) when there is no
+    /// checkpoint. Collective.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] on every rank when the file can't be read, is damaged or does
+    /// not fit `model`/`optim`; [`DdpError::Comm`].
+    pub fn load<M: Module, T: DeserializeOwned>(
+        &self,
+        group: &impl GroupHandle,
+        model: M,
+        optim: &mut impl OptimizerState,
+    ) -> Result<Option<Resumed<M, T>>> {
+        let g = group.process_group();
+        let is_main = comm::lock(g).rank() == 0;
+        let mut local_err = None;
+        let mut bytes = if !is_main {
+            Vec::new()
+        } else if !self.path.is_file() {
+            vec![NONE]
+        } else {
+            file::remove_stale_temporaries(&self.path);
+            match file::read_file(&self.path) {
+                Ok(b) => [&[FOUND][..], &b].concat(),
+                Err(e) => {
+                    let msg = [&[FAILED][..], e.to_string().as_bytes()].concat();
+                    local_err = Some(e);
+                    msg
+                }
+            }
+        };
+        comm::lock(g).broadcast_bytes(&mut bytes, 0)?;
+        if let Some(e) = local_err {
+            return Err(e.into());
+        }
+        let Some((&tag, body)) = bytes.split_first() else {
+            return Err(CheckpointError::OnRankZero("sent nothing".into()).into());
+        };
+        match tag {
+            NONE => Ok(None),
+            FOUND => {
+                let ck = Checkpoint::<T>::from_bytes(body, &self.path)?;
+                let model = ck.restore_model(model, &self.path)?;
+                optim
+                    .load_state_bytes(ck.optimizer)
+                    .map_err(|e| self.located(e))?;
+                tracing::info!(
+                    step = ck.progress.step,
+                    epochs_done = ck.progress.epochs_done,
+                    "resumed from {}",
+                    self.path.display()
+                );
+                Ok(Some(Resumed {
+                    model,
+                    progress: ck.progress,
+                    world_size: ck.world_size,
+                    metadata: ck.metadata,
+                }))
+            }
+            _ => Err(CheckpointError::OnRankZero(String::from_utf8_lossy(body).into()).into()),
+        }
+    }
+
+    /// Names this checkpoint's file in an error raised without a path.
+    fn located(&self, e: CheckpointError) -> DdpError {
+        match e {
+            CheckpointError::DoesNotFit { path, reason } if path.as_os_str().is_empty() => {
+                CheckpointError::DoesNotFit {
+                    path: self.path.clone(),
+                    reason,
+                }
+                .into()
+            }
+            e => e.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
