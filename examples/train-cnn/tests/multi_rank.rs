@@ -120,6 +120,24 @@ fn two_ranks_train_and_only_rank_zero_reports() {
     assert_eq!(ck.progress.epochs_done, 2);
 }
 
+/// Rank 0 cannot write its checkpoint (the path is a directory): both ranks stop with an error
+/// that names the file (rank 1 gets rank 0's error), instead of rank 1 training on alone or
+/// waiting for a peer that has left.
+#[test]
+fn a_checkpoint_rank_zero_cannot_write_stops_every_rank_with_its_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    std::fs::create_dir_all(out.join("checkpoint.bin/in-the-way")).unwrap();
+    let results = wait_all(spawn_ranks(2, &args(&out, 1)), Instant::now());
+    for (r, (ok, _, err)) in results.iter().enumerate() {
+        assert!(!ok, "rank {r} succeeded");
+        assert!(err.contains("train-cnn: error: "), "rank {r}: {err}");
+        assert!(err.contains("checkpoint.bin"), "rank {r}: {err}");
+        assert!(!err.contains("panicked"), "rank {r}: {err}");
+    }
+    assert!(results[1].2.contains("on rank 0:"), "{}", results[1].2);
+}
+
 #[test]
 fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
