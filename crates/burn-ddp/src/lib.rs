@@ -75,6 +75,7 @@ pub mod comm;
 mod context;
 pub mod data;
 mod error;
+mod fingerprint;
 pub mod grad_sync;
 #[cfg(feature = "learner")]
 pub mod learner;

@@ -7,7 +7,7 @@ use burn::tensor::{Bool, DType, Int, Shape, Tensor, TensorData};
 use crate::comm;
 use crate::context::Ddp;
 use crate::error::{DdpError, Result};
-use crate::grad_sync::Fnv;
+use crate::fingerprint::Fnv;
 
 /// What a module tensor is, for the cross-rank comparison.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,98 @@
+//! The device path (feature `cuda`): every bucket concatenated on its CUDA device and
+//! all-reduced there by NCCL, with no host copy.
+
+#[cfg(feature = "cuda")]
+use std::time::Instant;
+
+#[cfg(feature = "cuda")]
+use burn::tensor::{DType, Tensor};
+#[cfg(feature = "cuda")]
+use ddp_comm::ReduceOp;
+
+use super::buckets::Bucket;
+use super::slots::Slot;
+use super::{GradientSynchronizer, PipelineTimes};
+use crate::error::{DdpError, Result};
+
+impl GradientSynchronizer {
+    /// The device path: every bucket concatenated on the device, all of them all-reduced by
+    /// one NCCL group call (one device synchronisation, one wait), then sliced back (see
+    /// [`crate::nccl`]). Same buckets, in the same order, as the host path. The packed buckets
+    /// are alive together, one extra copy of the gradients (PyTorch's DDP keeps its buckets
+    /// the same way).
+    #[cfg(feature = "cuda")]
+    pub(super) fn reduce_buckets_on_device(
+        &self,
+        slots: &mut [Slot],
+        buckets: &[Bucket],
+    ) -> Result<PipelineTimes> {
+        let mut times = PipelineTimes::default();
+        let Some((nccl, _)) = &self.nccl else {
+            return Err(DdpError::InvalidSetting(
+                "device path chosen without an NCCL communicator".into(),
+            ));
+        };
+        let t = Instant::now();
+        let packed: Vec<Tensor<1>> = buckets
+            .iter()
+            .map(|bucket| pack_on_device(slots, bucket))
+            .collect();
+        times.fill += t.elapsed();
+        let t = Instant::now();
+        let reduced =
+            crate::nccl::all_reduce_many(&mut crate::nccl::lock(nccl), packed, ReduceOp::Mean)?;
+        times.all_reduce += t.elapsed();
+        let t = Instant::now();
+        for (bucket, reduced) in buckets.iter().zip(reduced) {
+            let mut off = 0;
+            for &i in &bucket.slots {
+                let slot = &mut slots[i];
+                let n = slot.numel;
+                let part = if bucket.slots.len() == 1 {
+                    reduced.clone()
+                } else {
+                    reduced.clone().slice(off..off + n)
+                };
+                // Back to the gradient's dtype on the device (no-op for f32).
+                slot.reduced = Some(part.cast(slot.dtype));
+                off += n;
+            }
+        }
+        times.write_back += t.elapsed();
+        Ok(times)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub(super) fn reduce_buckets_on_device(
+        &self,
+        _slots: &mut [Slot],
+        _buckets: &[Bucket],
+    ) -> Result<PipelineTimes> {
+        Err(DdpError::InvalidSetting(
+            "the device gradient path needs the `cuda` feature".into(),
+        ))
+    }
+}
+
+/// A bucket's gradients (zeros for slots without one here) flattened, in f32, and
+/// concatenated on their device.
+#[cfg(feature = "cuda")]
+fn pack_on_device(slots: &mut [Slot], bucket: &Bucket) -> Tensor<1> {
+    let mut parts: Vec<Tensor<1>> = bucket
+        .slots
+        .iter()
+        .map(|&i| {
+            let slot = &mut slots[i];
+            let flat = match slot.grad.take() {
+                Some(g) => g,
+                None => Tensor::<1>::zeros([slot.numel], &slot.device),
+            };
+            flat.cast(DType::F32)
+        })
+        .collect();
+    if parts.len() == 1 {
+        parts.pop().expect("one part")
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}

@@ -1,0 +1,261 @@
+//! Gradient averaging across ranks: presence exchange, fixed-order buckets, a comm thread.
+//!
+//! [`GradientSynchronizer::sync`] turns each rank's [`GradientsParams`] into the average over
+//! ranks, in place of PyTorch DDP's reducer:
+//!
+//! 1. **Order.** The module is visited (Burn's [`Module::visit`] order, the same on every rank
+//!    for the same model type) and every float parameter that requires a gradient gets a slot.
+//! 2. **Presence.** One `u8` Max all-reduce of a bitmap ("this rank has a gradient for slot
+//!    i"), with a fingerprint of the slot layout (sizes) appended, so that ranks whose models
+//!    differ fail with [`DdpError::GradientLayoutMismatch`] on every rank instead of mixing
+//!    unrelated numbers. A slot with no gradient on any rank stays absent (the optimizer skips
+//!    it, as on one process); a slot with a gradient on some ranks takes part with zeros where
+//!    missing, so it becomes (sum over ranks) / world size — no `find_unused_parameters` flag.
+//! 3. **Buckets.** Present slots are packed in order into buckets of at most the cap (default
+//!    25 MiB of f32). Bucket boundaries depend only on the reduced bitmap and the sizes, so
+//!    they are identical on every rank. Inside a bucket, runs of small gradients are copied
+//!    into one buffer and reduced together; a gradient of 64 Ki values or more is reduced in
+//!    the host buffer its tensor hands over (no copy on Flex) by a call of its own.
+//! 4. **Pipeline.** The calling thread copies bucket k to the host while a comm thread
+//!    all-reduces bucket k−1 (Mean: sum ÷ world size) and hands it back; finished buckets are
+//!    turned back into tensors while later ones are still on the wire. Where the host has no
+//!    spare core for the comm thread the same steps run one after another on the calling
+//!    thread ([`GradientSynchronizer::with_overlap`]).
+//!
+//! With the `cuda` feature and an NCCL communicator ([`GradientSynchronizer::with_nccl`],
+//! set up by [`crate::Ddp`]), buckets whose gradients sit on that CUDA device on every rank
+//! are instead concatenated on the device, all-reduced there by NCCL and sliced back, with no
+//! host copy (same buckets, same order; see [`crate::nccl`] — built and linked in CI, not yet run on a GPU).
+
+mod buckets;
+mod device;
+mod host;
+mod presence;
+mod slots;
+#[cfg(test)]
+mod tests;
+
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+
+use crate::comm::{self, SharedGroup};
+use crate::error::Result;
+
+use buckets::plan_buckets;
+use slots::{SlotCollector, SlotWriter};
+
+/// Default largest bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
+pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
+
+/// Timings of the last [`GradientSynchronizer::sync`] call.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SyncStats {
+    /// Wall time of the whole call.
+    pub total: Duration,
+    /// Time the comm thread spent inside all-reduce calls of buckets.
+    pub all_reduce: Duration,
+    /// Time spent on the presence exchange.
+    pub presence: Duration,
+    /// Time the calling thread spent reading gradients into host buckets.
+    pub fill: Duration,
+    /// Time the calling thread spent turning reduced buckets back into gradients.
+    pub write_back: Duration,
+    /// Number of buckets all-reduced.
+    pub buckets: usize,
+    /// Number of f32 values all-reduced.
+    pub elements: usize,
+}
+
+/// Averages gradients across the ranks of a process group; see the [module docs](self).
+///
+/// Usually reached through [`crate::DdpOptimizer`]; use it directly when a loop needs the
+/// averaged gradients itself (e.g. for gradient clipping by global norm).
+#[derive(Debug, Clone)]
+pub struct GradientSynchronizer {
+    group: SharedGroup,
+    world_size: usize,
+    bucket_cap_elems: usize,
+    /// Return the gradients untouched in a world of one (off only in unit tests, to run the
+    /// whole pipeline in-process).
+    skip_when_alone: bool,
+    /// Overlap host copies with communication on a comm thread.
+    overlap: bool,
+    last: SyncStats,
+    /// NCCL communicator and its CUDA ordinal, for buckets on that device.
+    #[cfg(feature = "cuda")]
+    nccl: Option<(crate::nccl::SharedNccl, usize)>,
+    /// Whether the last sync took the device (NCCL) path.
+    #[cfg(feature = "cuda")]
+    last_on_device: bool,
+}
+
+/// Whether a comm thread can run beside the calling thread: it needs a core besides the
+/// ones the ranks of this host compute on (`LOCAL_WORLD_SIZE`, the torchrun variable).
+fn overlap_pays() -> bool {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let local = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    cores >= 2 * local
+}
+
+impl GradientSynchronizer {
+    /// A synchroniser over `group` with buckets of at most `bucket_cap_bytes` (≥ 4).
+    pub fn new(group: SharedGroup, bucket_cap_bytes: usize) -> Self {
+        let world_size = comm::lock(&group).world_size();
+        GradientSynchronizer {
+            group,
+            world_size,
+            bucket_cap_elems: (bucket_cap_bytes / 4).max(1),
+            skip_when_alone: true,
+            overlap: overlap_pays(),
+            last: SyncStats::default(),
+            #[cfg(feature = "cuda")]
+            nccl: None,
+            #[cfg(feature = "cuda")]
+            last_on_device: false,
+        }
+    }
+
+    /// Whether the last [`Self::sync`] all-reduced its buckets with NCCL on device memory
+    /// (`false` for the host path and for a world of one, which communicates nothing).
+    #[cfg(feature = "cuda")]
+    pub fn last_sync_on_device(&self) -> bool {
+        self.last_on_device
+    }
+
+    /// All-reduces buckets with `nccl` on device memory whenever every rank's gradients are on
+    /// its CUDA device (decided per call, in the presence exchange); other calls take the host
+    /// path. Every rank must attach a communicator, or none. See [`crate::nccl`].
+    #[cfg(feature = "cuda")]
+    pub fn with_nccl(mut self, nccl: crate::nccl::SharedNccl) -> Self {
+        let ordinal = crate::nccl::lock(&nccl).device_ordinal();
+        self.nccl = Some((nccl, ordinal));
+        // A communicator in a world of one exists only when it was asked for
+        // (`NcclPolicy::Required`): then every sync runs the device path, as with N ranks.
+        self.skip_when_alone = false;
+        self
+    }
+
+    /// Overlap (`true`) or serialise (`false`) host copies and communication. The default
+    /// overlaps when this host has at least two cores per local rank: the comm thread then
+    /// has a core of its own. Without one it would take turns with the calling thread, and
+    /// the all-reduce — the larger part on a CPU, where copies are mostly avoided — gets
+    /// slower than the copies it hides.
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    /// Whether host copies and communication overlap; see [`Self::with_overlap`].
+    pub fn overlap(&self) -> bool {
+        self.overlap
+    }
+
+    /// A synchroniser over the process-wide group ([`crate::comm::group`]), or a world of one
+    /// when none is installed.
+    /// With the `cuda` feature, the process-wide NCCL communicator ([`comm::nccl`]) is
+    /// attached when one is installed.
+    pub fn from_installed(bucket_cap_bytes: usize) -> Self {
+        let group =
+            comm::group().unwrap_or_else(|| comm::install(ddp_comm::ProcessGroup::single()).0);
+        let sync = Self::new(group, bucket_cap_bytes);
+        #[cfg(feature = "cuda")]
+        let sync = match comm::nccl() {
+            Some(n) => sync.with_nccl(n),
+            None => sync,
+        };
+        sync
+    }
+
+    /// Timings of the last call to [`Self::sync`].
+    pub fn last_stats(&self) -> SyncStats {
+        self.last
+    }
+
+    /// The largest bucket in bytes.
+    pub fn bucket_cap_bytes(&self) -> usize {
+        self.bucket_cap_elems * 4
+    }
+
+    /// Replaces every gradient of `module`'s trainable parameters in `grads` by its average
+    /// over all ranks. Gradients of ids that are not parameters of `module` are left alone.
+    ///
+    /// Every rank must call this with the same model structure, at the same point.
+    ///
+    /// # Errors
+    /// A collective failed (dead peer, timeout), the ranks' trainable parameters differ, or a
+    /// gradient could not be read back from its device. After an error the gradients are
+    /// unusable and the process group is broken; end the process.
+    pub fn sync<M: Module>(
+        &mut self,
+        module: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let start = Instant::now();
+        if self.world_size == 1 && self.skip_when_alone {
+            self.last = SyncStats {
+                total: start.elapsed(),
+                ..SyncStats::default()
+            };
+            #[cfg(feature = "cuda")]
+            {
+                self.last_on_device = false;
+            }
+            return Ok(grads);
+        }
+        let mut collector = SlotCollector {
+            grads: &mut grads,
+            slots: Vec::new(),
+        };
+        module.visit(&mut collector);
+        let mut slots = collector.slots;
+
+        let presence_start = Instant::now();
+        let (present, on_device) = self.exchange_presence(&slots, self.device_vote(&slots))?;
+        let presence = presence_start.elapsed();
+
+        let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
+        let elements = buckets.iter().map(|b| b.len).sum();
+        #[cfg(feature = "cuda")]
+        {
+            self.last_on_device = on_device;
+        }
+        let mut times = if on_device {
+            self.reduce_buckets_on_device(&mut slots, &buckets)?
+        } else {
+            self.reduce_buckets(&mut slots, &buckets)?
+        };
+
+        let write_start = Instant::now();
+        let mut writer = SlotWriter {
+            grads: &mut grads,
+            slots: slots.iter_mut(),
+        };
+        module.visit(&mut writer);
+        times.write_back += write_start.elapsed();
+        self.last = SyncStats {
+            total: start.elapsed(),
+            all_reduce: times.all_reduce,
+            presence,
+            fill: times.fill,
+            write_back: times.write_back,
+            buckets: buckets.len(),
+            elements,
+        };
+        tracing::trace!(stats = ?self.last, "gradients synchronised");
+        Ok(grads)
+    }
+}
+
+/// Where the calling thread and the comm thread spent a sync.
+#[derive(Debug, Default)]
+struct PipelineTimes {
+    all_reduce: Duration,
+    fill: Duration,
+    write_back: Duration,
+}

@@ -1,0 +1,86 @@
+//! The presence exchange: which slots have a gradient on some rank, whether every rank has
+//! the same trainable layout, and whether every rank can take the device (NCCL) path.
+
+use ddp_comm::ReduceOp;
+
+use super::GradientSynchronizer;
+use super::slots::{Slot, layout_fingerprint};
+use crate::comm;
+use crate::error::{DdpError, Result};
+
+impl GradientSynchronizer {
+    /// This rank's vote for the device (NCCL) path: `None` without a communicator (the
+    /// exchange then carries no vote, as in builds without `cuda`), else whether every
+    /// gradient lives on the communicator's CUDA device.
+    #[cfg(feature = "cuda")]
+    pub(super) fn device_vote(&self, slots: &[Slot]) -> Option<bool> {
+        let (_, ordinal) = self.nccl.as_ref()?;
+        Some(
+            slots
+                .iter()
+                .all(|s| crate::nccl::cuda_ordinal(&s.device) == Some(*ordinal)),
+        )
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub(super) fn device_vote(&self, _slots: &[Slot]) -> Option<bool> {
+        None
+    }
+
+    /// All-reduces (Max) the presence bitmap plus a layout fingerprint (and, with a
+    /// `device_vote`, the pair `[yes, no]`); returns which slots have a gradient on at least
+    /// one rank, and whether every rank voted for the device path.
+    pub(super) fn exchange_presence(
+        &self,
+        slots: &[Slot],
+        device_vote: Option<bool>,
+    ) -> Result<(Vec<bool>, bool)> {
+        let n = slots.len();
+        let fp = layout_fingerprint(slots).to_le_bytes();
+        let mut buf = Vec::with_capacity(n + 18);
+        buf.extend(slots.iter().map(|s| u8::from(s.grad.is_some())));
+        buf.extend_from_slice(&fp);
+        buf.extend(fp.iter().map(|b| !b));
+        if let Some(yes) = device_vote {
+            buf.push(u8::from(yes));
+            buf.push(u8::from(!yes));
+        }
+        comm::lock(&self.group).all_reduce(&mut buf, ReduceOp::Max)?;
+        // Equal on all ranks iff max(b) + max(!b) == 255 for every fingerprint byte.
+        let (bits, tail) = buf.split_at(n);
+        let agree = (0..8).all(|i| u16::from(tail[i]) + u16::from(tail[8 + i]) == 255);
+        if !agree {
+            return Err(DdpError::GradientLayoutMismatch(format!(
+                "this rank has {n} trainable parameters with {} values in total, and at least one \
+                 other rank has a different set (same model type and configuration on every rank?)",
+                slots.iter().map(|s| s.numel).sum::<usize>()
+            )));
+        }
+        let on_device = device_vote.is_some() && tail[16] == 1 && tail[17] == 0;
+        log_path_once(device_vote, on_device);
+        Ok((bits.iter().map(|&b| b != 0).collect(), on_device))
+    }
+}
+
+/// Logs, once per process, which path gradient buckets take (builds with `cuda` only: other
+/// builds have a single path).
+pub(super) fn log_path_once(device_vote: Option<bool>, on_device: bool) {
+    #[cfg(feature = "cuda")]
+    {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            if on_device {
+                tracing::info!("gradient buckets: NCCL all-reduce on CUDA device memory");
+            } else {
+                let why = match device_vote {
+                    None => "no NCCL communicator",
+                    Some(false) => "this rank's gradients are not on the NCCL device",
+                    Some(true) => "another rank's gradients are not on its NCCL device",
+                };
+                tracing::info!("gradient buckets: host-staged over the process group ({why})");
+            }
+        });
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (device_vote, on_device);
+}

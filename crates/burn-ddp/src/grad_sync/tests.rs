@@ -1,0 +1,171 @@
+//! The whole synchroniser in a world of one (collect, presence, buckets, comm thread,
+//! write-back), and the NCCL device path where a GPU is present.
+
+use super::slots::SlotCollector;
+use super::*;
+use burn::module::{Module, ParamId};
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::Distribution;
+use burn::tensor::{Device, Tensor};
+use ddp_comm::ProcessGroup;
+use std::sync::{Arc, Mutex};
+
+#[derive(Module, Debug)]
+struct Net {
+    a: Linear,
+    b: Linear,
+    unused: Linear,
+    frozen: Linear,
+}
+
+impl Net {
+    fn new(device: &Device) -> Self {
+        Net {
+            a: LinearConfig::new(3, 4).init(device),
+            b: LinearConfig::new(4, 2).init(device),
+            unused: LinearConfig::new(3, 3).init(device),
+            frozen: LinearConfig::new(3, 1).init(device).no_grad(),
+        }
+    }
+}
+
+fn grads_of(net: &Net, device: &Device) -> GradientsParams {
+    let x = Tensor::<2>::random([5, 3], Distribution::Default, device);
+    let loss = net.b.forward(net.a.forward(x.clone())).sum() + net.frozen.forward(x).sum();
+    GradientsParams::from_grads(loss.backward(), net)
+}
+
+/// Syncs `net`'s gradients in a world of one and checks they come back unchanged: same
+/// values and shapes, none for the unused and the frozen layer.
+fn round_trip(net: &Net, device: &Device, sync: &mut GradientSynchronizer) {
+    let grads = grads_of(net, device);
+    let before_a = values::<2>(&grads, net.a.weight.id).unwrap();
+    let before_bb = values::<1>(&grads, net.b.bias.as_ref().unwrap().id).unwrap();
+    let out = sync.sync(net, grads).unwrap();
+    assert_eq!(values::<2>(&out, net.a.weight.id).unwrap(), before_a);
+    assert_eq!(
+        values::<1>(&out, net.b.bias.as_ref().unwrap().id).unwrap(),
+        before_bb
+    );
+    assert_eq!(
+        out.get::<2>(net.a.weight.id).unwrap().shape().as_slice(),
+        &[3, 4]
+    );
+    assert!(
+        out.get::<2>(net.unused.weight.id).is_none(),
+        "unused stays absent"
+    );
+    assert!(
+        out.get::<2>(net.frozen.weight.id).is_none(),
+        "frozen has none"
+    );
+    assert_eq!(out.len(), 4, "a.w a.b b.w b.b");
+}
+
+fn values<const D: usize>(g: &GradientsParams, id: ParamId) -> Option<Vec<f32>> {
+    g.get::<D>(id)
+        .map(|t| t.into_data().try_to_vec::<f32>().unwrap())
+}
+
+/// The whole pipeline (collect, buckets, comm thread, write-back) in a world of one must
+/// give back exactly the gradients it got, for every bucket cap.
+#[test]
+fn full_pipeline_in_a_world_of_one_returns_the_same_gradients() {
+    let device = Device::flex().autodiff();
+    let net = Net::new(&device);
+    let group = Arc::new(Mutex::new(ProcessGroup::single()));
+    for (cap, overlap) in [4, 16, 40, 1 << 20]
+        .into_iter()
+        .flat_map(|c| [(c, true), (c, false)])
+    {
+        let mut sync = GradientSynchronizer::new(group.clone(), cap).with_overlap(overlap);
+        sync.skip_when_alone = false;
+        round_trip(&net, &device, &mut sync);
+        let st = sync.last_stats();
+        assert_eq!(st.elements, 3 * 4 + 4 + 4 * 2 + 2);
+        // Sizes in visit order: a.weight 12, a.bias 4, b.weight 8, b.bias 2.
+        let expected_buckets = match cap {
+            4 | 16 => 4, // caps of 1 and 4 values: every parameter alone
+            40 => 3,     // cap 10: [12] [4] [8, 2]
+            _ => 1,
+        };
+        assert_eq!(st.buckets, expected_buckets, "cap {cap}");
+    }
+}
+
+/// Gradients of 64 Ki values or more are reduced in their own buffers, between packed
+/// runs of small ones; the values and shapes must come back unchanged either way.
+#[test]
+fn large_gradients_reduced_in_place_between_packed_runs() {
+    let device = Device::flex().autodiff();
+    let a = LinearConfig::new(3, 300).init(&device); // 900 + 300: packed
+    let b = LinearConfig::new(300, 300).init(&device); // 90 000: own buffer, then 300
+    let net = (a, b);
+    let group = Arc::new(Mutex::new(ProcessGroup::single()));
+    for (cap, overlap) in [(1 << 10, true), (1 << 30, true), (1 << 30, false)] {
+        let x = Tensor::<2>::random([4, 3], Distribution::Default, &device);
+        let loss = net.1.forward(net.0.forward(x)).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &net);
+        let before = values::<2>(&grads, net.1.weight.id).unwrap();
+        let before_bias = values::<1>(&grads, net.0.bias.as_ref().unwrap().id).unwrap();
+        let mut sync = GradientSynchronizer::new(group.clone(), cap).with_overlap(overlap);
+        sync.skip_when_alone = false;
+        let out = sync.sync(&net, grads).unwrap();
+        assert_eq!(values::<2>(&out, net.1.weight.id).unwrap(), before);
+        assert_eq!(
+            values::<1>(&out, net.0.bias.as_ref().unwrap().id).unwrap(),
+            before_bias
+        );
+        assert_eq!(
+            out.get::<2>(net.1.weight.id).unwrap().shape().as_slice(),
+            &[300, 300]
+        );
+        assert_eq!(out.len(), 4);
+    }
+}
+
+/// The presence exchange carries the device-path vote only when asked to, and decodes it
+/// as "every rank voted yes".
+#[test]
+fn presence_exchange_decodes_the_device_vote() {
+    let device = Device::flex().autodiff();
+    let net = Net::new(&device);
+    let mut grads = grads_of(&net, &device);
+    let mut collector = SlotCollector {
+        grads: &mut grads,
+        slots: Vec::new(),
+    };
+    net.visit(&mut collector);
+    let slots = collector.slots;
+    let sync = GradientSynchronizer::new(Arc::new(Mutex::new(ProcessGroup::single())), 64);
+    for (vote, expected) in [(None, false), (Some(false), false), (Some(true), true)] {
+        let (present, on_device) = sync.exchange_presence(&slots, vote).unwrap();
+        assert_eq!(on_device, expected, "vote {vote:?}");
+        assert_eq!(present, vec![true, true, true, true, false, false]);
+    }
+}
+
+/// The NCCL device path in a world of one: real NCCL calls on the GPU, which must hand
+/// back exactly the gradients they got, for several bucket layouts.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
+            (cubecl-llvm downloads LLVM at build time)"]
+fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
+    use ddp_comm::nccl::{NcclGroup, NcclOptions};
+    let device = Device::cuda(0).autodiff();
+    let net = Net::new(&device);
+    let nccl = NcclGroup::single(&NcclOptions {
+        device: Some(0),
+        ..NcclOptions::default()
+    })
+    .unwrap();
+    let nccl = Arc::new(Mutex::new(nccl));
+    let group = Arc::new(Mutex::new(ProcessGroup::single()));
+    for cap in [4, 40, 1 << 20] {
+        let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
+        sync.skip_when_alone = false;
+        round_trip(&net, &device, &mut sync);
+        assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
+    }
+}
