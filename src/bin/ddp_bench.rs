@@ -190,7 +190,8 @@ fn bench<M: Module>(
             raw_buf.resize(st.elements, 1.0);
             ddp.barrier()?;
             let t = Instant::now();
-            burn_ddp::comm::lock(ddp.group()).all_reduce(&mut raw_buf, ReduceOp::Mean)?;
+            ddp.process_group()
+                .all_reduce(&mut raw_buf, ReduceOp::Mean)?;
             if step >= args.warmup {
                 raw.push(t.elapsed());
                 ratios.push((t2 - t1b).as_secs_f64() / t.elapsed().as_secs_f64());

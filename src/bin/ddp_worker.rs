@@ -218,7 +218,7 @@ fn hash(v: &[f32]) -> i64 {
 fn check_identical(ddp: &Ddp, model: &Mlp, step: usize) -> Result<(), String> {
     let h = hash(&flatten(model));
     let mut all = vec![0i64; ddp.world_size()];
-    burn_ddp::comm::lock(ddp.group())
+    ddp.process_group()
         .all_gather(&[h], &mut all)
         .map_err(|e| e.to_string())?;
     if all.iter().any(|&x| x != h) {

@@ -23,9 +23,9 @@ use burn::nn::{
 };
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Int, Tensor, activation::relu};
-use burn_ddp::comm::SharedGroup;
+use burn_ddp::Ddp;
 use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::ReduceOp;
 
 /// The norm layer of the benchmark CNN: the same model with either layer.
 #[derive(Module, Debug)]
@@ -86,7 +86,7 @@ impl Cnn {
 
 /// Median step time (ms) of `steps` training steps after 3 warm-up steps; each step starts
 /// after a barrier so that rank skew doesn't count.
-fn cnn_step_ms(group: &SharedGroup, sync: bool, batch: usize, steps: usize) -> Result<f64, String> {
+fn cnn_step_ms(ddp: &Ddp, sync: bool, batch: usize, steps: usize) -> Result<f64, String> {
     let device = Device::flex().autodiff();
     let mut model = Cnn::new(sync, &device);
     let mut optim = SgdConfig::new().init();
@@ -98,9 +98,7 @@ fn cnn_step_ms(group: &SharedGroup, sync: bool, batch: usize, steps: usize) -> R
     );
     let mut times = Vec::with_capacity(steps);
     for i in 0..steps + 3 {
-        burn_ddp::comm::lock(group)
-            .barrier()
-            .map_err(|e| e.to_string())?;
+        ddp.barrier().map_err(|e| e.to_string())?;
         let start = Instant::now();
         let loss = loss_fn.forward(model.forward(x.clone()), targets.clone());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -158,16 +156,18 @@ fn parse_args() -> Result<Args, String> {
 
 /// One rank: the CNN table (printed by rank 0; times are the slowest rank's).
 fn rank_main(args: &Args) -> Result<(), String> {
-    let pg = ProcessGroup::from_env().map_err(|e| e.to_string())?;
-    let (rank, world) = (pg.rank(), pg.world_size());
-    let (group, _) = burn_ddp::comm::install(pg);
+    let ddp = Ddp::builder()
+        .device(Device::flex())
+        .init()
+        .map_err(|e| e.to_string())?;
+    let (rank, world) = (ddp.rank(), ddp.world_size());
     let mut rows = Vec::new();
     for &batch in &args.batches {
         let mut t = [
-            cnn_step_ms(&group, false, batch, args.steps)?,
-            cnn_step_ms(&group, true, batch, args.steps)?,
+            cnn_step_ms(&ddp, false, batch, args.steps)?,
+            cnn_step_ms(&ddp, true, batch, args.steps)?,
         ];
-        burn_ddp::comm::lock(&group)
+        ddp.process_group()
             .all_reduce(&mut t, ReduceOp::Max)
             .map_err(|e| e.to_string())?;
         rows.push((batch, t[0], t[1]));

@@ -1,7 +1,9 @@
-//! The process-wide process group that burn-ddp's modules and helpers communicate through.
+//! The communicator registry: the process-wide process group (and, with the `cuda` feature,
+//! the NCCL communicator) that burn-ddp's modules and helpers communicate through.
 //!
-//! [`install`] is called once (by `burn_ddp::init`); layers such as `SyncBatchNorm` reach the
-//! group with [`group`] and make no collective call when there is none or its world size is 1.
+//! [`crate::init`] installs them once; layers such as `SyncBatchNorm` reach the group with
+//! [`group`] and make no collective call when there is none or its world size is 1. This
+//! module depends on no other module of the crate: everything that communicates depends on it.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -10,11 +12,15 @@ use ddp_comm::ProcessGroup;
 /// A process group shared by everything in this process that communicates.
 pub type SharedGroup = Arc<Mutex<ProcessGroup>>;
 
+/// An NCCL communicator shared by everything in this process that communicates on its device.
+#[cfg(feature = "cuda")]
+pub type SharedNccl = Arc<Mutex<ddp_comm::nccl::NcclGroup>>;
+
 static GROUP: OnceLock<SharedGroup> = OnceLock::new();
 
 /// Makes `pg` the process-wide group. Returns the installed group; if one was installed
 /// before, `pg` is dropped and the earlier one is returned with `false`.
-pub fn install(pg: ProcessGroup) -> (SharedGroup, bool) {
+pub(crate) fn install(pg: ProcessGroup) -> (SharedGroup, bool) {
     let mut fresh = false;
     let g = GROUP.get_or_init(|| {
         fresh = true;
@@ -58,12 +64,12 @@ pub fn world_size() -> usize {
 /// The process-wide NCCL communicator ([`crate::Ddp`] installs it when every rank can use
 /// NCCL; feature `cuda`).
 #[cfg(feature = "cuda")]
-static NCCL: OnceLock<crate::nccl::SharedNccl> = OnceLock::new();
+static NCCL: OnceLock<SharedNccl> = OnceLock::new();
 
 /// Makes `nccl` the process-wide NCCL communicator. Returns the installed one; if one was
 /// installed before, `nccl` is dropped and the earlier one is returned with `false`.
 #[cfg(feature = "cuda")]
-pub fn install_nccl(nccl: crate::nccl::SharedNccl) -> (crate::nccl::SharedNccl, bool) {
+pub(crate) fn install_nccl(nccl: SharedNccl) -> (SharedNccl, bool) {
     let mut fresh = false;
     let g = NCCL.get_or_init(|| {
         fresh = true;
@@ -74,16 +80,16 @@ pub fn install_nccl(nccl: crate::nccl::SharedNccl) -> (crate::nccl::SharedNccl, 
 
 /// The process-wide NCCL communicator, if [`install_nccl`] has been called.
 #[cfg(feature = "cuda")]
-pub fn nccl() -> Option<crate::nccl::SharedNccl> {
+pub fn nccl() -> Option<SharedNccl> {
     NCCL.get().cloned()
 }
 
 /// Locks a shared group, recovering from a poisoned mutex (the group itself tracks errors).
-pub fn lock(g: &SharedGroup) -> std::sync::MutexGuard<'_, ProcessGroup> {
+pub(crate) fn lock(g: &SharedGroup) -> std::sync::MutexGuard<'_, ProcessGroup> {
     g.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Anything that names a process group to run a collective in: a [`crate::Ddp`], or a
+/// Anything that names a process group to run a collective in: a [`Ddp`](crate::Ddp), or a
 /// [`SharedGroup`] itself (e.g. `Arc::new(Mutex::new(ProcessGroup::single()))` in a program
 /// that runs alone).
 pub trait GroupHandle {
@@ -94,11 +100,5 @@ pub trait GroupHandle {
 impl GroupHandle for SharedGroup {
     fn process_group(&self) -> &SharedGroup {
         self
-    }
-}
-
-impl GroupHandle for crate::Ddp {
-    fn process_group(&self) -> &SharedGroup {
-        self.group()
     }
 }

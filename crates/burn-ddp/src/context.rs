@@ -352,6 +352,21 @@ impl Ddp {
         &self.group
     }
 
+    /// The process group, locked, for collectives of your own (e.g. an all-gather of a hash
+    /// to check that ranks agree). Every rank must make the same calls in the same order;
+    /// release the guard before the next burn-ddp call that communicates.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), burn_ddp::DdpError> {
+    /// let ddp = burn_ddp::init()?;
+    /// let mut counts = [ddp.rank() as f64, 1.0];
+    /// ddp.process_group().all_reduce(&mut counts, burn_ddp::ddp_comm::ReduceOp::Sum)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn process_group(&self) -> std::sync::MutexGuard<'_, ddp_comm::ProcessGroup> {
+        comm::lock(&self.group)
+    }
+
     /// A gradient synchroniser over this job's group with this context's bucket cap (and,
     /// with the `cuda` feature, this context's NCCL communicator when there is one).
     pub fn gradient_synchronizer(&self) -> GradientSynchronizer {
@@ -484,5 +499,11 @@ mod cuda_tests {
                 "{msg}"
             );
         }
+    }
+}
+
+impl crate::comm::GroupHandle for Ddp {
+    fn process_group(&self) -> &SharedGroup {
+        &self.group
     }
 }

@@ -11,6 +11,7 @@ pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 /// differs) are raised identically on every rank, so every process exits with the same
 /// message.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DdpError {
     /// A collective, the rendezvous or the launch environment failed.
     #[error(transparent)]
@@ -48,7 +49,13 @@ pub enum DdpError {
     Device(CommError),
     /// A checkpoint could not be saved, read or restored ([`crate::checkpoint`]).
     #[error(transparent)]
-    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    Checkpoint(#[from] crate::checkpoint::error::CheckpointError),
+    /// The sampler or the sharded data loader failed ([`crate::data`]).
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    /// A SyncBatchNorm layer failed ([`crate::sync_batch_norm`]).
+    #[error(transparent)]
+    SyncBatchNorm(#[from] crate::sync_batch_norm::SyncBatchNormError),
     /// An invalid setting was passed to a builder.
     #[error("invalid setting: {0}")]
     InvalidSetting(String),

@@ -70,6 +70,9 @@
 //! - [`Ddp::average_scalar`] / [`Ddp::average_tensor`] average metrics; [`Ddp::barrier`] and
 //!   [`Ddp::run_on_main`] order work across ranks.
 
+// docs.rs: label feature-gated items with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub mod checkpoint;
 pub mod comm;
 mod context;
@@ -78,14 +81,19 @@ mod error;
 mod fingerprint;
 pub mod grad_sync;
 #[cfg(feature = "learner")]
+#[cfg_attr(docsrs, doc(cfg(feature = "learner")))]
 pub mod learner;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod nccl;
 mod optimizer;
 mod replicate;
 pub mod sync_batch_norm;
 
 pub use context::{Ddp, DdpBuilder, init};
+/// The communication layer burn-ddp is built on (process groups, launch environment,
+/// rendezvous store, launcher), for the types in [`DdpBuilder`]'s signatures.
+pub use ddp_comm;
 pub use error::{DdpError, Result};
 pub use grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer, SyncStats};
 #[cfg(feature = "learner")]

@@ -66,7 +66,7 @@ use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
 
 /// An NCCL communicator shared by everything in this process that uses it.
-pub type SharedNccl = Arc<Mutex<NcclGroup>>;
+pub use crate::comm::SharedNccl;
 
 /// Locks a shared NCCL group, recovering from a poisoned mutex (the group tracks its errors).
 pub(crate) fn lock(g: &SharedNccl) -> MutexGuard<'_, NcclGroup> {
@@ -76,6 +76,7 @@ pub(crate) fn lock(g: &SharedNccl) -> MutexGuard<'_, NcclGroup> {
 /// Whether gradient buckets go through NCCL on CUDA devices; see
 /// [`crate::DdpBuilder::nccl`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum NcclPolicy {
     /// Use NCCL when every rank can (CUDA device, libcuda and libnccl present, the
     /// communicator created); otherwise fall back to the host path with a log line.

@@ -55,7 +55,6 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
             case.rows.len()
         ));
     }
-    let group = ddp.group().clone();
     #[cfg(feature = "cuda")]
     if case.nccl && ddp.nccl().is_none() {
         return Err("the case asks for NCCL but Ddp created no communicator".into());
@@ -90,7 +89,7 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
         };
         let mut step = step.map_err(|e| format!("rank {rank}: {e}"))?;
         // DDP's averaging of parameter gradients.
-        let mut pg = burn_ddp::comm::lock(&group);
+        let mut pg = ddp.process_group();
         pg.all_reduce(&mut step.gamma_grad, ReduceOp::Mean)
             .map_err(|e| e.to_string())?;
         pg.all_reduce(&mut step.beta_grad, ReduceOp::Mean)

@@ -45,6 +45,7 @@
 //! Every rank must call [`Checkpointer::save`], [`Checkpointer::load`] and
 //! [`Checkpointer::exists`] at the same points (they are collectives).
 
+pub(crate) mod error;
 mod file;
 
 use std::num::NonZeroU64;
@@ -57,6 +58,7 @@ use burn::tensor::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub use error::CheckpointError;
 pub use file::WRITE_PAUSE_VAR;
 
 use crate::comm::{self, GroupHandle};
@@ -137,43 +139,6 @@ impl<T> Checkpoint<T> {
             .try_load_record(record)
             .map_err(|e| misfit(format!("the model record does not fit the model: {e}")))
     }
-}
-
-/// Errors of saving, reading and restoring checkpoints.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CheckpointError {
-    /// The file could not be read or written.
-    #[error("checkpoint {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// The bytes are not a complete, undamaged checkpoint.
-    #[error("checkpoint {path} is not usable: {reason}")]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The checkpoint is fine but was written for another model or optimizer.
-    #[error("checkpoint {path} does not fit this run: {reason}")]
-    DoesNotFit {
-        /// The file.
-        path: PathBuf,
-        /// What differs.
-        reason: String,
-    },
-    /// A record or the metadata could not be serialised.
-    #[error("cannot encode the checkpoint: {0}")]
-    Encode(String),
-    /// Rank 0 failed to write or read the checkpoint; this is its error, as every other rank
-    /// reports it.
-    #[error("on rank 0: {0}")]
-    OnRankZero(String),
 }
 
 /// An optimizer whose state a checkpoint can hold: Burn's [`ModuleOptimizer`] and the

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// Everything that can go wrong when configuring or running the sharded data pipeline.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DataError {
     /// The world size (number of replicas) was 0.
     #[error("invalid data-parallel config: world size (num_replicas) must be at least 1, got 0")]

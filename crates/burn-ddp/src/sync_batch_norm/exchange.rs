@@ -19,8 +19,8 @@ use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{Tensor, TensorData};
 use ddp_comm::ReduceOp;
 
-use super::SyncBatchNormError;
-use super::backend::{read_host, upload};
+use super::error::SyncBatchNormError;
+use super::transfer::{read_host, upload};
 use crate::comm::{self, SharedGroup};
 
 /// The transport of one SyncBatchNorm call; see the [module docs](self).

@@ -27,7 +27,9 @@ use burn_cubecl::{
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
-use super::backend::{CombineOptions, SyncBatchNormBackend, tensor_ops};
+use super::backend::SyncBatchNormBackend;
+use super::stats::CombineOptions;
+use super::tensor_ops;
 
 /// Units per cube of the per-channel reductions (a power of two; the shared buffers' size).
 const BLOCK: usize = 256;

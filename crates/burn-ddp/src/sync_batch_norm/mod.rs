@@ -81,14 +81,20 @@
 //! (`enum Norm { Batch(BatchNorm), Sync(SyncBatchNorm) }` with `#[derive(Module)]`) and convert
 //! per layer with `From`.
 
-pub mod backend;
+mod autodiff;
+mod backend;
+mod error;
 mod exchange;
 #[cfg(feature = "cube")]
 mod kernels;
 mod stats;
+mod tensor_ops;
+mod transfer;
 
-pub use backend::{CombineOptions, SyncBatchNormBackend};
+pub use backend::SyncBatchNormBackend;
+pub use error::SyncBatchNormError;
 pub use stats::ChannelStats;
+pub use stats::CombineOptions;
 
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::config::Config;
@@ -99,6 +105,7 @@ use serde::{Deserialize, Serialize};
 
 /// Which variance feeds `running_var`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum RunningVariance {
     /// Burn's `BatchNorm` convention: the biased batch variance `M2 / n` (the default; world
     /// size 1 matches `BatchNorm`).
@@ -110,6 +117,7 @@ pub enum RunningVariance {
 
 /// How the per-channel work runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum SyncBatchNormImpl {
     /// CubeCL kernels where the device runs CubeCL (and the crate has the `wgpu`/`cuda`
     /// feature), tensor operations elsewhere.
@@ -117,43 +125,6 @@ pub enum SyncBatchNormImpl {
     Auto,
     /// Tensor operations on every device (for comparison with the kernels).
     TensorOps,
-}
-
-/// An error from [`SyncBatchNorm::try_forward`].
-#[derive(Debug, thiserror::Error)]
-pub enum SyncBatchNormError {
-    /// The input has rank < 2.
-    #[error(
-        "SyncBatchNorm expects an input of shape [batch, channels, ...] (rank >= 2), got rank {0}"
-    )]
-    Rank(usize),
-    /// The input's channel axis doesn't match `num_features`.
-    #[error("SyncBatchNorm has {expected} features but the input has {got} channels (axis 1)")]
-    Channels {
-        /// `num_features` of the layer.
-        expected: usize,
-        /// Size of the input's axis 1.
-        got: usize,
-    },
-    /// No rank had any sample.
-    #[error("SyncBatchNorm: no rank has any sample in this batch (total count 0)")]
-    NoSamples,
-    /// The device's backend has no SyncBatchNorm implementation and the world size is > 1.
-    #[error(
-        "SyncBatchNorm with world size {world_size}: the backend of {device} has no SyncBatchNorm implementation (Flex and CubeCL devices do)"
-    )]
-    UnsupportedBackend {
-        /// The input's device.
-        device: String,
-        /// The process group's world size.
-        world_size: usize,
-    },
-    /// A collective failed (the process group is broken on every rank).
-    #[error("SyncBatchNorm: collective failed: {0}")]
-    Comm(#[from] ddp_comm::CommError),
-    /// Device memory could not be read or handed to NCCL, or an NCCL collective failed.
-    #[error("SyncBatchNorm: {0}")]
-    Device(String),
 }
 
 /// [`SyncBatchNorm`] configuration: [`BatchNormConfig`]'s fields plus the running-variance

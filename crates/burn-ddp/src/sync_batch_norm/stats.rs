@@ -69,6 +69,17 @@ impl ChannelStats {
 /// sample count.
 pub(crate) const ROWS: usize = 4;
 
+/// The scalar settings of [`SyncBatchNormBackend::sync_bn_combine`](super::SyncBatchNormBackend::sync_bn_combine).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CombineOptions {
+    /// Added to the variance in `1 / sqrt(σ² + ε)`.
+    pub epsilon: f64,
+    /// Weight of the batch statistics in the running-statistics update.
+    pub momentum: f64,
+    /// Whether the running variance takes `M2 / (N − 1)` (PyTorch) instead of `M2 / N`.
+    pub unbiased: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

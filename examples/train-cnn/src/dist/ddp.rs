@@ -110,7 +110,8 @@ impl Cluster for DdpCluster {
     }
 
     fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<(), DistError> {
-        burn_ddp::comm::lock(self.ddp.group())
+        self.ddp
+            .process_group()
             .all_reduce(values, ReduceOp::Sum)
             .map_err(err)
     }
