@@ -269,7 +269,7 @@ pub fn train<N: NormLayer, C: Cluster>(
     let mut partial = None;
     let resume = cfg.resume || (cfg.resume_if_present && ckpt.exists(cluster.group())?);
     if resume {
-        let Some(r) = ckpt.load::<_, CheckpointMeta>(cluster.group(), model, &mut optim)? else {
+        let Some(ck) = ckpt.read::<CheckpointMeta>(cluster.group())? else {
             return Err(CheckpointError::Io {
                 path: paths.checkpoint.clone(),
                 source: std::io::Error::new(
@@ -279,13 +279,15 @@ pub fn train<N: NormLayer, C: Cluster>(
             }
             .into());
         };
-        let meta = r.metadata;
-        if meta.model != model_cfg {
+        if ck.metadata.model != model_cfg {
             return Err(TrainError::Config(format!(
                 "the checkpoint holds a model {:?}, these settings build {:?}",
-                meta.model, model_cfg
+                ck.metadata.model, model_cfg
             )));
         }
+        let (restored, r) = ckpt.restore(ck, model, &mut optim)?;
+        model = restored;
+        let meta = r.metadata;
         // (schedule, epochs it spans); a constant rate spans nothing.
         let span = |name: &str, epochs: usize| {
             let epochs = if name == LrSchedule::Constant.name() {
@@ -316,7 +318,6 @@ pub fn train<N: NormLayer, C: Cluster>(
                 cfg.batch_size
             );
         }
-        model = r.model;
         seed = meta.seed;
         history = meta.history;
         partial = meta.partial;

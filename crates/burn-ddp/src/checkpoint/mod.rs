@@ -23,10 +23,8 @@
 //! let ckpt = Checkpointer::new("runs/my-job").every_steps(500);
 //!
 //! // On start (and after a restart): resume when rank 0 finds a checkpoint.
-//! let (model, mut step) = match ckpt.load::<_, String>(&ddp, model, &mut optim)? {
-//!     Some(resumed) => (resumed.model, resumed.progress.step),
-//!     None => (model, 0),
-//! };
+//! let (model, resumed) = ckpt.load::<_, String>(&ddp, model, &mut optim)?;
+//! let mut step = resumed.map_or(0, |r| r.progress.step);
 //! let mut model = ddp.replicate_model(model)?;
 //! # let batches: Vec<(Tensor<2>, Tensor<2>)> = vec![];
 //! for (x, y) in batches {
@@ -188,11 +186,9 @@ impl OptimizerState for DdpOptimizer {
     }
 }
 
-/// What [`Checkpointer::load`] resumed.
-#[derive(Debug)]
-pub struct Resumed<M, T> {
-    /// The model with the checkpoint's parameters and buffers (the same on every rank).
-    pub model: M,
+/// What [`Checkpointer::load`] resumed, besides the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resumed<T> {
     /// Where the run stood.
     pub progress: Progress,
     /// The world size of the job that wrote the checkpoint.
@@ -319,8 +315,9 @@ impl Checkpointer {
 
     /// Resumes from the checkpoint when rank 0 finds one: rank 0 reads the file and
     /// broadcasts its bytes, every rank decodes them, loads the model record into `model` and
-    /// the optimizer state into `optim`. `Ok(None)` (and `optim` untouched) when there is no
-    /// checkpoint. Collective.
+    /// the optimizer state into `optim`, and returns the model with what else it resumed.
+    /// `(model, None)`, `model` and `optim` untouched, when there is no checkpoint. Collective. ([`Self::read`] and [`Self::restore`] are its two halves, to
+    /// look at the metadata before restoring.)
     ///
     /// # Errors
     /// [`DdpError::Checkpoint`] on every rank when the file can't be read, is damaged or does
@@ -330,7 +327,26 @@ impl Checkpointer {
         group: &impl GroupHandle,
         model: M,
         optim: &mut impl OptimizerState,
-    ) -> Result<Option<Resumed<M, T>>> {
+    ) -> Result<(M, Option<Resumed<T>>)> {
+        match self.read(group)? {
+            Some(ck) => {
+                let (model, resumed) = self.restore(ck, model, optim)?;
+                Ok((model, Some(resumed)))
+            }
+            None => Ok((model, None)),
+        }
+    }
+
+    /// The first half of [`Self::load`]: rank 0 reads the checkpoint and broadcasts it, every
+    /// rank decodes the same bytes. `Ok(None)` when rank 0 finds no checkpoint. Collective.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] on every rank when the file can't be read or is damaged;
+    /// [`DdpError::Comm`].
+    pub fn read<T: DeserializeOwned>(
+        &self,
+        group: &impl GroupHandle,
+    ) -> Result<Option<Checkpoint<T>>> {
         let g = group.process_group();
         let is_main = comm::lock(g).rank() == 0;
         let mut local_err = None;
@@ -358,27 +374,39 @@ impl Checkpointer {
         };
         match tag {
             NONE => Ok(None),
-            FOUND => {
-                let ck = Checkpoint::<T>::from_bytes(body, &self.path)?;
-                let model = ck.restore_model(model, &self.path)?;
-                optim
-                    .load_state_bytes(ck.optimizer)
-                    .map_err(|e| self.located(e))?;
-                tracing::info!(
-                    step = ck.progress.step,
-                    epochs_done = ck.progress.epochs_done,
-                    "resumed from {}",
-                    self.path.display()
-                );
-                Ok(Some(Resumed {
-                    model,
-                    progress: ck.progress,
-                    world_size: ck.world_size,
-                    metadata: ck.metadata,
-                }))
-            }
+            FOUND => Ok(Some(Checkpoint::<T>::from_bytes(body, &self.path)?)),
             _ => Err(CheckpointError::OnRankZero(String::from_utf8_lossy(body).into()).into()),
         }
+    }
+
+    /// The second half of [`Self::load`]: `model` with the checkpoint's record and `optim`
+    /// with its state. Every rank restores the same bytes, so no communication.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] ([`CheckpointError::DoesNotFit`]) when the records are not
+    /// those of `model` / `optim`.
+    pub fn restore<M: Module, T>(
+        &self,
+        ck: Checkpoint<T>,
+        model: M,
+        optim: &mut impl OptimizerState,
+    ) -> Result<(M, Resumed<T>)> {
+        let model = ck.restore_model(model, &self.path)?;
+        optim
+            .load_state_bytes(ck.optimizer)
+            .map_err(|e| self.located(e))?;
+        tracing::info!(
+            step = ck.progress.step,
+            epochs_done = ck.progress.epochs_done,
+            "resumed from {}",
+            self.path.display()
+        );
+        let resumed = Resumed {
+            progress: ck.progress,
+            world_size: ck.world_size,
+            metadata: ck.metadata,
+        };
+        Ok((model, resumed))
     }
 
     /// Names this checkpoint's file in an error raised without a path.
