@@ -2,89 +2,27 @@
 //! variables set by the test), each with a deadline after which it is killed.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use ddp_testkit::{JobResult, RankJob};
 
 use train_cnn::checkpoint::Checkpoint;
 use train_cnn::metrics::read_json;
 
 const DEADLINE: Duration = Duration::from_secs(300);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// `world` ranks of train-cnn with `args` (ddp-testkit's runner: torchrun's variables, a free
+/// port and a fresh token, one deadline, every rank killed and reaped past it).
+fn job(world: usize, args: &[String]) -> RankJob {
+    RankJob::new(env!("CARGO_BIN_EXE_train-cnn"), world)
+        .args(args)
+        .envs(&[("RAYON_NUM_THREADS", "1"), ("OMP_NUM_THREADS", "1")])
+        .deadline(DEADLINE)
 }
 
-/// Starts `world` ranks of train-cnn with `args`.
-fn spawn_ranks(world: usize, args: &[String]) -> Vec<Child> {
-    spawn_ranks_with_env(world, args, &[])
-}
-
-/// Starts `world` ranks of train-cnn with `args` and the extra variables `env`.
-fn spawn_ranks_with_env(world: usize, args: &[String], env: &[(&str, &str)]) -> Vec<Child> {
-    spawn_ranks_on(world, args, env, free_port())
-}
-
-/// Starts `world` ranks of train-cnn whose rank 0 serves the rendezvous store on `port`.
-fn spawn_ranks_on(world: usize, args: &[String], env: &[(&str, &str)], port: u16) -> Vec<Child> {
-    let port = port.to_string();
-    let token = format!("train-cnn-test-{}-{port}", std::process::id());
-    (0..world)
-        .map(|r| {
-            Command::new(env!("CARGO_BIN_EXE_train-cnn"))
-                .args(args)
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("GROUP_RANK", "0")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("DDP_JOB_TOKEN", &token)
-                .env("RAYON_NUM_THREADS", "1")
-                .env("OMP_NUM_THREADS", "1")
-                .envs(env.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank")
-        })
-        .collect()
-}
-
-/// Waits for every child until the deadline, killing all of them if it passes.
-/// Returns (exit success, stdout, stderr) per rank.
-fn wait_all(children: Vec<Child>, start: Instant) -> Vec<(bool, String, String)> {
-    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
-    let mut results: Vec<Option<(bool, String, String)>> = vec![None; children.len()];
-    loop {
-        for (i, slot) in children.iter_mut().enumerate() {
-            if let Some(c) = slot
-                && c.try_wait().expect("wait").is_some()
-            {
-                let out = slot.take().unwrap().wait_with_output().expect("output");
-                results[i] = Some((
-                    out.status.success(),
-                    String::from_utf8_lossy(&out.stdout).into_owned(),
-                    String::from_utf8_lossy(&out.stderr).into_owned(),
-                ));
-            }
-        }
-        if children.iter().all(Option::is_none) {
-            return results.into_iter().map(Option::unwrap).collect();
-        }
-        if start.elapsed() > DEADLINE {
-            for c in children.iter_mut().flatten() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            panic!("ranks overran the {DEADLINE:?} deadline: {results:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// Runs `job` to the end.
+fn run(job: RankJob) -> JobResult {
+    job.run().expect("spawn the ranks")
 }
 
 fn args(out: &Path, epochs: usize) -> Vec<String> {
@@ -100,12 +38,12 @@ fn args(out: &Path, epochs: usize) -> Vec<String> {
 fn two_ranks_train_and_only_rank_zero_reports() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let results = wait_all(spawn_ranks(2, &args(&out, 2)), Instant::now());
-    for (r, (ok, _, err)) in results.iter().enumerate() {
-        assert!(ok, "rank {r} failed: {err}");
+    let results = run(job(2, &args(&out, 2)));
+    for r in &results.ranks {
+        assert!(r.success(), "rank {} failed: {}", r.rank, r.stderr);
     }
-    let (_, out0, _) = &results[0];
-    let (_, out1, _) = &results[1];
+    let out0 = &results.rank(0).stdout;
+    let out1 = &results.rank(1).stdout;
     assert!(out0.contains("2 ranks × batch 16"), "{out0}");
     assert!(
         out0.lines().last().unwrap().starts_with("done: 2 epochs"),
@@ -128,14 +66,16 @@ fn a_checkpoint_rank_zero_cannot_write_stops_every_rank_with_its_error() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     std::fs::create_dir_all(out.join("checkpoint.bin/in-the-way")).unwrap();
-    let results = wait_all(spawn_ranks(2, &args(&out, 1)), Instant::now());
-    for (r, (ok, _, err)) in results.iter().enumerate() {
-        assert!(!ok, "rank {r} succeeded");
+    let results = run(job(2, &args(&out, 1)));
+    for res in &results.ranks {
+        let (r, err) = (res.rank, &res.stderr);
+        assert!(!res.success(), "rank {r} succeeded");
         assert!(err.contains("train-cnn: error: "), "rank {r}: {err}");
         assert!(err.contains("checkpoint.bin"), "rank {r}: {err}");
         assert!(!err.contains("panicked"), "rank {r}: {err}");
     }
-    assert!(results[1].2.contains("on rank 0:"), "{}", results[1].2);
+    let err1 = &results.rank(1).stderr;
+    assert!(err1.contains("on rank 0:"), "{err1}");
 }
 
 #[test]
@@ -143,7 +83,7 @@ fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let start = Instant::now();
-    let mut children = spawn_ranks(2, &args(&out, 6));
+    let mut running = job(2, &args(&out, 6)).spawn().expect("spawn the ranks");
     // Wait for the first checkpoint, then kill rank 1 during the next epoch.
     let ck_path = out.join("checkpoint.bin");
     while !ck_path.exists() {
@@ -151,18 +91,16 @@ fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
             start.elapsed() < DEADLINE,
             "no checkpoint before the deadline"
         );
-        for c in &mut children {
-            if let Some(s) = c.try_wait().unwrap() {
-                panic!("a rank exited early with {s}");
-            }
-        }
+        let exited = running.exited();
+        assert!(exited.is_empty(), "a rank exited early: {exited:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(300));
-    children[1].kill().unwrap();
-    let results = wait_all(children, start);
-    let (ok0, _, err0) = &results[0];
-    assert!(!ok0, "rank 0 succeeded although rank 1 was killed");
+    running.kill(1).unwrap();
+    let results = running.wait();
+    let r0 = results.rank(0);
+    let err0 = &r0.stderr;
+    assert!(!r0.success(), "rank 0 succeeded although rank 1 was killed");
     assert!(err0.contains("train-cnn: error"), "{err0}");
     assert!(!err0.contains("panicked"), "{err0}");
 
@@ -172,8 +110,8 @@ fn a_killed_rank_stops_the_run_and_leaves_a_resumable_checkpoint() {
     assert!(done >= 1);
     let mut a = args(&out, done + 1);
     a.push("--resume".into());
-    let results = wait_all(spawn_ranks(1, &a), Instant::now());
-    assert!(results[0].0, "resume failed: {}", results[0].2);
+    let results = run(job(1, &a));
+    assert!(results.success(), "resume failed: {}", results.report());
     assert_eq!(
         read_json(&out.join("metrics.json")).unwrap().len(),
         done + 1
@@ -191,12 +129,10 @@ fn without_a_usable_gpu_every_rank_says_so_and_fails() {
     let mut a = args(&out, 1);
     a.extend(["--backend".to_string(), "cuda".to_string()]);
     let start = Instant::now();
-    let results = wait_all(
-        spawn_ranks_with_env(2, &a, &[("CUDA_VISIBLE_DEVICES", "")]),
-        start,
-    );
-    for (r, (ok, _, err)) in results.iter().enumerate() {
-        assert!(!ok, "rank {r} succeeded without a GPU");
+    let results = run(job(2, &a).env("CUDA_VISIBLE_DEVICES", ""));
+    for res in &results.ranks {
+        let (r, err) = (res.rank, &res.stderr);
+        assert!(!res.success(), "rank {r} succeeded without a GPU");
         assert_eq!(
             err.matches("train-cnn: error").count(),
             1,
@@ -243,15 +179,13 @@ fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
     let mut a = args(&out, 6);
     let at = a.iter().position(|x| x == "--train-size").unwrap();
     a[at + 1] = "8000".into(); // a run of several seconds
-    let port = free_port();
     let start = Instant::now();
-    let children = spawn_ranks_on(2, &a, &[], port);
-    let pid0 = children[0].id();
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let running = job(2, &a).spawn().expect("spawn the ranks");
+    let pid0 = running.pid(0).expect("rank 0 started");
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], running.master_port()));
     while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
         if start.elapsed() > Duration::from_secs(60) {
-            let results = wait_all(children, start);
-            panic!("rank 0's store never came up: {results:?}");
+            panic!("rank 0's store never came up: {}", running.wait().report());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -264,13 +198,18 @@ fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
     std::thread::sleep(Duration::from_millis(100));
     let during = threads(pid0);
     // Reap the ranks before any assertion can fail.
-    let results = wait_all(children, start);
+    let results = running.wait();
     let opened = flood.len();
     drop(flood);
-    for (r, (ok, _, err)) in results.iter().enumerate() {
-        assert!(ok, "rank {r} failed during the flood: {err}");
+    for r in &results.ranks {
+        assert!(
+            r.success(),
+            "rank {} failed during the flood: {}",
+            r.rank,
+            r.stderr
+        );
     }
-    let err0 = &results[0].2;
+    let err0 = &results.rank(0).stderr;
     assert!(
         err0.contains("refused a connection"),
         "no refusal logged: {err0}"

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ddp_tests::RankJob;
+use ddp_testkit::RankJob;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 

@@ -13,7 +13,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_ddp::data::ShardedDataLoaderBuilder;
-use serde::Serialize;
+use ddp_testkit::data_report::EpochReport;
 
 /// Batches sample ids into a 1-D `Int` tensor on the rank's device.
 #[derive(Clone)]
@@ -24,15 +24,6 @@ impl Batcher<i64, Tensor<1, Int>> for IdBatcher {
         let n = items.len();
         Tensor::from_data(TensorData::new(items, [n]), device)
     }
-}
-
-#[derive(Serialize)]
-struct EpochReport {
-    rank: usize,
-    epoch: u64,
-    batches: usize,
-    batch_sizes: Vec<usize>,
-    ids: Vec<i64>,
 }
 
 fn var<T: std::str::FromStr>(name: &str, default: Option<T>) -> Result<T, String> {

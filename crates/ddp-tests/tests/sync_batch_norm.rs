@@ -14,9 +14,6 @@
 //!
 //! Tolerances are relative to the largest magnitude of the reference tensor.
 
-#[path = "../src/bin/syncbn_worker/case.rs"]
-mod case;
-
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -27,7 +24,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_ddp::sync_batch_norm::{
     RunningVariance, SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormError, SyncBatchNormImpl,
 };
-use case::{Case, RankResult, Step, StepResult};
+use ddp_testkit::syncbn_case::{Case, RankResult, Step, StepResult};
 
 const TOL: f64 = 1e-5;
 
@@ -663,7 +660,7 @@ mod cuda {
 
 static RUN: AtomicUsize = AtomicUsize::new(0);
 
-/// Starts one `syncbn_worker` per rank with torchrun's variables (`ddp_tests::RankJob`: deadline
+/// Starts one `syncbn_worker` per rank with torchrun's variables (`ddp_testkit::RankJob`: deadline
 /// 240 s, every rank killed and reaped after it) and returns each rank's report.
 fn run_ranks(case: &Case) -> Vec<RankResult> {
     let world = case.rows.len();
@@ -675,7 +672,7 @@ fn run_ranks(case: &Case) -> Vec<RankResult> {
     std::fs::create_dir_all(&dir).unwrap();
     let case_path = dir.join("case.json");
     std::fs::write(&case_path, serde_json::to_vec(case).unwrap()).unwrap();
-    let job = ddp_tests::RankJob::new(env!("CARGO_BIN_EXE_syncbn_worker"), world)
+    let job = ddp_testkit::RankJob::new(env!("CARGO_BIN_EXE_syncbn_worker"), world)
         .arg(&case_path)
         .arg(&dir)
         .env("DDP_TIMEOUT_SECS", "60")

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ddp_tests::{JobResult, RankJob};
+use ddp_testkit::{JobResult, RankJob};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 
@@ -14,7 +14,7 @@ struct RankRun {
     out_dir: PathBuf,
 }
 
-/// Starts `world` ranks of the worker with torchrun's environment (`ddp_tests::RankJob`: every
+/// Starts `world` ranks of the worker with torchrun's environment (`ddp_testkit::RankJob`: every
 /// rank killed and reaped past the deadline) and waits for all of them.
 fn launch(world: usize, name: &str, args: &[&str]) -> RankRun {
     launch_with_env(world, name, args, &[])
@@ -25,7 +25,7 @@ fn launch_with_env(world: usize, name: &str, args: &[&str], env: &[(&str, &str)]
     let out_dir = std::env::temp_dir().join(format!(
         "burn-ddp-test-{name}-{}-{}",
         std::process::id(),
-        ddp_tests::free_port()
+        ddp_testkit::free_port()
     ));
     let _ = std::fs::remove_dir_all(&out_dir);
     std::fs::create_dir_all(&out_dir).expect("temp dir");

@@ -3,8 +3,6 @@
 //!
 //! Usage: `syncbn_worker CASE.json OUT_DIR` (writes `OUT_DIR/rank{RANK}.json`).
 
-mod case;
-
 use std::process::ExitCode;
 
 use burn::module::Param;
@@ -13,8 +11,8 @@ use burn_ddp::Ddp;
 use burn_ddp::sync_batch_norm::{
     RunningVariance, SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormImpl,
 };
-use case::{Case, RankResult, StepResult};
 use ddp_comm::ReduceOp;
+use ddp_testkit::syncbn_case::{Case, RankResult, StepResult};
 
 /// Joins the job on the case's device: a fixed device for flex/wgpu, CUDA device `LOCAL_RANK`
 /// (device 0 when only one is visible) with the case's NCCL policy for cuda.

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use ddp_tests::RankJob;
+use ddp_testkit::RankJob;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 

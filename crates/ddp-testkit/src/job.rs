@@ -1,24 +1,5 @@
-//! Support code shared by the multi-process integration tests in `tests/`.
-//!
-//! [`RankJob`] starts N rank processes of a program with the torchrun launch environment
-//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`,
-//! `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`, a fresh `DDP_JOB_TOKEN`), captures each
-//! rank's output, enforces a deadline and never leaves a process behind: a [`RunningJob`] kills
-//! (SIGKILL) and reaps every rank still running when it is dropped, including on panic.
-//!
-//! ```no_run
-//! use std::time::Duration;
-//! use ddp_tests::RankJob;
-//!
-//! // In an integration test: `env!("CARGO_BIN_EXE_comm_worker")`.
-//! let worker = "target/debug/comm_worker";
-//! let result = RankJob::new(worker, 4)
-//!     .arg("matrix")
-//!     .deadline(Duration::from_secs(60))
-//!     .run()
-//!     .expect("spawn");
-//! result.assert_success();
-//! ```
+//! [`RankJob`]: N rank processes with the torchrun launch environment, a deadline, and
+//! every process reaped.
 
 use std::ffi::OsString;
 use std::io::Read;
@@ -284,6 +265,17 @@ impl RunningJob {
         let at = Instant::now();
         p.child.kill()?;
         Ok(at)
+    }
+
+    /// The ranks that have exited so far, with their status.
+    pub fn exited(&mut self) -> Vec<(usize, ExitStatus)> {
+        self.procs
+            .iter_mut()
+            .filter_map(|p| {
+                p.poll();
+                p.exit.map(|(st, _)| (p.rank, st))
+            })
+            .collect()
     }
 
     /// Output of `rank` so far (stdout then stderr).

@@ -5,18 +5,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use serde::Deserialize;
+use ddp_testkit::data_report::EpochReport;
 
 const DEADLINE: Duration = Duration::from_secs(120);
-
-#[derive(Debug, Deserialize)]
-struct EpochReport {
-    rank: usize,
-    epoch: u64,
-    batches: usize,
-    batch_sizes: Vec<usize>,
-    ids: Vec<i64>,
-}
 
 struct Run {
     len: usize,
@@ -27,10 +18,10 @@ struct Run {
     epochs: u64,
 }
 
-/// Launches `world` ranks (`ddp_tests::RankJob`: one deadline, every rank killed and reaped
+/// Launches `world` ranks (`ddp_testkit::RankJob`: one deadline, every rank killed and reaped
 /// past it) and returns each rank's reports, indexed `[rank][epoch]`.
 fn launch(run: &Run) -> Vec<Vec<EpochReport>> {
-    let job = ddp_tests::RankJob::new(env!("CARGO_BIN_EXE_data_worker"), run.world)
+    let job = ddp_testkit::RankJob::new(env!("CARGO_BIN_EXE_data_worker"), run.world)
         .env("DATA_LEN", run.len.to_string())
         .env("BATCH_SIZE", run.batch.to_string())
         .env("DROP_LAST", run.drop_last.to_string())
@@ -209,7 +200,7 @@ fn tiny_and_empty_datasets_give_equal_epochs_without_hanging() {
 #[test]
 fn bad_rank_is_a_clear_error() {
     // One process claiming rank 3 of a world of 3.
-    let job = ddp_tests::RankJob::new(env!("CARGO_BIN_EXE_data_worker"), 3)
+    let job = ddp_testkit::RankJob::new(env!("CARGO_BIN_EXE_data_worker"), 3)
         .only_ranks([0])
         .rank_env(0, "RANK", "3")
         .env("DATA_LEN", "10")

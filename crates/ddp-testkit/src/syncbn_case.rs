@@ -1,5 +1,5 @@
 //! The SyncBatchNorm equivalence case a test hands to `syncbn_worker` ranks, and what each rank
-//! reports back. Shared by `src/bin/syncbn_worker` and `tests/sync_batch_norm.rs`.
+//! reports back. Shared by `ddp-tests`' `syncbn_worker` and `tests/sync_batch_norm.rs`.
 
 use serde::{Deserialize, Serialize};
 

@@ -1,0 +1,18 @@
+//! What `data_worker` (the sharded-loader rank program) reports per epoch, as one JSON line.
+
+use serde::{Deserialize, Serialize};
+
+/// One epoch of one rank: the batches it read and the dataset ids in them, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochReport {
+    /// The rank.
+    pub rank: usize,
+    /// The epoch.
+    pub epoch: u64,
+    /// Batches read.
+    pub batches: usize,
+    /// Size of each batch.
+    pub batch_sizes: Vec<usize>,
+    /// The dataset ids, in the order read.
+    pub ids: Vec<i64>,
+}
