@@ -23,9 +23,10 @@ pub mod launcher;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod store;
+mod wire;
 
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
 pub use group::{Element, GroupOptions, ProcessGroup, ReduceOp};
 pub use launcher::{LaunchConfig, LaunchError, LaunchReport, launch};
-pub use store::{StoreClient, StoreServer};
+pub use store::{PrefixStore, Store, StoreClient, StoreServer};

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use super::ReduceOp;
 use super::link::{Link, LinkError};
 use crate::error::CommError;
+use crate::wire::{Reader, Writer};
 
 /// Header bytes in front of every collective's first message.
 pub(crate) const HDR: usize = 32;
@@ -98,34 +99,42 @@ pub(crate) struct Header {
 
 impl Header {
     pub(crate) fn encode(&self) -> [u8; HDR] {
-        let mut b = [0u8; HDR];
-        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4] = self.kind as u8;
-        b[5] = self.op;
-        b[6] = self.inline as u8;
-        b[7] = self.elem;
-        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        b[16..24].copy_from_slice(&self.len.to_le_bytes());
-        b[24..28].copy_from_slice(&self.root.to_le_bytes());
-        b[28..32].copy_from_slice(&self.dtype.to_le_bytes());
-        b
+        Writer::with_capacity(HDR)
+            .u32(MAGIC)
+            .u8(self.kind as u8)
+            .u8(self.op)
+            .u8(self.inline as u8)
+            .u8(self.elem)
+            .u64(self.seq)
+            .u64(self.len)
+            .u32(self.root)
+            .u32(self.dtype)
+            .finish()
+            .try_into()
+            .expect("a header is HDR bytes")
     }
 
     pub(crate) fn decode(b: &[u8; HDR]) -> Option<Header> {
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if u32_at(0) != MAGIC || b[6] > 1 {
+        let mut r = Reader::new(b);
+        if r.u32().ok()? != MAGIC {
             return None;
         }
+        let kind = Kind::from_u8(r.u8().ok()?)?;
+        let op = r.u8().ok()?;
+        let inline = match r.u8().ok()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
         Some(Header {
-            kind: Kind::from_u8(b[4])?,
-            op: b[5],
-            inline: b[6] == 1,
-            elem: b[7],
-            seq: u64_at(8),
-            len: u64_at(16),
-            root: u32_at(24),
-            dtype: u32_at(28),
+            kind,
+            op,
+            inline,
+            elem: r.u8().ok()?,
+            seq: r.u64().ok()?,
+            len: r.u64().ok()?,
+            root: r.u32().ok()?,
+            dtype: r.u32().ok()?,
             dtype_name: "",
         })
     }

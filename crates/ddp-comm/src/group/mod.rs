@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{PrefixStore, Store, StoreClient, StoreServer, keys};
 
 use engine::{HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
 use link::Link;
@@ -198,10 +198,11 @@ impl ProcessGroup {
                 .map_err(|e| CommError::io("listener address", None, e))?,
             host: mesh::host_identity(),
         };
-        store.set(&addr_key(rank), &me.encode())?;
+        let mut ns = PrefixStore::new(&mut store, keys::PROCESS_GROUP);
+        ns.set(&keys::peer_addr(rank), &me.encode())?;
 
-        let keys: Vec<String> = (0..world).map(addr_key).collect();
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let addr_keys: Vec<String> = (0..world).map(keys::peer_addr).collect();
+        let key_refs: Vec<&str> = addr_keys.iter().map(String::as_str).collect();
         // Ranks other than 0 give up a little earlier, while rank 0 still serves the store, so
         // every rank can name the missing ranks itself.
         let margin = if rank == 0 {
@@ -210,13 +211,13 @@ impl ProcessGroup {
             (opts.connect_timeout / 10).min(Duration::from_millis(500))
         };
         let remaining = deadline.saturating_duration_since(Instant::now() + margin);
-        if let Err(e) = store.wait(&key_refs, remaining) {
+        if let Err(e) = ns.wait(&key_refs, remaining) {
             if !matches!(e, CommError::Timeout { .. }) {
                 return Err(e);
             }
             let mut missing = Vec::new();
-            for (r, k) in keys.iter().enumerate() {
-                if store.try_get(k)?.is_none() {
+            for (r, k) in addr_keys.iter().enumerate() {
+                if ns.try_get(k)?.is_none() {
                     missing.push(r);
                 }
             }
@@ -234,8 +235,8 @@ impl ProcessGroup {
             });
         }
         let mut infos = Vec::with_capacity(world);
-        for (r, k) in keys.iter().enumerate() {
-            let v = store.get(k, Duration::from_secs(1))?;
+        for (r, k) in addr_keys.iter().enumerate() {
+            let v = ns.get(k, Duration::from_secs(1))?;
             infos.push(PeerInfo::decode(&v).ok_or_else(|| CommError::Store {
                 addr: endpoint.clone(),
                 msg: format!("rank {r} published a malformed address"),
@@ -790,10 +791,6 @@ impl Drop for ProcessGroup {
             }
         }
     }
-}
-
-fn addr_key(rank: usize) -> String {
-    format!("ddp/pg/addr/{rank}")
 }
 
 /// Element range of chunk `c` of `len` elements split `n` ways.
