@@ -4,7 +4,8 @@
 //! - [`store`]: the rendezvous key-value store rank 0 serves at `MASTER_ADDR:MASTER_PORT`.
 //! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
-//! - [`launcher`]: starts, watches and stops rank processes (the `ddprun` binary).
+//! - [`launcher`]: starts, watches and stops rank processes (the library behind the `ddprun`
+//!   binary, which is its own crate, `crates/ddprun`).
 //!
 //! ```no_run
 //! use ddp_comm::{ProcessGroup, ReduceOp};
