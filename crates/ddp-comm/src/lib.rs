@@ -23,6 +23,7 @@ pub mod group;
 pub mod launcher;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod net;
 pub mod store;
 mod wire;
 

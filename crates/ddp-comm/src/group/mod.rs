@@ -108,6 +108,7 @@ const INLINE_BYTES: usize = 64 * 1024;
 
 /// Which transport a peer link uses (see [`ProcessGroup::transports`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Transport {
     /// This rank itself.
     SelfRank,

@@ -8,11 +8,7 @@ use super::*;
 use crate::env::EnvSource;
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    crate::net::free_port("127.0.0.1").unwrap()
 }
 
 fn env(rank: usize, world: usize, port: u16, token: &str) -> LaunchEnv {
