@@ -33,6 +33,7 @@ mod algorithms;
 mod copy;
 mod element;
 mod engine;
+mod header;
 mod link;
 mod mesh;
 mod shm;

@@ -67,3 +67,5 @@ pub use result::NcclError;
 
 #[cfg(doc)]
 use crate::error::CommError;
+#[cfg(doc)]
+use cudarc::driver::CudaSlice;

@@ -4,7 +4,7 @@
 //! `cudarc::nccl::sys` functions.
 //!
 //! Communicators here are non-blocking, so `ncclInProgress` is not an error: calls that may
-//! answer it return [`Progress`].
+//! answer it return `Progress`.
 
 use std::ffi::{c_int, c_void};
 use std::time::Duration;
