@@ -1,8 +1,6 @@
 //! The host-slice helpers of [`NcclGroup`]: each stages through device memory and runs the
 //! device collective.
 
-use std::sync::Arc;
-
 use cudarc::driver::CudaSlice;
 
 use super::NcclGroup;
@@ -19,10 +17,7 @@ impl NcclGroup {
         if buf.is_empty() {
             return Ok(());
         }
-        let stream = Arc::clone(&self.stream);
-        let mut dev = stream
-            .clone_htod(buf)
-            .map_err(|e| cuda_error("copying to the device", e))?;
+        let mut dev = self.to_device(buf)?;
         self.all_reduce(&mut dev, op)?;
         self.copy_back(&dev, buf)
     }
@@ -34,10 +29,7 @@ impl NcclGroup {
         if buf.is_empty() {
             return Ok(());
         }
-        let stream = Arc::clone(&self.stream);
-        let mut dev = stream
-            .clone_htod(buf)
-            .map_err(|e| cuda_error("copying to the device", e))?;
+        let mut dev = self.to_device(buf)?;
         self.broadcast(&mut dev, root)?;
         self.copy_back(&dev, buf)
     }
@@ -58,15 +50,19 @@ impl NcclGroup {
         if input.is_empty() {
             return Ok(());
         }
-        let stream = Arc::clone(&self.stream);
-        let dev_in = stream
-            .clone_htod(input)
-            .map_err(|e| cuda_error("copying to the device", e))?;
-        let mut dev_out = stream
+        let dev_in = self.to_device(input)?;
+        let mut dev_out = self
+            .stream
             .alloc_zeros::<T>(output.len())
             .map_err(|e| cuda_error("allocating the gather buffer", e))?;
         self.all_gather(&dev_in, &mut dev_out)?;
         self.copy_back(&dev_out, output)
+    }
+
+    fn to_device<T: NcclElement>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| cuda_error("copying to the device", e))
     }
 
     fn copy_back<T: NcclElement>(&mut self, dev: &CudaSlice<T>, host: &mut [T]) -> Result<()> {
