@@ -99,8 +99,8 @@ do_build() {
   # all-reduce benchmark and xtask (`xtask train --gpus 1 --program …` needs no cargo).
   cargo test --no-run -p ddp-comm --features nccl --test nccl --message-format=json >"$JSON"
   pick nccl test ddp-comm-nccl-tests
-  cargo build --release -p ddp-comm --features nccl --bin ddprun --example allreduce_bench \
-    --message-format=json >"$JSON"
+  cargo build --release -p ddprun -p ddp-comm --features ddprun/nccl,ddp-comm/nccl --bin ddprun \
+    --example allreduce_bench --message-format=json >"$JSON"
   pick ddprun bin ddprun
   pick allreduce_bench example allreduce_bench
   cargo build --release -p xtask --message-format=json >"$JSON"

@@ -218,6 +218,8 @@ fn bench_allreduce(
         "ddp-comm",
         "--example",
         "allreduce_bench",
+        "-p",
+        "ddprun",
         "--bin",
         "ddprun",
     ]))?;
@@ -277,7 +279,7 @@ fn bench_ddp(nproc: u32, extra: &[String]) -> Result<(), String> {
         "--bin",
         "ddp_bench",
         "-p",
-        "ddp-comm",
+        "ddprun",
         "--bin",
         "ddprun",
     ]))?;

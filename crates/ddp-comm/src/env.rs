@@ -27,6 +27,7 @@ pub const TOKEN_VAR: &str = "DDP_JOB_TOKEN";
 
 /// A launch variable that is missing or malformed. The message names the variable and value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum EnvError {
     /// A variable that must be set (given the others) is not.
     #[error("environment variable {var} is not set ({why})")]
@@ -68,6 +69,7 @@ pub enum EnvError {
 
 /// Where the launch values came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum EnvSource {
     /// torchrun-style variables (`RANK`, `WORLD_SIZE`, …), as set by `ddprun` or torchrun.
     Torchrun,

@@ -12,6 +12,7 @@ pub type Result<T, E = CommError> = std::result::Result<T, E>;
 /// Every variant that involves another process names its rank, so the message printed on a
 /// surviving rank says which peer failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CommError {
     /// The launch environment is missing or malformed.
     #[error(transparent)]
@@ -59,6 +60,21 @@ pub enum CommError {
     /// The caller passed an argument that cannot work (a root rank out of range, …).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// An NCCL call failed (feature `nccl`) with a code other than the ones that map to
+    /// [`CommError::InvalidArgument`] (`ncclInvalidArgument`, `ncclInvalidUsage`) or
+    /// [`CommError::Timeout`] (`ncclTimeout`): a remote rank's failure (`ncclRemoteError`), a
+    /// system, internal or CUDA error.
+    #[error("NCCL {op}: {name} (code {code}): {detail}")]
+    Nccl {
+        /// The operation in progress.
+        op: String,
+        /// NCCL's result code (`ncclResult_t` as an integer).
+        code: u32,
+        /// The code's name (`ncclRemoteError`, …).
+        name: String,
+        /// NCCL's description of the code and its last error text.
+        detail: String,
+    },
     /// An earlier error broke this process group; it cannot be used any more.
     #[error("the process group is broken by an earlier error: {0}")]
     Poisoned(String),

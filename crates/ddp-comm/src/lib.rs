@@ -4,7 +4,8 @@
 //! - [`store`]: the rendezvous key-value store rank 0 serves at `MASTER_ADDR:MASTER_PORT`.
 //! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
-//! - [`launcher`]: starts, watches and stops rank processes (the `ddprun` binary).
+//! - [`launcher`]: starts, watches and stops rank processes (the library behind the `ddprun`
+//!   binary, which is its own crate, `crates/ddprun`).
 //!
 //! ```no_run
 //! use ddp_comm::{ProcessGroup, ReduceOp};
@@ -22,10 +23,12 @@ pub mod group;
 pub mod launcher;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod net;
 pub mod store;
+mod wire;
 
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
 pub use group::{Element, GroupOptions, ProcessGroup, ReduceOp};
 pub use launcher::{LaunchConfig, LaunchError, LaunchReport, launch};
-pub use store::{StoreClient, StoreServer};
+pub use store::{PrefixStore, Store, StoreClient, StoreServer};

@@ -16,12 +16,9 @@ use super::ReduceOp;
 use super::link::{Link, LinkError};
 use crate::error::CommError;
 
-/// Header bytes in front of every collective's first message.
-pub(crate) const HDR: usize = 32;
-const MAGIC: u32 = 0x4744_4450; // "PDDG"
+pub(crate) use super::header::{HDR, Header, Kind, op_code, op_name};
+
 const ZEROS: [u8; 8] = [0; 8];
-/// Largest inline payload a header may announce (guards against a garbled stream).
-const MAX_INLINE: u64 = 64 << 20;
 
 /// Busy-spin this long before yielding (only when ranks are not oversubscribed).
 const SPIN: Duration = Duration::from_micros(3);
@@ -35,128 +32,6 @@ const TCP_NAP: Duration = Duration::from_millis(100);
 /// Bytes of padding after a message of `len` bytes.
 pub(crate) fn pad8(len: usize) -> usize {
     (8 - len % 8) % 8
-}
-
-/// Which collective a header announces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Kind {
-    AllReduce = 1,
-    Broadcast = 2,
-    AllGather = 3,
-    AllGatherVarlen = 4,
-    BroadcastBytes = 5,
-    Barrier = 6,
-}
-
-impl Kind {
-    fn from_u8(v: u8) -> Option<Kind> {
-        Some(match v {
-            1 => Kind::AllReduce,
-            2 => Kind::Broadcast,
-            3 => Kind::AllGather,
-            4 => Kind::AllGatherVarlen,
-            5 => Kind::BroadcastBytes,
-            6 => Kind::Barrier,
-            _ => return None,
-        })
-    }
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce => "all_reduce",
-            Kind::Broadcast => "broadcast",
-            Kind::AllGather => "all_gather",
-            Kind::AllGatherVarlen => "all_gather_varlen",
-            Kind::BroadcastBytes => "broadcast_bytes",
-            Kind::Barrier => "barrier",
-        }
-    }
-}
-
-/// The header every rank sends every other rank at the start of a collective; comparing them
-/// turns mismatched calls into [`CommError::Mismatch`] on every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Header {
-    pub kind: Kind,
-    /// [`ReduceOp`] code (all_reduce only).
-    pub op: u8,
-    /// The sender's data follows the header.
-    pub inline: bool,
-    /// Element size in bytes.
-    pub elem: u8,
-    /// Call number in this group (1, 2, …).
-    pub seq: u64,
-    /// Element count (the sender's own count for variable-length calls).
-    pub len: u64,
-    pub root: u32,
-    /// Element type tag.
-    pub dtype: u32,
-    /// Name of the element type (not sent; for messages).
-    pub dtype_name: &'static str,
-}
-
-impl Header {
-    pub(crate) fn encode(&self) -> [u8; HDR] {
-        let mut b = [0u8; HDR];
-        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4] = self.kind as u8;
-        b[5] = self.op;
-        b[6] = self.inline as u8;
-        b[7] = self.elem;
-        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        b[16..24].copy_from_slice(&self.len.to_le_bytes());
-        b[24..28].copy_from_slice(&self.root.to_le_bytes());
-        b[28..32].copy_from_slice(&self.dtype.to_le_bytes());
-        b
-    }
-
-    pub(crate) fn decode(b: &[u8; HDR]) -> Option<Header> {
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if u32_at(0) != MAGIC || b[6] > 1 {
-            return None;
-        }
-        Some(Header {
-            kind: Kind::from_u8(b[4])?,
-            op: b[5],
-            inline: b[6] == 1,
-            elem: b[7],
-            seq: u64_at(8),
-            len: u64_at(16),
-            root: u32_at(24),
-            dtype: u32_at(28),
-            dtype_name: "",
-        })
-    }
-
-    /// Bytes of inline payload after this header.
-    pub(crate) fn payload_len(&self) -> Option<usize> {
-        if !self.inline {
-            return Some(0);
-        }
-        let n = self.len.checked_mul(self.elem as u64)?;
-        (n <= MAX_INLINE).then_some(n as usize)
-    }
-}
-
-pub(crate) fn op_code(op: ReduceOp) -> u8 {
-    match op {
-        ReduceOp::Sum => 1,
-        ReduceOp::Mean => 2,
-        ReduceOp::Max => 3,
-        ReduceOp::Min => 4,
-    }
-}
-
-pub(crate) fn op_name(code: u8) -> &'static str {
-    match code {
-        1 => "sum",
-        2 => "mean",
-        3 => "max",
-        4 => "min",
-        _ => "-",
-    }
 }
 
 /// A received header and its inline payload.

@@ -6,8 +6,9 @@
 //! an out-of-range or duplicate rank is refused (and logged) and the listener keeps accepting.
 //! For a peer on the same host the connector creates a shared-memory segment and names it in
 //! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
+//! Hellos and replies are frames of the crate's codec ([`crate::wire`]).
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -15,10 +16,13 @@ use std::time::{Duration, Instant};
 use super::link::Link;
 use super::shm::ShmPair;
 use crate::error::{CommError, Result};
+use crate::wire::{Malformed, Reader, Writer, read_frame, tokens_equal, write_frame};
 
 const HELLO_MAGIC: u32 = 0x4844_4450; // "PDDH"
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 const ACCEPT_NAP: Duration = Duration::from_millis(2);
+/// Largest handshake frame read from a peer not trusted yet.
+const MAX_HELLO: usize = 4096;
 
 /// Reply codes of the handshake.
 const OK: u8 = 0;
@@ -89,24 +93,6 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-fn put_str(out: &mut Vec<u8>, s: &[u8]) {
-    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
-    out.extend_from_slice(s);
-}
-
-fn read_exact_u16_str(r: &mut impl Read) -> io::Result<Vec<u8>> {
-    let mut l = [0u8; 2];
-    r.read_exact(&mut l)?;
-    let mut v = vec![0u8; u16::from_le_bytes(l) as usize];
-    r.read_exact(&mut v)?;
-    Ok(v)
-}
-
-/// Constant-time comparison of tokens.
-fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// A connection to a lower rank awaiting its reply, with the segment offered to it.
 type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>);
 
@@ -121,35 +107,79 @@ pub(crate) struct MeshConfig<'a> {
     pub started: Instant,
 }
 
-/// A hello read from a connecting peer.
-struct Hello {
-    rank: usize,
-    world: usize,
-    token: Vec<u8>,
-    shm_path: String,
+/// The hello a connecting rank sends: one frame of the crate's codec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub rank: usize,
+    pub world: usize,
+    pub token: Vec<u8>,
+    /// The shared-memory segment offered to the acceptor ("" for none).
+    pub shm_path: String,
+}
+
+impl Hello {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        Writer::with_capacity(64)
+            .u32(HELLO_MAGIC)
+            .u16(VERSION)
+            .u32(self.rank as u32)
+            .u32(self.world as u32)
+            .bytes(&self.token)
+            .bytes(self.shm_path.as_bytes())
+            .finish()
+    }
+
+    fn decode(frame: &[u8]) -> io::Result<Hello> {
+        let mut r = Reader::new(frame);
+        let bad = || {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a ddp-comm peer (bad magic or version)",
+            )
+        };
+        if r.u32() != Ok(HELLO_MAGIC) || r.u16() != Ok(VERSION) {
+            return Err(bad());
+        }
+        let parsed = (|| {
+            let hello = Hello {
+                rank: r.u32()? as usize,
+                world: r.u32()? as usize,
+                token: r.bytes()?.to_vec(),
+                shm_path: String::from_utf8_lossy(r.bytes()?).into_owned(),
+            };
+            r.end()?;
+            Ok::<_, Malformed>(hello)
+        })();
+        parsed.map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "malformed hello"))
+    }
+}
+
+/// The acceptor's answer to a [`Hello`]: a code and whether it mapped the offered segment.
+pub(crate) fn encode_reply(code: u8, shm: bool) -> Vec<u8> {
+    Writer::default().u8(code).u8(shm as u8).finish()
+}
+
+/// Parses the acceptor's answer: `(code, mapped the segment)`.
+pub(crate) fn decode_reply(frame: &[u8]) -> Option<(u8, bool)> {
+    let mut r = Reader::new(frame);
+    let code = r.u8().ok()?;
+    let shm = r.u8().ok()?;
+    r.end().ok()?;
+    Some((code, shm == 1))
+}
+
+/// Reads one handshake frame (a hello or a reply); a clean close is an error here.
+pub(crate) fn read_handshake(s: &mut TcpStream) -> io::Result<Vec<u8>> {
+    read_frame(s, MAX_HELLO)?.ok_or_else(|| io::ErrorKind::UnexpectedEof.into())
+}
+
+/// Writes one handshake frame.
+pub(crate) fn write_handshake(s: &mut TcpStream, frame: &[u8]) -> io::Result<()> {
+    write_frame(s, frame, MAX_HELLO)
 }
 
 fn read_hello(s: &mut TcpStream) -> io::Result<Hello> {
-    let mut fixed = [0u8; 14];
-    s.read_exact(&mut fixed)?;
-    let magic = u32::from_le_bytes(fixed[0..4].try_into().expect("4"));
-    let version = u16::from_le_bytes(fixed[4..6].try_into().expect("2"));
-    if magic != HELLO_MAGIC || version != VERSION {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "not a ddp-comm peer (bad magic or version)",
-        ));
-    }
-    let rank = u32::from_le_bytes(fixed[6..10].try_into().expect("4")) as usize;
-    let world = u32::from_le_bytes(fixed[10..14].try_into().expect("4")) as usize;
-    let token = read_exact_u16_str(s)?;
-    let shm_path = String::from_utf8_lossy(&read_exact_u16_str(s)?).into_owned();
-    Ok(Hello {
-        rank,
-        world,
-        token,
-        shm_path,
-    })
+    Hello::decode(&read_handshake(s)?)
 }
 
 /// Connects this rank to every other rank. `infos[r]` is rank `r`'s published info.
@@ -190,20 +220,18 @@ pub(crate) fn establish(
         } else {
             None
         };
-        let mut hello = Vec::with_capacity(64);
-        hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
-        hello.extend_from_slice(&VERSION.to_le_bytes());
-        hello.extend_from_slice(&(rank as u32).to_le_bytes());
-        hello.extend_from_slice(&(world as u32).to_le_bytes());
-        put_str(&mut hello, token);
-        let path = shm
-            .as_ref()
-            .map(|(_, p)| p.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        put_str(&mut hello, path.as_bytes());
+        let hello = Hello {
+            rank,
+            world,
+            token: token.to_vec(),
+            shm_path: shm
+                .as_ref()
+                .map(|(_, p)| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        };
         let sent = s
             .set_write_timeout(Some(left(cfg.deadline)))
-            .and_then(|()| s.write_all(&hello));
+            .and_then(|()| write_handshake(&mut s, &hello.encode()));
         if let Err(e) = sent {
             if let Some((_, p)) = &shm {
                 ShmPair::unlink(p);
@@ -252,12 +280,12 @@ pub(crate) fn establish(
                 continue;
             }
         };
-        if !same_token(&hello.token, token) {
+        if !tokens_equal(&hello.token, token) {
             tracing::warn!(
                 "rank {rank}: refused a connection from {from} claiming rank {}: wrong job token",
                 hello.rank
             );
-            let _ = s.write_all(&[BAD_TOKEN, 0]);
+            let _ = write_handshake(&mut s, &encode_reply(BAD_TOKEN, false));
             continue;
         }
         if hello.world != world || !pending.contains(&hello.rank) {
@@ -266,7 +294,7 @@ pub(crate) fn establish(
                 hello.rank,
                 hello.world
             );
-            let _ = s.write_all(&[BAD_RANK, 0]);
+            let _ = write_handshake(&mut s, &encode_reply(BAD_RANK, false));
             continue;
         }
         let peer = hello.rank;
@@ -284,7 +312,7 @@ pub(crate) fn establish(
                 }
             }
         };
-        s.write_all(&[OK, shm.is_some() as u8])
+        write_handshake(&mut s, &encode_reply(OK, shm.is_some()))
             .map_err(|e| CommError::io("rendezvous: answering a peer", Some(peer), e))?;
         links[peer] = Some(
             Link::new(s, shm)
@@ -295,16 +323,21 @@ pub(crate) fn establish(
 
     // 3. Replies from the lower ranks.
     for (peer, mut s, shm) in outgoing {
-        let mut reply = [0u8; 2];
         let got = s
             .set_read_timeout(Some(left(cfg.deadline)))
-            .and_then(|()| s.read_exact(&mut reply));
+            .and_then(|()| read_handshake(&mut s));
         if let Some((_, p)) = &shm {
             ShmPair::unlink(p);
         }
         let op = || format!("rendezvous: handshake with rank {peer}");
-        match got {
-            Ok(()) => {}
+        let reply = match got {
+            Ok(frame) => decode_reply(&frame).ok_or_else(|| {
+                CommError::io(
+                    op(),
+                    Some(peer),
+                    io::Error::new(io::ErrorKind::InvalidData, "malformed handshake reply"),
+                )
+            })?,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -318,8 +351,8 @@ pub(crate) fn establish(
                 });
             }
             Err(e) => return Err(CommError::io(op(), Some(peer), e)),
-        }
-        match reply[0] {
+        };
+        match reply.0 {
             OK => {}
             BAD_TOKEN => {
                 return Err(CommError::io(
@@ -342,11 +375,7 @@ pub(crate) fn establish(
                 ));
             }
         }
-        let shm = if reply[1] == 1 {
-            shm.map(|(p, _)| p)
-        } else {
-            None
-        };
+        let shm = if reply.1 { shm.map(|(p, _)| p) } else { None };
         links[peer] = Some(
             Link::new(s, shm)
                 .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,

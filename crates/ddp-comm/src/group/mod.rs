@@ -29,9 +29,11 @@
 //!   tests use it to emulate several hosts on one machine.
 //! - `DDP_SHM_RING_KIB`: size of each shared-memory ring (default 512 KiB).
 
+mod algorithms;
 mod copy;
 mod element;
 mod engine;
+mod header;
 mod link;
 mod mesh;
 mod shm;
@@ -40,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{PrefixStore, Store, StoreClient, StoreServer, keys};
 
 use engine::{HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
 use link::Link;
@@ -108,6 +110,7 @@ const INLINE_BYTES: usize = 64 * 1024;
 
 /// Which transport a peer link uses (see [`ProcessGroup::transports`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Transport {
     /// This rank itself.
     SelfRank,
@@ -198,10 +201,11 @@ impl ProcessGroup {
                 .map_err(|e| CommError::io("listener address", None, e))?,
             host: mesh::host_identity(),
         };
-        store.set(&addr_key(rank), &me.encode())?;
+        let mut ns = PrefixStore::new(&mut store, keys::PROCESS_GROUP);
+        ns.set(&keys::peer_addr(rank), &me.encode())?;
 
-        let keys: Vec<String> = (0..world).map(addr_key).collect();
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let addr_keys: Vec<String> = (0..world).map(keys::peer_addr).collect();
+        let key_refs: Vec<&str> = addr_keys.iter().map(String::as_str).collect();
         // Ranks other than 0 give up a little earlier, while rank 0 still serves the store, so
         // every rank can name the missing ranks itself.
         let margin = if rank == 0 {
@@ -210,13 +214,13 @@ impl ProcessGroup {
             (opts.connect_timeout / 10).min(Duration::from_millis(500))
         };
         let remaining = deadline.saturating_duration_since(Instant::now() + margin);
-        if let Err(e) = store.wait(&key_refs, remaining) {
+        if let Err(e) = ns.wait(&key_refs, remaining) {
             if !matches!(e, CommError::Timeout { .. }) {
                 return Err(e);
             }
             let mut missing = Vec::new();
-            for (r, k) in keys.iter().enumerate() {
-                if store.try_get(k)?.is_none() {
+            for (r, k) in addr_keys.iter().enumerate() {
+                if ns.try_get(k)?.is_none() {
                     missing.push(r);
                 }
             }
@@ -234,8 +238,8 @@ impl ProcessGroup {
             });
         }
         let mut infos = Vec::with_capacity(world);
-        for (r, k) in keys.iter().enumerate() {
-            let v = store.get(k, Duration::from_secs(1))?;
+        for (r, k) in addr_keys.iter().enumerate() {
+            let v = ns.get(k, Duration::from_secs(1))?;
             infos.push(PeerInfo::decode(&v).ok_or_else(|| CommError::Store {
                 addr: endpoint.clone(),
                 msg: format!("rank {r} published a malformed address"),
@@ -461,325 +465,6 @@ impl ProcessGroup {
         }
         Ok(())
     }
-
-    fn header<T: Element>(&self, kind: Kind, seq: u64, len: usize, root: usize, op: u8) -> Header {
-        Header {
-            kind,
-            op,
-            inline: false,
-            elem: std::mem::size_of::<T>() as u8,
-            seq,
-            len: len as u64,
-            root: root as u32,
-            dtype: element::dtype_tag::<T>(),
-            dtype_name: T::NAME,
-        }
-    }
-
-    fn waiting(&self) -> Waiting {
-        Waiting {
-            timeout: self.timeout,
-            spin: self.mesh.as_ref().is_some_and(|m| m.spin),
-        }
-    }
-
-    fn what(&self, hdr: &Header) -> String {
-        format!(
-            "{} #{} on rank {} ({} × {})",
-            hdr.kind.name(),
-            hdr.seq,
-            self.rank,
-            hdr.len,
-            hdr.dtype_name
-        )
-    }
-
-    /// Sends `hdr` (+ `inline` payload) to every peer, receives theirs, and checks they agree.
-    fn exchange(&mut self, hdr: &Header, inline: &[u8]) -> Result<()> {
-        let what = self.what(hdr);
-        let wait = self.waiting();
-        let (rank, world) = (self.rank, self.world_size);
-        let bytes = hdr.encode();
-        let m = self.mesh_mut();
-        let mut ops: Vec<Op<'_>> = Vec::with_capacity(2 * world);
-        for p in (0..world).filter(|&p| p != rank) {
-            ops.push(Op::Send {
-                peer: p,
-                hdr: Some(bytes),
-                data: inline,
-                done: 0,
-            });
-        }
-        for (p, msg) in m.msgs.iter_mut().enumerate() {
-            if p != rank {
-                msg.reset();
-                ops.push(Op::Msg { peer: p, msg });
-            }
-        }
-        drive(&mut m.links, &mut ops, &wait, &what)?;
-        drop(ops);
-        for p in (0..world).filter(|&p| p != rank) {
-            let theirs = self.peer_header(p)?;
-            if !agrees(hdr, &theirs) {
-                return Err(CommError::Mismatch(format!(
-                    "rank {p} called {} but rank {rank} called {}",
-                    describe(&theirs, None),
-                    describe(hdr, Some(hdr.dtype_name))
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    fn peer_header(&mut self, p: usize) -> Result<Header> {
-        let m = self.mesh_mut();
-        m.msgs[p].header().ok_or_else(|| {
-            CommError::io(
-                "collective header",
-                Some(p),
-                std::io::Error::new(std::io::ErrorKind::InvalidData, "garbled header"),
-            )
-        })
-    }
-
-    fn all_reduce_impl<T: Element>(&mut self, seq: u64, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let n = self.world_size;
-        if n == 1 {
-            return Ok(());
-        }
-        let sz = std::mem::size_of::<T>();
-        let mut hdr = self.header::<T>(Kind::AllReduce, seq, buf.len(), 0, op_code(op));
-        hdr.inline = std::mem::size_of_val(buf) * (n - 1) <= INLINE_BYTES;
-        if hdr.inline {
-            self.exchange(&hdr, bytemuck::cast_slice(buf))?;
-            // Reduce in rank order so every rank computes exactly the same values.
-            let rank = self.rank;
-            let m = self.mesh_mut();
-            m.scratch.clear();
-            m.scratch.extend_from_slice(bytemuck::cast_slice(buf));
-            let first: &[u8] = if rank == 0 {
-                &m.scratch
-            } else {
-                &m.msgs[0].payload
-            };
-            bytemuck::cast_slice_mut::<T, u8>(buf).copy_from_slice(first);
-            for p in 1..n {
-                let src: &[u8] = if p == rank {
-                    &m.scratch
-                } else {
-                    &m.msgs[p].payload
-                };
-                element::reduce_into(buf, src, op);
-            }
-            if op == ReduceOp::Mean {
-                element::divide(buf, n);
-            }
-            return Ok(());
-        }
-        self.exchange(&hdr, &[])?;
-        let what = self.what(&hdr);
-        let wait = self.waiting();
-        let r = self.rank;
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let len = buf.len();
-        let range = |c: usize| chunk(len, n, c);
-        // Reduce-scatter then all-gather as one pipeline: rank r sends its chunk r, then
-        // forwards each chunk as soon as it is reduced (or received), so all 2(n-1) steps
-        // overlap. After the reduce-scatter rank r holds the full reduction of chunk r+1.
-        let mut items = Vec::with_capacity(2 * (n - 1));
-        for s in 0..n - 1 {
-            items.push(engine::RingItem {
-                range: bytes_of(range((r + 2 * n - s - 1) % n), sz),
-                reduce: true,
-                finish: s == n - 2 && op == ReduceOp::Mean,
-            });
-        }
-        for s in 0..n - 1 {
-            items.push(engine::RingItem {
-                range: bytes_of(range((r + n - s) % n), sz),
-                reduce: false,
-                finish: false,
-            });
-        }
-        let links = &mut self.mesh_mut().links;
-        let mut pipe = engine::RingPipe::new(
-            prev,
-            next,
-            bytemuck::cast_slice_mut(buf),
-            bytes_of(range(r), sz),
-            items,
-        );
-        pipe.reduce = Some((element::reduce_bytes::<T>, op, sz));
-        pipe.finish = Some((element::divide_bytes::<T>, n));
-        drive(links, &mut [Op::Ring(pipe)], &wait, &what)
-    }
-
-    fn broadcast_impl(&mut self, mut hdr: Header, bytes: &mut [u8], root: usize) -> Result<()> {
-        if self.world_size == 1 {
-            return Ok(());
-        }
-        hdr.inline = self.rank == root && bytes.len() <= INLINE_BYTES;
-        let small = bytes.len() <= INLINE_BYTES;
-        self.exchange(&hdr, if hdr.inline { bytes } else { &[] })?;
-        if small {
-            if self.rank != root {
-                let m = self.mesh_mut();
-                bytes.copy_from_slice(&m.msgs[root].payload);
-            }
-            return Ok(());
-        }
-        self.chain(bytes, root)
-    }
-
-    /// Pipelined chain broadcast from `root` along the ring order.
-    fn chain(&mut self, bytes: &mut [u8], root: usize) -> Result<()> {
-        let n = self.world_size;
-        let r = self.rank;
-        let what = format!(
-            "broadcast #{} on rank {r} ({} bytes)",
-            self.seq,
-            bytes.len()
-        );
-        let wait = self.waiting();
-        let pos = (r + n - root) % n;
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let links = &mut self.mesh_mut().links;
-        let mut ops = [if pos == 0 {
-            Op::Send {
-                peer: next,
-                hdr: None,
-                data: bytes,
-                done: 0,
-            }
-        } else if pos == n - 1 {
-            Op::Recv {
-                peer: prev,
-                dst: bytes,
-                done: 0,
-            }
-        } else {
-            Op::Relay {
-                from: prev,
-                to: next,
-                buf: bytes,
-                got: 0,
-                sent: 0,
-            }
-        }];
-        drive(links, &mut ops, &wait, &what)
-    }
-
-    fn all_gather_impl<T: Element>(
-        &mut self,
-        mut hdr: Header,
-        input: &[u8],
-        lens: &[usize],
-        output: &mut [T],
-    ) -> Result<()> {
-        let n = self.world_size;
-        let r = self.rank;
-        let sz = std::mem::size_of::<T>();
-        let offs: Vec<usize> = std::iter::once(0)
-            .chain(lens.iter().scan(0, |acc, &l| {
-                *acc += l * sz;
-                Some(*acc)
-            }))
-            .collect();
-        let out: &mut [u8] = bytemuck::cast_slice_mut(output);
-        copy::copy(&mut out[offs[r]..offs[r + 1]], input);
-        if n == 1 {
-            return Ok(());
-        }
-        hdr.inline = input.len() <= INLINE_BYTES;
-        self.exchange(&hdr, if hdr.inline { input } else { &[] })?;
-        self.gather_ring(&hdr, out, &offs)
-    }
-
-    /// Ring all-gather of the chunks `out[offs[c]..offs[c+1]]`; chunks a rank already sent
-    /// inline in its header are copied from there and skipped by the ring.
-    fn gather_ring(&mut self, hdr: &Header, out: &mut [u8], offs: &[usize]) -> Result<()> {
-        let n = self.world_size;
-        let r = self.rank;
-        let mut inline = vec![false; n];
-        inline[r] = hdr.inline;
-        for p in (0..n).filter(|&p| p != r) {
-            let h = self.peer_header(p)?;
-            inline[p] = h.inline;
-            if h.inline {
-                let m = self.mesh_mut();
-                out[offs[p]..offs[p + 1]].copy_from_slice(&m.msgs[p].payload);
-            }
-        }
-        if inline.iter().all(|&i| i) {
-            return Ok(());
-        }
-        let what = self.what(hdr);
-        let wait = self.waiting();
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let items = (0..n - 1)
-            .map(|s| {
-                let c = (r + 2 * n - s - 1) % n;
-                engine::RingItem {
-                    range: if inline[c] {
-                        offs[c]..offs[c]
-                    } else {
-                        offs[c]..offs[c + 1]
-                    },
-                    reduce: false,
-                    finish: false,
-                }
-            })
-            .collect();
-        let first = if inline[r] {
-            offs[r]..offs[r]
-        } else {
-            offs[r]..offs[r + 1]
-        };
-        let links = &mut self.mesh_mut().links;
-        let pipe = engine::RingPipe::new(prev, next, out, first, items);
-        drive(links, &mut [Op::Ring(pipe)], &wait, &what)
-    }
-
-    fn all_gather_varlen_impl<T: Element>(
-        &mut self,
-        mut hdr: Header,
-        input: &[T],
-    ) -> Result<Vec<Vec<T>>> {
-        let n = self.world_size;
-        let r = self.rank;
-        let sz = std::mem::size_of::<T>();
-        let inp: &[u8] = bytemuck::cast_slice(input);
-        hdr.inline = inp.len() <= INLINE_BYTES;
-        self.exchange(&hdr, if hdr.inline { inp } else { &[] })?;
-        let mut lens = vec![0usize; n];
-        for (p, l) in lens.iter_mut().enumerate() {
-            *l = if p == r {
-                input.len()
-            } else {
-                self.peer_header(p)?.len as usize
-            };
-        }
-        let total: usize = lens.iter().sum();
-        let mut flat: Vec<T> = vec![T::zeroed(); total];
-        let offs: Vec<usize> = std::iter::once(0)
-            .chain(lens.iter().scan(0, |acc, &l| {
-                *acc += l * sz;
-                Some(*acc)
-            }))
-            .collect();
-        {
-            let out: &mut [u8] = bytemuck::cast_slice_mut(&mut flat);
-            copy::copy(&mut out[offs[r]..offs[r + 1]], inp);
-            self.gather_ring(&hdr, out, &offs)?;
-        }
-        let mut res = Vec::with_capacity(n);
-        let mut start = 0;
-        for l in lens {
-            res.push(flat[start..start + l].to_vec());
-            start += l;
-        }
-        Ok(res)
-    }
 }
 
 impl Drop for ProcessGroup {
@@ -790,49 +475,6 @@ impl Drop for ProcessGroup {
             }
         }
     }
-}
-
-fn addr_key(rank: usize) -> String {
-    format!("ddp/pg/addr/{rank}")
-}
-
-/// Element range of chunk `c` of `len` elements split `n` ways.
-fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
-    let at = |c: usize| ((len as u128 * c as u128) / n as u128) as usize;
-    at(c)..at(c + 1)
-}
-
-fn bytes_of(r: std::ops::Range<usize>, sz: usize) -> std::ops::Range<usize> {
-    r.start * sz..r.end * sz
-}
-
-/// Whether two ranks' headers describe the same call.
-fn agrees(a: &Header, b: &Header) -> bool {
-    let same_len = !matches!(a.kind, Kind::AllGatherVarlen | Kind::BroadcastBytes);
-    a.kind == b.kind
-        && a.seq == b.seq
-        && a.dtype == b.dtype
-        && a.elem == b.elem
-        && a.op == b.op
-        && a.root == b.root
-        && (!same_len || a.len == b.len)
-}
-
-fn describe(h: &Header, dtype_name: Option<&str>) -> String {
-    let dtype = dtype_name
-        .or_else(|| element::name_of_tag(h.dtype))
-        .map_or_else(|| format!("type #{:08x}", h.dtype), str::to_string);
-    let mut s = format!("{}(", h.kind.name());
-    match h.kind {
-        Kind::Barrier => {}
-        Kind::AllReduce => s += &format!("{} × {dtype}, {}", h.len, op_name(h.op)),
-        Kind::Broadcast | Kind::BroadcastBytes => {
-            s += &format!("{} × {dtype}, root {}", h.len, h.root)
-        }
-        Kind::AllGather | Kind::AllGatherVarlen => s += &format!("{} × {dtype}", h.len),
-    }
-    s += &format!(") as call #{}", h.seq);
-    s
 }
 
 const _: () = assert!(HDR.is_multiple_of(8));

@@ -8,11 +8,7 @@ use super::*;
 use crate::env::EnvSource;
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    crate::net::free_port("127.0.0.1").unwrap()
 }
 
 fn env(rank: usize, world: usize, port: u16, token: &str) -> LaunchEnv {
@@ -230,7 +226,6 @@ fn missing_rank_times_out_naming_it() {
 
 #[test]
 fn wrong_token_is_refused_by_a_peer() {
-    use std::io::{Read, Write};
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let infos = vec![
@@ -256,17 +251,14 @@ fn wrong_token_is_refused_by_a_peer() {
         mesh::establish(&cfg, listener, &infos).err().unwrap()
     });
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let mut hello = Vec::new();
-    hello.extend_from_slice(&0x4844_4450u32.to_le_bytes());
-    hello.extend_from_slice(&1u16.to_le_bytes());
-    hello.extend_from_slice(&1u32.to_le_bytes());
-    hello.extend_from_slice(&2u32.to_le_bytes());
-    hello.extend_from_slice(&5u16.to_le_bytes());
-    hello.extend_from_slice(b"wrong");
-    hello.extend_from_slice(&0u16.to_le_bytes());
-    s.write_all(&hello).unwrap();
-    let mut reply = [9u8; 2];
-    s.read_exact(&mut reply).unwrap();
+    let hello = mesh::Hello {
+        rank: 1,
+        world: 2,
+        token: b"wrong".to_vec(),
+        shm_path: String::new(),
+    };
+    mesh::write_handshake(&mut s, &hello.encode()).unwrap();
+    let reply = mesh::read_handshake(&mut s).unwrap();
     assert_eq!(reply[0], 1, "refused with BAD_TOKEN");
     let e = t.join().unwrap();
     assert!(matches!(e, CommError::Timeout { peer: Some(1), .. }), "{e}");

@@ -20,10 +20,11 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, DriverError};
-use cudarc::nccl::sys::{self, ncclComm_t, ncclConfig_t, ncclResult_t, ncclUniqueId};
+use cudarc::nccl::sys::ncclConfig_t;
 
-use super::library::{NcclVersion, c_string};
+use super::library::NcclVersion;
 use super::rendezvous::ID_BYTES;
+use super::result::{self, CommPtr, NcclError, Progress, ncclResult_t};
 use crate::error::{CommError, Result};
 
 /// `NCCL_CONFIG_UNDEF_INT`: "let NCCL choose" for an int field of `ncclConfig_t`.
@@ -64,51 +65,6 @@ pub(crate) fn nonblocking_config() -> ncclConfig_t {
         graphUsageMode: UNDEF_INT,
         numRmaCtx: UNDEF_INT,
         maxP2pPeers: UNDEF_INT,
-    }
-}
-
-/// Maps an NCCL result code to the crate's error type.
-///
-/// Invalid arguments/usage → [`CommError::InvalidArgument`]; NCCL's own timeout →
-/// [`CommError::Timeout`]; a remote rank's failure → [`CommError::Io`] with kind
-/// `ConnectionAborted`; everything else (system, internal, CUDA errors) → [`CommError::Io`].
-/// The message carries NCCL's description and its last error text.
-pub(crate) fn nccl_error(what: &str, code: ncclResult_t, after: Duration) -> CommError {
-    // SAFETY: both return pointers to static or thread-local strings; ncclGetLastError accepts
-    // a NULL communicator (the argument is unused). The library is loaded: we hold a result.
-    let (desc, last) = unsafe {
-        (
-            c_string(sys::ncclGetErrorString(code)),
-            c_string(sys::ncclGetLastError(std::ptr::null_mut())),
-        )
-    };
-    let detail = if last.is_empty() {
-        desc
-    } else {
-        format!("{desc}; {last}")
-    };
-    match code {
-        ncclResult_t::ncclInvalidArgument | ncclResult_t::ncclInvalidUsage => {
-            CommError::InvalidArgument(format!("NCCL {what}: {code:?} ({detail})"))
-        }
-        ncclResult_t::ncclTimeout => CommError::Timeout {
-            op: format!("NCCL {what} ({detail})"),
-            peer: None,
-            after,
-        },
-        ncclResult_t::ncclRemoteError => CommError::io(
-            format!("NCCL {what}"),
-            None,
-            io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                format!("a remote rank failed or exited (ncclRemoteError: {detail})"),
-            ),
-        ),
-        _ => CommError::io(
-            format!("NCCL {what}"),
-            None,
-            io::Error::other(format!("{code:?}: {detail}")),
-        ),
     }
 }
 
@@ -180,18 +136,18 @@ pub(crate) fn watch(deadline: Instant, mut poll: impl FnMut() -> Poll) -> Waited
 }
 
 /// Reads a communicator state as a [`Poll`]: `ncclInProgress` is pending, success is ready.
-fn state_poll(state: ncclResult_t, what: &str, start: Instant) -> Poll {
+fn state_poll(state: std::result::Result<Progress, NcclError>, what: &str, start: Instant) -> Poll {
     match state {
-        ncclResult_t::ncclSuccess => Poll::Ready,
-        ncclResult_t::ncclInProgress => Poll::Pending,
-        err => Poll::Failed(nccl_error(what, err, start.elapsed())),
+        Ok(Progress::Done) => Poll::Ready,
+        Ok(Progress::InProgress) => Poll::Pending,
+        Err(e) => Poll::Failed(e.into_comm(what, start.elapsed())),
     }
 }
 
 /// An NCCL communicator handle that is destroyed (or aborted) exactly once.
 #[derive(Debug)]
 pub(crate) struct RawComm {
-    ptr: ncclComm_t,
+    ptr: CommPtr,
     aborted: bool,
 }
 
@@ -221,33 +177,29 @@ impl RawComm {
                 "world size {world_size} is too large for NCCL"
             )))
         })?;
-        let uid = ncclUniqueId {
-            internal: id.map(|b| b as std::ffi::c_char),
-        };
+        let rank = c_int::try_from(rank).map_err(|_| {
+            InitFailure::Error(CommError::InvalidArgument(format!(
+                "rank {rank} is too large for NCCL"
+            )))
+        })?;
         let mut config = nonblocking_config();
-        let mut ptr: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `ptr` and `config` are valid for the call; NCCL copies the config before
-        // returning; rank < nranks is checked by the caller (NCCL checks it again).
-        let res = unsafe {
-            sys::ncclCommInitRankConfig(&mut ptr, nranks, uid, rank as c_int, &mut config)
+        // SAFETY: the caller made the communicator's device current; rank < nranks is checked
+        // by the caller (NCCL checks it again).
+        let (ptr, res) = unsafe { result::comm_init_rank_config(id, nranks, rank, &mut config) };
+        let res = match res {
+            Ok(_) if ptr.is_null() => Err(NcclError {
+                call: "ncclCommInitRankConfig",
+                code: ncclResult_t::ncclInternalError,
+            }),
+            other => other,
         };
-        let started = match res {
-            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => !ptr.is_null(),
-            _ => false,
-        };
-        if !started {
+        if let Err(e) = res {
             if !ptr.is_null() {
                 // SAFETY: a handle NCCL returned; aborted once, never used again.
-                unsafe { sys::ncclCommAbort(ptr) };
+                let _ = unsafe { result::comm_abort(ptr) };
             }
-            let code = if res == ncclResult_t::ncclSuccess {
-                ncclResult_t::ncclInternalError
-            } else {
-                res
-            };
-            return Err(InitFailure::Error(nccl_error(
+            return Err(InitFailure::Error(e.into_comm(
                 "communicator creation (ncclCommInitRankConfig)",
-                code,
                 start.elapsed(),
             )));
         }
@@ -273,17 +225,15 @@ impl RawComm {
 
     /// The communicator's asynchronous state: `ncclSuccess`, `ncclInProgress` (an operation
     /// is still being set up) or an error raised by NCCL's threads or a remote rank.
-    pub(crate) fn async_state(&self) -> ncclResult_t {
+    pub(crate) fn async_state(&self) -> std::result::Result<Progress, NcclError> {
         if self.aborted {
-            return ncclResult_t::ncclInvalidUsage;
+            return Err(NcclError {
+                call: "ncclCommGetAsyncError",
+                code: ncclResult_t::ncclInvalidUsage,
+            });
         }
-        let mut state = ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator handle and a valid out-pointer.
-        let res = unsafe { sys::ncclCommGetAsyncError(self.ptr, &mut state) };
-        if res != ncclResult_t::ncclSuccess {
-            return res;
-        }
-        state
+        // SAFETY: a live communicator handle.
+        unsafe { result::comm_get_async_error(self.ptr) }
     }
 
     /// Enqueues one NCCL call on this communicator. When NCCL answers `ncclInProgress`
@@ -293,7 +243,7 @@ impl RawComm {
         what: &str,
         deadline: Instant,
         start: Instant,
-        call: impl FnOnce(ncclComm_t) -> ncclResult_t,
+        call: impl FnOnce(CommPtr) -> std::result::Result<Progress, NcclError>,
     ) -> Result<()> {
         if self.aborted {
             return Err(CommError::Poisoned(format!(
@@ -301,8 +251,8 @@ impl RawComm {
             )));
         }
         match call(self.ptr) {
-            ncclResult_t::ncclSuccess => Ok(()),
-            ncclResult_t::ncclInProgress => {
+            Ok(Progress::Done) => Ok(()),
+            Ok(Progress::InProgress) => {
                 match watch(deadline, || state_poll(self.async_state(), what, start)) {
                     Waited::Ready => Ok(()),
                     Waited::Failed(e) => Err(e),
@@ -313,7 +263,7 @@ impl RawComm {
                     }),
                 }
             }
-            err => Err(nccl_error(what, err, start.elapsed())),
+            Err(e) => Err(e.into_comm(what, start.elapsed())),
         }
     }
 
@@ -355,9 +305,8 @@ impl RawComm {
         }
         self.aborted = true;
         // SAFETY: a live handle, aborted exactly once and never used again.
-        let res = unsafe { sys::ncclCommAbort(self.ptr) };
-        if res != ncclResult_t::ncclSuccess && res != ncclResult_t::ncclInProgress {
-            tracing::warn!("ncclCommAbort returned {res:?}");
+        if let Err(e) = unsafe { result::comm_abort(self.ptr) } {
+            tracing::warn!("{e}");
         }
     }
 }
@@ -371,9 +320,9 @@ impl Drop for RawComm {
             return;
         }
         // SAFETY: a live handle.
-        let res = unsafe { sys::ncclCommFinalize(self.ptr) };
+        let res = unsafe { result::comm_finalize(self.ptr) };
         let finalized = match res {
-            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => {
+            Ok(_) => {
                 let start = Instant::now();
                 match watch(start + FINALIZE_LIMIT, || {
                     state_poll(self.async_state(), "communicator finalize", start)
@@ -389,17 +338,24 @@ impl Drop for RawComm {
                     }
                 }
             }
-            other => {
-                tracing::warn!("ncclCommFinalize returned {other:?}");
+            Err(e) => {
+                tracing::warn!("{e}");
                 false
             }
         };
         if finalized {
             self.aborted = true;
             // SAFETY: a finalized handle, destroyed exactly once.
-            let res = unsafe { sys::ncclCommDestroy(self.ptr) };
-            if res != ncclResult_t::ncclSuccess {
-                tracing::warn!("ncclCommDestroy returned {res:?}");
+            // ncclCommDestroy of a finalized communicator answers success (never in-progress).
+            match unsafe { result::comm_destroy(self.ptr) } {
+                Ok(Progress::Done) => {}
+                Ok(Progress::InProgress) => {
+                    tracing::warn!(
+                        "ncclCommDestroy returned {:?}",
+                        ncclResult_t::ncclInProgress
+                    )
+                }
+                Err(e) => tracing::warn!("{e}"),
             }
         } else {
             self.abort();

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaContext, DriverError, sys::cudaError_enum};
 
 use super::comm::cuda_error;
 use super::library::{cuda_present, missing_cuda_message};
+use super::options::NcclOptions;
 use crate::error::{CommError, Result};
 
 /// The number of CUDA devices this process can see (after `CUDA_VISIBLE_DEVICES`).
@@ -123,6 +124,39 @@ fn visible_devices_var() -> String {
     std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
 }
 
+/// Which CUDA device a rank uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeviceChoice {
+    /// Set in [`NcclOptions::device`].
+    Explicit(usize),
+    /// `LOCAL_RANK`, unless exactly one device is visible (a launcher that gives each rank
+    /// its own GPU through `CUDA_VISIBLE_DEVICES`, e.g. `srun --gpus-per-task=1`): then 0.
+    LocalRank(usize),
+}
+
+impl DeviceChoice {
+    pub(crate) fn from_options(opts: &NcclOptions, local_rank: usize) -> Self {
+        match opts.device {
+            Some(d) => DeviceChoice::Explicit(d),
+            None => DeviceChoice::LocalRank(local_rank),
+        }
+    }
+
+    pub(crate) fn resolve(self, visible: usize) -> Result<usize> {
+        match self {
+            DeviceChoice::Explicit(d) if d < visible => Ok(d),
+            DeviceChoice::Explicit(d) => Err(CommError::InvalidArgument(format!(
+                "CUDA device {d} requested (NcclOptions::device) but only {visible} device(s) \
+                 are visible (CUDA_VISIBLE_DEVICES={})",
+                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+            ))),
+            // Only this rank's own device is checked here; `cuda_device_for_local_rank`
+            // checks the whole node before any work starts.
+            DeviceChoice::LocalRank(r) => device_for_local_rank(r, r + 1, visible),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +200,19 @@ mod tests {
         ] {
             assert!(err.to_string().contains("libcuda not found"), "{err}");
         }
+    }
+
+    #[test]
+    fn device_choice_follows_local_rank_unless_one_device_is_visible() {
+        let mut o = NcclOptions::default();
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(4).unwrap(), 3);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(1).unwrap(), 0);
+        // Out of range with several devices: a clear error.
+        let err = DeviceChoice::from_options(&o, 5).resolve(4).unwrap_err();
+        assert!(err.to_string().contains("LOCAL_RANK 5"), "{err}");
+        o.device = Some(2);
+        assert_eq!(DeviceChoice::from_options(&o, 3).resolve(3).unwrap(), 2);
+        let err = DeviceChoice::from_options(&o, 3).resolve(1).unwrap_err();
+        assert!(err.to_string().contains("CUDA device 2 requested"), "{err}");
     }
 }

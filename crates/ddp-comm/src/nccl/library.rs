@@ -23,7 +23,7 @@
 //!
 //! [`check_libraries`] recognises that case and says so in its error.
 
-use std::ffi::{CStr, CString, c_int};
+use std::ffi::{CStr, CString};
 use std::io;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -137,16 +137,17 @@ fn probe() -> std::result::Result<Libraries, (io::ErrorKind, String)> {
     if !nccl_present() {
         return Err((io::ErrorKind::NotFound, missing_nccl_message()));
     }
-    let mut code: c_int = 0;
     // SAFETY: the library is present (checked above), so cudarc's loader does not panic;
-    // ncclGetVersion exists in every NCCL release and writes one int.
-    let res = unsafe { cudarc::nccl::sys::ncclGetVersion(&mut code) };
-    if res != cudarc::nccl::sys::ncclResult_t::ncclSuccess {
-        return Err((
+    // ncclGetVersion exists in every NCCL release.
+    let code = unsafe { super::result::get_version() }.map_err(|e| {
+        (
             io::ErrorKind::Other,
-            format!("libnccl was loaded but ncclGetVersion failed with {res:?}"),
-        ));
-    }
+            format!(
+                "libnccl was loaded but ncclGetVersion failed with {:?}",
+                e.code
+            ),
+        )
+    })?;
     let version = NcclVersion::from_code(code);
     if version < MIN_NCCL_VERSION {
         return Err((

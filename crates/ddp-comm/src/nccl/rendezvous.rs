@@ -5,7 +5,8 @@
 //! group creation gets a fresh generation number (an atomic counter per rank), so a job that
 //! builds several NCCL groups in the same order on every rank never reads a stale id.
 //!
-//! Keys, under a prefix (default `nccl`):
+//! Keys, in a [`PrefixStore`] namespace (default `nccl`; the keys are built in the store's
+//! `keys` module):
 //! - `{prefix}/generation/{rank}`: counter; its new value is the generation `g`.
 //! - `{prefix}/{g}/arrived/{rank}`: set by each rank before it creates its communicator, so a
 //!   rank whose creation times out can name the ranks that never came.
@@ -14,7 +15,8 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
-use crate::store::StoreClient;
+use crate::store::{PrefixStore, Store, keys};
+use crate::wire::{Malformed, Reader, Writer};
 
 /// Size of `ncclUniqueId`.
 pub const ID_BYTES: usize = 128;
@@ -31,45 +33,40 @@ pub struct Exchanged {
     pub id: [u8; ID_BYTES],
 }
 
-fn key_generation(prefix: &str, rank: usize) -> String {
-    format!("{prefix}/generation/{rank}")
-}
-
-fn key_arrived(prefix: &str, generation: i64, rank: usize) -> String {
-    format!("{prefix}/{generation}/arrived/{rank}")
-}
-
-fn key_id(prefix: &str, generation: i64) -> String {
-    format!("{prefix}/{generation}/unique_id")
-}
-
 /// Encodes the value rank 0 publishes.
 pub fn encode_id(world_size: usize, id: &[u8; ID_BYTES]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(4 + 8 + ID_BYTES);
-    v.extend_from_slice(&ID_MAGIC);
-    v.extend_from_slice(&(world_size as u64).to_le_bytes());
-    v.extend_from_slice(id);
-    v
+    Writer::with_capacity(4 + 8 + ID_BYTES)
+        .raw(&ID_MAGIC)
+        .u64(world_size as u64)
+        .raw(id)
+        .finish()
 }
 
 /// Decodes rank 0's value and checks it describes a world of `world_size` ranks.
 pub fn decode_id(bytes: &[u8], world_size: usize) -> Result<[u8; ID_BYTES]> {
-    if bytes.len() != 4 + 8 + ID_BYTES || bytes[..4] != ID_MAGIC {
+    let mut r = Reader::new(bytes);
+    let parsed = (|| {
+        if r.array::<4>()? != ID_MAGIC {
+            return Err(Malformed);
+        }
+        let theirs = r.u64()?;
+        let id = r.array::<ID_BYTES>()?;
+        r.end()?;
+        Ok((theirs, id))
+    })();
+    let Ok((theirs, id)) = parsed else {
         return Err(CommError::Mismatch(format!(
             "the NCCL unique id published by rank 0 is malformed ({} bytes); is another job \
              using the same rendezvous store and key prefix?",
             bytes.len()
         )));
-    }
-    let theirs = u64::from_le_bytes(bytes[4..12].try_into().expect("8 bytes"));
+    };
     if theirs != world_size as u64 {
         return Err(CommError::Mismatch(format!(
             "rank 0 creates an NCCL group of {theirs} ranks but this rank expects {world_size} \
              (WORLD_SIZE differs between ranks?)"
         )));
     }
-    let mut id = [0u8; ID_BYTES];
-    id.copy_from_slice(&bytes[12..]);
     Ok(id)
 }
 
@@ -77,8 +74,8 @@ pub fn decode_id(bytes: &[u8], world_size: usize) -> Result<[u8; ID_BYTES]> {
 ///
 /// `make_id` is called on rank 0 only. Others wait up to `timeout` for rank 0's key; on timeout
 /// the error names rank 0.
-pub fn exchange_unique_id(
-    store: &mut StoreClient,
+pub fn exchange_unique_id<S: Store + ?Sized>(
+    store: &mut S,
     prefix: &str,
     rank: usize,
     world_size: usize,
@@ -90,16 +87,18 @@ pub fn exchange_unique_id(
             "rank {rank} is out of range for a world of {world_size}"
         )));
     }
-    let generation = store.add(&key_generation(prefix, rank), 1)?;
-    store.set(&key_arrived(prefix, generation, rank), b"1")?;
-    let key = key_id(prefix, generation);
+    let mut store = PrefixStore::new(store, prefix);
+    let generation = store.add(&keys::nccl_generation(rank), 1)?;
+    store.set(&keys::nccl_arrived(generation, rank), b"1")?;
+    let id_key = keys::nccl_unique_id(generation);
+    let key = store.key(&id_key);
     let id = if rank == 0 {
         let id = make_id()?;
-        store.set(&key, &encode_id(world_size, &id))?;
+        store.set(&id_key, &encode_id(world_size, &id))?;
         id
     } else {
         let start = Instant::now();
-        let bytes = store.get(&key, timeout).map_err(|e| match e {
+        let bytes = store.get(&id_key, timeout).map_err(|e| match e {
             CommError::Timeout { .. } => CommError::Timeout {
                 op: format!(
                     "waiting for rank 0 to publish the NCCL unique id (store key {key:?}); did \
@@ -118,16 +117,17 @@ pub fn exchange_unique_id(
 
 /// The ranks that never reached the rendezvous of `generation` (used to name the peers that
 /// made a communicator creation time out). Errors reading the store count as "not arrived".
-pub fn missing_ranks(
-    store: &mut StoreClient,
+pub fn missing_ranks<S: Store + ?Sized>(
+    store: &mut S,
     prefix: &str,
     generation: i64,
     world_size: usize,
 ) -> Vec<usize> {
+    let mut store = PrefixStore::new(store, prefix);
     (0..world_size)
         .filter(|&r| {
             !matches!(
-                store.try_get(&key_arrived(prefix, generation, r)),
+                store.try_get(&keys::nccl_arrived(generation, r)),
                 Ok(Some(_))
             )
         })
@@ -137,7 +137,7 @@ pub fn missing_ranks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::StoreServer;
+    use crate::store::{StoreClient, StoreServer};
 
     const T: Duration = Duration::from_secs(10);
 

@@ -1,0 +1,143 @@
+//! The 32-byte header every rank sends every other rank at the start of a collective (encoded
+//! with the crate's codec, [`crate::wire`]), and the codes it carries.
+
+use super::ReduceOp;
+#[cfg(doc)]
+use crate::error::CommError;
+use crate::wire::{Reader, Writer};
+
+/// Header bytes in front of every collective's first message.
+pub(crate) const HDR: usize = 32;
+const MAGIC: u32 = 0x4744_4450; // "PDDG"
+/// Largest inline payload a header may announce (guards against a garbled stream).
+const MAX_INLINE: u64 = 64 << 20;
+
+/// Which collective a header announces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    AllReduce = 1,
+    Broadcast = 2,
+    AllGather = 3,
+    AllGatherVarlen = 4,
+    BroadcastBytes = 5,
+    Barrier = 6,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::AllReduce,
+            2 => Kind::Broadcast,
+            3 => Kind::AllGather,
+            4 => Kind::AllGatherVarlen,
+            5 => Kind::BroadcastBytes,
+            6 => Kind::Barrier,
+            _ => return None,
+        })
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::Broadcast => "broadcast",
+            Kind::AllGather => "all_gather",
+            Kind::AllGatherVarlen => "all_gather_varlen",
+            Kind::BroadcastBytes => "broadcast_bytes",
+            Kind::Barrier => "barrier",
+        }
+    }
+}
+
+/// The header every rank sends every other rank at the start of a collective; comparing them
+/// turns mismatched calls into [`CommError::Mismatch`] on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: Kind,
+    /// [`ReduceOp`] code (all_reduce only).
+    pub op: u8,
+    /// The sender's data follows the header.
+    pub inline: bool,
+    /// Element size in bytes.
+    pub elem: u8,
+    /// Call number in this group (1, 2, …).
+    pub seq: u64,
+    /// Element count (the sender's own count for variable-length calls).
+    pub len: u64,
+    pub root: u32,
+    /// Element type tag.
+    pub dtype: u32,
+    /// Name of the element type (not sent; for messages).
+    pub dtype_name: &'static str,
+}
+
+impl Header {
+    pub(crate) fn encode(&self) -> [u8; HDR] {
+        Writer::with_capacity(HDR)
+            .u32(MAGIC)
+            .u8(self.kind as u8)
+            .u8(self.op)
+            .u8(self.inline as u8)
+            .u8(self.elem)
+            .u64(self.seq)
+            .u64(self.len)
+            .u32(self.root)
+            .u32(self.dtype)
+            .finish()
+            .try_into()
+            .expect("a header is HDR bytes")
+    }
+
+    pub(crate) fn decode(b: &[u8; HDR]) -> Option<Header> {
+        let mut r = Reader::new(b);
+        if r.u32().ok()? != MAGIC {
+            return None;
+        }
+        let kind = Kind::from_u8(r.u8().ok()?)?;
+        let op = r.u8().ok()?;
+        let inline = match r.u8().ok()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
+        Some(Header {
+            kind,
+            op,
+            inline,
+            elem: r.u8().ok()?,
+            seq: r.u64().ok()?,
+            len: r.u64().ok()?,
+            root: r.u32().ok()?,
+            dtype: r.u32().ok()?,
+            dtype_name: "",
+        })
+    }
+
+    /// Bytes of inline payload after this header.
+    pub(crate) fn payload_len(&self) -> Option<usize> {
+        if !self.inline {
+            return Some(0);
+        }
+        let n = self.len.checked_mul(self.elem as u64)?;
+        (n <= MAX_INLINE).then_some(n as usize)
+    }
+}
+
+pub(crate) fn op_code(op: ReduceOp) -> u8 {
+    match op {
+        ReduceOp::Sum => 1,
+        ReduceOp::Mean => 2,
+        ReduceOp::Max => 3,
+        ReduceOp::Min => 4,
+    }
+}
+
+pub(crate) fn op_name(code: u8) -> &'static str {
+    match code {
+        1 => "sum",
+        2 => "mean",
+        3 => "max",
+        4 => "min",
+        _ => "-",
+    }
+}

@@ -1,0 +1,57 @@
+//! The element types NCCL moves and reduces, and NCCL's name for each [`ReduceOp`].
+
+use std::fmt;
+
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+use cudarc::nccl::NcclType;
+use cudarc::nccl::sys::ncclRedOp_t;
+
+use crate::group::ReduceOp;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// An element type NCCL moves and reduces on the device: `f32`, `f64`, `i32`, `i64`, `u8`.
+pub trait NcclElement:
+    NcclType + DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + fmt::Debug + 'static + sealed::Sealed
+{
+    /// A short name for messages ("f32", …).
+    const NAME: &'static str;
+}
+
+macro_rules! nccl_element {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl NcclElement for $t {
+            const NAME: &'static str = stringify!($t);
+        }
+    )*};
+}
+nccl_element!(f32, f64, i32, i64, u8);
+
+/// NCCL's operation for a [`ReduceOp`]. `Mean` is `ncclAvg`: for floats a pre-multiplied sum,
+/// for integers a sum followed by an integer division (truncating, like Rust's `/`).
+pub(crate) fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Mean => ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce_ops_map_to_ncclavg_for_mean() {
+        assert_eq!(nccl_op(ReduceOp::Sum), ncclRedOp_t::ncclSum);
+        assert_eq!(nccl_op(ReduceOp::Mean), ncclRedOp_t::ncclAvg);
+        assert_eq!(nccl_op(ReduceOp::Max), ncclRedOp_t::ncclMax);
+        assert_eq!(nccl_op(ReduceOp::Min), ncclRedOp_t::ncclMin);
+        assert_eq!(<f32 as NcclElement>::NAME, "f32");
+        assert_eq!(<i64 as NcclElement>::NAME, "i64");
+    }
+}

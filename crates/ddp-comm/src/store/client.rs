@@ -1,0 +1,366 @@
+//! The store's client: connects with retries and backoff, presents the job token, and sends
+//! one request at a time with a deadline on its reply.
+
+use std::fmt;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::message::{Reply, Request, VERSION};
+use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME, Store};
+use crate::error::{CommError, Result};
+use crate::wire::{read_frame, write_frame};
+
+/// First and largest pause between connection attempts.
+const CONNECT_BACKOFF_START: Duration = Duration::from_millis(2);
+const CONNECT_BACKOFF_CAP: Duration = Duration::from_millis(50);
+/// How often a rank still connecting to the store says so.
+const CONNECT_PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// A connection to the store.
+///
+/// Every request waits for its reply with a deadline: requests that wait for keys use their
+/// own timeout plus the client's I/O timeout (30 s by default, see
+/// [`StoreClient::set_io_timeout`]); others use the I/O timeout. If the server dies, the next
+/// request fails with [`CommError::Store`] naming the store's address. After an I/O error the
+/// connection is unusable and every later request returns an error.
+pub struct StoreClient {
+    stream: TcpStream,
+    endpoint: String,
+    io_timeout: Duration,
+    broken: Option<String>,
+}
+
+impl fmt::Debug for StoreClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreClient")
+            .field("endpoint", &self.endpoint)
+            .field("io_timeout", &self.io_timeout)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+/// Why one connection attempt failed.
+enum AttemptError {
+    /// Worth retrying until the deadline (refused, reset, …).
+    Retry(String),
+    /// Final (the server refused the token).
+    Fatal(CommError),
+}
+
+impl StoreClient {
+    /// Connects to `endpoint` (`host:port`), retrying until `timeout` passes (the server may
+    /// not be up yet), and presents `token`.
+    ///
+    /// Retries start after 2 ms and back off to 50 ms, so a client that starts before the
+    /// server connects within milliseconds of the server coming up. When `timeout` passes the
+    /// error is [`CommError::Timeout`] naming the endpoint; a refused token is
+    /// [`CommError::Store`] at once.
+    pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<Self> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut backoff = CONNECT_BACKOFF_START;
+        let mut last_err;
+        let mut attempts = 0u32;
+        let mut next_progress = start + CONNECT_PROGRESS_EVERY;
+        loop {
+            attempts += 1;
+            match Self::attempt(endpoint, token, deadline) {
+                Ok(client) => {
+                    tracing::debug!(endpoint, attempts, elapsed = ?start.elapsed(), "connected to the rendezvous store");
+                    return Ok(client);
+                }
+                Err(AttemptError::Fatal(e)) => return Err(e),
+                Err(AttemptError::Retry(msg)) => last_err = msg,
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout {
+                    op: format!(
+                        "connecting to rendezvous store at {endpoint} ({attempts} attempts, last error: {last_err})"
+                    ),
+                    peer: Some(0),
+                    after: start.elapsed(),
+                });
+            }
+            if now >= next_progress {
+                // One line every ~10 s, so a rank waiting for rank 0 is not silent for the
+                // whole connect timeout.
+                tracing::warn!(
+                    "waiting for rank 0's store at {endpoint}: {:.0} s of {:.0} s ({last_err})",
+                    start.elapsed().as_secs_f64(),
+                    timeout.as_secs_f64()
+                );
+                next_progress = now + CONNECT_PROGRESS_EVERY;
+            }
+            std::thread::sleep(backoff.min(deadline - now));
+            backoff = (backoff * 2).min(CONNECT_BACKOFF_CAP);
+        }
+    }
+
+    fn attempt(
+        endpoint: &str,
+        token: Option<&str>,
+        deadline: Instant,
+    ) -> std::result::Result<Self, AttemptError> {
+        let addrs: Vec<SocketAddr> = endpoint
+            .to_socket_addrs()
+            .map_err(|e| AttemptError::Retry(format!("cannot resolve {endpoint}: {e}")))?
+            .collect();
+        if addrs.is_empty() {
+            return Err(AttemptError::Retry(format!(
+                "{endpoint} resolves to no address"
+            )));
+        }
+        let mut last = String::new();
+        for addr in addrs {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                break;
+            }
+            let mut stream = match TcpStream::connect_timeout(&addr, remaining) {
+                Ok(s) => s,
+                Err(e) => {
+                    last = format!("{addr}: {e}");
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let hello = Request::Hello {
+                version: VERSION,
+                token: token.map(|t| t.as_bytes().to_vec()),
+            };
+            // The handshake reply must come before the overall deadline (at least 1 s, so a
+            // loaded server on a short deadline is not mistaken for a dead one).
+            let wait = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1));
+            let _ = stream.set_read_timeout(Some(wait));
+            let _ = stream.set_write_timeout(Some(wait));
+            if let Err(e) = write_frame(&mut stream, &hello.encode(), MAX_FRAME) {
+                last = format!("{addr}: sending the handshake: {e}");
+                continue;
+            }
+            match read_frame(&mut stream, MAX_FRAME) {
+                Ok(Some(reply)) => {
+                    return match Reply::decode(&reply) {
+                        Ok(Reply::Ok) => Ok(StoreClient {
+                            stream,
+                            endpoint: endpoint.to_string(),
+                            io_timeout: DEFAULT_IO_TIMEOUT,
+                            broken: None,
+                        }),
+                        Ok(Reply::Refused(why)) => Err(AttemptError::Fatal(CommError::Store {
+                            addr: endpoint.to_string(),
+                            msg: format!(
+                                "the store refused this connection: {why} (is {} the same on every rank?)",
+                                crate::env::TOKEN_VAR
+                            ),
+                        })),
+                        _ => Err(AttemptError::Fatal(CommError::Store {
+                            addr: endpoint.to_string(),
+                            msg: "unexpected handshake reply (is this a ddp-comm store?)"
+                                .to_string(),
+                        })),
+                    };
+                }
+                Ok(None) => last = format!("{addr}: closed during the handshake"),
+                Err(e) => last = format!("{addr}: during the handshake: {e}"),
+            }
+        }
+        Err(AttemptError::Retry(last))
+    }
+
+    /// The endpoint this client connected to.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Sets the deadline for replies to requests (added to the timeout of `get`/`wait`).
+    pub fn set_io_timeout(&mut self, timeout: Duration) {
+        self.io_timeout = timeout;
+    }
+
+    /// Sends one request and reads its reply within `reply_within`.
+    ///
+    /// An I/O error breaks the connection (every later request fails at once); a reply that
+    /// does not parse is an error of this request only.
+    fn request(&mut self, request: &Request, what: &str, reply_within: Duration) -> Result<Reply> {
+        if let Some(why) = &self.broken {
+            return Err(CommError::Store {
+                addr: self.endpoint.clone(),
+                msg: format!("connection unusable after an earlier error: {why}"),
+            });
+        }
+        let result = self.request_inner(&request.encode(), what, reply_within);
+        if let Err(e) = &result {
+            self.broken = Some(e.to_string());
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+        Reply::decode(&result?).map_err(|_| self.store_error(format!("{what}: malformed reply")))
+    }
+
+    fn request_inner(
+        &mut self,
+        payload: &[u8],
+        what: &str,
+        reply_within: Duration,
+    ) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let op = || format!("{what} at rendezvous store {}", self.endpoint);
+        let _ = self.stream.set_write_timeout(Some(self.io_timeout));
+        // A zero read timeout means "block forever" to the OS: keep it positive.
+        let _ = self
+            .stream
+            .set_read_timeout(Some(reply_within.max(Duration::from_millis(1))));
+        let map_io = |e: io::Error, op: String| -> CommError {
+            match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CommError::Timeout {
+                    op: format!("{op} (waiting for the store's reply)"),
+                    peer: Some(0),
+                    after: start.elapsed(),
+                },
+                io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::BrokenPipe => CommError::Store {
+                    addr: self.endpoint.clone(),
+                    msg: format!(
+                        "the store closed the connection during {what} (did rank 0 exit?)"
+                    ),
+                },
+                _ => CommError::io(op, Some(0), e),
+            }
+        };
+        if let Err(e) = write_frame(&mut self.stream, payload, MAX_FRAME) {
+            return Err(map_io(e, op()));
+        }
+        match read_frame(&mut self.stream, MAX_FRAME) {
+            Ok(Some(reply)) if !reply.is_empty() => Ok(reply),
+            Ok(Some(_)) => Err(CommError::Store {
+                addr: self.endpoint.clone(),
+                msg: format!("empty reply during {what}"),
+            }),
+            Ok(None) => Err(map_io(io::ErrorKind::UnexpectedEof.into(), op())),
+            Err(e) => Err(map_io(e, op())),
+        }
+    }
+
+    fn store_error(&self, msg: String) -> CommError {
+        CommError::Store {
+            addr: self.endpoint.clone(),
+            msg,
+        }
+    }
+
+    fn unexpected(&self, what: &str, reply: Reply) -> CommError {
+        self.store_error(match reply {
+            Reply::Error(m) => format!("{what}: {m}"),
+            other => format!("{what}: unexpected reply ({})", other.name()),
+        })
+    }
+
+    /// Sets `key` to `value` (overwrites).
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let what = format!("setting key {key:?}");
+        let req = Request::Set {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        match self.request(&req, &what, self.io_timeout)? {
+            Reply::Ok => Ok(()),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+
+    /// Waits up to `timeout` for `key` to exist and returns its value.
+    ///
+    /// The wait happens on the server; on timeout the error is [`CommError::Timeout`] naming
+    /// the key.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let what = format!("waiting for key {key:?}");
+        let req = Request::Get {
+            key: key.to_string(),
+            timeout,
+        };
+        match self.request(&req, &what, timeout.saturating_add(self.io_timeout))? {
+            Reply::Value(v) => Ok(v),
+            Reply::Timeout(_) => Err(CommError::Timeout {
+                op: format!("{what} at rendezvous store {}", self.endpoint),
+                peer: None,
+                after: timeout,
+            }),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+
+    /// Returns the value of `key` if it exists now, without waiting.
+    pub fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        let what = format!("reading key {key:?}");
+        let req = Request::TryGet {
+            key: key.to_string(),
+        };
+        match self.request(&req, &what, self.io_timeout)? {
+            Reply::Value(v) => Ok(Some(v)),
+            Reply::Missing => Ok(None),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+
+    /// Atomically adds `delta` to the integer counter at `key` (missing = 0); returns the new value.
+    ///
+    /// The counter is stored as 8 little-endian bytes, so `get` on it returns those bytes.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        let what = format!("adding to key {key:?}");
+        let req = Request::Add {
+            key: key.to_string(),
+            delta,
+        };
+        match self.request(&req, &what, self.io_timeout)? {
+            Reply::Int(v) => Ok(v),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+
+    /// Waits up to `timeout` until all `keys` exist.
+    ///
+    /// On timeout the error is [`CommError::Timeout`] naming a key that is still missing.
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let what = format!("waiting for {} key(s)", keys.len());
+        let req = Request::Wait {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            timeout,
+        };
+        match self.request(&req, &what, timeout.saturating_add(self.io_timeout))? {
+            Reply::Ok => Ok(()),
+            Reply::Timeout(missing) => Err(CommError::Timeout {
+                op: format!(
+                    "waiting for key {missing:?} at rendezvous store {}",
+                    self.endpoint
+                ),
+                peer: None,
+                after: timeout,
+            }),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+}
+
+impl Store for StoreClient {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        StoreClient::set(self, key, value)
+    }
+    fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        StoreClient::get(self, key, timeout)
+    }
+    fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        StoreClient::try_get(self, key)
+    }
+    fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        StoreClient::add(self, key, delta)
+    }
+    fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
+        StoreClient::wait(self, keys, timeout)
+    }
+}

@@ -1,0 +1,262 @@
+//! The store's messages: typed [`Request`]s (client → server) and [`Reply`]s (server →
+//! client), encoded with the crate's one codec ([`crate::wire`]) and sent one per frame.
+//!
+//! The first request of every connection is [`Request::Hello`]: a magic, the protocol
+//! [`VERSION`] and the job token.
+
+use std::time::Duration;
+
+use crate::wire::{Malformed, Parsed, Reader, Writer};
+
+/// Magic at the start of every handshake ("DDPS").
+pub(crate) const MAGIC: [u8; 4] = *b"DDPS";
+/// Protocol version; bumped on incompatible changes.
+pub(crate) const VERSION: u8 = 1;
+
+/// A request from a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Request {
+    /// The handshake: the client's protocol version and job token.
+    Hello { version: u8, token: Option<Vec<u8>> },
+    /// Set `key` to `value`.
+    Set { key: String, value: Vec<u8> },
+    /// Wait up to `timeout` for `key` and return its value.
+    Get { key: String, timeout: Duration },
+    /// The value of `key` if it exists now.
+    TryGet { key: String },
+    /// Add `delta` to the counter at `key`.
+    Add { key: String, delta: i64 },
+    /// Wait up to `timeout` until all `keys` exist.
+    Wait {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
+}
+
+/// A reply from the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Reply {
+    /// Done (handshake accepted, key set, keys present).
+    Ok,
+    /// The value asked for.
+    Value(Vec<u8>),
+    /// `try_get` of a key that does not exist.
+    Missing,
+    /// The counter's new value.
+    Int(i64),
+    /// A wait ran past its timeout; the key still missing.
+    Timeout(String),
+    /// The handshake was refused, and why.
+    Refused(String),
+    /// The request failed, and why.
+    Error(String),
+}
+
+const HELLO: u8 = 1;
+const SET: u8 = 2;
+const GET: u8 = 3;
+const TRY_GET: u8 = 4;
+const ADD: u8 = 5;
+const WAIT: u8 = 6;
+
+const OK: u8 = 0x80;
+const VALUE: u8 = 0x81;
+const MISSING: u8 = 0x82;
+const INT: u8 = 0x83;
+const TIMEOUT: u8 = 0x84;
+const REFUSED: u8 = 0x85;
+const ERROR: u8 = 0x86;
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl Request {
+    /// The frame's payload.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let w = Writer::default();
+        match self {
+            Request::Hello { version, token } => w
+                .u8(HELLO)
+                .raw(&MAGIC)
+                .u8(*version)
+                .u8(token.is_some() as u8)
+                .bytes(token.as_deref().unwrap_or_default()),
+            Request::Set { key, value } => w.u8(SET).bytes(key.as_bytes()).bytes(value),
+            Request::Get { key, timeout } => w.u8(GET).u64(micros(*timeout)).bytes(key.as_bytes()),
+            Request::TryGet { key } => w.u8(TRY_GET).bytes(key.as_bytes()),
+            Request::Add { key, delta } => w.u8(ADD).bytes(key.as_bytes()).i64(*delta),
+            Request::Wait { keys, timeout } => {
+                let mut w = w.u8(WAIT).u64(micros(*timeout)).u32(keys.len() as u32);
+                for k in keys {
+                    w = w.bytes(k.as_bytes());
+                }
+                w
+            }
+        }
+        .finish()
+    }
+
+    /// Parses a frame's payload. A hello with another magic is [`Malformed`].
+    pub(crate) fn decode(frame: &[u8]) -> Parsed<Request> {
+        let mut r = Reader::new(frame);
+        let req = match r.u8()? {
+            HELLO => {
+                if r.array::<4>()? != MAGIC {
+                    return Err(Malformed);
+                }
+                let version = r.u8()?;
+                let has_token = r.u8()?;
+                let token = r.bytes()?.to_vec();
+                Request::Hello {
+                    version,
+                    token: (has_token == 1).then_some(token),
+                }
+            }
+            SET => Request::Set {
+                key: r.string()?,
+                value: r.bytes()?.to_vec(),
+            },
+            GET => {
+                let timeout = Duration::from_micros(r.u64()?);
+                Request::Get {
+                    key: r.string()?,
+                    timeout,
+                }
+            }
+            TRY_GET => Request::TryGet { key: r.string()? },
+            ADD => Request::Add {
+                key: r.string()?,
+                delta: r.i64()?,
+            },
+            WAIT => {
+                let timeout = Duration::from_micros(r.u64()?);
+                let n = r.u32()? as usize;
+                let mut keys = Vec::with_capacity(n.min(1024));
+                for _ in 0..n {
+                    keys.push(r.string()?);
+                }
+                Request::Wait { keys, timeout }
+            }
+            _ => return Err(Malformed),
+        };
+        r.end()?;
+        Ok(req)
+    }
+}
+
+impl Reply {
+    /// The frame's payload.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let w = Writer::default();
+        match self {
+            Reply::Ok => w.u8(OK),
+            Reply::Value(v) => w.u8(VALUE).bytes(v),
+            Reply::Missing => w.u8(MISSING),
+            Reply::Int(v) => w.u8(INT).i64(*v),
+            Reply::Timeout(key) => w.u8(TIMEOUT).bytes(key.as_bytes()),
+            Reply::Refused(why) => w.u8(REFUSED).bytes(why.as_bytes()),
+            Reply::Error(msg) => w.u8(ERROR).bytes(msg.as_bytes()),
+        }
+        .finish()
+    }
+
+    /// Parses a frame's payload.
+    pub(crate) fn decode(frame: &[u8]) -> Parsed<Reply> {
+        let mut r = Reader::new(frame);
+        let reply = match r.u8()? {
+            OK => Reply::Ok,
+            VALUE => Reply::Value(r.bytes()?.to_vec()),
+            MISSING => Reply::Missing,
+            INT => Reply::Int(r.i64()?),
+            TIMEOUT => Reply::Timeout(r.string()?),
+            REFUSED => Reply::Refused(r.string()?),
+            ERROR => Reply::Error(r.string()?),
+            _ => return Err(Malformed),
+        };
+        r.end()?;
+        Ok(reply)
+    }
+
+    /// A short name for messages about an unexpected reply.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Reply::Ok => "ok",
+            Reply::Value(_) => "value",
+            Reply::Missing => "missing",
+            Reply::Int(_) => "integer",
+            Reply::Timeout(_) => "timeout",
+            Reply::Refused(_) => "refused",
+            Reply::Error(_) => "error",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_request_and_reply_round_trips() {
+        let t = Duration::from_millis(1500);
+        let requests = [
+            Request::Hello {
+                version: VERSION,
+                token: Some(b"tok".to_vec()),
+            },
+            Request::Hello {
+                version: VERSION,
+                token: None,
+            },
+            Request::Set {
+                key: "k".into(),
+                value: vec![1, 2, 3],
+            },
+            Request::Get {
+                key: "k".into(),
+                timeout: t,
+            },
+            Request::TryGet { key: "k".into() },
+            Request::Add {
+                key: "c".into(),
+                delta: -3,
+            },
+            Request::Wait {
+                keys: vec!["a".into(), "b".into()],
+                timeout: t,
+            },
+        ];
+        for req in requests {
+            assert_eq!(Request::decode(&req.encode()), Ok(req));
+        }
+        let replies = [
+            Reply::Ok,
+            Reply::Value(vec![9; 10]),
+            Reply::Missing,
+            Reply::Int(i64::MIN),
+            Reply::Timeout("k".into()),
+            Reply::Refused("wrong job token".into()),
+            Reply::Error("boom".into()),
+        ];
+        for reply in replies {
+            assert_eq!(Reply::decode(&reply.encode()), Ok(reply));
+        }
+    }
+
+    #[test]
+    fn garbage_trailing_bytes_and_bad_magic_are_malformed() {
+        assert_eq!(Request::decode(b"GET / HTTP/1.0\r\n\r\n"), Err(Malformed));
+        assert_eq!(Request::decode(&[]), Err(Malformed));
+        let mut set = Request::TryGet { key: "k".into() }.encode();
+        set.push(0);
+        assert_eq!(Request::decode(&set), Err(Malformed));
+        let mut hello = Request::Hello {
+            version: VERSION,
+            token: None,
+        }
+        .encode();
+        hello[1] = b'X';
+        assert_eq!(Request::decode(&hello), Err(Malformed));
+        assert_eq!(Reply::decode(&[0x7f]), Err(Malformed));
+    }
+}

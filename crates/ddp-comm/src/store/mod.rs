@@ -1,0 +1,158 @@
+//! The rendezvous key-value store (the part c10d's TCPStore plays in PyTorch).
+//!
+//! Rank 0 serves it at `MASTER_ADDR:MASTER_PORT` ([`StoreServer`]); every rank (rank 0 too)
+//! talks to it through a [`StoreClient`]. Keys map to byte values; `get` and `wait` block until
+//! the key appears or the timeout passes; `add` is an atomic counter. A connection must present
+//! the job token first; connections without it are refused and logged.
+//!
+//! Code that uses the store goes through the [`Store`] trait, and names its keys inside a
+//! [`PrefixStore`], so that every user has a namespace of its own: the process group's
+//! rendezvous under `ddp/pg`, NCCL's under `NcclOptions::store_prefix` (`nccl` by default).
+//! The keys themselves are built in one place, the private `keys` module.
+//!
+//! # Protocol
+//!
+//! Frames over TCP (`TCP_NODELAY`) in the crate's one codec (a little-endian `u32` length, then
+//! that many bytes): each carries one request or one reply, a tag byte and its fields. The
+//! first frame of every connection is a handshake carrying a magic, a protocol version and the
+//! job token; the server answers `Ok` or a refusal and closes the connection. Waiting requests
+//! (`get`, `wait`) carry their timeout and are answered by the server when the keys appear (it
+//! waits on a condition variable) or when the timeout passes, so clients never poll.
+//!
+//! ```
+//! use std::time::Duration;
+//! use ddp_comm::store::{PrefixStore, Store, StoreClient, StoreServer};
+//! # fn main() -> Result<(), ddp_comm::CommError> {
+//! let server = StoreServer::bind("127.0.0.1:0", Some("secret".into()))?;
+//! let endpoint = server.local_addr().to_string();
+//! let mut a = StoreClient::connect(&endpoint, Some("secret"), Duration::from_secs(5))?;
+//! let mut b = StoreClient::connect(&endpoint, Some("secret"), Duration::from_secs(5))?;
+//! a.set("addr/0", b"10.0.0.1:4000")?;
+//! assert_eq!(b.get("addr/0", Duration::from_secs(1))?, b"10.0.0.1:4000");
+//! assert_eq!(a.add("arrived", 1)?, 1);
+//! assert_eq!(b.add("arrived", 1)?, 2);
+//! // A namespace: its keys are `job/…` in the store.
+//! PrefixStore::new(&mut a, "job").set("step", b"7")?;
+//! assert_eq!(b.get("job/step", Duration::from_secs(1))?, b"7");
+//! # Ok(()) }
+//! ```
+
+mod client;
+pub(crate) mod keys;
+mod message;
+mod server;
+
+use std::time::Duration;
+
+pub use client::StoreClient;
+pub use server::StoreServer;
+
+use crate::error::Result;
+
+/// Largest frame either side accepts (keys and values are small: addresses, NCCL ids).
+const MAX_FRAME: usize = 64 << 20;
+/// Default deadline for a reply to a request that does not wait for keys.
+const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The operations of a rendezvous store: what the process group and NCCL's rendezvous need.
+///
+/// [`StoreClient`] is the store; [`PrefixStore`] is a namespace inside another store.
+pub trait Store {
+    /// Sets `key` to `value` (overwrites).
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<()>;
+    /// Waits up to `timeout` for `key` to exist and returns its value.
+    fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Returns the value of `key` if it exists now, without waiting.
+    fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>>;
+    /// Atomically adds `delta` to the counter at `key` (missing = 0); returns the new value.
+    fn add(&mut self, key: &str, delta: i64) -> Result<i64>;
+    /// Waits up to `timeout` until all `keys` exist.
+    fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()>;
+}
+
+impl<S: Store + ?Sized> Store for &mut S {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        (**self).set(key, value)
+    }
+    fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        (**self).get(key, timeout)
+    }
+    fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        (**self).try_get(key)
+    }
+    fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        (**self).add(key, delta)
+    }
+    fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
+        (**self).wait(keys, timeout)
+    }
+}
+
+/// A namespace inside another store: key `k` is `{prefix}/k` there.
+///
+/// Errors name the full key, as the store sees it.
+#[derive(Debug)]
+pub struct PrefixStore<'a, S: Store + ?Sized> {
+    store: &'a mut S,
+    prefix: String,
+}
+
+impl<'a, S: Store + ?Sized> PrefixStore<'a, S> {
+    /// The namespace `prefix` inside `store` (an empty prefix adds nothing).
+    pub fn new(store: &'a mut S, prefix: impl Into<String>) -> Self {
+        PrefixStore {
+            store,
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix of this namespace.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The full key of `key` in the underlying store.
+    pub fn key(&self, key: &str) -> String {
+        if self.prefix.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}/{key}", self.prefix)
+        }
+    }
+
+    /// A namespace `sub` inside this one (`{prefix}/{sub}/…`).
+    pub fn scope(&mut self, sub: &str) -> PrefixStore<'_, S> {
+        let prefix = self.key(sub);
+        PrefixStore {
+            store: &mut *self.store,
+            prefix,
+        }
+    }
+}
+
+impl<S: Store + ?Sized> Store for PrefixStore<'_, S> {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let key = self.key(key);
+        self.store.set(&key, value)
+    }
+    fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let key = self.key(key);
+        self.store.get(&key, timeout)
+    }
+    fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        let key = self.key(key);
+        self.store.try_get(&key)
+    }
+    fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        let key = self.key(key);
+        self.store.add(&key, delta)
+    }
+    fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.store.wait(&refs, timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,217 @@
+//! The store against real sockets: clients and servers in one process.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::error::CommError;
+
+const T: Duration = Duration::from_secs(10);
+
+fn server(token: Option<&str>) -> (StoreServer, String) {
+    let s = StoreServer::bind("127.0.0.1:0", token.map(str::to_string)).unwrap();
+    let ep = s.local_addr().to_string();
+    (s, ep)
+}
+
+#[test]
+fn set_then_get_and_try_get() {
+    let (_s, ep) = server(Some("tok"));
+    let mut a = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    let mut b = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    assert_eq!(b.try_get("k").unwrap(), None);
+    a.set("k", b"hello").unwrap();
+    assert_eq!(b.get("k", T).unwrap(), b"hello");
+    assert_eq!(b.try_get("k").unwrap().as_deref(), Some(&b"hello"[..]));
+    a.set("k", b"").unwrap();
+    assert_eq!(b.get("k", T).unwrap(), b"");
+    let big = (0..1_000_000u32).map(|i| i as u8).collect::<Vec<_>>();
+    a.set("big", &big).unwrap();
+    assert_eq!(b.get("big", T).unwrap(), big);
+}
+
+#[test]
+fn get_blocks_until_another_client_sets() {
+    let (_s, ep) = server(None);
+    let mut waiter = StoreClient::connect(&ep, None, T).unwrap();
+    let ep2 = ep.clone();
+    let setter = std::thread::spawn(move || {
+        let mut c = StoreClient::connect(&ep2, None, T).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        c.set("late", b"v").unwrap();
+        c.set("late2", b"w").unwrap();
+    });
+    assert_eq!(waiter.get("late", T).unwrap(), b"v");
+    waiter.wait(&["late", "late2"], T).unwrap();
+    setter.join().unwrap();
+}
+
+#[test]
+fn get_and_wait_time_out_with_the_key_named() {
+    let (_s, ep) = server(None);
+    let mut c = StoreClient::connect(&ep, None, T).unwrap();
+    let err = c.get("never", Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(err, CommError::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("\"never\""), "{err}");
+    c.set("present", b"1").unwrap();
+    let err = c
+        .wait(&["present", "absent"], Duration::from_millis(50))
+        .unwrap_err();
+    assert!(err.to_string().contains("\"absent\""), "{err}");
+    // The connection stays usable after a server-side timeout.
+    assert_eq!(c.get("present", T).unwrap(), b"1");
+}
+
+#[test]
+fn add_is_atomic_across_threads() {
+    let (_s, ep) = server(Some("t"));
+    let threads = 8;
+    let per = 200;
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let ep = ep.clone();
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                let mut c = StoreClient::connect(&ep, Some("t"), T).unwrap();
+                barrier.wait();
+                let mut seen = Vec::new();
+                for _ in 0..per {
+                    seen.push(c.add("counter", 1).unwrap());
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut all: Vec<i64> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    all.sort_unstable();
+    // Every intermediate value was returned exactly once.
+    assert_eq!(all, (1..=(threads * per) as i64).collect::<Vec<_>>());
+    let mut c = StoreClient::connect(&ep, Some("t"), T).unwrap();
+    assert_eq!(c.add("counter", -5).unwrap(), (threads * per) as i64 - 5);
+    c.set("text", b"abc").unwrap();
+    let err = c.add("text", 1).unwrap_err();
+    assert!(matches!(err, CommError::Store { .. }), "{err}");
+}
+
+#[test]
+fn wrong_or_missing_token_is_refused_and_right_one_accepted() {
+    let (_s, ep) = server(Some("right"));
+    for bad in [Some("wrong"), None, Some("")] {
+        let err = StoreClient::connect(&ep, bad, T).unwrap_err();
+        match &err {
+            CommError::Store { msg, .. } => assert!(msg.contains("refused"), "{err}"),
+            other => panic!("expected a refusal, got {other}"),
+        }
+    }
+    let mut c = StoreClient::connect(&ep, Some("right"), T).unwrap();
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k", T).unwrap(), b"v");
+}
+
+#[test]
+fn raw_garbage_connection_is_refused_and_server_keeps_serving() {
+    let (_s, ep) = server(Some("x"));
+    let mut raw = TcpStream::connect(&ep).unwrap();
+    raw.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    raw.set_read_timeout(Some(T)).unwrap();
+    let mut buf = Vec::new();
+    // The server answers and closes; reading to the end must not hang.
+    let _ = raw.read_to_end(&mut buf);
+    let mut c = StoreClient::connect(&ep, Some("x"), T).unwrap();
+    c.set("still", b"ok").unwrap();
+}
+
+#[test]
+fn connect_to_a_closed_port_times_out_with_the_endpoint_named() {
+    // Bind and drop to get a port that nothing listens on.
+    let port = crate::net::free_port("127.0.0.1").unwrap();
+    let ep = format!("127.0.0.1:{port}");
+    let start = Instant::now();
+    let err = StoreClient::connect(&ep, None, Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(err, CommError::Timeout { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("connecting to rendezvous store at {ep}")),
+        "{err}"
+    );
+    // Deadline honoured (generous bound: it is a correctness check, not a benchmark).
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn client_started_before_server_connects_once_it_is_up() {
+    let port = crate::net::free_port("127.0.0.1").unwrap();
+    let ep = format!("127.0.0.1:{port}");
+    let ep2 = ep.clone();
+    let client = std::thread::spawn(move || {
+        let mut c = StoreClient::connect(&ep2, Some("t"), T)?;
+        c.get("hello", T)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let s = StoreServer::bind(&ep, Some("t".into())).unwrap();
+    let mut c = StoreClient::connect(&ep, Some("t"), T).unwrap();
+    c.set("hello", b"world").unwrap();
+    assert_eq!(client.join().unwrap().unwrap(), b"world");
+    drop(s);
+}
+
+#[test]
+fn server_shutdown_wakes_waiters_with_a_clear_error() {
+    let (s, ep) = server(None);
+    let mut c = StoreClient::connect(&ep, None, T).unwrap();
+    let mut idle = StoreClient::connect(&ep, None, T).unwrap();
+    let waiter = std::thread::spawn(move || c.get("never", Duration::from_secs(60)));
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    drop(s);
+    let err = waiter.join().unwrap().unwrap_err();
+    assert!(matches!(err, CommError::Store { .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10));
+    let err = idle.set("k", b"v").unwrap_err();
+    assert!(
+        matches!(err, CommError::Store { .. } | CommError::Io { .. }),
+        "{err}"
+    );
+    // A broken client keeps reporting an error instead of desynchronising.
+    assert!(idle.try_get("k").is_err());
+}
+
+#[test]
+fn bind_uses_the_given_address_only() {
+    let s = StoreServer::bind("127.0.0.1:0", None).unwrap();
+    assert_eq!(s.local_addr().ip(), std::net::Ipv4Addr::LOCALHOST);
+    let err = StoreServer::bind("not-an-address", None).unwrap_err();
+    assert!(err.to_string().contains("not-an-address"), "{err}");
+}
+
+#[test]
+fn prefix_store_names_keys_in_its_namespace() {
+    let (_s, ep) = server(None);
+    let mut c = StoreClient::connect(&ep, None, T).unwrap();
+    {
+        let mut ns = PrefixStore::new(&mut c, "job");
+        assert_eq!(ns.key("k"), "job/k");
+        ns.set("k", b"v").unwrap();
+        assert_eq!(ns.add("n", 2).unwrap(), 2);
+        let mut inner = ns.scope("sub");
+        assert_eq!(inner.prefix(), "job/sub");
+        inner.set("x", b"1").unwrap();
+        inner.wait(&["x"], T).unwrap();
+        assert_eq!(inner.try_get("missing").unwrap(), None);
+        let err = inner.get("never", Duration::from_millis(20)).unwrap_err();
+        assert!(err.to_string().contains("\"job/sub/never\""), "{err}");
+    }
+    assert_eq!(c.get("job/k", T).unwrap(), b"v");
+    assert_eq!(c.get("job/sub/x", T).unwrap(), b"1");
+    assert_eq!(PrefixStore::new(&mut c, "").key("k"), "k");
+}
