@@ -210,7 +210,8 @@ pub fn run_all(ctx: &Ctx, checks: &[Check], report: &mut Report) {
         match check.kind {
             Kind::Libtest(binary) => {
                 if !missing.is_empty() {
-                    report.rows.push(missing_row(check.label, &missing));
+                    // Without libcuda that is the news, not the missing binary.
+                    report.rows.extend(gate(ctx, check, &missing));
                 } else {
                     run_libtest(ctx, check, binary, report);
                 }
@@ -242,7 +243,8 @@ fn gate(ctx: &Ctx, check: &Check, missing: &[&str]) -> Option<Row> {
             status: Status::Fail,
             secs: None,
             limit: None,
-            note: report::cut(e, 120),
+            // The driver error without ddp-comm's "I/O error during …" prefix.
+            note: report::cut(e.find("libcuda not found").map_or(e, |i| &e[i..]), 120),
         });
     }
     (!missing.is_empty()).then(|| missing_row(check.label, missing))
