@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch gloo all-reduce of f32 data, printed like ddp-comm's allreduce_bench (for
-scripts/gpu-check.sh): run as `python3 -m torch.distributed.run --nproc-per-node N
+"""PyTorch gloo all-reduce of f32 data, printed like ddp-comm's allreduce_bench (for the CPU
+scaling row of `cargo xtask gpu-check run`, where torch exists): run as `python3 -m torch.distributed.run --nproc-per-node N
 gloo_allreduce.py --sizes 1M,25M`. Rank 0 prints one `BENCH |` line per size."""
 import argparse
 import time

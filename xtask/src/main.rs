@@ -8,6 +8,8 @@
 //! cargo xtask bench ddp|syncbn|data
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--iters N] [--pin]
+//! cargo xtask gpu-check build [--out DIR] [--dry] [--add FILE]…
+//! .gpu-bin/xtask gpu-check run [--bundle DIR] [--budget-secs S] [--only TEXT]…
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -18,6 +20,7 @@ use clap::{Parser, Subcommand};
 
 mod ci;
 mod cuda_build;
+mod gpu_check;
 mod train;
 
 #[derive(Parser, Debug)]
@@ -40,6 +43,10 @@ enum Cmd {
     /// The BatchNorm experiment: 1 process × B vs N ranks × B/N with per-rank BatchNorm vs
     /// N ranks × B/N with SyncBatchNorm, same seed and data.
     Compare(train::TrainArgs),
+    /// The GPU check: `build` here packs the CUDA binaries into .gpu-bin/, `run` on a
+    /// machine with an NVIDIA GPU (no cargo there: `.gpu-bin/xtask gpu-check run`) runs every
+    /// check and prints one table.
+    GpuCheck(gpu_check::GpuCheckArgs),
     /// Benchmarks (release builds, launched through `ddprun`).
     Bench {
         #[command(subcommand)]
@@ -124,6 +131,7 @@ fn main() -> ExitCode {
         Cmd::SetupCudaBuild(a) => cuda_build::setup(&workspace_root(), &a),
         Cmd::Train(a) => train::train(&workspace_root(), &a),
         Cmd::Compare(a) => train::compare(&workspace_root(), &a),
+        Cmd::GpuCheck(a) => gpu_check::main(&workspace_root(), &a).map_err(|e| e.to_string()),
         Cmd::Bench {
             what:
                 Bench::Allreduce {

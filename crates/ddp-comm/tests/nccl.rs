@@ -2,7 +2,7 @@
 //!
 //! The first test runs everywhere: without CUDA/NCCL every constructor must return the clear
 //! library error (never panic). The `#[ignore]`d ones need an NVIDIA GPU with libcuda and
-//! libnccl; `scripts/gpu-check.sh run` runs them on such a machine (it also makes the
+//! libnccl; `cargo xtask gpu-check run` runs them on such a machine (it also makes the
 //! `libnccl.so` link cudarc needs). Multi-process tests spawn this test binary as rank
 //! processes, with a deadline after which the children are killed.
 #![cfg(feature = "nccl")]
@@ -115,7 +115,7 @@ where
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn world1_device_collectives_f32_f64_i64() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     println!(
@@ -140,7 +140,7 @@ fn world1_device_collectives_f32_f64_i64() {
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn world1_host_helpers_and_argument_errors() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     let data = ramp(12345, |i| i as f64 - 6000.5);
@@ -189,7 +189,7 @@ fn world1_host_helpers_and_argument_errors() {
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn world1_raw_pointer_collectives() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     let stream = g.stream().clone();
@@ -212,7 +212,7 @@ fn world1_raw_pointer_collectives() {
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn world1_grouped_raw_all_reduce_of_several_buffers() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     let stream = g.stream().clone();
@@ -242,7 +242,7 @@ fn world1_grouped_raw_all_reduce_of_several_buffers() {
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn world1_large_all_reduce_and_timings() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     let stream = g.stream().clone();
@@ -269,7 +269,7 @@ fn world1_large_all_reduce_and_timings() {
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn init_times_out_and_names_the_rank_that_never_came() {
     let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
     let env = env_for(0, 2, server.local_addr().port());
@@ -382,7 +382,7 @@ impl Drop for Children {
 }
 
 #[test]
-#[ignore = "needs CUDA and NCCL (scripts/gpu-check.sh)"]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn two_processes_on_one_gpu_work_or_fail_cleanly() {
     // NCCL normally refuses two ranks on one GPU ("Duplicate GPU detected"). Either outcome is
     // acceptable here; a hang, a panic or a wrong result is not. When NCCL accepts, rank 1

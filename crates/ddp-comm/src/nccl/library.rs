@@ -198,7 +198,7 @@ fn missing_nccl_message() -> String {
              only libnccl.so.2. Create a link named libnccl.so to it in a folder on \
              LD_LIBRARY_PATH, e.g. `mkdir -p /tmp/nccl-link && ln -sf <that file> \
              /tmp/nccl-link/libnccl.so && export LD_LIBRARY_PATH=/tmp/nccl-link:$LD_LIBRARY_PATH` \
-             (scripts/gpu-check.sh does this). LD_LIBRARY_PATH is currently {}.",
+             (`cargo xtask gpu-check run` does this). LD_LIBRARY_PATH is currently {}.",
             ld_library_path()
         ),
         None => format!(
@@ -321,7 +321,7 @@ mod tests {
         let names = candidates("nccl");
         assert!(names.iter().any(|n| n == "libnccl.so"), "{names:?}");
         // The documented gap: the runtime soname is not among them. If a cudarc update adds
-        // it, the link step in docs/gpu.md and scripts/gpu-check.sh can go.
+        // it, the link step in docs/gpu.md and in `cargo xtask gpu-check` can go.
         assert!(!names.iter().any(|n| n == "libnccl.so.2"), "{names:?}");
         assert!(candidates("cuda").iter().any(|n| n == "libcuda.so.1"));
     }

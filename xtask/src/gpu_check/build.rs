@@ -1,0 +1,428 @@
+//! `gpu-check build`: the CUDA binaries CI links and the programs the rows run, stripped and
+//! packed into `OUT/bins.tar.xz`, with this xtask (release, stripped) beside it uncompressed
+//! so that it runs on the GPU machine, which has no cargo.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use clap::Args;
+
+use super::GpuCheckError;
+use super::bundle::{self, Entry};
+
+// ------------------------------------------------------------------------------------------
+// What `build` builds: every cargo command and the executables taken from its output. Package
+// and binary names live here alone.
+// ------------------------------------------------------------------------------------------
+
+/// One executable taken out of a cargo command's JSON messages.
+#[derive(Debug, Clone, Copy)]
+pub struct Pick {
+    /// The cargo target's name.
+    pub target: &'static str,
+    /// The target kind: `bin` and `example` take the program, any other (`lib`, `test`) the
+    /// target's test harness.
+    pub kind: &'static str,
+    /// The file name in the bundle (what the rows run).
+    pub file: &'static str,
+}
+
+/// One cargo command of the build.
+#[derive(Debug, Clone, Copy)]
+pub struct CargoBuild {
+    /// What it builds, for the log.
+    pub what: &'static str,
+    /// `cargo` arguments (without `--message-format`).
+    pub args: &'static [&'static str],
+    /// The executables it provides.
+    pub picks: &'static [Pick],
+}
+
+/// CI's CUDA build: the same command as `cargo xtask ci`'s last step, so after CI it links
+/// nothing new (checked against [`crate::ci`] by a test).
+const CUDA_BUILD_ARGS: &[&str] = &[
+    "test",
+    "--no-run",
+    "-p",
+    "burn-ddp",
+    "-p",
+    "ddp-tests",
+    "-p",
+    "train-cnn",
+    "--tests",
+    "--features",
+    crate::ci::CUDA_FEATURES,
+];
+
+/// The cargo commands and their executables, in build order.
+pub const CARGO_BUILDS: &[CargoBuild] = &[
+    CargoBuild {
+        what: "CI's CUDA build (dev profile): CubeCL on CUDA, NCCL on device memory, train-cnn",
+        args: CUDA_BUILD_ARGS,
+        picks: &[
+            pick("burn_ddp", "lib", "burn-ddp-tests"),
+            pick("sync_batch_norm", "test", "sync_batch_norm-tests"),
+            pick("ddp", "test", "ddp-tests"),
+            pick("ddp_worker", "bin", "ddp_worker"),
+            pick("syncbn_worker", "bin", "syncbn_worker"),
+            pick("train-cnn", "bin", "train-cnn"),
+        ],
+    },
+    CargoBuild {
+        what: "the NCCL transport's tests (no Burn)",
+        args: &[
+            "test",
+            "--no-run",
+            "-p",
+            "ddp-comm",
+            "--features",
+            "nccl",
+            "--test",
+            "nccl",
+        ],
+        picks: &[pick("nccl", "test", "ddp-comm-nccl-tests")],
+    },
+    CargoBuild {
+        what: "release: ddprun and the all-reduce benchmark",
+        args: &[
+            "build",
+            "--release",
+            "-p",
+            "ddprun",
+            "-p",
+            "ddp-comm",
+            "--features",
+            "ddprun/nccl,ddp-comm/nccl",
+            "--bin",
+            "ddprun",
+            "--example",
+            "allreduce_bench",
+        ],
+        picks: &[
+            pick("ddprun", "bin", "ddprun"),
+            pick("allreduce_bench", "example", "allreduce_bench"),
+        ],
+    },
+    CargoBuild {
+        what: "release: xtask (it runs the check on the GPU machine)",
+        args: &["build", "--release", "-p", "xtask"],
+        picks: &[pick("xtask", "bin", XTASK)],
+    },
+];
+
+/// The xtask binary's name beside the archive (`.gpu-bin/xtask gpu-check run`).
+pub const XTASK: &str = "xtask";
+
+/// Files of the repository packed as they are: (path in the repository, name in the bundle).
+pub const REPO_FILES: &[(&str, &str)] = &[("scripts/gloo_allreduce.py", "gloo_allreduce.py")];
+
+/// The Debian packages of the Vulkan loader for the wgpu rows, downloaded into `.gl/` (the GPU
+/// machine has NVIDIA's Vulkan driver but maybe no loader).
+pub const GL_PACKAGES: &[&str] = &["libvulkan1"];
+
+/// The device tool carries at most 64 MiB; `build` warns above this.
+pub const CARRY_WARN_BYTES: u64 = 60 << 20;
+
+const fn pick(target: &'static str, kind: &'static str, file: &'static str) -> Pick {
+    Pick { target, kind, file }
+}
+
+// ------------------------------------------------------------------------------------------
+
+/// Options of `cargo xtask gpu-check build`.
+#[derive(Debug, Args)]
+pub struct BuildArgs {
+    /// The bundle folder (replaced) [default: .gpu-bin in the workspace].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Build nothing: pack only the `--add` files and the repository's files, with the running
+    /// xtask binary beside them (to test the mechanics where the CUDA build is out of reach).
+    #[arg(long)]
+    pub dry: bool,
+    /// More files to pack (under their file names); with `--dry`, the stand-ins for the
+    /// programs not built.
+    #[arg(long, value_name = "FILE")]
+    pub add: Vec<PathBuf>,
+}
+
+/// The executable of the last artifact of `pick` in cargo's JSON messages `json`.
+pub fn find_executable(json: &str, pick: &Pick) -> Option<PathBuf> {
+    let harness = !matches!(pick.kind, "bin" | "example");
+    let mut found = None;
+    for line in json.lines() {
+        let Ok(m) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if m["reason"] != "compiler-artifact" || m["target"]["name"] != pick.target {
+            continue;
+        }
+        let kinds = m["target"]["kind"].as_array();
+        if !kinds.is_some_and(|k| k.iter().any(|x| x == pick.kind)) {
+            continue;
+        }
+        if m["profile"]["test"].as_bool() != Some(harness) {
+            continue;
+        }
+        if let Some(exe) = m["executable"].as_str() {
+            found = Some(PathBuf::from(exe));
+        }
+    }
+    found
+}
+
+/// Copies `from` to `to` and strips it (a file `strip` can't handle stays unstripped).
+fn copy_stripped(from: &Path, to: &Path) -> Result<(), GpuCheckError> {
+    std::fs::copy(from, to).map_err(|e| GpuCheckError::io("cannot copy", from, e))?;
+    let stripped = Command::new("strip")
+        .arg(to)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !stripped {
+        eprintln!("gpu-check: {} left unstripped", to.display());
+    }
+    Ok(())
+}
+
+/// The bytes of every file under `dir`.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
+/// Runs `cargo xtask gpu-check build`.
+pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
+    let out = a.out.clone().unwrap_or_else(|| root.join(".gpu-bin"));
+    if out.exists() {
+        std::fs::remove_dir_all(&out).map_err(|e| GpuCheckError::io("cannot remove", &out, e))?;
+    }
+    let stage = out.join("stage");
+    std::fs::create_dir_all(&stage).map_err(|e| GpuCheckError::io("cannot create", &stage, e))?;
+
+    let mut packed: Vec<Entry> = Vec::new();
+    if a.dry {
+        let me = std::env::current_exe()
+            .map_err(|e| GpuCheckError::io("cannot find", Path::new("the xtask binary"), e))?;
+        copy_stripped(&me, &out.join(XTASK))?;
+    } else {
+        for b in CARGO_BUILDS {
+            eprintln!(
+                "==> gpu-check build: {}: cargo {}",
+                b.what,
+                b.args.join(" ")
+            );
+            let output = crate::cargo()
+                .current_dir(root)
+                .args(b.args)
+                .arg("--message-format=json")
+                .stderr(Stdio::inherit())
+                .output()
+                .map_err(|e| GpuCheckError::io("cannot run", Path::new("cargo"), e))?;
+            if !output.status.success() {
+                return Err(GpuCheckError::Cargo {
+                    what: b.what,
+                    status: output.status.to_string(),
+                });
+            }
+            let json = String::from_utf8_lossy(&output.stdout);
+            for p in b.picks {
+                let exe = find_executable(&json, p).ok_or(GpuCheckError::NoArtifact {
+                    target: p.target,
+                    kind: p.kind,
+                })?;
+                if p.file == XTASK {
+                    copy_stripped(&exe, &out.join(XTASK))?;
+                } else {
+                    let staged = stage.join(p.file);
+                    copy_stripped(&exe, &staged)?;
+                    packed.push(Entry {
+                        name: p.file.into(),
+                        source: staged,
+                    });
+                }
+            }
+        }
+    }
+    for (path, name) in REPO_FILES {
+        packed.push(Entry {
+            name: (*name).into(),
+            source: root.join(path),
+        });
+    }
+    for f in &a.add {
+        let name = f
+            .file_name()
+            .ok_or_else(|| {
+                GpuCheckError::io("not a file", f, std::io::ErrorKind::InvalidInput.into())
+            })?
+            .to_string_lossy()
+            .into_owned();
+        packed.retain(|e| e.name != name);
+        packed.push(Entry {
+            name,
+            source: f.clone(),
+        });
+    }
+
+    let archive = out.join(bundle::ARCHIVE);
+    eprintln!(
+        "==> gpu-check build: packing {} files (xz preset {}, {} MiB dictionary)",
+        packed.len(),
+        bundle::PRESET,
+        bundle::DICT_SIZE >> 20
+    );
+    let raw = bundle::pack(&packed, &archive, bundle::DICT_SIZE)?;
+    std::fs::remove_dir_all(&stage).map_err(|e| GpuCheckError::io("cannot remove", &stage, e))?;
+
+    if !a.dry {
+        download_gl(root);
+    }
+    let bundle_bytes = dir_bytes(&out);
+    let gl_bytes = dir_bytes(&root.join(".gl"));
+    let names: Vec<&str> = packed.iter().map(|e| e.name.as_str()).collect();
+    println!(
+        "gpu-check: {:.1} MiB in {} files ({}) packed into {} ({:.1} MiB); {} {:.1} MiB; \
+         carried folder {} {:.1} MiB (+ .gl {:.1} MiB = {:.1} MiB; the device tool carries 64 MiB in all)",
+        mib(raw),
+        packed.len(),
+        names.join(", "),
+        archive.display(),
+        mib(std::fs::metadata(&archive).map_or(0, |m| m.len())),
+        out.join(XTASK).display(),
+        mib(std::fs::metadata(out.join(XTASK)).map_or(0, |m| m.len())),
+        out.display(),
+        mib(bundle_bytes),
+        mib(gl_bytes),
+        mib(bundle_bytes + gl_bytes),
+    );
+    if bundle_bytes + gl_bytes > CARRY_WARN_BYTES {
+        eprintln!(
+            "gpu-check: WARNING: {} and .gl are over {} MiB",
+            out.display(),
+            CARRY_WARN_BYTES >> 20
+        );
+    }
+    println!(
+        "gpu-check: on the GPU machine, from the repository root: {}/{XTASK} gpu-check run",
+        out.strip_prefix(root).unwrap_or(&out).display()
+    );
+    Ok(())
+}
+
+/// Downloads the Vulkan loader packages into `root/.gl` unless some are there (needs apt-get
+/// and its package lists; a failure is only reported: the wgpu rows need a loader there).
+fn download_gl(root: &Path) {
+    let gl = root.join(".gl");
+    let has_debs = std::fs::read_dir(&gl).is_ok_and(|rd| {
+        rd.flatten()
+            .any(|e| e.path().extension().is_some_and(|x| x == "deb"))
+    });
+    if has_debs {
+        return;
+    }
+    let lists = Path::new("/tmp/gpu-check-apt");
+    let _ = std::fs::create_dir_all(lists.join("partial"));
+    let _ = std::fs::create_dir_all(&gl);
+    let opts = [
+        "-oAPT::Architecture=amd64".to_string(),
+        "-oAPT::Architectures=amd64".to_string(),
+        format!("-oDir::State::Lists={}", lists.display()),
+    ];
+    let quiet = |c: &mut Command| {
+        c.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let ok = quiet(Command::new("apt-get").args(&opts).args(["update", "-qq"]))
+        && quiet(
+            Command::new("apt-get")
+                .current_dir(&gl)
+                .args(&opts)
+                .args(["download", "-qq"])
+                .args(GL_PACKAGES),
+        );
+    if ok {
+        eprintln!("gpu-check: Vulkan loader packages in {}", gl.display());
+    } else {
+        eprintln!(
+            "gpu-check: could not download the Vulkan loader; the wgpu rows need one on the GPU machine"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu_check::rows::{CHECKS, Kind};
+
+    #[test]
+    fn the_cuda_build_is_the_one_ci_links() {
+        let ci: Vec<&str> = crate::ci::CUDA_PACKAGES.to_vec();
+        let args = CARGO_BUILDS[0].args;
+        for pkg in ci.chunks(2) {
+            assert!(
+                args.windows(2).any(|w| w == pkg),
+                "{pkg:?} missing from {args:?}"
+            );
+        }
+        assert!(args.contains(&crate::ci::CUDA_FEATURES));
+    }
+
+    #[test]
+    fn every_program_a_row_runs_is_built() {
+        let files: Vec<&str> = CARGO_BUILDS
+            .iter()
+            .flat_map(|b| b.picks.iter().map(|p| p.file))
+            .chain(REPO_FILES.iter().map(|f| f.1))
+            .collect();
+        for check in CHECKS {
+            for b in check.binaries {
+                assert!(
+                    files.contains(b),
+                    "{} needs {b}, which build does not pack",
+                    check.label
+                );
+            }
+            if let Kind::Libtest(b) = check.kind {
+                assert!(check.binaries.contains(&b));
+            }
+        }
+        assert!(files.contains(&XTASK));
+        for (path, _) in REPO_FILES {
+            assert!(crate::workspace_root().join(path).is_file(), "{path}");
+        }
+    }
+
+    #[test]
+    fn executables_are_picked_from_cargo_json() {
+        let json = r#"{"reason":"compiler-artifact","target":{"name":"ddp","kind":["test"]},"profile":{"test":true},"executable":"/t/debug/deps/ddp-1"}
+not json
+{"reason":"compiler-artifact","target":{"name":"ddprun","kind":["bin"]},"profile":{"test":false},"executable":"/t/release/ddprun"}
+{"reason":"compiler-artifact","target":{"name":"burn_ddp","kind":["lib"]},"profile":{"test":false},"executable":null}
+{"reason":"compiler-artifact","target":{"name":"burn_ddp","kind":["lib"]},"profile":{"test":true},"executable":"/t/debug/deps/burn_ddp-2"}
+{"reason":"compiler-artifact","target":{"name":"ddp","kind":["test"]},"profile":{"test":true},"executable":"/t/debug/deps/ddp-3"}
+{"reason":"build-finished","success":true}"#;
+        let get = |t, k| find_executable(json, &pick(t, k, "f"));
+        assert_eq!(get("ddp", "test"), Some("/t/debug/deps/ddp-3".into()));
+        assert_eq!(get("ddprun", "bin"), Some("/t/release/ddprun".into()));
+        assert_eq!(
+            get("burn_ddp", "lib"),
+            Some("/t/debug/deps/burn_ddp-2".into())
+        );
+        assert_eq!(get("ddprun", "example"), None);
+        assert_eq!(get("missing", "bin"), None);
+    }
+}

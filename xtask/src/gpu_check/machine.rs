@@ -1,0 +1,487 @@
+//! What `gpu-check run` finds out and sets up on the GPU machine before the rows: the Vulkan
+//! loader packages, the driver's and NCCL's library folders on `LD_LIBRARY_PATH`, the
+//! variables every check gets, and — in a child process that sees that environment — what
+//! ddp-comm's own library checks say.
+//!
+//! The loader reads `LD_LIBRARY_PATH` once, at a process's start, so the checks
+//! ([`ddp_comm::nccl::check_libraries`], [`visible_cuda_devices`]) run in `xtask gpu-check
+//! probe`, started with the environment the rows get; this process only looks for the folders
+//! to add.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use ddp_comm::nccl::library::{cuda_present, nccl_present};
+use ddp_comm::nccl::{check_libraries, visible_cuda_devices};
+use serde::{Deserialize, Serialize};
+
+use super::process;
+
+/// Folders the NVIDIA driver puts `libcuda.so.1` in, tried when the loader does not find it.
+const DRIVER_DIRS: [&str; 5] = [
+    "/usr/local/nvidia/lib64",
+    "/usr/local/nvidia/lib",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib64",
+    "/usr/local/cuda/compat",
+];
+
+/// NVIDIA's Vulkan driver manifest on the lent machines (its folder is not on the loader's
+/// default search path).
+const NVIDIA_ICD: &str = "/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json";
+
+/// The runtime name of NCCL, which cudarc 0.19 does not try (see `ddp_comm::nccl::library`).
+const NCCL_SONAME: &str = "libnccl.so.2";
+
+/// Variables every check gets unless already set: NCCL over loopback with warnings only, few
+/// autotune candidates (every process compiles its kernels through LLVM and the check has
+/// minutes), a collective deadline that ranks compiling at different speeds don't trip.
+const DEFAULT_ENV: [(&str, &str); 5] = [
+    ("NCCL_SOCKET_IFNAME", "lo"),
+    ("NCCL_DEBUG", "WARN"),
+    ("RUST_BACKTRACE", "0"),
+    ("CUBECL_AUTOTUNE_LEVEL", "minimal"),
+    ("DDP_TIMEOUT_SECS", "120"),
+];
+
+/// Where the test binaries look for the rank programs they start (`ddp_tests::BIN_DIR_VAR`).
+const TESTS_BIN_DIR_VAR: &str = "DDP_TESTS_BIN_DIR";
+
+/// What `xtask gpu-check probe` reports, as JSON on its stdout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Probe {
+    /// [`cuda_present`].
+    pub cuda_present: bool,
+    /// [`nccl_present`].
+    pub nccl_present: bool,
+    /// [`check_libraries`]: the NCCL version, or its error.
+    pub libraries: Result<String, String>,
+    /// [`visible_cuda_devices`], or its error.
+    pub devices: Result<usize, String>,
+    /// The driver's CUDA version (`cuDriverGetVersion`), when libcuda loads.
+    pub driver_cuda: Option<String>,
+    /// The files of libcuda and libnccl this process has loaded (from `/proc/self/maps`).
+    pub loaded: Vec<String>,
+}
+
+/// Runs ddp-comm's checks in this process and prints them as JSON (`xtask gpu-check probe`).
+pub fn probe_here() -> Probe {
+    let cuda = cuda_present();
+    let libraries = check_libraries()
+        .map(|l| l.nccl_version.to_string())
+        .map_err(|e| e.to_string());
+    let devices = visible_cuda_devices().map_err(|e| e.to_string());
+    let driver_cuda = cuda.then(driver_cuda_version).flatten();
+    let loaded = std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|p| p.contains("libcuda.so") || p.contains("libnccl.so"))
+        .fold(Vec::<String>::new(), |mut v, p| {
+            if !v.iter().any(|x| x == p) {
+                v.push(p.to_string());
+            }
+            v
+        });
+    Probe {
+        cuda_present: cuda,
+        nccl_present: nccl_present(),
+        libraries,
+        devices,
+        driver_cuda,
+        loaded,
+    }
+}
+
+fn driver_cuda_version() -> Option<String> {
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: only called when cudarc can load libcuda (cuda_present), so its lazy loader
+    // does not panic; cuDriverGetVersion writes one int and needs no cuInit.
+    let r = unsafe { ddp_comm::nccl::cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (r == ddp_comm::nccl::cudarc::driver::sys::CUresult::CUDA_SUCCESS)
+        .then(|| format!("{}.{}", v / 1000, v % 1000 / 10))
+}
+
+/// The machine as the rows see it.
+#[derive(Debug, Clone, Default)]
+pub struct Machine {
+    /// Variables for every check.
+    pub env: Vec<(String, String)>,
+    /// Lines above the table.
+    pub header: Vec<String>,
+    /// Lines below the table (ldd problems, setup warnings).
+    pub notes: Vec<String>,
+    /// CUDA devices visible.
+    pub gpus: usize,
+    /// Why no CUDA check can run (`None`: libcuda loads and a device is visible).
+    pub cuda_error: Option<String>,
+}
+
+/// Prepends `dir` to the `:`-separated `path` (unless it is there already).
+pub fn prepend_path(dir: &str, path: &str) -> String {
+    if path.split(':').any(|d| d == dir) {
+        path.to_string()
+    } else if path.is_empty() {
+        dir.to_string()
+    } else {
+        format!("{dir}:{path}")
+    }
+}
+
+/// The first folder among `dirs` that holds `file`.
+fn first_dir_with<'a>(dirs: impl IntoIterator<Item = &'a Path>, file: &str) -> Option<PathBuf> {
+    dirs.into_iter()
+        .find(|d| d.join(file).exists())
+        .map(Path::to_path_buf)
+}
+
+/// Folders where pip's `nvidia-nccl-cu12`/`-cu13` wheels put `libnccl.so.2`, under each
+/// site-packages folder: `nvidia/nccl/lib`, `nvidia/cu13/lib`, `nvidia/cu12/lib`, then any
+/// `nvidia/*/lib`.
+pub fn wheel_lib_dirs(site_packages: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for sp in site_packages {
+        let nvidia = sp.join("nvidia");
+        for sub in ["nccl", "cu13", "cu12"] {
+            dirs.push(nvidia.join(sub).join("lib"));
+        }
+        if let Ok(rd) = std::fs::read_dir(&nvidia) {
+            let mut more: Vec<PathBuf> = rd.flatten().map(|e| e.path().join("lib")).collect();
+            more.sort();
+            dirs.extend(more);
+        }
+    }
+    dirs
+}
+
+/// The path of `soname` in `ldconfig -p`'s output.
+pub fn ldconfig_path(listing: &str, soname: &str) -> Option<PathBuf> {
+    listing.lines().find_map(|l| {
+        let (name, rest) = l.trim().split_once(' ')?;
+        let path = rest.rsplit("=> ").next()?.trim();
+        (name == soname).then(|| PathBuf::from(path))
+    })
+}
+
+/// Finds `libnccl.so.2` on `LD_LIBRARY_PATH`, in Python's site-packages (pip's wheels), or in
+/// the ldconfig cache.
+fn find_nccl(ld_path: &str, scratch: &Path) -> Option<PathBuf> {
+    let on_path: Vec<PathBuf> = ld_path
+        .split(':')
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .collect();
+    if let Some(d) = first_dir_with(on_path.iter().map(PathBuf::as_path), NCCL_SONAME) {
+        return Some(d.join(NCCL_SONAME));
+    }
+    let mut py = Command::new("python3");
+    py.args([
+        "-c",
+        "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
+    ]);
+    let sites: Vec<PathBuf> = process::output_within(&mut py, Duration::from_secs(30), scratch)
+        .unwrap_or_default()
+        .lines()
+        .map(PathBuf::from)
+        .collect();
+    let wheels = wheel_lib_dirs(&sites);
+    if let Some(d) = first_dir_with(wheels.iter().map(PathBuf::as_path), NCCL_SONAME) {
+        return Some(d.join(NCCL_SONAME));
+    }
+    let mut ldconfig = Command::new("ldconfig");
+    ldconfig.arg("-p");
+    let listing = process::output_within(&mut ldconfig, Duration::from_secs(30), scratch)?;
+    ldconfig_path(&listing, NCCL_SONAME)
+}
+
+/// Sets the machine up for the rows and reports what it found. `self_exe` is this xtask
+/// binary (run again as `gpu-check probe`); `gl` a folder of Debian packages to unpack into
+/// `/` first (the Vulkan loader), when it has any.
+pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path>) -> Machine {
+    let mut m = Machine::default();
+    let scratch = log_dir.join("query.tmp");
+    if let Some(gl) = gl {
+        unpack_debs(gl, &scratch, &mut m.notes);
+    }
+    let inherited = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if inherited("VK_DRIVER_FILES").is_none() && Path::new(NVIDIA_ICD).exists() {
+        m.env.push(("VK_DRIVER_FILES".into(), NVIDIA_ICD.into()));
+    }
+
+    let mut ld_path = inherited("LD_LIBRARY_PATH").unwrap_or_default();
+    let mut cuda_dir = None;
+    if !cuda_present() {
+        cuda_dir = first_dir_with(DRIVER_DIRS.iter().map(Path::new), "libcuda.so.1");
+        if let Some(d) = &cuda_dir {
+            ld_path = prepend_path(&d.display().to_string(), &ld_path);
+        }
+    }
+    let mut nccl_file = None;
+    if !nccl_present() {
+        nccl_file = find_nccl(&ld_path, &scratch);
+        if let Some(f) = &nccl_file {
+            match link_nccl(f, bin_dir) {
+                Ok((link_dir, real_dir)) => {
+                    ld_path = prepend_path(&real_dir, &ld_path);
+                    ld_path = prepend_path(&link_dir, &ld_path);
+                }
+                Err(e) => m.notes.push(format!("--- cannot link libnccl.so: {e}")),
+            }
+        }
+    }
+    if !ld_path.is_empty() {
+        m.env.push(("LD_LIBRARY_PATH".into(), ld_path));
+    }
+    for (k, v) in DEFAULT_ENV {
+        if inherited(k).is_none() {
+            m.env.push((k.into(), v.into()));
+        }
+    }
+    m.env
+        .push((TESTS_BIN_DIR_VAR.into(), bin_dir.display().to_string()));
+
+    // ddp-comm's checks, in a process that sees the rows' environment.
+    let mut probe_cmd = Command::new(self_exe);
+    probe_cmd
+        .args(["gpu-check", "probe"])
+        .envs(m.env.iter().map(|(k, v)| (k, v)));
+    let probe =
+        process::output_within(&mut probe_cmd, Duration::from_secs(60), &scratch).and_then(|out| {
+            out.lines()
+                .rev()
+                .find_map(|l| serde_json::from_str::<Probe>(l).ok())
+        });
+
+    let mut smi = Command::new("nvidia-smi");
+    smi.args([
+        "--query-gpu=name,memory.total,driver_version",
+        "--format=csv,noheader",
+    ]);
+    let smi = process::output_within(&mut smi, Duration::from_secs(30), &scratch);
+    let gpu_line = smi
+        .as_deref()
+        .and_then(|s| s.lines().next())
+        .map(str::trim)
+        .unwrap_or("none found by nvidia-smi")
+        .to_string();
+
+    match &probe {
+        Some(p) => {
+            m.gpus = *p.devices.as_ref().unwrap_or(&0);
+            m.cuda_error = match &p.devices {
+                Err(e) => Some(e.clone()),
+                Ok(0) => Some(format!(
+                    "libcuda loads but no CUDA device is visible (CUDA_VISIBLE_DEVICES={})",
+                    inherited("CUDA_VISIBLE_DEVICES").unwrap_or_else(|| "<unset>".into())
+                )),
+                Ok(_) => None,
+            };
+            m.header.push(format!(
+                "GPU: {gpu_line}; {} CUDA device(s) visible; driver CUDA {}",
+                m.gpus,
+                p.driver_cuda.as_deref().unwrap_or("?")
+            ));
+            let loaded = |name: &str| {
+                p.loaded
+                    .iter()
+                    .find(|f| f.contains(name))
+                    .cloned()
+                    .unwrap_or_else(|| "not loaded".into())
+            };
+            m.header.push(format!(
+                "libcuda: {} ({}); libnccl: {} ({}){}",
+                if p.cuda_present { "loads" } else { "NOT FOUND" },
+                cuda_dir.map_or(loaded("libcuda"), |d| format!("{} added", d.display())),
+                match &p.libraries {
+                    Ok(v) => format!("NCCL {v}"),
+                    Err(_) if p.nccl_present => "loads, check failed".to_string(),
+                    Err(_) => "NOT FOUND".to_string(),
+                },
+                nccl_file.map_or(loaded("libnccl"), |f| format!("{} linked", f.display())),
+                match &p.libraries {
+                    Err(e) => format!("\nlibraries: {e}"),
+                    Ok(_) => String::new(),
+                }
+            ));
+        }
+        None => {
+            m.cuda_error = None;
+            m.header.push(format!("GPU: {gpu_line}"));
+            m.header.push(
+                "libraries: `xtask gpu-check probe` gave no answer; the CUDA rows run anyway"
+                    .into(),
+            );
+        }
+    }
+    let setting = |k: &str| {
+        m.env
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .or_else(|| inherited(k))
+            .unwrap_or_default()
+    };
+    m.header.push(format!(
+        "CUBECL_AUTOTUNE_LEVEL={}; DDP_TIMEOUT_SECS={}; NCCL_SOCKET_IFNAME={}; binaries: CI's CUDA build (dev profile, optimised dependencies)",
+        setting("CUBECL_AUTOTUNE_LEVEL"),
+        setting("DDP_TIMEOUT_SECS"),
+        setting("NCCL_SOCKET_IFNAME"),
+    ));
+    ldd_notes(bin_dir, &m.env, &scratch, &mut m.notes);
+    m
+}
+
+/// Links `bin_dir/lib/libnccl.so` to `file` (the name cudarc loads); returns the link's
+/// folder and the real library's folder.
+fn link_nccl(file: &Path, bin_dir: &Path) -> std::io::Result<(String, String)> {
+    let real = std::fs::canonicalize(file)?;
+    let dir = bin_dir.join("lib");
+    std::fs::create_dir_all(&dir)?;
+    let link = dir.join("libnccl.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&real, &link)?;
+    let real_dir = real
+        .parent()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    Ok((dir.display().to_string(), real_dir))
+}
+
+/// `dpkg -x` of every `.deb` in `gl` into `/`, then `ldconfig` (the device README's recipe
+/// for the Vulkan loader).
+fn unpack_debs(gl: &Path, scratch: &Path, notes: &mut Vec<String>) {
+    let Ok(rd) = std::fs::read_dir(gl) else {
+        return;
+    };
+    let mut debs: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "deb"))
+        .collect();
+    if debs.is_empty() {
+        return;
+    }
+    debs.sort();
+    for deb in &debs {
+        let mut cmd = Command::new("dpkg");
+        cmd.arg("-x").arg(deb).arg("/");
+        if process::output_within(&mut cmd, Duration::from_secs(60), scratch).is_none() {
+            notes.push(format!(
+                "--- could not unpack {}; the wgpu rows may fail",
+                deb.display()
+            ));
+        }
+    }
+    let _ = process::output_within(
+        &mut Command::new("ldconfig"),
+        Duration::from_secs(60),
+        scratch,
+    );
+}
+
+/// The libraries `ldd` cannot resolve for each program of `bin_dir`.
+fn ldd_notes(bin_dir: &Path, env: &[(String, String)], scratch: &Path, notes: &mut Vec<String>) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(rd) = std::fs::read_dir(bin_dir) else {
+        return;
+    };
+    let mut files: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+        .collect();
+    files.sort();
+    for f in files {
+        let mut cmd = Command::new("ldd");
+        cmd.arg(&f).envs(env.iter().map(|(k, v)| (k, v)));
+        // Scripts and static programs make ldd fail: nothing to report for them.
+        let Some(out) = process::output_within(&mut cmd, Duration::from_secs(30), scratch) else {
+            continue;
+        };
+        let missing: Vec<&str> = out
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.contains("not found"))
+            .collect();
+        if !missing.is_empty() {
+            notes.push(format!(
+                "--- ldd {}: {}",
+                f.file_name().unwrap_or_default().to_string_lossy(),
+                missing.join("; ")
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_prepended_once() {
+        assert_eq!(prepend_path("/a", ""), "/a");
+        assert_eq!(prepend_path("/a", "/b:/c"), "/a:/b:/c");
+        assert_eq!(prepend_path("/b", "/a:/b"), "/a:/b");
+    }
+
+    #[test]
+    fn ldconfig_listing_is_read() {
+        let listing = "1234 libs found in cache `/etc/ld.so.cache'\n\
+            \tlibnccl.so.2 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libnccl.so.2\n\
+            \tlibnccl.so (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libnccl.so\n";
+        assert_eq!(
+            ldconfig_path(listing, "libnccl.so.2"),
+            Some(PathBuf::from("/usr/lib/x86_64-linux-gnu/libnccl.so.2"))
+        );
+        assert_eq!(ldconfig_path(listing, "libcuda.so.1"), None);
+    }
+
+    #[test]
+    fn a_wheel_layout_is_found_and_linked() {
+        let dir = tempfile::tempdir().unwrap();
+        let site = dir.path().join("site-packages");
+        let lib = site.join("nvidia").join("nccl").join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join(NCCL_SONAME), b"").unwrap();
+        let dirs = wheel_lib_dirs(std::slice::from_ref(&site));
+        assert_eq!(dirs[0], lib);
+        let found = first_dir_with(dirs.iter().map(PathBuf::as_path), NCCL_SONAME);
+        assert_eq!(found.as_deref(), Some(lib.as_path()));
+        let bin = dir.path().join("bin");
+        let (link_dir, real_dir) = link_nccl(&lib.join(NCCL_SONAME), &bin).unwrap();
+        let target = std::fs::read_link(bin.join("lib").join("libnccl.so")).unwrap();
+        assert_eq!(
+            target,
+            std::fs::canonicalize(lib.join(NCCL_SONAME)).unwrap()
+        );
+        assert_eq!(PathBuf::from(link_dir), bin.join("lib"));
+        assert_eq!(
+            PathBuf::from(real_dir),
+            std::fs::canonicalize(&lib).unwrap()
+        );
+        // Linking again replaces the link.
+        assert!(link_nccl(&lib.join(NCCL_SONAME), &bin).is_ok());
+    }
+
+    #[test]
+    fn the_probe_agrees_with_ddp_comm_and_round_trips() {
+        let p = probe_here();
+        assert_eq!(p.cuda_present, cuda_present());
+        if !p.cuda_present {
+            let e = p.devices.clone().unwrap_err();
+            assert!(e.contains("libcuda not found"), "{e}");
+            assert!(
+                p.libraries
+                    .as_ref()
+                    .unwrap_err()
+                    .contains("libcuda not found")
+            );
+            assert_eq!(p.driver_cuda, None);
+        }
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(serde_json::from_str::<Probe>(&json).unwrap(), p);
+    }
+}

@@ -1,0 +1,401 @@
+//! The checks `gpu-check run` makes, in order of importance (a spent budget skips the last),
+//! and how each becomes rows of the table.
+//!
+//! A [`Check`] is either every `#[ignore]`d test of a libtest binary (one row per test, tests
+//! named `two_gpus_*` skipped with fewer than two GPUs) or a [`Task`] this module performs with
+//! the unpacked programs. Every child process runs under a deadline (see [`super::process`]);
+//! a failed row never stops the table.
+//!
+//! This file holds the table ([`CHECKS`]), the gating and budget helpers and the libtest
+//! runner; the tasks are in `tasks.rs`, the unit tests in `tests.rs`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::process::{self, Exit};
+use super::report::{self, Report, Row, Status};
+
+mod tasks;
+#[cfg(test)]
+mod tests;
+
+use tasks::run_task;
+// The tasks' pure helpers stay at `rows::X`, where they were before the split; outside
+// tasks.rs only the unit tests use them, so a build without tests sees the re-export unused.
+#[cfg_attr(not(test), allow(unused_imports))]
+pub use tasks::{allreduce_bench_lines, compare_epochs, step_time_lines};
+
+/// The limit of one test of a libtest binary.
+pub const TEST_LIMIT_SECS: u64 = 150;
+
+/// A row is not started with less than this left of the run's budget.
+pub const MIN_LEFT_SECS: u64 = 20;
+
+/// Kept free at the end of the budget for the report.
+pub const RESERVE_SECS: u64 = 5;
+
+/// The relative difference allowed between the CUDA and the CPU run's last-epoch losses: f32
+/// sums in another order on each device keep them from agreeing bitwise.
+pub const CUDA_VS_CPU_TOLERANCE: f64 = 1e-3;
+
+/// What a check needs of the machine beyond the bundle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// A loadable `libcuda` (without one the check fails with the driver error, unrun).
+    Cuda,
+    /// Only the CPU.
+    Cpu,
+}
+
+/// A check done by this module rather than by a test binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// train-cnn, one epoch on CUDA and on the CPU with the same seed: losses agree to
+    /// [`CUDA_VS_CPU_TOLERANCE`].
+    CompareBackends,
+    /// train-cnn as a world of one under ddprun with `DDP_NCCL=required`.
+    DdprunNccl,
+    /// samples/s of train-cnn on cuda, wgpu and cpu; BatchNorm vs SyncBatchNorm on CUDA.
+    StepTimes,
+    /// `xtask train --gpus 1 --program train-cnn` (this binary).
+    XtaskTrain,
+    /// ddp-comm's shared-memory all-reduce at 2, 4, 8 ranks, PyTorch gloo beside it.
+    CpuScaling,
+}
+
+/// How a check runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Every `#[ignore]`d test of this binary of the bundle, one row each.
+    Libtest(&'static str),
+    /// A task with a limit for the whole row.
+    Task(Task, u64),
+}
+
+/// One check of the table.
+#[derive(Debug, Clone, Copy)]
+pub struct Check {
+    /// The row's label (a test's row is `LABEL::name`).
+    pub label: &'static str,
+    /// How it runs.
+    pub kind: Kind,
+    /// What it needs.
+    pub needs: Needs,
+    /// The bundle's programs it runs (a missing one makes the row MISSING).
+    pub binaries: &'static [&'static str],
+}
+
+/// The checks, in order of importance.
+pub const CHECKS: &[Check] = &[
+    Check {
+        label: "SyncBatchNorm on CUDA (kernels, NCCL, host-staged)",
+        kind: Kind::Libtest("sync_batch_norm-tests"),
+        needs: Needs::Cuda,
+        binaries: &["sync_batch_norm-tests", "syncbn_worker"],
+    },
+    Check {
+        label: "burn-ddp on CUDA (NCCL device buffers, gradient path)",
+        kind: Kind::Libtest("burn-ddp-tests"),
+        needs: Needs::Cuda,
+        binaries: &["burn-ddp-tests"],
+    },
+    Check {
+        label: "train-cnn 1 epoch: cuda vs cpu, same seed",
+        kind: Kind::Task(Task::CompareBackends, 240),
+        needs: Needs::Cuda,
+        binaries: &["train-cnn"],
+    },
+    Check {
+        label: "DDP world of one via ddprun: NCCL gradients + SyncBatchNorm over NCCL",
+        kind: Kind::Task(Task::DdprunNccl, 180),
+        needs: Needs::Cuda,
+        binaries: &["ddprun", "train-cnn"],
+    },
+    Check {
+        label: "DDP equivalence on CUDA (1 GPU over NCCL, 2 ranks)",
+        kind: Kind::Libtest("ddp-tests"),
+        needs: Needs::Cuda,
+        binaries: &["ddp-tests", "ddp_worker"],
+    },
+    Check {
+        label: "step time: cuda / wgpu / cpu; BatchNorm vs SyncBatchNorm",
+        kind: Kind::Task(Task::StepTimes, 300),
+        needs: Needs::Cuda,
+        binaries: &["train-cnn"],
+    },
+    Check {
+        label: "ddp-comm NCCL transport",
+        kind: Kind::Libtest("ddp-comm-nccl-tests"),
+        needs: Needs::Cuda,
+        binaries: &["ddp-comm-nccl-tests"],
+    },
+    Check {
+        label: "cargo xtask train --gpus 1 (the xtask binary, --program)",
+        kind: Kind::Task(Task::XtaskTrain, 150),
+        needs: Needs::Cuda,
+        binaries: &["train-cnn"],
+    },
+    Check {
+        label: "CPU all-reduce scaling: 2, 4, 8 ranks (shm), gloo beside it",
+        kind: Kind::Task(Task::CpuScaling, 200),
+        needs: Needs::Cpu,
+        binaries: &["ddprun", "allreduce_bench"],
+    },
+];
+
+/// What the rows need to know about the machine and the run.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// The unpacked binaries.
+    pub bin_dir: PathBuf,
+    /// One log per row.
+    pub log_dir: PathBuf,
+    /// This xtask binary (the [`Task::XtaskTrain`] row runs it).
+    pub xtask: PathBuf,
+    /// Variables every child gets (libraries, NCCL, CubeCL, DDP settings).
+    pub env: Vec<(String, String)>,
+    /// CUDA devices visible.
+    pub gpus: usize,
+    /// Why `libcuda` cannot be used here (`None`: it loads).
+    pub cuda_error: Option<String>,
+    /// When the run started.
+    pub start: Instant,
+    /// The run's whole budget.
+    pub budget: Duration,
+}
+
+impl Ctx {
+    /// What is left of the run's budget.
+    fn left(&self) -> Duration {
+        self.budget.saturating_sub(self.start.elapsed())
+    }
+
+    /// A command for `program` with the row environment.
+    fn command(&self, program: &Path) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd
+    }
+}
+
+/// The limit a row gets: `limit`, or what is left of the budget minus [`RESERVE_SECS`];
+/// `None` (skip the row) when less than [`MIN_LEFT_SECS`] are left.
+pub fn row_limit(limit: u64, left: Duration) -> Option<u64> {
+    let left = left.as_secs();
+    if left < MIN_LEFT_SECS {
+        None
+    } else {
+        Some(limit.min(left - RESERVE_SECS))
+    }
+}
+
+/// Why the test `name` is not run on a machine with `gpus` CUDA devices, if it is not.
+pub fn gpu_skip(name: &str, gpus: usize) -> Option<String> {
+    (name.contains("two_gpus") && gpus < 2)
+        .then(|| format!("needs 2 CUDA devices ({gpus} visible)"))
+}
+
+/// The `#[ignore]`d tests of `NAME: test` lines (libtest's `--list --ignored --format=terse`),
+/// without the rank programs' entry points (`child_entry`), which are not checks.
+pub fn listed_tests(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|l| l.trim().strip_suffix(": test"))
+        .filter(|n| !n.contains("child_entry"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Runs every check into `report` (rows and notes).
+pub fn run_all(ctx: &Ctx, checks: &[Check], report: &mut Report) {
+    for check in checks {
+        let missing: Vec<&str> = check
+            .binaries
+            .iter()
+            .copied()
+            .filter(|b| !ctx.bin_dir.join(b).is_file())
+            .collect();
+        match check.kind {
+            Kind::Libtest(binary) => {
+                if !missing.is_empty() {
+                    // Without libcuda that is the news, not the missing binary.
+                    report.rows.extend(gate(ctx, check, &missing));
+                } else {
+                    run_libtest(ctx, check, binary, report);
+                }
+            }
+            Kind::Task(task, limit) => {
+                let gate = gate(ctx, check, &missing);
+                if let Some(row) = gate {
+                    report.rows.push(row);
+                    continue;
+                }
+                let Some(limit) = row_limit(limit, ctx.left()) else {
+                    report.rows.push(skipped(check.label, "time budget spent"));
+                    continue;
+                };
+                let log = log_path(ctx, check.label);
+                let row = run_task(ctx, task, check.label, limit, &log);
+                collect(report, &row, &log);
+                report.rows.push(row);
+            }
+        }
+    }
+}
+
+/// The row of a check that cannot run: MISSING binaries, or FAIL without libcuda.
+fn gate(ctx: &Ctx, check: &Check, missing: &[&str]) -> Option<Row> {
+    if let (Needs::Cuda, Some(e)) = (check.needs, &ctx.cuda_error) {
+        return Some(Row {
+            label: check.label.into(),
+            status: Status::Fail,
+            secs: None,
+            limit: None,
+            // The driver error without ddp-comm's "I/O error during …" prefix.
+            note: report::cut(e.find("libcuda not found").map_or(e, |i| &e[i..]), 120),
+        });
+    }
+    (!missing.is_empty()).then(|| missing_row(check.label, missing))
+}
+
+/// The MISSING row of a check whose bundle lacks `missing`.
+fn missing_row(label: &str, missing: &[&str]) -> Row {
+    Row {
+        label: label.into(),
+        status: Status::Missing,
+        secs: None,
+        limit: None,
+        note: format!(
+            "not in the bundle: {} (cargo xtask gpu-check build)",
+            missing.join(", ")
+        ),
+    }
+}
+
+/// A SKIPPED row, `why` as its note.
+fn skipped(label: &str, why: &str) -> Row {
+    Row {
+        label: label.into(),
+        status: Status::Skipped,
+        secs: None,
+        limit: None,
+        note: why.into(),
+    }
+}
+
+/// The (removed, fresh) log of the row `label`: its name with everything but `[A-Za-z0-9_.-]`
+/// as `_`.
+fn log_path(ctx: &Ctx, label: &str) -> PathBuf {
+    let name: String = label
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let path = ctx.log_dir.join(format!("{name}.log"));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+/// Adds a finished row's BENCH/OUTCOME lines and, for a failure, an excerpt of its log.
+fn collect(report: &mut Report, row: &Row, log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    report.notes.extend(report::bench_and_outcome_lines(&text));
+    if row.status.is_failure() {
+        report.notes.push(format!("--- {}", row.label));
+        if !row.note.is_empty() {
+            report.notes.push(format!("    {}", row.note));
+        }
+        report.notes.extend(report::failure_excerpt(&text));
+    }
+}
+
+/// Every `#[ignore]`d test of `binary`, one row each (gated, skipped or run under
+/// [`TEST_LIMIT_SECS`] or what is left of the budget).
+fn run_libtest(ctx: &Ctx, check: &Check, binary: &str, report: &mut Report) {
+    let bin = ctx.bin_dir.join(binary);
+    let list_log = ctx.log_dir.join(format!("{binary}.list"));
+    let mut list = ctx.command(&bin);
+    list.args(["--list", "--ignored", "--format=terse"]);
+    let Some(listing) = process::output_within(&mut list, Duration::from_secs(60), &list_log)
+    else {
+        report.rows.push(Row {
+            label: check.label.into(),
+            status: Status::Fail,
+            secs: None,
+            limit: None,
+            note: format!("{binary} --list failed (see ldd notes)"),
+        });
+        return;
+    };
+    let names = listed_tests(&listing);
+    if names.is_empty() {
+        report.rows.push(Row {
+            label: check.label.into(),
+            status: Status::Fail,
+            secs: None,
+            limit: None,
+            note: format!("{binary} lists no #[ignore]d test"),
+        });
+        return;
+    }
+    for name in names {
+        let label = format!("{}::{name}", check.label);
+        if let Some(why) = gpu_skip(&name, ctx.gpus) {
+            report.rows.push(skipped(&label, &why));
+            continue;
+        }
+        if let Some(row) = gate(ctx, check, &[]) {
+            report.rows.push(Row { label, ..row });
+            continue;
+        }
+        let Some(limit) = row_limit(TEST_LIMIT_SECS, ctx.left()) else {
+            report.rows.push(skipped(&label, "time budget spent"));
+            continue;
+        };
+        let log = log_path(ctx, &format!("{binary}__{name}"));
+        let mut cmd = ctx.command(&bin);
+        cmd.args([
+            "--exact",
+            &name,
+            "--ignored",
+            "--test-threads=1",
+            "--nocapture",
+        ]);
+        let deadline = Instant::now() + Duration::from_secs(limit);
+        let row = match process::run_until(&mut cmd, deadline, &log) {
+            Ok(f) => {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let (status, note) = match f.exit {
+                    Exit::Code(0) => (Status::Pass, report::first_outcome(&text)),
+                    Exit::TimedOut => (Status::Timeout, Some(format!("killed after {limit} s"))),
+                    other => (
+                        Status::Fail,
+                        Some(report::panic_message(&text).unwrap_or_else(|| other.to_string())),
+                    ),
+                };
+                Row {
+                    label,
+                    status,
+                    secs: Some(f.elapsed.as_secs_f64()),
+                    limit: Some(limit),
+                    note: note.unwrap_or_default(),
+                }
+            }
+            Err(e) => Row {
+                label,
+                status: Status::Fail,
+                secs: None,
+                limit: Some(limit),
+                note: e.to_string(),
+            },
+        };
+        collect(report, &row, &log);
+        report.rows.push(row);
+    }
+}
