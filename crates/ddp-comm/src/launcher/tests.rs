@@ -299,12 +299,16 @@ fn launch_restarting(n: usize, restarts: usize, script: &str) -> LaunchReport {
 
 #[test]
 fn a_failed_group_is_restarted_and_every_attempt_sees_its_counter() {
-    // Rank 1 fails on the first two attempts; the third succeeds.
+    // Rank 1 fails on the first two attempts (once rank 0 has written its line: otherwise the
+    // launcher may stop rank 0 before it does); the third succeeds.
     let dir = tempfile::tempdir().unwrap();
     let script = format!(
-        r#"echo "$TORCHELASTIC_RESTART_COUNT $DDP_RESTART_COUNT $MASTER_PORT $DDP_JOB_TOKEN"                >> {}/seen.$RANK
-               if [ "$RANK" = 1 ] && [ "$DDP_RESTART_COUNT" -lt 2 ]; then exit 9; fi; exit 0"#,
-        dir.path().display()
+        r#"echo "$TORCHELASTIC_RESTART_COUNT $DDP_RESTART_COUNT $MASTER_PORT $DDP_JOB_TOKEN"                >> {d}/seen.$RANK
+               if [ "$RANK" = 1 ] && [ "$DDP_RESTART_COUNT" -lt 2 ]; then
+                 while [ "$(cat {d}/seen.0 2>/dev/null | wc -l)" -le "$DDP_RESTART_COUNT" ]; do sleep 0.01; done
+                 exit 9
+               fi; exit 0"#,
+        d = dir.path().display()
     );
     let report = launch_restarting(2, 3, &script);
     assert!(report.success(), "{report:?}");
