@@ -14,7 +14,7 @@ use std::time::Instant;
 
 /// The features of clippy and the tests: the CubeCL kernels on wgpu (lavapipe) and the NCCL
 /// transport (cudarc, loaded at run time).
-pub const FEATURES: &str = "ddp-tests/wgpu,ddp-comm/nccl";
+pub const FEATURES: &str = "ddp-tests/wgpu,ddp-bench/wgpu,ddp-comm/nccl";
 
 /// [`FEATURES`] plus Burn's CUDA backend in burn-ddp, the rank programs and train-cnn.
 pub const CUDA_FEATURES: &str = "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda";

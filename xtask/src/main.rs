@@ -111,7 +111,7 @@ fn main() -> ExitCode {
         } => bench_program(
             &[
                 "-p",
-                "ddp-tests",
+                "ddp-bench",
                 "--features",
                 "wgpu",
                 "--bin",
@@ -123,8 +123,8 @@ fn main() -> ExitCode {
         Cmd::Bench {
             what: Bench::Data { extra },
         } => bench_program(
-            &["-p", "burn-ddp", "--example", "data_bench"],
-            "examples/data_bench",
+            &["-p", "ddp-bench", "--bin", "data_bench"],
+            "data_bench",
             &extra,
         ),
         Cmd::Ci => ci::run(&workspace_root()),
@@ -223,8 +223,9 @@ fn bench_allreduce(
         "build",
         "--release",
         "-p",
-        "ddp-comm",
-        "--example",
+        "ddp-bench",
+        "--no-default-features",
+        "--bin",
         "allreduce_bench",
         "-p",
         "ddprun",
@@ -233,7 +234,7 @@ fn bench_allreduce(
     ]))?;
     let release = target_dir(&root).join("release");
     let ddprun = release.join("ddprun");
-    let bench = release.join("examples").join("allreduce_bench");
+    let bench = release.join("allreduce_bench");
     for t in transports {
         for &n in nprocs {
             println!();
@@ -283,7 +284,7 @@ fn bench_ddp(nproc: u32, extra: &[String]) -> Result<(), String> {
         "build",
         "--release",
         "-p",
-        "ddp-tests",
+        "ddp-bench",
         "--bin",
         "ddp_bench",
         "-p",

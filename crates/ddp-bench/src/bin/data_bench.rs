@@ -2,7 +2,7 @@
 //! in-memory dataset of 28×28 images and the same tensor-building batcher.
 //!
 //! ```text
-//! cargo run --release -p burn-ddp --example data_bench -- [--items N] [--batch B] [--epochs E]
+//! cargo run --release -p ddp-bench --bin data_bench -- [--items N] [--batch B] [--epochs E]
 //! ```
 //! Prints a table of items/s per worker count (best of `E` epochs after one warm-up epoch) and
 //! the ratio sharded / Burn. The sharded loader runs as rank 0 of a world of 1, so both loaders

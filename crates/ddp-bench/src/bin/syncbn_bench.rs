@@ -8,7 +8,7 @@
 //!    gradients, running stats; exit status 1 above 1e-4 relative), then forward + backward
 //!    times of the three. `--ranks 0` skips the CPU table (the GPU check script runs it so).
 //!
-//! `cargo run -p ddp-tests --bin syncbn_bench [--features wgpu] -- [--ranks 2] [--steps 20]`
+//! `cargo run -p ddp-bench --bin syncbn_bench [--features wgpu] -- [--ranks 2] [--steps 20]`
 //! Prints markdown tables on stdout (rank 0).
 
 use std::process::{Command, ExitCode};
