@@ -18,6 +18,9 @@
 //! `F` (PyTorch's rule for half-precision batch norm). A CubeCL tensor argument carries no
 //! type, so the launchers assert that those inputs really are f32. Outputs are allocated contiguous: the
 //! kernels index them as packed arrays.
+//!
+//! Longer than 600 lines because each of the five kernels sits beside its launcher, whose
+//! layout choice and f32 assertions must match the kernel's indexing line for line.
 
 use burn::backend::{TensorMetadata, cubecl::dtype_to_storage_type, tensor::FloatTensor};
 use burn::tensor::{DType, Shape};

@@ -8,6 +8,10 @@
 //! then sleep on a futex (shared memory) or `poll` (TCP). While asleep it checks the TCP socket
 //! of each shared-memory peer it waits on, so a peer killed with SIGKILL is seen within a few
 //! milliseconds. A stall longer than the timeout is a [`CommError::Timeout`] naming the peer.
+//!
+//! Longer than 600 lines because the engine is one state machine (link states, message
+//! progress, the escalating wait) whose parts read each other's fields on every turn; the wire
+//! header it sends already lives in `header.rs`.
 
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};

@@ -1,0 +1,183 @@
+//! What to launch ([`LaunchConfig`]) and the environment every rank of an attempt gets.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::LaunchError;
+use crate::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
+
+/// What to launch on this node. `Default` is one rank on one node with a 5 s grace period.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchConfig {
+    /// Ranks on this node (`LOCAL_WORLD_SIZE`), at least 1.
+    pub nproc_per_node: usize,
+    /// Nodes in the job, at least 1.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes` (`GROUP_RANK`).
+    pub node_rank: usize,
+    /// Host of rank 0's rendezvous store (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of the rendezvous store. `None`: a free port on one node, 29500 on several.
+    pub master_port: Option<u16>,
+    /// How long stopped ranks get between SIGTERM and SIGKILL.
+    pub grace: Duration,
+    /// Compute threads per rank (`OMP_NUM_THREADS`, `RAYON_NUM_THREADS`). `None`: when
+    /// several ranks share the node and the variables are not already set,
+    /// `max(1, cores / nproc_per_node)`.
+    pub threads_per_rank: Option<usize>,
+    /// Prefix each output line with `[rank k] ` (otherwise ranks write to our streams directly).
+    pub prefix_output: bool,
+    /// Give global rank 0 our stderr as it is (unprefixed), so a progress bar it draws there
+    /// sees the terminal; its stdout and every other rank's output stay prefixed.
+    pub rank0_stderr_direct: bool,
+    /// The job token. `None`: taken from `DDP_JOB_TOKEN` in our environment if set; else a
+    /// random one on a single node (an error on several nodes, which must share one).
+    pub job_token: Option<String>,
+    /// Catch SIGINT and SIGTERM while the ranks run and forward them to the ranks (then the
+    /// same grace period and SIGKILL). The `ddprun` binary turns this on.
+    pub forward_signals: bool,
+    /// More variables for every rank, set last (they override the launcher's).
+    pub extra_env: Vec<(String, String)>,
+    /// How often to start the whole group again after a rank failed (torchrun's
+    /// `--max-restarts`); 0 never restarts. Every attempt gets a fresh rendezvous (a new port
+    /// on one node, and always a job token of its own, so a rank left over from an earlier
+    /// attempt can never join) and `TORCHELASTIC_RESTART_COUNT` / `DDP_RESTART_COUNT` set to
+    /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
+    pub max_restarts: usize,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        LaunchConfig {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: None,
+            grace: Duration::from_secs(5),
+            threads_per_rank: None,
+            prefix_output: true,
+            rank0_stderr_direct: false,
+            job_token: None,
+            forward_signals: false,
+            extra_env: Vec::new(),
+            max_restarts: 0,
+        }
+    }
+}
+
+/// The variables that carry the attempt number to the ranks: torchrun's, and burn-ddp's alias.
+pub const RESTART_COUNT_VARS: [&str; 2] = ["TORCHELASTIC_RESTART_COUNT", "DDP_RESTART_COUNT"];
+
+/// Validates `cfg` and works out the variables shared by every rank of this node.
+pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>, LaunchError> {
+    if cfg.nproc_per_node == 0 {
+        return Err(LaunchError::InvalidConfig(
+            "nproc_per_node must be at least 1".into(),
+        ));
+    }
+    if cfg.nnodes == 0 {
+        return Err(LaunchError::InvalidConfig(
+            "nnodes must be at least 1".into(),
+        ));
+    }
+    if cfg.node_rank >= cfg.nnodes {
+        return Err(LaunchError::InvalidConfig(format!(
+            "node_rank {} is out of range for nnodes = {} (must be 0..{})",
+            cfg.node_rank, cfg.nnodes, cfg.nnodes
+        )));
+    }
+    if cfg.master_addr.trim().is_empty() {
+        return Err(LaunchError::InvalidConfig(
+            "master_addr must not be empty".into(),
+        ));
+    }
+    if cfg.threads_per_rank == Some(0) {
+        return Err(LaunchError::InvalidConfig(
+            "threads_per_rank must be at least 1".into(),
+        ));
+    }
+    let world = cfg
+        .nnodes
+        .checked_mul(cfg.nproc_per_node)
+        .ok_or_else(|| LaunchError::InvalidConfig("nnodes * nproc_per_node overflows".into()))?;
+
+    let token = match &cfg.job_token {
+        Some(t) if !t.is_empty() => t.clone(),
+        Some(_) => {
+            return Err(LaunchError::InvalidConfig(
+                "the job token must not be empty".into(),
+            ));
+        }
+        None => match std::env::var(TOKEN_VAR) {
+            Ok(t) if !t.is_empty() => t,
+            _ if cfg.nnodes > 1 => return Err(LaunchError::MissingToken { nnodes: cfg.nnodes }),
+            _ => format!("{:032x}", rand::random::<u128>()),
+        },
+    };
+
+    let port = match cfg.master_port {
+        Some(0) => {
+            return Err(LaunchError::InvalidConfig(
+                "master_port 0 is not a port ranks can connect to".into(),
+            ));
+        }
+        Some(p) => p,
+        None if cfg.nnodes > 1 => DEFAULT_MASTER_PORT,
+        None => free_port(&cfg.master_addr)?,
+    };
+
+    let mut env = BTreeMap::new();
+    env.insert("WORLD_SIZE".into(), world.to_string());
+    env.insert("LOCAL_WORLD_SIZE".into(), cfg.nproc_per_node.to_string());
+    env.insert("GROUP_RANK".into(), cfg.node_rank.to_string());
+    env.insert("MASTER_ADDR".into(), cfg.master_addr.clone());
+    env.insert("MASTER_PORT".into(), port.to_string());
+    env.insert(TOKEN_VAR.into(), token);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"] {
+        let threads = match cfg.threads_per_rank {
+            Some(t) => Some(t),
+            None if cfg.nproc_per_node > 1 && std::env::var_os(var).is_none() => {
+                Some((cores / cfg.nproc_per_node).max(1))
+            }
+            None => None,
+        };
+        if let Some(t) = threads {
+            env.insert(var.into(), t.to_string());
+        }
+    }
+    Ok(env)
+}
+
+/// A port nothing listens on now on `host` (see [`crate::net::free_port`]).
+fn free_port(host: &str) -> Result<u16, LaunchError> {
+    crate::net::free_port(host).map_err(|source| LaunchError::FreePort {
+        addr: host.to_string(),
+        source,
+    })
+}
+
+/// The variables of attempt `attempt`: the restart counters, and from the first restart on a
+/// fresh port (one node, port not fixed) and a job token of the attempt's own.
+pub(super) fn attempt_env(
+    cfg: &LaunchConfig,
+    first: &BTreeMap<String, String>,
+    attempt: usize,
+) -> Result<BTreeMap<String, String>, LaunchError> {
+    let mut env = first.clone();
+    for var in RESTART_COUNT_VARS {
+        env.insert(var.into(), attempt.to_string());
+    }
+    if attempt > 0 {
+        if cfg.master_port.is_none() && cfg.nnodes == 1 {
+            env.insert(
+                "MASTER_PORT".into(),
+                free_port(&cfg.master_addr)?.to_string(),
+            );
+        }
+        let token = format!("{}.restart{attempt}", first[TOKEN_VAR]);
+        env.insert(TOKEN_VAR.into(), token);
+    }
+    Ok(env)
+}
