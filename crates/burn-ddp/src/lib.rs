@@ -101,3 +101,8 @@ pub use learner::{DdpModel, SilentRenderer};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclPolicy;
 pub use optimizer::DdpOptimizer;
+
+// The README's Rust snippets compile as doctests (the adoption example above all).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+mod readme {}
