@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use ddp_comm::{GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
+use ddp_comm::{Compression, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
 
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
@@ -45,6 +45,8 @@ pub struct DdpBuilder {
     bucket_cap_bytes: usize,
     group_options: GroupOptions,
     env: Option<LaunchEnv>,
+    /// `None`: `DDP_COMPRESSION` decides (default: none).
+    compression: Option<Compression>,
     #[cfg(feature = "cuda")]
     nccl: crate::nccl::NcclPolicy,
     /// Whether [`DdpBuilder::nccl`] was called (else `DDP_NCCL` decides).
@@ -58,7 +60,8 @@ impl std::fmt::Debug for DdpBuilder {
         s.field("device", &self.device)
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
             .field("group_options", &self.group_options)
-            .field("launch_env_given", &self.env.is_some());
+            .field("launch_env_given", &self.env.is_some())
+            .field("compression", &self.compression);
         #[cfg(feature = "cuda")]
         s.field("nccl", &self.nccl);
         s.finish()
@@ -72,6 +75,7 @@ impl Default for DdpBuilder {
             bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
             group_options: GroupOptions::default(),
             env: None,
+            compression: None,
             #[cfg(feature = "cuda")]
             nccl: crate::nccl::NcclPolicy::default(),
             #[cfg(feature = "cuda")]
@@ -115,6 +119,28 @@ impl DdpBuilder {
         self
     }
 
+    /// How gradients travel between ranks (default: `DDP_COMPRESSION` when set —
+    /// `none`, `bf16` or `fp16` —, else [`Compression::None`]).
+    ///
+    /// With `Bf16`/`Fp16` every bucket crosses the wire as 16-bit values, half the bytes; each
+    /// rank still adds the incoming values into f32 and rounds the reduced values once, so the
+    /// error does not grow with the world size (PyTorch's `bf16_compress_hook` sums in 16 bits)
+    /// and every rank ends with bitwise the same gradients. The averaged gradient is within
+    /// 16-bit rounding of the exact mean: relative error ≤ 2⁻⁸ for bf16, 2⁻¹¹ for fp16 (whose
+    /// range ends at 65504). Worth it when the network is the bottleneck (TCP between
+    /// hosts); on shared memory the casts cost about what the halved bytes save.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), burn_ddp::DdpError> {
+    /// use burn_ddp::ddp_comm::Compression;
+    /// let ddp = burn_ddp::Ddp::builder().compression(Compression::Bf16).init()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = Some(compression);
+        self
+    }
+
     /// Uses `env` instead of reading the process environment.
     pub fn launch_env(mut self, env: LaunchEnv) -> Self {
         self.env = Some(env);
@@ -137,6 +163,10 @@ impl DdpBuilder {
     /// # Errors
     /// A missing or malformed launch variable, an unreachable rendezvous, a bucket cap of 0.
     pub fn init(self) -> Result<Ddp> {
+        let compression = match self.compression {
+            Some(c) => c,
+            None => compression_from_env()?,
+        };
         if self.bucket_cap_bytes < 4 {
             return Err(DdpError::InvalidSetting(format!(
                 "bucket cap of {} bytes is below one f32",
@@ -242,9 +272,23 @@ impl DdpBuilder {
             local_world_size: env.local_world_size,
             device,
             bucket_cap_bytes: self.bucket_cap_bytes,
+            compression,
             #[cfg(feature = "cuda")]
             nccl,
         })
+    }
+}
+
+/// The variable that sets [`DdpBuilder::compression`] for programs that don't expose it.
+pub const COMPRESSION_VAR: &str = "DDP_COMPRESSION";
+
+/// [`COMPRESSION_VAR`]'s value (none when unset or empty).
+fn compression_from_env() -> Result<Compression> {
+    match std::env::var(COMPRESSION_VAR) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|e| {
+            DdpError::InvalidSetting(format!("{COMPRESSION_VAR}={v:?}: {e}"))
+        }),
+        _ => Ok(Compression::None),
     }
 }
 
@@ -301,6 +345,7 @@ pub struct Ddp {
     local_world_size: usize,
     device: Device,
     bucket_cap_bytes: usize,
+    compression: Compression,
     #[cfg(feature = "cuda")]
     nccl: Option<crate::nccl::SharedNccl>,
 }
@@ -341,6 +386,11 @@ impl Ddp {
         &self.device
     }
 
+    /// How gradients travel between ranks ([`DdpBuilder::compression`]).
+    pub fn compression(&self) -> Compression {
+        self.compression
+    }
+
     /// The largest gradient bucket in bytes.
     pub fn bucket_cap_bytes(&self) -> usize {
         self.bucket_cap_bytes
@@ -370,7 +420,8 @@ impl Ddp {
     /// A gradient synchroniser over this job's group with this context's bucket cap (and,
     /// with the `cuda` feature, this context's NCCL communicator when there is one).
     pub fn gradient_synchronizer(&self) -> GradientSynchronizer {
-        let sync = GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes);
+        let sync = GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes)
+            .with_compression(self.compression);
         #[cfg(feature = "cuda")]
         let sync = match &self.nccl {
             Some(n) => sync.with_nccl(n.clone()),

@@ -27,6 +27,15 @@ impl GradientSynchronizer {
         buckets: &[Bucket],
     ) -> Result<PipelineTimes> {
         let mut times = PipelineTimes::default();
+        if self.compression != ddp_comm::Compression::None {
+            static LOGGED: std::sync::Once = std::sync::Once::new();
+            LOGGED.call_once(|| {
+                tracing::warn!(
+                    compression = %self.compression,
+                    "gradient compression is not applied on the NCCL device path yet: buckets travel as f32"
+                );
+            });
+        }
         let Some((nccl, _)) = &self.nccl else {
             return Err(DdpError::InvalidSetting(
                 "device path chosen without an NCCL communicator".into(),

@@ -5,7 +5,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Tensor, TensorData};
-use ddp_comm::ReduceOp;
+use ddp_comm::{Compression, ReduceOp};
 
 use super::buckets::Bucket;
 use super::slots::Slot;
@@ -30,7 +30,7 @@ impl GradientSynchronizer {
                 let mut parts = fill_bucket(slots, bucket)?;
                 times.fill += t.elapsed();
                 let t = Instant::now();
-                reduce_parts(&mut comm::lock(&self.group), &mut parts)?;
+                reduce_parts(&mut comm::lock(&self.group), &mut parts, self.compression)?;
                 times.all_reduce += t.elapsed();
                 let t = Instant::now();
                 unpack_bucket(slots, parts);
@@ -39,6 +39,7 @@ impl GradientSynchronizer {
             return Ok(times);
         }
         let group = self.group.clone();
+        let compression = self.compression;
         std::thread::scope(|scope| {
             // Bounded: at most two filled buckets wait for the comm thread.
             let (to_comm, comm_in) = mpsc::sync_channel::<Vec<Part>>(2);
@@ -48,7 +49,7 @@ impl GradientSynchronizer {
                 let mut busy = Duration::ZERO;
                 for mut parts in comm_in {
                     let t = Instant::now();
-                    reduce_parts(&mut g, &mut parts)?;
+                    reduce_parts(&mut g, &mut parts, compression)?;
                     busy += t.elapsed();
                     if comm_out.send(parts).is_err() {
                         break;
@@ -127,10 +128,14 @@ impl Part {
 }
 
 /// All-reduces a bucket's parts in order, averaging (Mean: the ring divides each chunk once,
-/// as it finishes reducing it).
-fn reduce_parts(group: &mut ddp_comm::ProcessGroup, parts: &mut [Part]) -> Result<()> {
+/// as it finishes reducing it), on the wire as `compression` says.
+fn reduce_parts(
+    group: &mut ddp_comm::ProcessGroup,
+    parts: &mut [Part],
+    compression: Compression,
+) -> Result<()> {
     for part in parts {
-        group.all_reduce(part.values()?, ReduceOp::Mean)?;
+        group.all_reduce_compressed(part.values()?, ReduceOp::Mean, compression)?;
     }
     Ok(())
 }

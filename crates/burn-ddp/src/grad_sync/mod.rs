@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use ddp_comm::Compression;
 
 use crate::comm::{self, SharedGroup};
 use crate::error::Result;
@@ -82,6 +83,8 @@ pub struct GradientSynchronizer {
     skip_when_alone: bool,
     /// Overlap host copies with communication on a comm thread.
     overlap: bool,
+    /// How buckets travel on the host path.
+    compression: Compression,
     last: SyncStats,
     /// NCCL communicator and its CUDA ordinal, for buckets on that device.
     #[cfg(feature = "cuda")]
@@ -113,6 +116,7 @@ impl GradientSynchronizer {
             bucket_cap_elems: (bucket_cap_bytes / 4).max(1),
             skip_when_alone: true,
             overlap: overlap_pays(),
+            compression: Compression::None,
             last: SyncStats::default(),
             #[cfg(feature = "cuda")]
             nccl: None,
@@ -149,6 +153,20 @@ impl GradientSynchronizer {
     pub fn with_overlap(mut self, overlap: bool) -> Self {
         self.overlap = overlap;
         self
+    }
+
+    /// Sends buckets as 16-bit values, accumulating in f32 (see
+    /// [`DdpBuilder::compression`](crate::DdpBuilder::compression)). Every rank must use the
+    /// same setting. On the NCCL device path buckets travel as f32 (compression there is not
+    /// implemented yet; logged once).
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// How buckets travel on the host path; see [`Self::with_compression`].
+    pub fn compression(&self) -> Compression {
+        self.compression
     }
 
     /// Whether host copies and communication overlap; see [`Self::with_overlap`].
