@@ -62,6 +62,13 @@ enum Bench {
         /// Ranks of the distributed run (the baseline is 1 rank).
         #[arg(long, default_value_t = 2)]
         nproc: u32,
+        /// Transports: shm (ranks of this host over shared memory) and/or tcp (every rank
+        /// its own emulated host, `DDP_HOST_ID`, so all traffic is TCP).
+        #[arg(long, value_delimiter = ',', default_value = "shm")]
+        transport: Vec<String>,
+        /// Gradient wire formats compared in each run (the first is the baseline).
+        #[arg(long, value_delimiter = ',', default_value = "none")]
+        compression: Vec<String>,
         /// More arguments for the rank program (`ddp_bench --help`).
         #[arg(last = true)]
         extra: Vec<String>,
@@ -104,8 +111,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Bench {
-            what: Bench::Ddp { nproc, extra },
-        } => bench_ddp(nproc, &extra),
+            what:
+                Bench::Ddp {
+                    nproc,
+                    transport,
+                    compression,
+                    extra,
+                },
+        } => bench_ddp(nproc, &transport, &compression, &extra),
         Cmd::Bench {
             what: Bench::Syncbn { extra },
         } => bench_program(
@@ -277,8 +290,19 @@ fn bench_program(build_args: &[&str], binary: &str, extra: &[String]) -> Result<
         .args(extra))
 }
 
-/// `cargo xtask bench ddp`: the same rank program alone (the baseline) and on `nproc` ranks.
-fn bench_ddp(nproc: u32, extra: &[String]) -> Result<(), String> {
+/// `cargo xtask bench ddp`: the same rank program alone (the baseline) and on `nproc` ranks,
+/// per transport; every run compares the `compression` wire formats.
+fn bench_ddp(
+    nproc: u32,
+    transports: &[String],
+    compression: &[String],
+    extra: &[String],
+) -> Result<(), String> {
+    for t in transports {
+        if t != "shm" && t != "tcp" {
+            return Err(format!("unknown transport {t:?} (shm or tcp)"));
+        }
+    }
     let root = workspace_root();
     run(cargo().current_dir(&root).args([
         "build",
@@ -293,15 +317,27 @@ fn bench_ddp(nproc: u32, extra: &[String]) -> Result<(), String> {
         "ddprun",
     ]))?;
     let release = target_dir(&root).join("release");
-    for n in [1, nproc] {
-        println!("\n## {n} rank(s)\n");
-        run(Command::new(release.join("ddprun"))
-            .arg("--nproc-per-node")
-            .arg(n.to_string())
+    let bench = release.join("ddp_bench");
+    let wire = ["--compression".to_string(), compression.join(",")];
+    println!("\n## 1 rank (no communication: the compute baseline)\n");
+    run(Command::new(&bench).args(&wire).args(extra))?;
+    for t in transports {
+        println!("\n## {nproc} ranks, {t}\n");
+        let mut cmd = Command::new(release.join("ddprun"));
+        cmd.arg("--nproc-per-node")
+            .arg(nproc.to_string())
             .arg("--no-prefix")
-            .arg("--")
-            .arg(release.join("ddp_bench"))
-            .args(extra))?;
+            .arg("--");
+        if t == "tcp" {
+            // Every rank its own host identity: the group connects them over TCP (loopback).
+            cmd.args([
+                "sh",
+                "-c",
+                "DDP_HOST_ID=emulated-host-$RANK exec \"$@\"",
+                "sh",
+            ]);
+        }
+        run(cmd.arg(&bench).args(&wire).args(extra))?;
     }
     Ok(())
 }

@@ -285,9 +285,10 @@ pub const COMPRESSION_VAR: &str = "DDP_COMPRESSION";
 /// [`COMPRESSION_VAR`]'s value (none when unset or empty).
 fn compression_from_env() -> Result<Compression> {
     match std::env::var(COMPRESSION_VAR) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|e| {
-            DdpError::InvalidSetting(format!("{COMPRESSION_VAR}={v:?}: {e}"))
-        }),
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .map_err(|e| DdpError::InvalidSetting(format!("{COMPRESSION_VAR}={v:?}: {e}"))),
         _ => Ok(Compression::None),
     }
 }

@@ -63,6 +63,10 @@ struct Args {
     /// Device of each rank: auto (CUDA when built with it, else CPU), cpu, wgpu, cuda.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
+    /// Gradients on the wire: none, bf16 or fp16 (16-bit values, f32 accumulation; default:
+    /// `DDP_COMPRESSION`, else none).
+    #[arg(long, value_name = "none|bf16|fp16")]
+    compression: Option<ddp_comm::Compression>,
     /// Never draw the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -138,7 +142,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         resume_if_present: restarted(),
         progress: !args.no_progress,
     };
-    let mut cluster = DdpCluster::from_env(args.backend)?;
+    let mut cluster = DdpCluster::from_env(args.backend, args.compression)?;
     if args.sync_bn {
         run_with::<SyncBatchNorm, _>(&mut cluster, &cfg)
     } else {

@@ -22,9 +22,17 @@ pub struct EpochMetrics {
     pub samples_per_sec: f64,
     /// Wall time of the epoch (training and evaluation), seconds.
     pub seconds: f64,
+    /// Seconds of the epoch spent in gradient synchronisation (mean over ranks), including
+    /// [`Self::wait_seconds`]: the communication part of the epoch.
+    #[serde(default)]
+    pub sync_seconds: f64,
+    /// Seconds of the epoch spent waiting for the other ranks at the start of each sync (the
+    /// presence exchange, which absorbs the slower ranks' compute), mean over ranks.
+    #[serde(default)]
+    pub wait_seconds: f64,
 }
 
-const HEADER: [&str; 7] = [
+const HEADER: [&str; 9] = [
     "epoch",
     "train_loss",
     "train_accuracy",
@@ -32,24 +40,36 @@ const HEADER: [&str; 7] = [
     "eval_accuracy",
     "samples_per_sec",
     "seconds",
+    "sync_seconds",
+    "wait_seconds",
 ];
 
 /// The metrics as a text table (one header line, one line per epoch).
 pub fn table(history: &[EpochMetrics]) -> String {
     let mut s = format!(
-        "{:>5}  {:>10}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}\n",
-        "epoch", "train loss", "train acc", "eval loss", "eval acc", "samples/s", "time s"
+        "{:>5}  {:>10}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}  {:>6}  {:>6}\n",
+        "epoch",
+        "train loss",
+        "train acc",
+        "eval loss",
+        "eval acc",
+        "samples/s",
+        "time s",
+        "sync s",
+        "wait s"
     );
     for m in history {
         s.push_str(&format!(
-            "{:>5}  {:>10.4}  {:>8.2}%  {:>9.4}  {:>7.2}%  {:>9.0}  {:>7.1}\n",
+            "{:>5}  {:>10.4}  {:>8.2}%  {:>9.4}  {:>7.2}%  {:>9.0}  {:>7.1}  {:>6.2}  {:>6.2}\n",
             m.epoch,
             m.train_loss,
             100.0 * m.train_accuracy,
             m.eval_loss,
             100.0 * m.eval_accuracy,
             m.samples_per_sec,
-            m.seconds
+            m.seconds,
+            m.sync_seconds,
+            m.wait_seconds
         ));
     }
     s
@@ -62,14 +82,16 @@ pub fn write_csv(path: &Path, history: &[EpochMetrics]) -> std::io::Result<()> {
     for m in history {
         writeln!(
             out,
-            "{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{}",
             m.epoch,
             m.train_loss,
             m.train_accuracy,
             m.eval_loss,
             m.eval_accuracy,
             m.samples_per_sec,
-            m.seconds
+            m.seconds,
+            m.sync_seconds,
+            m.wait_seconds
         )?;
     }
     write_atomic(path, &out)
@@ -128,6 +150,8 @@ mod tests {
                 eval_accuracy: 0.25 * e as f64,
                 samples_per_sec: 1000.0,
                 seconds: 1.5,
+                sync_seconds: 0.25,
+                wait_seconds: 0.05,
             })
             .collect()
     }

@@ -123,6 +123,8 @@ mod tests {
                 eval_accuracy: 0.18 * e as f64,
                 samples_per_sec: 100.0,
                 seconds: 1.0,
+                sync_seconds: 0.0,
+                wait_seconds: 0.0,
             })
             .collect();
         write_svg(&path, &h).unwrap();
@@ -146,6 +148,8 @@ mod tests {
             eval_accuracy: 0.4,
             samples_per_sec: 1.0,
             seconds: 1.0,
+            sync_seconds: 0.0,
+            wait_seconds: 0.0,
         }];
         write_svg(&path, &h).unwrap();
         assert!(std::fs::metadata(&path).unwrap().len() > 100);

@@ -1,7 +1,7 @@
 //! The training loop: epochs of sharded batches, evaluation, metrics, plot and checkpoints.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
@@ -408,6 +408,7 @@ pub fn train<N: NormLayer, C: Cluster>(
             }
         }
         bar.inc((skip * cfg.batch_size * world) as u64);
+        let (mut sync_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
         for (j, batch) in loader.batches().enumerate() {
             let i = skip + j;
             let batch = batch?;
@@ -424,6 +425,10 @@ pub fn train<N: NormLayer, C: Cluster>(
             let loss_value = loss.clone().into_scalar::<f32>() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(lr, model, grads)?;
+            if let Some(st) = optim.last_sync() {
+                sync_time += st.total;
+                wait_time += st.presence;
+            }
             sums[0] += loss_value * n;
             sums[1] += correct as f64;
             sums[2] += n;
@@ -458,6 +463,9 @@ pub fn train<N: NormLayer, C: Cluster>(
         }
         let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
         cluster.all_reduce_sum(&mut sums)?;
+        // Mean over ranks of this epoch's time in gradient sync and in waiting for the others.
+        let mut comm = [sync_time.as_secs_f64(), wait_time.as_secs_f64()];
+        cluster.all_reduce_sum(&mut comm)?;
         let (eval_loss, eval_accuracy) = evaluate(cluster, &model, &splits, &batcher, &device)?;
         let m = EpochMetrics {
             epoch: epoch + 1,
@@ -467,6 +475,8 @@ pub fn train<N: NormLayer, C: Cluster>(
             eval_accuracy,
             samples_per_sec: sums[2] / train_seconds,
             seconds: t0.elapsed().as_secs_f64(),
+            sync_seconds: comm[0] / world as f64,
+            wait_seconds: comm[1] / world as f64,
         };
         history.push(m);
         if cluster.is_main() {

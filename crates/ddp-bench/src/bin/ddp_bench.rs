@@ -23,6 +23,9 @@
 //! - `beyond raw`: (sync − raw) / (compute + optim), what DDP adds on top of the wire time
 //!   of the same bytes (0 where sync is not slower than the raw all-reduce).
 //!
+//! - `wire`: the gradient wire format (`--compression none,bf16,fp16`), and `sync vs first`:
+//!   the first format's sync time over this one's, in the same run (above 1: faster).
+//!
 //! All times are medians over the timed steps, in milliseconds.
 
 use std::time::{Duration, Instant};
@@ -35,7 +38,7 @@ use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_ddp::{Ddp, GradientSynchronizer};
 use clap::{Parser, ValueEnum};
-use ddp_comm::ReduceOp;
+use ddp_comm::{Compression, ReduceOp};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Model {
@@ -64,6 +67,10 @@ struct Args {
     /// Per-rank batch size.
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// Gradient wire formats to compare (none, bf16, fp16); the first is the baseline of the
+    /// `vs first` column, measured in the same run.
+    #[arg(long, value_delimiter = ',', default_values = ["none"])]
+    compression: Vec<Compression>,
 }
 
 #[derive(Module, Debug)]
@@ -153,10 +160,12 @@ fn bench<M: Module>(
     ddp: &Ddp,
     args: &Args,
     cap_bytes: usize,
+    compression: Compression,
     mut model: M,
     loss: impl Fn(&M) -> Tensor<1>,
 ) -> Result<Row, burn_ddp::DdpError> {
-    let mut sync = GradientSynchronizer::new(ddp.group().clone(), cap_bytes);
+    let mut sync =
+        GradientSynchronizer::new(ddp.group().clone(), cap_bytes).with_compression(compression);
     match args.overlap.as_str() {
         "on" => sync = sync.with_overlap(true),
         "off" => sync = sync.with_overlap(false),
@@ -191,7 +200,7 @@ fn bench<M: Module>(
             ddp.barrier()?;
             let t = Instant::now();
             ddp.process_group()
-                .all_reduce(&mut raw_buf, ReduceOp::Mean)?;
+                .all_reduce_compressed(&mut raw_buf, ReduceOp::Mean, compression)?;
             if step >= args.warmup {
                 raw.push(t.elapsed());
                 ratios.push((t2 - t1b).as_secs_f64() / t.elapsed().as_secs_f64());
@@ -227,53 +236,69 @@ fn bench<M: Module>(
 fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     let ddp = burn_ddp::init()?;
     let device = ddp.device().clone().autodiff();
+    let transport = {
+        let kinds = ddp.process_group().transports();
+        let mut names: Vec<String> = kinds.iter().map(|t| format!("{t:?}")).collect();
+        names.sort();
+        names.dedup();
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join("+")
+        }
+    };
     if ddp.is_main() {
         println!(
-            "| model | params | ranks | bucket MiB | buckets | compute ms | skew ms | sync ms | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % |"
+            "| model | params | ranks | transport | wire | bucket MiB | buckets | compute ms | skew ms | sync ms | sync vs first | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     }
     for &model in &args.models {
         for &mib in &args.bucket_mib {
             let cap = (mib * 1024.0 * 1024.0) as usize;
-            device.seed(7);
-            let (row, params) = match model {
-                Model::Mlp => {
-                    let m = ddp.replicate_model(Mlp::new(&device))?;
-                    let p = m.num_params();
-                    (
-                        bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?,
-                        p,
-                    )
+            let mut first_sync = None;
+            for &compression in &args.compression {
+                device.seed(7);
+                let (row, params) = match model {
+                    Model::Mlp => {
+                        let m = ddp.replicate_model(Mlp::new(&device))?;
+                        let p = m.num_params();
+                        let loss = |m: &Mlp| m.loss(args.batch, &device);
+                        (bench(&ddp, args, cap, compression, m, loss)?, p)
+                    }
+                    Model::Cnn => {
+                        let m = ddp.replicate_model(Cnn::new(&device))?;
+                        let p = m.num_params();
+                        let loss = |m: &Cnn| m.loss(args.batch, &device);
+                        (bench(&ddp, args, cap, compression, m, loss)?, p)
+                    }
+                };
+                let base = *first_sync.get_or_insert(row.sync);
+                if ddp.is_main() {
+                    let overhead = 100.0 * row.sync / (row.compute + row.optim);
+                    let beyond = 100.0 * (row.sync - row.raw).max(0.0) / (row.compute + row.optim);
+                    let ratio = row
+                        .ratio
+                        .map_or_else(|| "—".to_string(), |r| format!("{r:.2}"));
+                    let speedup = if row.sync > 0.0 {
+                        format!("{:.2}x", base / row.sync)
+                    } else {
+                        "—".to_string()
+                    };
+                    println!(
+                        "| {model:?} | {params} | {} | {transport} | {compression} | {mib} | {} | {:.1} | {:.1} | {:.1} | {speedup} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} |",
+                        ddp.world_size(),
+                        row.buckets,
+                        row.compute,
+                        row.skew,
+                        row.sync,
+                        row.fill,
+                        row.allreduce,
+                        row.write_back,
+                        row.raw,
+                        row.optim
+                    );
                 }
-                Model::Cnn => {
-                    let m = ddp.replicate_model(Cnn::new(&device))?;
-                    let p = m.num_params();
-                    (
-                        bench(&ddp, args, cap, m, |m| m.loss(args.batch, &device))?,
-                        p,
-                    )
-                }
-            };
-            if ddp.is_main() {
-                let overhead = 100.0 * row.sync / (row.compute + row.optim);
-                let beyond = 100.0 * (row.sync - row.raw).max(0.0) / (row.compute + row.optim);
-                let ratio = row
-                    .ratio
-                    .map_or_else(|| "—".to_string(), |r| format!("{r:.2}"));
-                println!(
-                    "| {model:?} | {params} | {} | {mib} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} |",
-                    ddp.world_size(),
-                    row.buckets,
-                    row.compute,
-                    row.skew,
-                    row.sync,
-                    row.fill,
-                    row.allreduce,
-                    row.write_back,
-                    row.raw,
-                    row.optim
-                );
             }
         }
     }

@@ -30,9 +30,17 @@ impl std::fmt::Debug for DdpCluster {
 
 impl DdpCluster {
     /// Joins the job described by the launch environment (a world of one without it) and
-    /// trains on `backend`'s device.
-    pub fn from_env(backend: Backend) -> Result<Self, DistError> {
+    /// trains on `backend`'s device, with gradients on the wire as `compression` says
+    /// (`None`: `DDP_COMPRESSION` decides).
+    pub fn from_env(
+        backend: Backend,
+        compression: Option<ddp_comm::Compression>,
+    ) -> Result<Self, DistError> {
         let builder = burn_ddp::Ddp::builder();
+        let builder = match compression {
+            Some(c) => builder.compression(c),
+            None => builder,
+        };
         let builder = match backend {
             Backend::Auto => builder,
             Backend::Cpu => builder.device(Device::flex()),
@@ -83,6 +91,10 @@ impl StepOptimizer for DdpOptimizer {
         grads: GradientsParams,
     ) -> Result<M, DistError> {
         self.try_step(lr, module, grads).map_err(err)
+    }
+
+    fn last_sync(&self) -> Option<burn_ddp::SyncStats> {
+        Some(self.last_sync_stats())
     }
 }
 

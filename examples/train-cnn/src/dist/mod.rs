@@ -35,6 +35,11 @@ pub trait StepOptimizer: OptimizerState {
         module: M,
         grads: GradientsParams,
     ) -> Result<M, DistError>;
+
+    /// Timings of the last step's gradient synchronisation (`None` without one).
+    fn last_sync(&self) -> Option<burn_ddp::SyncStats> {
+        None
+    }
 }
 
 impl StepOptimizer for ModuleOptimizer {
