@@ -62,6 +62,9 @@ pub struct TrainArgs {
     /// --max-restarts); train-cnn resumes from its last checkpoint.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
+    /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation).
+    #[arg(long, value_name = "none|bf16|fp16")]
+    pub compression: Option<String>,
     /// Run this `train-cnn` binary instead of building one in release (e.g. a debug build).
     #[arg(long, value_name = "PATH")]
     pub program: Option<PathBuf>,
@@ -180,6 +183,10 @@ fn example_args(
     }
     if a.resume {
         v.push("--resume".into());
+    }
+    if let Some(c) = &a.compression {
+        v.push("--compression".into());
+        v.push(c.into());
     }
     v.extend(a.extra.iter().map(OsString::from));
     v
