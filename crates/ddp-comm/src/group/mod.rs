@@ -331,6 +331,15 @@ impl ProcessGroup {
             .collect()
     }
 
+    /// Bytes this rank has sent to its peers so far, over shared memory and TCP together:
+    /// collective headers, payloads and padding (not the connection handshakes). 0 in a group
+    /// of one. Measures what a collective costs on the wire.
+    pub fn bytes_sent(&self) -> u64 {
+        self.mesh
+            .as_ref()
+            .map_or(0, |m| m.links.iter().flatten().map(Link::bytes_sent).sum())
+    }
+
     /// The rendezvous store client (for exchanging extra setup data, e.g. an NCCL id);
     /// `None` in a group of one.
     pub fn store(&mut self) -> Option<&mut StoreClient> {
