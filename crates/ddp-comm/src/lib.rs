@@ -29,6 +29,6 @@ mod wire;
 
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
-pub use group::{Element, GroupOptions, ProcessGroup, ReduceOp};
+pub use group::{Compression, Element, GroupOptions, ProcessGroup, ReduceOp};
 pub use launcher::{LaunchConfig, LaunchError, LaunchReport, launch};
 pub use store::{PrefixStore, Store, StoreClient, StoreServer};

@@ -3,6 +3,7 @@
 //! progress engine.
 
 use super::*;
+use compression::Half;
 
 impl ProcessGroup {
     pub(super) fn header<T: Element>(
@@ -167,6 +168,129 @@ impl ProcessGroup {
         pipe.reduce = Some((element::reduce_bytes::<T>, op, sz));
         pipe.finish = Some((element::divide_bytes::<T>, n));
         drive(links, &mut [Op::Ring(pipe)], &wait, &what)
+    }
+
+    /// The 16-bit all-reduce behind [`ProcessGroup::all_reduce_compressed`] (whose rustdoc
+    /// describes the algorithm): a direct reduce-scatter of 16-bit chunks into f32
+    /// accumulators, one rounding, a ring all-gather of the 16-bit results.
+    pub(super) fn all_reduce_compressed_impl(
+        &mut self,
+        seq: u64,
+        buf: &mut [f32],
+        op: ReduceOp,
+        h: Half,
+    ) -> Result<()> {
+        let n = self.world_size;
+        if n == 1 {
+            return Ok(());
+        }
+        let len = buf.len();
+        let r = self.rank;
+        let div = (op == ReduceOp::Mean).then_some(n);
+        let hdr = Header {
+            kind: Kind::AllReduceCompressed,
+            op: op_code(op),
+            inline: 2 * len * (n - 1) <= INLINE_BYTES,
+            elem: 2,
+            seq,
+            len: len as u64,
+            root: 0,
+            dtype: element::tag_of(h.name(), 2),
+            dtype_name: h.name(),
+        };
+        if hdr.inline {
+            // Everyone sends its rounded buffer to everyone and reduces the same n rounded
+            // contributions in rank order.
+            let mut wire = std::mem::take(&mut self.mesh_mut().half);
+            wire.resize(2 * len, 0);
+            compression::encode(h, buf, &mut wire);
+            let res = self.exchange(&hdr, &wire);
+            let m = self.mesh_mut();
+            if res.is_ok() {
+                let terms: Vec<Option<&[u8]>> = (0..n)
+                    .map(|p| {
+                        Some(if p == r {
+                            &wire[..]
+                        } else {
+                            &m.msgs[p].payload[..]
+                        })
+                    })
+                    .collect();
+                m.scratch.resize(2 * len, 0);
+                compression::reduce_chunk(h, buf, &terms, div, &mut m.scratch);
+            }
+            m.half = wire;
+            return res;
+        }
+        self.exchange(&hdr, &[])?;
+        let what = self.what(&hdr);
+        let wait = self.waiting();
+        let range = |c: usize| chunk(len, n, c);
+        let mine = range(r);
+        let Mesh {
+            links,
+            scratch,
+            half: wire,
+            ..
+        } = self.mesh_mut();
+        wire.resize(2 * len, 0);
+        for c in (0..n).filter(|&c| c != r) {
+            compression::encode(h, &buf[range(c)], &mut wire[bytes_of(range(c), 2)]);
+        }
+        // Reduce-scatter: chunk p to rank p, rank p's copy of our chunk into stage p.
+        let each = 2 * mine.len();
+        scratch.resize(each * (n - 1), 0);
+        {
+            let mut ops: Vec<Op<'_>> = Vec::with_capacity(2 * (n - 1));
+            let mut rest: &mut [u8] = scratch;
+            for p in (0..n).filter(|&p| p != r) {
+                let (stage, tail) = rest.split_at_mut(each);
+                rest = tail;
+                ops.push(Op::Send {
+                    peer: p,
+                    hdr: None,
+                    data: &wire[bytes_of(range(p), 2)],
+                    done: 0,
+                });
+                ops.push(Op::Recv {
+                    peer: p,
+                    dst: stage,
+                    done: 0,
+                });
+            }
+            drive(links, &mut ops, &wait, &what)?;
+        }
+        // Our chunk: n contributions in rank order (ours in f32), one rounding.
+        let mut stages = scratch.chunks_exact(each.max(1));
+        let terms: Vec<Option<&[u8]>> = (0..n)
+            .map(|p| match p == r {
+                true => None,
+                false if each == 0 => Some(&[][..]),
+                false => stages.next(),
+            })
+            .collect();
+        compression::reduce_chunk(
+            h,
+            &mut buf[mine.clone()],
+            &terms,
+            div,
+            &mut wire[bytes_of(mine.clone(), 2)],
+        );
+        // All-gather of the 16-bit chunks: send ours, forward each one received.
+        let items = (0..n - 1)
+            .map(|s| engine::RingItem {
+                range: bytes_of(range((r + 2 * n - s - 1) % n), 2),
+                reduce: false,
+                finish: false,
+            })
+            .collect();
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let pipe = engine::RingPipe::new(prev, next, wire, bytes_of(mine, 2), items);
+        drive(links, &mut [Op::Ring(pipe)], &wait, &what)?;
+        for c in (0..n).filter(|&c| c != r) {
+            compression::decode(h, &wire[bytes_of(range(c), 2)], &mut buf[range(c)]);
+        }
+        Ok(())
     }
 
     pub(super) fn broadcast_impl(
@@ -377,6 +501,7 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
     match h.kind {
         Kind::Barrier => {}
         Kind::AllReduce => s += &format!("{} × {dtype}, {}", h.len, op_name(h.op)),
+        Kind::AllReduceCompressed => s += &format!("{} × f32 as {dtype}, {}", h.len, op_name(h.op)),
         Kind::Broadcast | Kind::BroadcastBytes => {
             s += &format!("{} × {dtype}, root {}", h.len, h.root)
         }

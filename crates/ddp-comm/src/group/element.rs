@@ -47,8 +47,14 @@ int_element!(u8, "u8");
 
 /// A stable 32-bit tag for an element type (FNV-1a of its name and size), sent in headers.
 pub(crate) fn dtype_tag<T: Element>() -> u32 {
+    tag_of(T::NAME, std::mem::size_of::<T>())
+}
+
+/// The tag of the element type named `name`, of `size` bytes (also for wire-only types such as
+/// the 16-bit formats of the compressed all-reduce).
+pub(crate) fn tag_of(name: &str, size: usize) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
-    for b in T::NAME.bytes().chain([std::mem::size_of::<T>() as u8]) {
+    for b in name.bytes().chain([size as u8]) {
         h ^= b as u32;
         h = h.wrapping_mul(0x0100_0193);
     }
@@ -63,6 +69,8 @@ pub(crate) fn name_of_tag(tag: u32) -> Option<&'static str> {
         (dtype_tag::<i64>(), i64::NAME),
         (dtype_tag::<i32>(), i32::NAME),
         (dtype_tag::<u8>(), u8::NAME),
+        (tag_of("bf16", 2), "bf16"),
+        (tag_of("fp16", 2), "fp16"),
     ]
     .into_iter()
     .find(|(t, _)| *t == tag)
@@ -190,6 +198,8 @@ mod tests {
             dtype_tag::<i64>(),
             dtype_tag::<i32>(),
             dtype_tag::<u8>(),
+            tag_of("bf16", 2),
+            tag_of("fp16", 2),
         ];
         for i in 0..tags.len() {
             for j in i + 1..tags.len() {

@@ -22,6 +22,10 @@ pub(crate) enum Kind {
     AllGatherVarlen = 4,
     BroadcastBytes = 5,
     Barrier = 6,
+    /// An f32 all-reduce whose data travels as 16-bit values (the header's element type is
+    /// the wire format, bf16 or fp16): distinct from [`Kind::AllReduce`], so a rank calling
+    /// the uncompressed op against a compressed peer fails with a mismatch.
+    AllReduceCompressed = 7,
 }
 
 impl Kind {
@@ -33,6 +37,7 @@ impl Kind {
             4 => Kind::AllGatherVarlen,
             5 => Kind::BroadcastBytes,
             6 => Kind::Barrier,
+            7 => Kind::AllReduceCompressed,
             _ => return None,
         })
     }
@@ -45,6 +50,7 @@ impl Kind {
             Kind::AllGatherVarlen => "all_gather_varlen",
             Kind::BroadcastBytes => "broadcast_bytes",
             Kind::Barrier => "barrier",
+            Kind::AllReduceCompressed => "all_reduce_compressed",
         }
     }
 }
@@ -54,7 +60,7 @@ impl Kind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
     pub kind: Kind,
-    /// [`ReduceOp`] code (all_reduce only).
+    /// [`ReduceOp`] code (all-reduce only).
     pub op: u8,
     /// The sender's data follows the header.
     pub inline: bool,

@@ -39,6 +39,8 @@ pub(crate) struct Link {
     stage: Vec<u8>,
     lo: usize,
     hi: usize,
+    /// Bytes sent so far (headers, payloads and padding; tests measure traffic with it).
+    sent: u64,
 }
 
 impl Link {
@@ -51,6 +53,7 @@ impl Link {
             stage: Vec::new(),
             lo: 0,
             hi: 0,
+            sent: 0,
         })
     }
 
@@ -61,6 +64,17 @@ impl Link {
 
     /// Sends a prefix of `data`; returns how many bytes went (0 when the pipe is full).
     pub(crate) fn send_some(&mut self, data: &[u8]) -> Result<usize, LinkError> {
+        let n = self.send_inner(data)?;
+        self.sent += n as u64;
+        Ok(n)
+    }
+
+    /// Bytes sent over this link so far.
+    pub(crate) fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+
+    fn send_inner(&mut self, data: &[u8]) -> Result<usize, LinkError> {
         if data.is_empty() {
             return Ok(0);
         }

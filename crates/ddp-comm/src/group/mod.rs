@@ -30,6 +30,7 @@
 //! - `DDP_SHM_RING_KIB`: size of each shared-memory ring (default 512 KiB).
 
 mod algorithms;
+mod compression;
 mod copy;
 mod element;
 mod engine;
@@ -44,6 +45,7 @@ use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::{PrefixStore, Store, StoreClient, StoreServer, keys};
 
+pub use compression::Compression;
 use engine::{HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
 use link::Link;
 use mesh::{MeshConfig, PeerInfo};
@@ -125,6 +127,8 @@ struct Mesh {
     links: Vec<Option<Link>>,
     msgs: Vec<Msg>,
     scratch: Vec<u8>,
+    /// The 16-bit image of the buffer in a compressed all-reduce (reused between calls).
+    half: Vec<u8>,
     spin: bool,
     // Kept alive for the group's lifetime (rank 0 serves, everyone holds a client).
     store: StoreClient,
@@ -274,6 +278,7 @@ impl ProcessGroup {
                 links,
                 msgs: (0..world).map(|_| Msg::default()).collect(),
                 scratch: Vec::new(),
+                half: Vec::new(),
                 spin: local <= cores,
                 store,
                 _server: server,
@@ -331,6 +336,16 @@ impl ProcessGroup {
             .collect()
     }
 
+    /// Bytes this rank has sent to its peers so far, over shared memory and TCP together:
+    /// collective headers, payloads and padding (not the connection handshakes). 0 in a group
+    /// of one. Measures what a collective costs on the wire, e.g. the halving by
+    /// [`Self::all_reduce_compressed`].
+    pub fn bytes_sent(&self) -> u64 {
+        self.mesh
+            .as_ref()
+            .map_or(0, |m| m.links.iter().flatten().map(Link::bytes_sent).sum())
+    }
+
     /// The rendezvous store client (for exchanging extra setup data, e.g. an NCCL id);
     /// `None` in a group of one.
     pub fn store(&mut self) -> Option<&mut StoreClient> {
@@ -340,6 +355,65 @@ impl ProcessGroup {
     /// Reduces `buf` element-wise across ranks, in place; every rank gets the result.
     pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.collective(|g, seq| g.all_reduce_impl(seq, buf, op))
+    }
+
+    /// [`Self::all_reduce`] of f32 values that travel as 16-bit values (`compression`), which
+    /// halves the bytes sent, while every sum is accumulated in f32 and rounded once.
+    ///
+    /// [`Compression::None`] is exactly [`Self::all_reduce`]. With [`Compression::Bf16`] or
+    /// [`Compression::Fp16`] only [`ReduceOp::Sum`] and [`ReduceOp::Mean`] are supported;
+    /// another op is a [`CommError::InvalidArgument`] (which, like any failed collective,
+    /// breaks the group). In a group of one `buf` is left untouched: nothing is rounded.
+    /// Every rank must pass the same `compression`: a rank calling [`Self::all_reduce`] or
+    /// another compression against it fails with [`CommError::Mismatch`] on every rank (the
+    /// header names the compressed call and its wire type).
+    ///
+    /// # Algorithm
+    /// `buf` is split into `world_size` chunks. Reduce-scatter: every rank sends its chunk
+    /// `c`, rounded to 16 bits, straight to rank `c` (each rank sends and receives
+    /// `(n-1)/n` of the buffer, as in a ring), and rank `c` adds the `n` contributions — its
+    /// own in f32, the others decoded — in rank order into an f32 accumulator, divides it by
+    /// `n` for a mean, and rounds it to 16 bits once. All-gather: those 16-bit chunks go round
+    /// the ring unchanged and every rank, the chunk's owner included, decodes the same bits,
+    /// so all ranks end bitwise identical (and the fixed order makes runs reproducible).
+    /// Partial sums are never rounded: a ring reduce-scatter forwarding 16-bit partial sums
+    /// (as PyTorch's `bf16_compress_hook` sums in bf16) rounds at every hop, an error that
+    /// grows with the world size. Small buffers (at most 64 KiB of 16-bit data per peer)
+    /// travel inline in one round: every rank sends its whole rounded buffer to every peer and
+    /// each reduces all `n` rounded contributions the same way.
+    ///
+    /// # Error bound
+    /// With `u` the format's unit roundoff (2^-8 for bf16, 2^-11 for fp16), `σ` its smallest
+    /// positive subnormal (2^-133, 2^-24), `x_p` rank `p`'s element, the exact result `m`
+    /// (`Σ x_p`, or `Σ x_p / n` for a mean) and `A` the same of the magnitudes (`Σ |x_p|`, or
+    /// `Σ |x_p| / n`), every element satisfies
+    ///
+    /// `|result − m| ≤ u·|m| + (1 + u)²·(u + n·2^-23)·A + (n + 1)·σ`
+    ///
+    /// The first term is the one final rounding; the second the rounding of each input to 16
+    /// bits and the f32 accumulation, relative to `A`, not growing with `n` beyond the f32
+    /// term; the third covers subnormals. Inputs exactly representable in the format drop the
+    /// `u` inside the second term: `u·|m| + (1 + u)²·n·2^-23·A + (n + 1)·σ`, one rounding of
+    /// the exact result up to f32 accumulation. fp16 holds magnitudes up to 65504 only: larger
+    /// inputs or results become ±∞ (scale gradients first). NaN and ±∞ propagate.
+    pub fn all_reduce_compressed(
+        &mut self,
+        buf: &mut [f32],
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Result<()> {
+        let Some(h) = compression.half() else {
+            return self.all_reduce(buf, op);
+        };
+        self.collective(|g, seq| {
+            if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                return Err(CommError::InvalidArgument(format!(
+                    "all_reduce_compressed with {compression} supports ReduceOp::Sum and \
+                     ReduceOp::Mean, not ReduceOp::{op:?} (use all_reduce)"
+                )));
+            }
+            g.all_reduce_compressed_impl(seq, buf, op, h)
+        })
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (lengths must match).

@@ -280,3 +280,6 @@ fn single_rank_is_a_no_op() {
     ));
     assert!(matches!(pg.barrier(), Err(CommError::Poisoned(_))));
 }
+
+/// Tests of `all_reduce_compressed`.
+mod compressed;
