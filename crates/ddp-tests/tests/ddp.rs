@@ -280,3 +280,48 @@ mod cuda {
         cuda_equivalence(2, "adam", "required");
     }
 }
+
+/// bf16 / fp16 gradients on the wire (`DDP_COMPRESSION`): the ranks stay bitwise identical and
+/// end within 16-bit rounding of the uncompressed one-process reference, over shared memory
+/// and over TCP (every rank its own emulated host).
+#[test]
+fn compressed_gradients_keep_ranks_identical_and_near_the_reference() {
+    // Measured: bf16 4.5e-4 (SGD, 3 ranks) and 6.2e-4 (Adam, 2 ranks); fp16 6.8e-5 and
+    // 1.2e-4; uncompressed both stay below 4e-8. 5 steps, parameters move by ~1e-2.
+    for (wire, tol) in [("bf16", 1.5e-3), ("fp16", 3e-4)] {
+        equivalence_with(3, "sgd", &[], &[("DDP_COMPRESSION", wire)], tol);
+        equivalence_with(
+            2,
+            "adam",
+            &[],
+            &[("DDP_COMPRESSION", wire), ("DDP_SHARED_MEMORY", "0")],
+            tol,
+        );
+    }
+}
+
+/// A wire format no rank knows is one clear error on every rank, before any step.
+#[test]
+fn an_unknown_compression_is_a_clear_error_on_every_rank() {
+    let run = launch_with_env(
+        2,
+        "bad-compression",
+        &["--scenario", "equiv", "--steps", "1"],
+        &[("DDP_COMPRESSION", "int4")],
+    );
+    for r in &run.result.ranks {
+        assert!(!r.success(), "rank {} succeeded", r.rank);
+        assert!(
+            r.stderr.contains("DDP_COMPRESSION=\"int4\""),
+            "rank {}: {}",
+            r.rank,
+            r.stderr
+        );
+        assert!(
+            !r.stderr.contains("panicked"),
+            "rank {}: {}",
+            r.rank,
+            r.stderr
+        );
+    }
+}

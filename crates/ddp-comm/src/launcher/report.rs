@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::signals::signal_name;
 use crate::env::TOKEN_VAR;
 
-/// How an earlier attempt of a launch ended (see [`LaunchConfig::max_restarts`]).
+/// How an earlier attempt of a launch ended (see [`LaunchConfig::max_restarts`](super::LaunchConfig::max_restarts)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttemptEnd {
     /// The attempt number, 0 for the first.
