@@ -33,7 +33,7 @@ pub(super) fn write_trace(
     threads: &[(u32, String)],
 ) -> io::Result<()> {
     let pid = meta.rank;
-    write!(out, "{{\"traceEvents\":[\n")?;
+    out.write_all(b"{\"traceEvents\":[\n")?;
     let dropped = meta.dropped;
     write!(
         out,
