@@ -18,8 +18,10 @@ pub(super) const ROUNDS: usize = 8;
 /// How long rank 0 waits for the first ping of all ranks together (a rank that does not
 /// trace never pings: rank 0 then gives up on it after this).
 const FIRST_PING: Duration = Duration::from_secs(5);
-/// How long a rank waits for rank 0's first answer (rank 0 serves lower ranks first).
-const FIRST_PONG: Duration = Duration::from_secs(30);
+/// How long a rank waits for rank 0's first answer: rank 0 serves lower ranks first, and
+/// gives up on those that never ping by [`FIRST_PING`]. A rank whose rank 0 does not trace
+/// (a misconfiguration) waits this long once, then keeps its own clock.
+const FIRST_PONG: Duration = Duration::from_secs(10);
 /// How long either side waits in later rounds.
 const ROUND: Duration = Duration::from_secs(5);
 
