@@ -6,6 +6,8 @@
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
 //! - [`launcher`]: starts, watches and stops rank processes (the library behind the `ddprun`
 //!   binary, which is its own crate, `crates/ddprun`).
+//! - [`trace`]: per-rank timelines of the collectives and of spans the program marks
+//!   (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
 //!
 //! ```no_run
 //! use ddp_comm::{ProcessGroup, ReduceOp};
@@ -25,6 +27,7 @@ pub mod launcher;
 pub mod nccl;
 mod net;
 pub mod store;
+pub mod trace;
 mod wire;
 
 pub use env::{EnvError, LaunchEnv};

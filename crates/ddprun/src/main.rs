@@ -8,7 +8,8 @@
 //! Exit code: 0 when every rank succeeds; otherwise the first failing rank's exit code (128 +
 //! signal when it was killed by a signal), with one summary line on stderr. With
 //! `--max-restarts K` a failed group is started again up to K times (one line per failed
-//! attempt); the exit code is then the last attempt's.
+//! attempt); the exit code is then the last attempt's. With `--trace DIR` every rank records a
+//! timeline and ddprun merges them into `DIR/trace.json`, printing where it is.
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -71,6 +72,12 @@ struct Args {
     /// draws there sees the terminal (its stdout and the other ranks stay prefixed).
     #[arg(long = "rank0-stderr-direct")]
     rank0_stderr_direct: bool,
+    /// Record a timeline of every rank into DIR (sets DDP_TRACE for the ranks) and merge the
+    /// rank files into DIR/trace.json when the job has ended (Chrome trace-event format: open
+    /// it in https://ui.perfetto.dev or chrome://tracing). Without it, DDP_TRACE in ddprun's
+    /// environment does the same.
+    #[arg(long, value_name = "DIR")]
+    trace: Option<std::path::PathBuf>,
     /// The program to run, then its arguments (after `--`).
     #[arg(
         required = true,
@@ -113,6 +120,7 @@ fn main() -> ExitCode {
         forward_signals: true,
         extra_env: Vec::new(),
         max_restarts: args.max_restarts as usize,
+        trace: args.trace,
     };
     let (program, rest) = args
         .command

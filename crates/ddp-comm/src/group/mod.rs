@@ -28,6 +28,7 @@
 //! - `DDP_HOST_ID`: overrides the host identity (ranks with equal ids use shared memory);
 //!   tests use it to emulate several hosts on one machine.
 //! - `DDP_SHM_RING_KIB`: size of each shared-memory ring (default 512 KiB).
+//! - `DDP_TRACE`: records a span per collective (see [`crate::trace`]).
 
 mod algorithms;
 mod compression;
@@ -38,6 +39,7 @@ mod header;
 mod link;
 mod mesh;
 mod shm;
+mod trace_hooks;
 
 use std::time::{Duration, Instant};
 
@@ -174,6 +176,7 @@ impl ProcessGroup {
             pg.timeout = opts.timeout;
             return Ok(pg);
         }
+        let _span = crate::trace::span("rendezvous", "setup").arg("world", env.world_size);
         let started = Instant::now();
         let deadline = started + opts.connect_timeout;
         let (rank, world) = (env.rank, env.world_size);
@@ -259,6 +262,7 @@ impl ProcessGroup {
             started,
         };
         let links = mesh::establish(&cfg, listener, &infos)?;
+        crate::trace::on_group_ready(rank, world, &mut store);
         let local = infos.iter().filter(|i| i.host == me.host).count();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         tracing::debug!(
@@ -354,6 +358,7 @@ impl ProcessGroup {
 
     /// Reduces `buf` element-wise across ranks, in place; every rank gets the result.
     pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let _span = self.trace_all_reduce(T::NAME, size_of_val(buf), op);
         self.collective(|g, seq| g.all_reduce_impl(seq, buf, op))
     }
 
@@ -418,6 +423,7 @@ impl ProcessGroup {
 
     /// Copies `root`'s `buf` into every rank's `buf` (lengths must match).
     pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<()> {
+        let _span = self.trace_op("broadcast", T::NAME, Some(size_of_val(buf)), Some(root));
         self.collective(|g, seq| {
             g.check_root(root)?;
             let hdr = g.header::<T>(Kind::Broadcast, seq, buf.len(), root, 0);
@@ -428,6 +434,7 @@ impl ProcessGroup {
     /// Gathers equal-length `input`s from every rank into `output` (`len = input.len() *
     /// world_size`), rank order.
     pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
+        let _span = self.trace_op("all_gather", T::NAME, Some(size_of_val(input)), None);
         self.collective(|g, seq| {
             if output.len() != input.len() * g.world_size {
                 return Err(CommError::InvalidArgument(format!(
@@ -446,6 +453,7 @@ impl ProcessGroup {
 
     /// Gathers `input`s of any lengths from every rank, rank order.
     pub fn all_gather_varlen<T: Element>(&mut self, input: &[T]) -> Result<Vec<Vec<T>>> {
+        let _span = self.trace_op("all_gather_varlen", T::NAME, Some(size_of_val(input)), None);
         self.collective(|g, seq| {
             if g.world_size == 1 {
                 return Ok(vec![input.to_vec()]);
@@ -457,6 +465,7 @@ impl ProcessGroup {
 
     /// Broadcasts a byte message of any length from `root` (others' `bytes` are replaced).
     pub fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+        let _span = self.trace_broadcast_bytes(bytes.len(), root);
         self.collective(|g, seq| {
             g.check_root(root)?;
             if g.world_size == 1 {
@@ -490,6 +499,7 @@ impl ProcessGroup {
 
     /// Returns once every rank has called it.
     pub fn barrier(&mut self) -> Result<()> {
+        let _span = self.trace_op("barrier", "-", None, None);
         self.collective(|g, seq| {
             if g.world_size == 1 {
                 return Ok(());
@@ -548,6 +558,7 @@ impl Drop for ProcessGroup {
                 l.abort(None);
             }
         }
+        crate::trace::flush_best_effort();
     }
 }
 

@@ -44,6 +44,11 @@ pub struct LaunchConfig {
     /// attempt can never join) and `TORCHELASTIC_RESTART_COUNT` / `DDP_RESTART_COUNT` set to
     /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
     pub max_restarts: usize,
+    /// Record a timeline of every rank into this directory (sets `DDP_TRACE` for the ranks,
+    /// see [`crate::trace`]) and merge the rank files into `DIR/trace.json` when the launch
+    /// has ended, also when ranks failed. `None`: `DDP_TRACE` from [`Self::extra_env`] or
+    /// from our environment, if set, does the same. With restarts, the last attempt's.
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Default for LaunchConfig {
@@ -62,6 +67,7 @@ impl Default for LaunchConfig {
             forward_signals: false,
             extra_env: Vec::new(),
             max_restarts: 0,
+            trace: None,
         }
     }
 }

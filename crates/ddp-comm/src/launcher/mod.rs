@@ -11,6 +11,9 @@
 //! when the rank fails or after it exits (so stray grandchildren go too), and each rank gets
 //! `PR_SET_PDEATHSIG = SIGKILL`, so it dies if the launcher itself is killed, even by SIGKILL.
 //!
+//! With [`LaunchConfig::trace`] (or `DDP_TRACE` set), every rank records a timeline and the
+//! launcher merges the rank files into one when the launch has ended (see [`crate::trace`]).
+//!
 //! ```no_run
 //! use ddp_comm::launcher::{launch, LaunchConfig};
 //! let cfg = LaunchConfig { nproc_per_node: 4, ..LaunchConfig::default() };
@@ -26,6 +29,7 @@ mod config;
 mod output;
 mod report;
 mod signals;
+mod trace;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -97,14 +101,22 @@ pub fn launch(
     } else {
         None
     };
+    let trace_dir = trace::trace_dir(cfg);
+    let node_ranks = cfg.node_rank * cfg.nproc_per_node..(cfg.node_rank + 1) * cfg.nproc_per_node;
     let mut restarts = Vec::new();
     for attempt in 0.. {
-        let env = attempt_env(cfg, &env, attempt)?;
+        let mut env = attempt_env(cfg, &env, attempt)?;
+        if let Some(dir) = &trace_dir {
+            trace::prepare(dir, node_ranks.clone(), &mut env)?;
+        }
         let mut report = launch_once(cfg, &env, program, args, forwarding.as_ref())?;
         report.attempt = attempt;
         let again = !report.success() && report.interrupted.is_none() && attempt < cfg.max_restarts;
         if !again {
             report.restarts = restarts;
+            if let Some(dir) = &trace_dir {
+                trace::merge(cfg, dir, node_ranks);
+            }
             return Ok(report);
         }
         let summary = report.summary().unwrap_or_default();

@@ -9,6 +9,8 @@
 //!   counter whose new value is the generation `g` of a communicator creation;
 //!   `{g}/arrived/{rank}`, set by each rank before it creates its communicator;
 //!   `{g}/unique_id`, the id rank 0 publishes.
+//! - Trace clock synchronisation ([`TRACE`], `ddp/trace`, only with `DDP_TRACE` set):
+//!   `ping/{rank}/{round}`, set by a rank, and `pong/{rank}/{round}`, rank 0's clock in answer.
 
 /// The process group's namespace.
 pub(crate) const PROCESS_GROUP: &str = "ddp/pg";
@@ -16,6 +18,19 @@ pub(crate) const PROCESS_GROUP: &str = "ddp/pg";
 /// Rank `rank`'s published address (in [`PROCESS_GROUP`]).
 pub(crate) fn peer_addr(rank: usize) -> String {
     format!("addr/{rank}")
+}
+
+/// The trace clock synchronisation's namespace.
+pub(crate) const TRACE: &str = "ddp/trace";
+
+/// Rank `rank`'s ping of clock round `round` (in [`TRACE`]).
+pub(crate) fn trace_ping(rank: usize, round: usize) -> String {
+    format!("ping/{rank}/{round}")
+}
+
+/// Rank 0's answer to [`trace_ping`] (in [`TRACE`]).
+pub(crate) fn trace_pong(rank: usize, round: usize) -> String {
+    format!("pong/{rank}/{round}")
 }
 
 /// Rank `rank`'s generation counter (in NCCL's namespace).

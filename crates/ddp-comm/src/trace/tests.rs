@@ -1,0 +1,308 @@
+//! Tests of the writer, the merge, the clock offset and the off path. The process-wide
+//! recorder is only switched on in the multi-process test (`crates/ddprun/tests/trace.rs`);
+//! here recorders are local.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::recorder::{Event, Kind, Recorder};
+use super::*;
+use crate::store::{StoreClient, StoreServer};
+
+fn ev(name: &'static str, start_ns: u64, dur_ns: u64, tid: u32) -> Event {
+    Event {
+        name,
+        cat: "test",
+        kind: Kind::Complete,
+        start_ns,
+        dur_ns,
+        tid,
+        args: Vec::new(),
+    }
+}
+
+fn read(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn events(doc: &Value) -> &Vec<Value> {
+    doc["traceEvents"].as_array().unwrap()
+}
+
+fn spans<'a>(doc: &'a Value, name: &str) -> Vec<&'a Value> {
+    events(doc)
+        .iter()
+        .filter(|e| e["name"] == name && e["ph"] != "M")
+        .collect()
+}
+
+#[test]
+fn rank_file_is_trace_event_json_sorted_with_metadata_and_args() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = Recorder::new(dir.path().to_path_buf(), 3, 100);
+    let tid = recorder::thread_id();
+    let mut late = ev("late", 5_000, 1_000, tid);
+    late.args = vec![
+        ("bytes", ArgValue::from(4096usize)),
+        ("dtype", "f32".into()),
+        ("who", String::from("a \"quoted\" name").into()),
+        ("ratio", 0.5f64.into()),
+        ("nan", f64::NAN.into()),
+        ("neg", (-7i32).into()),
+        ("ok", true.into()),
+    ];
+    rec.record(late);
+    rec.record(ev("child", 1_000, 500, tid));
+    rec.record(ev("parent", 1_000, 2_000, tid));
+    rec.record(Event {
+        kind: Kind::Instant,
+        ..ev("mark", 2_000, 0, tid)
+    });
+    rec.set_offset(-1_000, None);
+    let path = rec.flush().unwrap();
+    assert_eq!(path, dir.path().join("rank-3.trace.json"));
+    let doc = read(&path);
+    assert_eq!(doc["displayTimeUnit"], "ms");
+    assert_eq!(doc["otherData"]["rank"], 3);
+    assert_eq!(doc["otherData"]["clock_offset_us"], -1000);
+    assert_eq!(doc["otherData"]["dropped_events"], 0);
+
+    let all = events(&doc);
+    let meta: Vec<&Value> = all.iter().filter(|e| e["ph"] == "M").collect();
+    assert!(
+        all.iter().take(meta.len()).all(|e| e["ph"] == "M"),
+        "metadata first"
+    );
+    let process = meta.iter().find(|e| e["name"] == "process_name").unwrap();
+    assert_eq!(process["args"]["name"], "rank 3");
+    assert_eq!(process["pid"], 3);
+    let thread = meta.iter().find(|e| e["name"] == "thread_name").unwrap();
+    assert_eq!(thread["tid"], tid);
+    assert!(thread["args"]["name"].is_string());
+
+    let rest: Vec<&Value> = all.iter().filter(|e| e["ph"] != "M").collect();
+    let names: Vec<&str> = rest.iter().map(|e| e["name"].as_str().unwrap()).collect();
+    // Sorted by start; the longer span first when two start together.
+    assert_eq!(names, ["parent", "child", "mark", "late"]);
+    let ts: Vec<f64> = rest.iter().map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert!(ts.windows(2).all(|w| w[0] <= w[1]));
+    for e in &rest {
+        assert_eq!(e["pid"], 3);
+        assert_eq!(e["cat"], "test");
+    }
+    let late = rest[3];
+    assert_eq!(late["ph"], "X");
+    assert_eq!(late["dur"].as_f64(), Some(1.0));
+    assert_eq!(late["args"]["bytes"], 4096);
+    assert_eq!(late["args"]["dtype"], "f32");
+    assert_eq!(late["args"]["who"], "a \"quoted\" name");
+    assert_eq!(late["args"]["ratio"], 0.5);
+    assert!(late["args"]["nan"].is_null());
+    assert_eq!(late["args"]["neg"], -7);
+    assert_eq!(late["args"]["ok"], true);
+    assert_eq!(rest[2]["ph"], "i");
+    assert!(rest[2].get("dur").is_none());
+    // Timestamps are wall-clock microseconds, shifted by the offset (−1 ms here).
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as f64;
+    assert!(
+        (now_us - ts[0]).abs() < 60e6,
+        "ts {} vs now {now_us}",
+        ts[0]
+    );
+    assert!((ts[3] - ts[0] - 4.0).abs() < 1e-3, "{ts:?}");
+}
+
+#[test]
+fn events_over_the_cap_are_counted_in_the_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = Recorder::new(dir.path().to_path_buf(), 0, 2);
+    for i in 0..5 {
+        rec.record(ev("e", i * 10, 1, 1));
+    }
+    let doc = read(&rec.flush().unwrap());
+    assert_eq!(spans(&doc, "e").len(), 2);
+    assert_eq!(doc["otherData"]["dropped_events"], 3);
+    let labels = events(&doc)
+        .iter()
+        .find(|e| e["name"] == "process_labels")
+        .unwrap();
+    assert!(
+        labels["args"]["labels"]
+            .as_str()
+            .unwrap()
+            .contains("dropped 3")
+    );
+}
+
+#[test]
+fn merge_puts_every_rank_on_its_own_track_and_names_the_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    for rank in 0..2 {
+        let rec = Recorder::new(dir.path().to_path_buf(), rank, 100);
+        rec.record(ev("all_reduce", 1_000 + rank as u64 * 10, 100, 1));
+        rec.record(ev("step", 0, 5_000, 1));
+        rec.flush().unwrap();
+    }
+    std::fs::write(dir.path().join("rank-7.trace.json"), b"{ not json").unwrap();
+    std::fs::write(dir.path().join("notes.txt"), b"ignored").unwrap();
+
+    let s = merge_dir(dir.path(), &[0, 1, 2]).unwrap();
+    assert_eq!(s.path, dir.path().join(MERGED_FILE));
+    assert_eq!(s.ranks, [0, 1]);
+    assert_eq!(s.missing, [2]);
+    assert_eq!(s.unreadable.len(), 1);
+    assert!(s.unreadable[0].0.ends_with("rank-7.trace.json"));
+
+    let doc = read(&s.path);
+    assert_eq!(events(&doc).len(), s.events);
+    let ar = spans(&doc, "all_reduce");
+    let mut pids: Vec<u64> = ar.iter().map(|e| e["pid"].as_u64().unwrap()).collect();
+    pids.sort();
+    assert_eq!(pids, [0, 1]);
+    let names: Vec<&Value> = events(&doc)
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| &e["args"]["name"])
+        .collect();
+    assert_eq!(names, ["rank 0", "rank 1"]);
+    let first_other = events(&doc).iter().position(|e| e["ph"] != "M").unwrap();
+    assert!(events(&doc)[first_other..].iter().all(|e| e["ph"] != "M"));
+    let ts: Vec<f64> = events(&doc)[first_other..]
+        .iter()
+        .map(|e| e["ts"].as_f64().unwrap())
+        .collect();
+    assert!(ts.windows(2).all(|w| w[0] <= w[1]), "{ts:?}");
+    assert_eq!(doc["otherData"]["merged_ranks"], serde_json::json!([0, 1]));
+    assert_eq!(doc["otherData"]["missing_ranks"], serde_json::json!([2]));
+    assert_eq!(doc["otherData"]["ranks_other_data"]["1"]["rank"], 1);
+}
+
+#[test]
+fn merge_without_rank_files_is_an_error_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = merge_dir(dir.path(), &[0]).unwrap_err();
+    assert!(matches!(err, TraceError::NoRankFiles { .. }), "{err}");
+    assert!(!dir.path().join(MERGED_FILE).exists());
+    let missing = dir.path().join("absent");
+    assert!(matches!(
+        merge_dir(&missing, &[0]),
+        Err(TraceError::ReadDir { .. })
+    ));
+}
+
+#[test]
+fn offset_comes_from_the_round_with_the_smallest_round_trip() {
+    let s = |sent_us, peer_us, received_us| ClockSample {
+        sent_us,
+        peer_us,
+        received_us,
+    };
+    assert_eq!(estimate_offset(&[]), None);
+    // A clock that went backwards is no measurement.
+    assert_eq!(estimate_offset(&[s(10, 0, 5)]), None);
+    // Rank 0 is 250 µs ahead; rtt 100 → the answer was read 50 µs before it arrived.
+    let sync =
+        estimate_offset(&[s(0, 900, 1_000), s(2_000, 2_300, 2_100), s(3_000, 0, 2_999)]).unwrap();
+    assert_eq!(
+        sync,
+        ClockSync {
+            offset_us: 250,
+            rtt_us: 100,
+            rounds: 3
+        }
+    );
+    // Behind: a negative offset.
+    let behind = estimate_offset(&[s(10_000, 5_010, 10_020)]).unwrap();
+    assert_eq!(behind.offset_us, -5_000);
+}
+
+#[test]
+fn clock_sync_over_the_store_recovers_skewed_clocks() {
+    let server = StoreServer::bind("127.0.0.1:0", Some("t".into())).unwrap();
+    let endpoint = server.local_addr().to_string();
+    let base = std::time::Instant::now();
+    // Rank r's clock runs `skew[r]` µs ahead of rank 0's.
+    let skew = [0i64, 40_000, -125_000];
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            let endpoint = endpoint.clone();
+            std::thread::spawn(move || {
+                let mut c =
+                    StoreClient::connect(&endpoint, Some("t"), Duration::from_secs(5)).unwrap();
+                let now = move || base.elapsed().as_micros() as i64 + skew[rank];
+                clock::sync_with_rank0(&mut c, rank, 3, now).unwrap()
+            })
+        })
+        .collect();
+    let syncs: Vec<ClockSync> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(syncs[0].offset_us, 0);
+    for rank in 1..3 {
+        let s = syncs[rank];
+        assert_eq!(s.rounds, clock::ROUNDS);
+        let err = (s.offset_us + skew[rank]).abs();
+        assert!(
+            err <= s.rtt_us / 2 + 1,
+            "rank {rank}: {s:?}, error {err} µs"
+        );
+    }
+}
+
+#[test]
+fn off_path_records_nothing_and_writes_no_file() {
+    if std::env::var_os(TRACE_VAR).is_some() {
+        eprintln!("{TRACE_VAR} is set for this test run: the off path is not tested");
+        return;
+    }
+    assert!(!enabled());
+    let s = span("x", "y")
+        .arg("k", 1u64)
+        .arg_with("lazy", || -> String {
+            panic!("an inert span never evaluates arg_with")
+        });
+    assert!(!s.is_recording());
+    drop(s);
+    instant("i", "y").arg("k", "v");
+    init(5, 10);
+    assert_eq!(flush().unwrap(), None);
+    // A process group of one traces nothing either.
+    let mut pg = crate::ProcessGroup::single();
+    pg.all_reduce(&mut [1.0f32], crate::ReduceOp::Sum).unwrap();
+    drop(pg);
+    assert!(!enabled());
+}
+
+#[test]
+fn spans_from_several_threads_keep_their_thread_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec: &'static Recorder =
+        Box::leak(Box::new(Recorder::new(dir.path().to_path_buf(), 0, 1_000)));
+    let rec = Arc::new(rec);
+    let handles: Vec<_> = (0..3)
+        .map(|i| {
+            let rec = rec.clone();
+            std::thread::Builder::new()
+                .name(format!("worker-{i}"))
+                .spawn(move || {
+                    let tid = recorder::thread_id();
+                    rec.record(ev("work", i * 100, 10, tid));
+                    tid
+                })
+                .unwrap()
+        })
+        .collect();
+    let tids: Vec<u32> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let doc = read(&rec.flush().unwrap());
+    for (i, tid) in tids.iter().enumerate() {
+        let name = events(&doc)
+            .iter()
+            .find(|e| e["name"] == "thread_name" && e["tid"] == *tid)
+            .unwrap();
+        assert_eq!(name["args"]["name"], format!("worker-{i}"));
+    }
+}

@@ -1,0 +1,236 @@
+//! `ddprun --trace DIR`: two real ranks run collectives with tracing on, and ddprun merges
+//! their timelines into `DIR/trace.json`.
+//!
+//! The ranks are this test executable itself, started by ddprun as
+//! `<this exe> --exact trace_rank_program --ignored`: the `#[ignore]`d test below is the rank
+//! program when `TRACE_TEST_ROLE` is set (it does nothing otherwise). Every run has a
+//! deadline; past it ddprun is SIGKILLed and its ranks die with it (PDEATHSIG).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ddp_comm::{ProcessGroup, ReduceOp, trace};
+use serde_json::Value;
+
+const DDPRUN: &str = env!("CARGO_BIN_EXE_ddprun");
+const DEADLINE: Duration = Duration::from_secs(90);
+const ROLE: &str = "TRACE_TEST_ROLE";
+
+/// The rank program. `ok`: a few collectives, then a normal exit (the trace is written when
+/// the group is dropped and at exit). `abort1`: the same, but rank 1 then aborts (SIGABRT:
+/// no exit hook runs, so it leaves no trace file) once rank 0 has written its trace (so that
+/// the launcher stopping rank 0 cannot race with it).
+#[test]
+#[ignore = "the rank program of the tests below, started by ddprun"]
+fn trace_rank_program() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    assert!(trace::enabled(), "ddprun --trace sets DDP_TRACE");
+    let mut pg = ProcessGroup::from_env().unwrap();
+    let rank = pg.rank();
+    {
+        let _step = trace::span("step", "test").arg("rank", rank);
+        for n in [16usize, 100_000] {
+            let mut v = vec![rank as f32 + 1.0; n];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v[0], 3.0);
+        }
+        let mut b = vec![rank as i64; 8];
+        pg.broadcast(&mut b, 0).unwrap();
+        let mut msg = if rank == 0 {
+            b"hello".to_vec()
+        } else {
+            Vec::new()
+        };
+        pg.broadcast_bytes(&mut msg, 0).unwrap();
+        let mut out = vec![0i32; 4];
+        pg.all_gather(&[rank as i32; 2], &mut out).unwrap();
+        pg.all_gather_varlen(&vec![1u8; rank + 1]).unwrap();
+        pg.barrier().unwrap();
+    }
+    if role == "abort1" && rank == 1 {
+        let rank0 = Path::new(&std::env::var("DDP_TRACE").unwrap()).join("rank-0.trace.json");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !rank0.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::process::abort();
+    }
+    drop(pg);
+}
+
+struct Run {
+    code: Option<i32>,
+    stderr: String,
+}
+
+/// Runs `ddprun --nproc-per-node 2 --trace DIR -- <this exe> …` with `role`, under the deadline.
+fn ddprun_trace(dir: &Path, role: &str) -> Run {
+    let me = std::env::current_exe().unwrap();
+    let mut child = Command::new(DDPRUN)
+        .args(["--nproc-per-node", "2", "--grace-secs", "2", "--trace"])
+        .arg(dir)
+        .arg("--")
+        .arg(me)
+        .args([
+            "--exact",
+            "trace_rank_program",
+            "--ignored",
+            "--test-threads=1",
+        ])
+        .env(ROLE, role)
+        .env("DDP_TIMEOUT_SECS", "30")
+        .env_remove("DDP_TRACE")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ddprun");
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + DEADLINE;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ddprun ran past the {DEADLINE:?} deadline");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Run {
+        code: status.code(),
+        stderr: reader.join().unwrap(),
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ddprun-trace-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn read(path: &Path) -> Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+fn events(doc: &Value) -> &Vec<Value> {
+    doc["traceEvents"].as_array().expect("a traceEvents array")
+}
+
+fn collective_spans<'a>(doc: &'a Value, name: &str, pid: u64) -> Vec<&'a Value> {
+    events(doc)
+        .iter()
+        .filter(|e| e["name"] == name && e["ph"] == "X" && e["pid"] == pid)
+        .collect()
+}
+
+#[test]
+fn trace_merges_the_timelines_of_both_ranks() {
+    let dir = scratch("ok");
+    let run = ddprun_trace(&dir, "ok");
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let merged = dir.join("trace.json");
+    assert!(
+        run.stderr.contains(&merged.display().to_string()),
+        "ddprun says where the merged trace is: {}",
+        run.stderr
+    );
+    assert!(dir.join("rank-0.trace.json").exists());
+    assert!(dir.join("rank-1.trace.json").exists());
+
+    let doc = read(&merged);
+    assert_eq!(doc["displayTimeUnit"], "ms");
+    assert_eq!(doc["otherData"]["merged_ranks"], serde_json::json!([0, 1]));
+    assert_eq!(doc["otherData"]["missing_ranks"], serde_json::json!([]));
+    for pid in [0u64, 1] {
+        let name = events(&doc)
+            .iter()
+            .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid)
+            .unwrap_or_else(|| panic!("no process_name for rank {pid}"));
+        assert_eq!(name["args"]["name"], format!("rank {pid}"));
+
+        let ar = collective_spans(&doc, "all_reduce", pid);
+        assert_eq!(ar.len(), 2, "rank {pid}: {ar:?}");
+        let big = &ar[1]["args"];
+        assert_eq!(big["op"], "all_reduce");
+        assert_eq!(big["reduce"], "sum");
+        assert_eq!(big["dtype"], "f32");
+        assert_eq!(big["bytes"], 400_000);
+        assert_eq!(big["world"], 2);
+        assert_eq!(big["transport"], "shm");
+        assert_eq!(ar[0]["args"]["seq"], 1);
+        assert_eq!(big["seq"], 2);
+        for op in [
+            "broadcast",
+            "broadcast_bytes",
+            "all_gather",
+            "all_gather_varlen",
+            "barrier",
+            "rendezvous",
+            "clock_sync",
+            "step",
+        ] {
+            assert_eq!(
+                events(&doc)
+                    .iter()
+                    .filter(|e| e["name"] == op && e["pid"] == pid)
+                    .count(),
+                1,
+                "rank {pid}: one {op} span"
+            );
+        }
+        // Rank 1's offset to rank 0 was measured (same host: about zero).
+        let other = &doc["otherData"]["ranks_other_data"][pid.to_string()];
+        assert!(other["clock_rtt_us"].is_i64(), "{other}");
+        assert!(
+            other["clock_offset_us"].as_i64().unwrap().abs() < 50_000,
+            "{other}"
+        );
+    }
+    // One clock: the last collective (the barrier) ends at about the same time on both ranks.
+    let end = |pid: u64| {
+        let b = collective_spans(&doc, "barrier", pid)[0];
+        b["ts"].as_f64().unwrap() + b["dur"].as_f64().unwrap()
+    };
+    assert!((end(0) - end(1)).abs() < 1e6, "{} vs {}", end(0), end(1));
+    let ts: Vec<f64> = events(&doc)
+        .iter()
+        .filter(|e| e["ph"] != "M")
+        .map(|e| e["ts"].as_f64().unwrap())
+        .collect();
+    assert!(ts.windows(2).all(|w| w[0] <= w[1]), "events sorted by ts");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trace_of_a_failed_job_merges_what_exists_and_names_the_missing_rank() {
+    let dir = scratch("abort");
+    // A stale file of an earlier run must not pass for rank 1's trace.
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("rank-1.trace.json"), b"{\"traceEvents\":[]}").unwrap();
+    let run = ddprun_trace(&dir, "abort1");
+    assert_ne!(run.code, Some(0), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("no trace from rank(s) 1"),
+        "ddprun names the missing rank: {}",
+        run.stderr
+    );
+    let doc = read(&dir.join("trace.json"));
+    assert_eq!(doc["otherData"]["merged_ranks"], serde_json::json!([0]));
+    assert_eq!(doc["otherData"]["missing_ranks"], serde_json::json!([1]));
+    assert_eq!(collective_spans(&doc, "all_reduce", 0).len(), 2);
+    assert!(events(&doc).iter().all(|e| e["pid"] == 0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
