@@ -62,6 +62,10 @@ pub struct TrainArgs {
     /// --max-restarts); train-cnn resumes from its last checkpoint.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
+    /// Every rank writes its timeline to DIR (`DDP_TRACE`); the ranks are merged into
+    /// DIR/trace.json (open it in https://ui.perfetto.dev or chrome://tracing).
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<PathBuf>,
     /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation).
     #[arg(long, value_name = "none|bf16|fp16")]
     pub compression: Option<String>,
@@ -196,6 +200,7 @@ fn example_args(
 fn launch_ranks(
     ranks: usize,
     max_restarts: usize,
+    trace: Option<&Path>,
     program: &Path,
     args: &[OsString],
 ) -> Result<(), String> {
@@ -204,6 +209,7 @@ fn launch_ranks(
         rank0_stderr_direct: true,
         forward_signals: true,
         max_restarts,
+        trace: trace.map(Path::to_path_buf),
         ..LaunchConfig::default()
     };
     let report = launch(&cfg, program.as_os_str(), args).map_err(|e| e.to_string())?;
@@ -245,7 +251,7 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         out.display()
     );
     let args = example_args(a, backend, batch, a.sync_bn(), &out);
-    launch_ranks(ranks, a.max_restarts, &program, &args)
+    launch_ranks(ranks, a.max_restarts, a.trace.as_deref(), &program, &args)
 }
 
 /// The last epoch's metrics of a run.
@@ -302,7 +308,7 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
         let dir = out.join(format!("run{}", i + 1));
         eprintln!("xtask compare: {name}: {n} rank(s) × batch {batch}");
         let args = example_args(a, backend, batch, sync, &dir);
-        launch_ranks(n, a.max_restarts, &program, &args)?;
+        launch_ranks(n, a.max_restarts, a.trace.as_deref(), &program, &args)?;
         let m = last_epoch(&dir)?;
         let f = |k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
         results.push(RunSummary {

@@ -67,6 +67,11 @@ struct Args {
     /// `DDP_COMPRESSION`, else none).
     #[arg(long, value_name = "none|bf16|fp16")]
     compression: Option<ddp_comm::Compression>,
+    /// Write this rank's timeline to DIR/rank-<R>.trace.json (as `DDP_TRACE=DIR`; under
+    /// `ddprun --trace DIR` / `cargo xtask train --trace DIR` the launcher also merges the
+    /// ranks into DIR/trace.json).
+    #[arg(long, value_name = "DIR")]
+    trace: Option<PathBuf>,
     /// Never draw the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -82,6 +87,10 @@ fn main() -> ExitCode {
         .init();
     install_panic_message();
     let args = Args::parse();
+    if let Some(dir) = &args.trace {
+        // SAFETY: no other thread runs yet; the tracer reads the variable on first use.
+        unsafe { std::env::set_var(ddp_comm::trace::TRACE_VAR, dir) };
+    }
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

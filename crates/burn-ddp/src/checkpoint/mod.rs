@@ -280,6 +280,7 @@ impl Checkpointer {
         progress: Progress,
         metadata: &T,
     ) -> Result<()> {
+        let _span = ddp_comm::trace::span("checkpoint_save", "ddp").arg("step", progress.step);
         let g = group.process_group();
         let (rank, world_size) = {
             let pg = comm::lock(g);

@@ -143,6 +143,9 @@ fn reduce_parts(
 /// Reads a bucket's gradients to host buffers: large gradients each in their own buffer,
 /// runs of small ones packed together (see [`IN_PLACE_MIN_ELEMS`]).
 fn fill_bucket(slots: &mut [Slot], bucket: &Bucket) -> Result<Vec<Part>> {
+    let _span = ddp_comm::trace::span("bucket_fill", "ddp")
+        .arg("values", bucket.len)
+        .arg("slots", bucket.slots.len());
     let mut parts = Vec::new();
     let mut run: Vec<usize> = Vec::new();
     let mut buf: Vec<f32> = Vec::new();
@@ -204,6 +207,7 @@ fn data_err(slot: &Slot, e: impl std::fmt::Debug) -> DdpError {
 /// gradient from its own buffer, a packed run as one tensor whose ranges (views where the
 /// backend has views) go to its slots.
 fn unpack_bucket(slots: &mut [Slot], parts: Vec<Part>) {
+    let _span = ddp_comm::trace::span("write_back", "ddp").arg("parts", parts.len());
     for part in parts {
         match part {
             Part::Own { slot, data } => {

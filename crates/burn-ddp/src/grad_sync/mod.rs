@@ -215,6 +215,8 @@ impl GradientSynchronizer {
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
         let start = Instant::now();
+        let _span =
+            ddp_comm::trace::span("grad_sync", "ddp").arg("compression", self.compression.name());
         if self.world_size == 1 && self.skip_when_alone {
             self.last = SyncStats {
                 total: start.elapsed(),

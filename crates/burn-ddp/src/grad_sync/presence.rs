@@ -35,6 +35,7 @@ impl GradientSynchronizer {
         slots: &[Slot],
         device_vote: Option<bool>,
     ) -> Result<(Vec<bool>, bool)> {
+        let _span = ddp_comm::trace::span("presence_exchange", "ddp").arg("slots", slots.len());
         let n = slots.len();
         let fp = layout_fingerprint(slots).to_le_bytes();
         let mut buf = Vec::with_capacity(n + 18);

@@ -44,6 +44,16 @@ pub(crate) struct Gathered {
 }
 
 impl Exchange {
+    /// The transport's name, for the timeline.
+    fn name(&self) -> &'static str {
+        match self {
+            Exchange::Local => "local",
+            Exchange::Host(_) => "host",
+            #[cfg(feature = "cuda")]
+            Exchange::Nccl(_) => "nccl",
+        }
+    }
+
     /// The transport every rank of this process group uses.
     pub(crate) fn current() -> Exchange {
         // An NCCL communicator first: in a world of one it exists only when it was asked for
@@ -79,6 +89,8 @@ impl Exchange {
         count_row: usize,
         count: usize,
     ) -> Result<Gathered, SyncBatchNormError> {
+        let _span =
+            ddp_comm::trace::span("syncbn_stats_exchange", "syncbn").arg("path", self.name());
         let [rows, channels] = local.dims();
         match self {
             Exchange::Local => Ok(Gathered {
@@ -130,6 +142,8 @@ impl Exchange {
         &self,
         local: FloatTensor<B>,
     ) -> Result<FloatTensor<B>, SyncBatchNormError> {
+        let _span =
+            ddp_comm::trace::span("syncbn_grad_exchange", "syncbn").arg("path", self.name());
         match self {
             Exchange::Local => Ok(local),
             Exchange::Host(group) => {

@@ -410,6 +410,10 @@ impl ProcessGroup {
         let Some(h) = compression.half() else {
             return self.all_reduce(buf, op);
         };
+        // Bytes on the wire: two per value.
+        let _span = self
+            .trace_all_reduce(compression.name(), 2 * buf.len(), op)
+            .arg("wire", compression.name());
         self.collective(|g, seq| {
             if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
                 return Err(CommError::InvalidArgument(format!(
