@@ -128,7 +128,9 @@ impl DdpBuilder {
     /// and every rank ends with bitwise the same gradients. The averaged gradient is within
     /// 16-bit rounding of the exact mean: relative error ≤ 2⁻⁸ for bf16, 2⁻¹¹ for fp16 (whose
     /// range ends at 65504). Worth it when the network is the bottleneck (TCP between
-    /// hosts); on shared memory the casts cost about what the halved bytes save.
+    /// hosts); on shared memory the casts cost about what the halved bytes save. On NCCL
+    /// (feature `cuda`) buckets are cast on the device and all-reduced by NCCL's native 16-bit
+    /// all-reduce, whose partial sums stay in 16 bits between ring steps.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), burn_ddp::DdpError> {

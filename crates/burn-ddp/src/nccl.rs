@@ -292,16 +292,43 @@ pub(crate) fn all_reduce_many(
     tensors: Vec<Tensor<1>>,
     op: ReduceOp,
 ) -> Result<Vec<Tensor<1>>> {
-    on_device_buffers(
-        nccl,
-        tensors,
-        "all-reduced tensor (NCCL path)",
-        |nccl, buffers| {
+    all_reduce_many_as(nccl, tensors, op, ddp_comm::Compression::None)
+}
+
+/// [`all_reduce_many`] with the f32 tensors on the wire as `compression` says: cast to bf16 or
+/// fp16 on the device, all-reduced by NCCL's native 16-bit all-reduce (which, like PyTorch's
+/// compression hooks, keeps its partial sums in 16 bits between ring steps), cast back to f32.
+pub(crate) fn all_reduce_many_as(
+    nccl: &mut NcclGroup,
+    tensors: Vec<Tensor<1>>,
+    op: ReduceOp,
+    compression: ddp_comm::Compression,
+) -> Result<Vec<Tensor<1>>> {
+    let what = "all-reduced tensor (NCCL path)";
+    let dtype = match compression {
+        ddp_comm::Compression::Bf16 => DType::BF16,
+        ddp_comm::Compression::Fp16 => DType::F16,
+        _ => DType::F32,
+    };
+    if dtype == DType::F32 {
+        return on_device_buffers(nccl, tensors, dtype, what, |nccl, buffers| {
             // SAFETY: per `on_device_buffers`' contract for every (pointer, length) pair; the
             // buffers are distinct allocations (`exclusive_buffer`).
             unsafe { nccl.all_reduce_many_raw::<f32>(buffers, op) }
-        },
-    )
+        });
+    }
+    let tensors = tensors.into_iter().map(|t| t.cast(dtype)).collect();
+    let reduced = on_device_buffers(nccl, tensors, dtype, what, |nccl, buffers| {
+        // SAFETY: as above, for pairs of `dtype` values.
+        unsafe {
+            if dtype == DType::BF16 {
+                nccl.all_reduce_many_raw::<half::bf16>(buffers, op)
+            } else {
+                nccl.all_reduce_many_raw::<half::f16>(buffers, op)
+            }
+        }
+    })?;
+    Ok(reduced.into_iter().map(|t| t.cast(DType::F32)).collect())
 }
 
 /// All-gathers every rank's f32 tensor `local` (the same length `n` on every rank, on
@@ -321,6 +348,7 @@ pub(crate) fn all_gather(nccl: &mut NcclGroup, local: Tensor<1>) -> Result<Tenso
     let mut out = on_device_buffers(
         nccl,
         vec![slots],
+        DType::F32,
         "all-gathered tensor (NCCL path)",
         |nccl, buffers| {
             let &[(ptr, total)] = buffers else {
@@ -345,8 +373,8 @@ enum Staged {
     Buffer(FusionClient<FusionCubeRuntime>, CubeTensor),
 }
 
-/// Steps 2–6 of the [module docs](self): hands the device buffers of the f32 tensors (on
-/// `nccl`'s device) to `collective` as `(pointer, number of f32 values)` pairs and returns
+/// Steps 2–6 of the [module docs](self): hands the device buffers of the `dtype` tensors (on
+/// `nccl`'s device) to `collective` as `(pointer, number of values)` pairs and returns
 /// the buffers, with what the collective wrote into them, as new tensors (same order).
 ///
 /// The pointers address buffers that no other tensor shares and that every earlier kernel
@@ -356,6 +384,7 @@ enum Staged {
 fn on_device_buffers(
     nccl: &mut NcclGroup,
     tensors: Vec<Tensor<1>>,
+    dtype: DType,
     what: &str,
     collective: impl FnOnce(&mut NcclGroup, &[(DevicePtr, usize)]) -> ddp_comm::Result<()>,
 ) -> Result<Vec<Tensor<1>>> {
@@ -363,10 +392,10 @@ fn on_device_buffers(
     let mut device = None;
     for t in tensors {
         let t = t.inner();
-        if t.dtype() != DType::F32 {
+        if t.dtype() != dtype {
             return Err(buffer_err(
                 what,
-                format!("expected f32, got {:?}", t.dtype()),
+                format!("expected {dtype:?}, got {:?}", t.dtype()),
             ));
         }
         let on = t.device();
@@ -421,10 +450,12 @@ fn on_device_buffers(
                 .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
                 .map_err(|e| buffer_err(what, format!("CUDA buffer: {e}")))?;
             let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-            if bytes < (numel * std::mem::size_of::<f32>()) as u64 {
+            if bytes < (numel * dtype.size()) as u64 {
                 return Err(buffer_err(
                     what,
-                    format!("the CUDA buffer holds {bytes} bytes, fewer than {numel} f32 values"),
+                    format!(
+                        "the CUDA buffer holds {bytes} bytes, fewer than {numel} {dtype:?} values"
+                    ),
                 ));
             }
             buffers.push((ptr, numel));
@@ -529,18 +560,24 @@ mod tests {
             (0..len).map(|i| -(i as f32) - 100.0 * k as f32).collect()
         };
         let seen = std::cell::RefCell::new(Vec::new());
-        let out = on_device_buffers(&mut nccl, inputs, "test tensor", |nccl, buffers| {
-            nccl.context().bind_to_thread().unwrap();
-            for (k, &(ptr, len)) in buffers.iter().enumerate() {
-                let mut host = vec![0f32; len];
-                // SAFETY: `on_device_buffers` hands out `len` f32 values at `ptr`.
-                unsafe { memcpy_dtoh_sync(&mut host, ptr) }.unwrap();
-                seen.borrow_mut().push(host);
-                // SAFETY: as above; the buffers are the tensors' own.
-                unsafe { memcpy_htod_sync(ptr, &pattern(len, k)) }.unwrap();
-            }
-            Ok(())
-        })
+        let out = on_device_buffers(
+            &mut nccl,
+            inputs,
+            DType::F32,
+            "test tensor",
+            |nccl, buffers| {
+                nccl.context().bind_to_thread().unwrap();
+                for (k, &(ptr, len)) in buffers.iter().enumerate() {
+                    let mut host = vec![0f32; len];
+                    // SAFETY: `on_device_buffers` hands out `len` f32 values at `ptr`.
+                    unsafe { memcpy_dtoh_sync(&mut host, ptr) }.unwrap();
+                    seen.borrow_mut().push(host);
+                    // SAFETY: as above; the buffers are the tensors' own.
+                    unsafe { memcpy_htod_sync(ptr, &pattern(len, k)) }.unwrap();
+                }
+                Ok(())
+            },
+        )
         .unwrap();
         assert_eq!(
             seen.into_inner(),

@@ -27,15 +27,6 @@ impl GradientSynchronizer {
         buckets: &[Bucket],
     ) -> Result<PipelineTimes> {
         let mut times = PipelineTimes::default();
-        if self.compression != ddp_comm::Compression::None {
-            static LOGGED: std::sync::Once = std::sync::Once::new();
-            LOGGED.call_once(|| {
-                tracing::warn!(
-                    compression = %self.compression,
-                    "gradient compression is not applied on the NCCL device path yet: buckets travel as f32"
-                );
-            });
-        }
         let Some((nccl, _)) = &self.nccl else {
             return Err(DdpError::InvalidSetting(
                 "device path chosen without an NCCL communicator".into(),
@@ -48,8 +39,12 @@ impl GradientSynchronizer {
             .collect();
         times.fill += t.elapsed();
         let t = Instant::now();
-        let reduced =
-            crate::nccl::all_reduce_many(&mut crate::nccl::lock(nccl), packed, ReduceOp::Mean)?;
+        let reduced = crate::nccl::all_reduce_many_as(
+            &mut crate::nccl::lock(nccl),
+            packed,
+            ReduceOp::Mean,
+            self.compression,
+        )?;
         times.all_reduce += t.elapsed();
         let t = Instant::now();
         for (bucket, reduced) in buckets.iter().zip(reduced) {

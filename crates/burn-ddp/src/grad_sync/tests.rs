@@ -169,3 +169,47 @@ fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
         assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
     }
 }
+
+/// The NCCL device path with bf16 / fp16 on the wire, in a world of one: the gradients come
+/// back as f32, each within one 16-bit rounding of the original (a one-rank NCCL all-reduce
+/// only rounds), on the device path.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs CUDA"]
+fn nccl_device_path_with_16_bit_wire_rounds_once() {
+    use ddp_comm::Compression;
+    use ddp_comm::nccl::{NcclGroup, NcclOptions};
+    let device = Device::cuda(0).autodiff();
+    let net = Net::new(&device);
+    let nccl = NcclGroup::single(&NcclOptions {
+        device: Some(0),
+        ..NcclOptions::default()
+    })
+    .unwrap();
+    let nccl = Arc::new(Mutex::new(nccl));
+    let group = Arc::new(Mutex::new(ProcessGroup::single()));
+    for (compression, unit) in [
+        (Compression::Bf16, 2f32.powi(-8)),
+        (Compression::Fp16, 2f32.powi(-11)),
+    ] {
+        let mut sync = GradientSynchronizer::new(group.clone(), 1 << 20)
+            .with_nccl(nccl.clone())
+            .with_compression(compression);
+        sync.skip_when_alone = false;
+        let grads = grads_of(&net, &device);
+        let before = values::<2>(&grads, net.a.weight.id).unwrap();
+        let out = sync.sync(&net, grads).unwrap();
+        assert!(
+            sync.last_sync_on_device(),
+            "{compression}: took the host path"
+        );
+        let after = values::<2>(&out, net.a.weight.id).unwrap();
+        assert_eq!(after.len(), before.len());
+        for (a, b) in after.iter().zip(&before) {
+            assert!(
+                (a - b).abs() <= unit * b.abs() + 1e-7,
+                "{compression}: {a} vs {b}"
+            );
+        }
+    }
+}

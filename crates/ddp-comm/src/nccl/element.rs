@@ -12,7 +12,8 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// An element type NCCL moves and reduces on the device: `f32`, `f64`, `i32`, `i64`, `u8`.
+/// An element type NCCL moves and reduces on the device: `f32`, `f64`, `i32`, `i64`, `u8`,
+/// and the 16-bit floats `half::bf16` and `half::f16` (compressed gradients).
 pub trait NcclElement:
     NcclType + DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + fmt::Debug + 'static + sealed::Sealed
 {
@@ -28,7 +29,7 @@ macro_rules! nccl_element {
         }
     )*};
 }
-nccl_element!(f32, f64, i32, i64, u8);
+nccl_element!(f32, f64, i32, i64, u8, half::bf16, half::f16);
 
 /// NCCL's operation for a [`ReduceOp`]. `Mean` is `ncclAvg`: for floats a pre-multiplied sum,
 /// for integers a sum followed by an integer division (truncating, like Rust's `/`).
