@@ -152,16 +152,9 @@ fn presence_exchange_decodes_the_device_vote() {
 #[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
             (cubecl-llvm downloads LLVM at build time)"]
 fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
-    use ddp_comm::nccl::{NcclGroup, NcclOptions};
     let device = Device::cuda(0).autodiff();
     let net = Net::new(&device);
-    let nccl = NcclGroup::single(&NcclOptions {
-        device: Some(0),
-        ..NcclOptions::default()
-    })
-    .unwrap();
-    let nccl = Arc::new(Mutex::new(nccl));
-    let group = Arc::new(Mutex::new(ProcessGroup::single()));
+    let (nccl, group) = one_rank_nccl();
     for cap in [4, 40, 1 << 20] {
         let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
         sync.skip_when_alone = false;
@@ -178,16 +171,9 @@ fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
 #[ignore = "needs CUDA"]
 fn nccl_device_path_with_16_bit_wire_rounds_once() {
     use ddp_comm::Compression;
-    use ddp_comm::nccl::{NcclGroup, NcclOptions};
     let device = Device::cuda(0).autodiff();
     let net = Net::new(&device);
-    let nccl = NcclGroup::single(&NcclOptions {
-        device: Some(0),
-        ..NcclOptions::default()
-    })
-    .unwrap();
-    let nccl = Arc::new(Mutex::new(nccl));
-    let group = Arc::new(Mutex::new(ProcessGroup::single()));
+    let (nccl, group) = one_rank_nccl();
     for (compression, unit) in [
         (Compression::Bf16, 2f32.powi(-8)),
         (Compression::Fp16, 2f32.powi(-11)),
@@ -212,4 +198,19 @@ fn nccl_device_path_with_16_bit_wire_rounds_once() {
             );
         }
     }
+}
+
+/// A one-rank NCCL communicator on CUDA device 0 and a world-of-one process group.
+#[cfg(feature = "cuda")]
+fn one_rank_nccl() -> (crate::nccl::SharedNccl, crate::comm::SharedGroup) {
+    use ddp_comm::nccl::{NcclGroup, NcclOptions};
+    let nccl = NcclGroup::single(&NcclOptions {
+        device: Some(0),
+        ..NcclOptions::default()
+    })
+    .unwrap();
+    (
+        Arc::new(Mutex::new(nccl)),
+        Arc::new(Mutex::new(ProcessGroup::single())),
+    )
 }
