@@ -108,33 +108,8 @@ pub fn read_json(path: &Path) -> std::io::Result<Vec<EpochMetrics>> {
     serde_json::from_slice(&std::fs::read(path)?).map_err(std::io::Error::other)
 }
 
-/// Writes `bytes` to a temporary file next to `path`, flushes it and renames it over `path`, so a
-/// reader never sees a half-written file.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other(format!("{} has no file name", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    // Make the rename itself durable (best effort: not every platform can sync a directory).
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
-}
+/// Writes `bytes` atomically (temporary file, fsync, rename): burn-ddp's, as for checkpoints.
+pub use burn_ddp::checkpoint::write_atomic;
 
 #[cfg(test)]
 mod tests {

@@ -66,7 +66,11 @@ impl<T: Serialize> Checkpoint<T> {
     /// [`CheckpointError::Io`] naming the file; [`CheckpointError::Encode`].
     pub fn write(&self, path: &Path) -> Result<(), CheckpointError> {
         let bytes = self.to_bytes()?;
-        write_atomic(path, &bytes).map_err(|source| CheckpointError::Io {
+        let pause = std::env::var(WRITE_PAUSE_VAR)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(Duration::from_millis);
+        write_atomic_pausing(path, &bytes, pause).map_err(|source| CheckpointError::Io {
             path: path.to_path_buf(),
             source,
         })
@@ -156,18 +160,24 @@ fn temporary_name(path: &Path, pid: u32) -> Option<PathBuf> {
     Some(path.with_file_name(format!(".{name}.tmp-{pid}")))
 }
 
-/// Writes `bytes` to a temporary file next to `path`, fsyncs it and renames it over `path`.
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `bytes` to a temporary file next to `path` (`.NAME.tmp-PID`), fsyncs it and renames
+/// it over `path`, then fsyncs the directory: a reader sees the old file or the new one, never
+/// a part. What checkpoints are written with; use it for other outputs that must not be torn.
+///
+/// # Errors
+/// The I/O error of any step (the previous file at `path` is then untouched).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic_pausing(path, bytes, None)
+}
+
+/// [`write_atomic`], pausing half-way when asked ([`WRITE_PAUSE_VAR`], for fault tests).
+fn write_atomic_pausing(path: &Path, bytes: &[u8], pause: Option<Duration>) -> std::io::Result<()> {
     let tmp = temporary_name(path, std::process::id()).ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             "the path has no file name",
         )
     })?;
-    let pause = std::env::var(WRITE_PAUSE_VAR)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(Duration::from_millis);
     {
         let mut f = std::fs::File::create(&tmp)?;
         let (first, second) = bytes.split_at(bytes.len() / 2);

@@ -57,7 +57,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 pub use error::CheckpointError;
-pub use file::WRITE_PAUSE_VAR;
+pub use file::{WRITE_PAUSE_VAR, write_atomic};
 
 use crate::comm::{self, GroupHandle};
 use crate::data::LoaderState;
