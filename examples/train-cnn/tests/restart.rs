@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use ddp_comm::launcher::{LaunchConfig, LaunchReport, launch};
 use train_cnn::checkpoint::{Checkpoint, FILE_NAME, parameter_values};
-use train_cnn::metrics::read_json;
+use train_cnn::metrics::{EpochMetrics, read_json};
 
 /// Each launch gets this long; the launcher kills its ranks when the test thread dies.
 const DEADLINE: Duration = Duration::from_secs(300);
@@ -99,6 +99,19 @@ fn run_under(cfg: LaunchConfig, script: &str, train: Vec<String>, marks: &Path) 
     launch_with_deadline(cfg, "sh".into(), args)
 }
 
+/// Asserts that the run in `restarted` ended with the parameters of the run in `straight`
+/// (within 1e-6); returns that difference and both runs' metrics.
+fn same_end(straight: &Path, restarted: &Path) -> (f32, Vec<EpochMetrics>, Vec<EpochMetrics>) {
+    let max_diff = max_param_diff(&straight.join(FILE_NAME), &restarted.join(FILE_NAME));
+    assert!(
+        max_diff <= 1e-6,
+        "final parameters differ: max |Δparam| = {max_diff:e}"
+    );
+    let ha = read_json(&straight.join("metrics.json")).unwrap();
+    let hb = read_json(&restarted.join("metrics.json")).unwrap();
+    (max_diff, ha, hb)
+}
+
 /// The largest difference between the final parameters of two runs.
 fn max_param_diff(a: &Path, b: &Path) -> f32 {
     let (a, b) = (Checkpoint::read(a).unwrap(), Checkpoint::read(b).unwrap());
@@ -150,15 +163,7 @@ fn a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one() {
     // The restarted attempt resumed and ended where the uninterrupted run ended.
     let b = Checkpoint::read(&restarted.join(FILE_NAME)).unwrap();
     assert_eq!(b.progress.epochs_done, 3);
-    let max_diff = max_param_diff(&straight.join(FILE_NAME), &restarted.join(FILE_NAME));
-    assert!(
-        max_diff <= 1e-6,
-        "final parameters differ: max |Δparam| = {max_diff:e}"
-    );
-    let (ha, hb) = (
-        read_json(&straight.join("metrics.json")).unwrap(),
-        read_json(&restarted.join("metrics.json")).unwrap(),
-    );
+    let (max_diff, ha, hb) = same_end(&straight, &restarted);
     assert_eq!(ha.len(), hb.len());
     for (x, y) in ha.iter().zip(&hb) {
         assert_eq!(
@@ -247,15 +252,7 @@ fn a_kill_during_a_checkpoint_write_resumes_from_the_previous_one() {
         .collect();
     assert!(left.is_empty(), "temporary files left: {left:?}");
 
-    let max_diff = max_param_diff(&straight.join(FILE_NAME), &restarted.join(FILE_NAME));
-    assert!(
-        max_diff <= 1e-6,
-        "final parameters differ: max |Δparam| = {max_diff:e}"
-    );
-    let (ha, hb) = (
-        read_json(&straight.join("metrics.json")).unwrap(),
-        read_json(&restarted.join("metrics.json")).unwrap(),
-    );
+    let (max_diff, ha, hb) = same_end(&straight, &restarted);
     assert_eq!(ha.len(), 2);
     assert_eq!(hb.len(), 2);
     for (x, y) in ha.iter().zip(&hb) {
