@@ -22,6 +22,19 @@ pub const CUDA_FEATURES: &str = "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,tr
 /// The packages built with [`CUDA_FEATURES`].
 pub const CUDA_PACKAGES: [&str; 6] = ["-p", "burn-ddp", "-p", "ddp-tests", "-p", "train-cnn"];
 
+/// The targets of the CUDA build: the test binaries with CUDA tests (`gpu-check` runs them) and,
+/// through them, the rank programs and train-cnn. The other test binaries run in the CPU step;
+/// linking their CUDA twins too would only fill the disk.
+pub const CUDA_TARGETS: [&str; 7] = [
+    "--lib",
+    "--test",
+    "sync_batch_norm",
+    "--test",
+    "ddp",
+    "--test",
+    "multi_rank",
+];
+
 /// The tests of the CUDA build that need no GPU (they check the errors a machine without a
 /// usable GPU gives); the others are `#[ignore]`d and run under `cargo xtask gpu-check`.
 pub const CUDA_NO_GPU_TESTS: [&str; 2] = ["without_a_usable_gpu", "without_a_cuda_driver"];
@@ -76,7 +89,8 @@ fn steps() -> Vec<Step> {
             &[
                 &["test"],
                 &CUDA_PACKAGES,
-                &["--tests", "--features", CUDA_FEATURES, "--"],
+                &CUDA_TARGETS,
+                &["--features", CUDA_FEATURES, "--"],
                 &CUDA_NO_GPU_TESTS,
             ],
         ),

@@ -49,7 +49,13 @@ const CUDA_BUILD_ARGS: &[&str] = &[
     "ddp-tests",
     "-p",
     "train-cnn",
-    "--tests",
+    "--lib",
+    "--test",
+    "sync_batch_norm",
+    "--test",
+    "ddp",
+    "--test",
+    "multi_rank",
     "--features",
     crate::ci::CUDA_FEATURES,
 ];
@@ -380,6 +386,9 @@ mod tests {
             );
         }
         assert!(args.contains(&crate::ci::CUDA_FEATURES));
+        let targets = crate::ci::CUDA_TARGETS;
+        let at = args.iter().position(|a| *a == targets[0]).unwrap();
+        assert_eq!(&args[at..at + targets.len()], targets);
     }
 
     #[test]
