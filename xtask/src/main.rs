@@ -7,7 +7,7 @@
 //! cargo xtask compare [--cpus N] [--batch-size b] …
 //! cargo xtask bench ddp|syncbn|data
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
-//!                             [--iters N] [--pin]
+//!                             [--compression none,bf16] [--iters N] [--pin]
 //! cargo xtask gpu-check build [--out DIR] [--dry] [--add FILE]…
 //! .gpu-bin/xtask gpu-check run [--bundle DIR] [--budget-secs S] [--only TEXT]…
 //! ```
@@ -98,6 +98,10 @@ enum Bench {
         /// shm (shared memory between ranks of this host) or tcp; several values run each.
         #[arg(long, value_delimiter = ',', default_value = "shm")]
         transport: Vec<String>,
+        /// Wire formats (none, bf16, fp16), all timed in each run; the first is the baseline
+        /// of the `vs first` column.
+        #[arg(long, value_delimiter = ',', default_value = "none")]
+        compression: Vec<String>,
         /// Timed iterations per size (default: scaled to the size).
         #[arg(long)]
         iters: Option<usize>,
@@ -151,10 +155,11 @@ fn main() -> ExitCode {
                     nproc,
                     sizes,
                     transport,
+                    compression,
                     iters,
                     pin,
                 },
-        } => bench_allreduce(&nproc, &sizes, &transport, iters, pin),
+        } => bench_allreduce(&nproc, &sizes, &transport, &compression, iters, pin),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -223,6 +228,7 @@ fn bench_allreduce(
     nprocs: &[u32],
     sizes: &[String],
     transports: &[String],
+    compression: &[String],
     iters: Option<usize>,
     pin: bool,
 ) -> Result<(), String> {
@@ -265,6 +271,8 @@ fn bench_allreduce(
                 .arg(sizes.join(","))
                 .arg("--transport")
                 .arg(t)
+                .arg("--compression")
+                .arg(compression.join(","))
                 .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
             if let Some(i) = iters {
                 cmd.arg("--iters").arg(i.to_string());

@@ -7,6 +7,11 @@
 //! ddprun --nproc-per-node 2 -- target/release/examples/allreduce_bench --sizes 8K,1M,25M
 //! ```
 //!
+//! `--compression none,bf16` times every size in each wire format (`ProcessGroup::
+//! all_reduce_compressed`; `none` is the plain all-reduce), one after the other in the same run,
+//! and the `vs first` column is the first format's median over this one's. The bandwidths are
+//! of the f32 data, whatever travels.
+//!
 //! The `cpu(us)` column is the CPU time (user + system) one call costs the busiest rank; on a
 //! machine where ranks share cores with other work, the wall-clock time can be much longer.
 //!
@@ -16,7 +21,7 @@
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
-use ddp_comm::{GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
+use ddp_comm::{Compression, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
 
 #[derive(Parser, Debug)]
 #[command(about = "All-reduce benchmark (run one process per rank)")]
@@ -33,6 +38,9 @@ struct Args {
     /// Do not run a barrier before each timed call (times then include rank skew).
     #[arg(long)]
     no_barrier: bool,
+    /// Wire formats to compare (none, bf16, fp16); the first is the `vs first` baseline.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    compression: Vec<Compression>,
     /// Pin rank r to CPU core `LOCAL_RANK % cores` (as `numactl`/`taskset` would).
     #[arg(long)]
     pin: bool,
@@ -143,62 +151,102 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             args.transport, shm_peers
         );
         println!(
-            "{:>10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+            "{:>10} {:>10} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10} {:>9}",
             "size",
             "count",
+            "wire",
             "median(us)",
             "min(us)",
             "max(us)",
             "algbw(GB/s)",
             "busbw(GB/s)",
-            "cpu(us)"
+            "cpu(us)",
+            "vs first"
         );
     }
     for &bytes in &sizes {
-        let count = bytes / 4;
-        let mut buf = vec![0.0f32; count];
-        let iters = args
-            .iters
-            .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(10, 1000));
-        let warmup = (iters / 10).max(2);
-        let mut times = Vec::with_capacity(iters);
-        let mut cpu0 = 0.0;
-        for i in 0..warmup + iters {
-            if i == warmup {
-                cpu0 = cpu_time();
+        let mut first = None;
+        for &wire in &args.compression {
+            let t = time_size(&mut pg, bytes, wire, &args)?;
+            if rank == 0 {
+                let base = *first.get_or_insert(t.median);
+                t.print(bytes, n, wire, base);
             }
-            if !args.no_barrier {
-                pg.barrier()?;
-            }
-            let t = Instant::now();
-            pg.all_reduce(&mut buf, ReduceOp::Sum)?;
-            let dt = t.elapsed();
-            if i >= warmup {
-                times.push(dt.as_secs_f64());
-            }
-        }
-        // CPU per call, barriers included (they cost little next to the transfer).
-        let mut cpu = [(cpu_time() - cpu0) / iters as f64];
-        pg.all_reduce(&mut times, ReduceOp::Max)?;
-        pg.all_reduce(&mut cpu, ReduceOp::Max)?;
-        if rank == 0 {
-            times.sort_by(|a, b| a.total_cmp(b));
-            let med = times[times.len() / 2];
-            let algbw = (count * 4) as f64 / med / 1e9;
-            let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
-            println!(
-                "{:>10} {:>10} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3} {:>10.1}",
-                human(bytes),
-                count,
-                med * 1e6,
-                times[0] * 1e6,
-                times[times.len() - 1] * 1e6,
-                algbw,
-                busbw,
-                cpu[0] * 1e6
-            );
         }
     }
     pg.barrier()?;
     Ok(())
+}
+
+/// The slowest rank's times of one size in one wire format.
+struct Timing {
+    count: usize,
+    median: f64,
+    min: f64,
+    max: f64,
+    /// CPU seconds per call of the busiest rank.
+    cpu: f64,
+}
+
+impl Timing {
+    fn print(&self, bytes: usize, n: usize, wire: Compression, first_median: f64) {
+        let algbw = (self.count * 4) as f64 / self.median / 1e9;
+        let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
+        println!(
+            "{:>10} {:>10} {:>5} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3} {:>10.1} {:>8.2}x",
+            human(bytes),
+            self.count,
+            wire.name(),
+            self.median * 1e6,
+            self.min * 1e6,
+            self.max * 1e6,
+            algbw,
+            busbw,
+            self.cpu * 1e6,
+            first_median / self.median
+        );
+    }
+}
+
+/// Times all-reduces of `bytes` of f32 data in the `wire` format (every rank calls it).
+fn time_size(
+    pg: &mut ProcessGroup,
+    bytes: usize,
+    wire: Compression,
+    args: &Args,
+) -> Result<Timing, Box<dyn std::error::Error>> {
+    let count = bytes / 4;
+    let mut buf = vec![0.0f32; count];
+    let iters = args
+        .iters
+        .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(10, 1000));
+    let warmup = (iters / 10).max(2);
+    let mut times = Vec::with_capacity(iters);
+    let mut cpu0 = 0.0;
+    for i in 0..warmup + iters {
+        if i == warmup {
+            cpu0 = cpu_time();
+        }
+        if !args.no_barrier {
+            pg.barrier()?;
+        }
+        let t = Instant::now();
+        pg.all_reduce_compressed(&mut buf, ReduceOp::Sum, wire)?;
+        let dt = t.elapsed();
+        if i >= warmup {
+            times.push(dt.as_secs_f64());
+        }
+    }
+    // CPU per call, barriers included (they cost little next to the transfer).
+    let mut cpu = [(cpu_time() - cpu0) / iters as f64];
+    pg.all_reduce(&mut times, ReduceOp::Max)?;
+    pg.all_reduce(&mut cpu, ReduceOp::Max)?;
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(Timing {
+        count,
+        median: times[times.len() / 2],
+        min: times[0],
+        max: times[times.len() - 1],
+        cpu: cpu[0],
+    })
 }

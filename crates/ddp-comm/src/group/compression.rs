@@ -6,7 +6,10 @@
 //!
 //! [`ProcessGroup::all_reduce_compressed`]: super::ProcessGroup::all_reduce_compressed
 
-use half::{bf16, f16};
+#[cfg(test)]
+use half::bf16;
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 use crate::error::CommError;
 
@@ -141,49 +144,186 @@ impl Half {
         }
     }
 
-    #[inline(always)]
+    #[cfg(test)]
     fn widen(self, b: u16) -> f32 {
         match self {
             Half::Bf16 => bf16::from_bits(b).to_f32(),
             Half::Fp16 => f16::from_bits(b).to_f32(),
         }
     }
+
+    /// Rounds `src` into the 16-bit values `dst` (same length).
+    fn narrow_block(self, src: &[f32], dst: &mut [u16]) {
+        match self {
+            Half::Bf16 => narrow_bf16(src, dst),
+            // half converts slices with F16C where the CPU has it (detected at run time).
+            Half::Fp16 => dst
+                .reinterpret_cast_mut::<f16>()
+                .convert_from_f32_slice(src),
+        }
+    }
+
+    /// Widens the 16-bit values `src` into `dst` (same length).
+    fn widen_block(self, src: &[u16], dst: &mut [f32]) {
+        match self {
+            Half::Bf16 => widen_bf16(src, dst),
+            Half::Fp16 => src.reinterpret_cast::<f16>().convert_to_f32_slice(dst),
+        }
+    }
+}
+
+/// [`bf16_bits`] over a slice. The loop is compiled twice, for AVX2 (taken when the CPU has
+/// it, detected at run time) and for the baseline; integer operations only, so both give the
+/// same bits.
+fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::copy::has_avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time).
+        return unsafe { narrow_bf16_avx2(src, dst) };
+    }
+    narrow_bf16_loop(src, dst);
+}
+
+#[inline(always)]
+fn narrow_bf16_loop(src: &[f32], dst: &mut [u16]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &x)| *d = bf16_bits(x));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn narrow_bf16_avx2(src: &[f32], dst: &mut [u16]) {
+    narrow_bf16_loop(src, dst);
+}
+
+/// [`bf16_value`] over a slice, compiled for AVX2 and the baseline as [`narrow_bf16`] is.
+fn widen_bf16(src: &[u16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::copy::has_avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time).
+        return unsafe { widen_bf16_avx2(src, dst) };
+    }
+    widen_bf16_loop(src, dst);
+}
+
+#[inline(always)]
+fn widen_bf16_loop(src: &[u16], dst: &mut [f32]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &b)| *d = bf16_value(b));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn widen_bf16_avx2(src: &[u16], dst: &mut [f32]) {
+    widen_bf16_loop(src, dst);
+}
+
+/// `x` rounded to bfloat16 (to nearest, ties to even; a NaN stays a quiet NaN), as bits.
+///
+/// Bit for bit what `half::bf16::from_f32` gives, written without branches so that the block
+/// loops vectorise: adding `0x7fff` plus the lowest kept bit rounds the 16 dropped bits to
+/// nearest-even, and a carry out of the significand bumps the exponent (to ∞ past the largest
+/// finite value), as rounding must.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let quiet_nan = (b >> 16) | 0x40;
+    let is_nan = b & 0x7fff_ffff > 0x7f80_0000;
+    (if is_nan { quiet_nan } else { rounded }) as u16
+}
+
+/// The bfloat16 bits `b` as an f32 (exact; a NaN is quieted, as `half::bf16::to_f32` does).
+#[inline(always)]
+fn bf16_value(b: u16) -> f32 {
+    let b = b as u32;
+    let quiet = if b & 0x7fff > 0x7f80 { b | 0x40 } else { b };
+    f32::from_bits(quiet << 16)
+}
+
+/// Elements per block of the kernels below when the wire bytes are not 2-byte aligned (or the
+/// machine is big-endian): they then convert through a typed 16-bit block on the stack.
+const BLOCK: usize = 1024;
+
+/// The wire bytes as native 16-bit values, when their alignment and the byte order allow.
+fn as_u16(bytes: &[u8]) -> Option<&[u16]> {
+    cfg!(target_endian = "little")
+        .then(|| bytemuck::try_cast_slice(bytes).ok())
+        .flatten()
+}
+
+/// [`as_u16`], mutably.
+fn as_u16_mut(bytes: &mut [u8]) -> Option<&mut [u16]> {
+    cfg!(target_endian = "little")
+        .then(|| bytemuck::try_cast_slice_mut(bytes).ok())
+        .flatten()
+}
+
+/// Stores the 16-bit values `src` little-endian into `dst` (`2 * src.len()` bytes).
+fn store(src: &mut [u16], dst: &mut [u8]) {
+    src.iter_mut().for_each(|v| *v = v.to_le());
+    dst.copy_from_slice(bytemuck::cast_slice(src));
+}
+
+/// Loads the little-endian 16-bit values `src` (`2 * dst.len()` bytes) into `dst`.
+fn load(src: &[u8], dst: &mut [u16]) {
+    bytemuck::cast_slice_mut(dst).copy_from_slice(src);
+    dst.iter_mut().for_each(|v| *v = u16::from_le(*v));
 }
 
 /// Writes `src` rounded to `h` into `dst` (`2 * src.len()` bytes, little-endian, any alignment).
 pub(crate) fn encode(h: Half, src: &[f32], dst: &mut [u8]) {
     assert_eq!(dst.len(), 2 * src.len(), "encode: length mismatch");
-    match h {
-        Half::Bf16 => encode_with(src, dst, |x| bf16::from_f32(x).to_bits()),
-        Half::Fp16 => encode_with(src, dst, |x| f16::from_f32(x).to_bits()),
+    if let Some(d) = as_u16_mut(dst) {
+        return h.narrow_block(src, d);
     }
-}
-
-#[inline(always)]
-fn encode_with(src: &[f32], dst: &mut [u8], f: impl Fn(f32) -> u16) {
-    for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
-        d.copy_from_slice(&f(x).to_le_bytes());
+    let mut bits = [0u16; BLOCK];
+    for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(2 * BLOCK)) {
+        let b = &mut bits[..s.len()];
+        h.narrow_block(s, b);
+        store(b, d);
     }
 }
 
 /// Decodes the 16-bit values `src` (`2 * dst.len()` bytes) into `dst`.
 pub(crate) fn decode(h: Half, src: &[u8], dst: &mut [f32]) {
     assert_eq!(src.len(), 2 * dst.len(), "decode: length mismatch");
-    for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-        *d = h.widen(u16::from_le_bytes([s[0], s[1]]));
+    if let Some(s) = as_u16(src) {
+        return h.widen_block(s, dst);
+    }
+    let mut bits = [0u16; BLOCK];
+    for (s, d) in src.chunks(2 * BLOCK).zip(dst.chunks_mut(BLOCK)) {
+        let b = &mut bits[..d.len()];
+        load(s, b);
+        h.widen_block(b, d);
     }
 }
 
 /// Adds the decoded 16-bit values `src` (`2 * acc.len()` bytes) into the f32 accumulator.
 pub(crate) fn accumulate(h: Half, acc: &mut [f32], src: &[u8]) {
     assert_eq!(src.len(), 2 * acc.len(), "accumulate: length mismatch");
-    for (a, s) in acc.iter_mut().zip(src.chunks_exact(2)) {
-        *a += h.widen(u16::from_le_bytes([s[0], s[1]]));
+    let mut values = [0f32; BLOCK];
+    match as_u16(src) {
+        Some(bits) => {
+            for (b, a) in bits.chunks(BLOCK).zip(acc.chunks_mut(BLOCK)) {
+                let v = &mut values[..a.len()];
+                h.widen_block(b, v);
+                a.iter_mut().zip(v.iter()).for_each(|(a, &x)| *a += x);
+            }
+        }
+        None => {
+            let mut bits = [0u16; BLOCK];
+            for (s, a) in src.chunks(2 * BLOCK).zip(acc.chunks_mut(BLOCK)) {
+                let (b, v) = (&mut bits[..a.len()], &mut values[..a.len()]);
+                load(s, b);
+                h.widen_block(b, v);
+                a.iter_mut().zip(v.iter()).for_each(|(a, &x)| *a += x);
+            }
+        }
     }
 }
-
-/// Elements reduced per block of [`reduce_chunk`] (an f32 accumulator on the stack).
-const BLOCK: usize = 1024;
 
 /// Reduces one chunk in f32 and rounds the result once.
 ///
@@ -277,6 +417,84 @@ mod tests {
         assert_eq!(Half::Bf16.round(1.0 + 1.0 / 256.0), 1.0);
         assert_eq!(Half::Fp16.round(7e5), f32::INFINITY);
         assert!(Half::Bf16.round(f32::NAN).is_nan());
+    }
+
+    /// The block kernels (vectorised, through a 16-bit block) give bit for bit what the `half`
+    /// crate's scalar conversions give: every 16-bit pattern decodes alike, and f32 inputs —
+    /// each 16-bit value, the ties and near-ties around it, the range edges and a spread of
+    /// arbitrary bit patterns (NaNs and subnormals among them) — encode alike.
+    #[test]
+    fn block_kernels_match_half_bit_for_bit() {
+        let all16: Vec<u16> = (0..=u16::MAX).collect();
+        let wire: Vec<u8> = all16.iter().flat_map(|b| b.to_le_bytes()).collect();
+        for h in [Half::Bf16, Half::Fp16] {
+            let mut back = vec![0f32; all16.len()];
+            decode(h, &wire, &mut back);
+            for (&b, &v) in all16.iter().zip(&back) {
+                assert_eq!(v.to_bits(), h.widen(b).to_bits(), "{h:?} decode {b:#06x}");
+            }
+            // Half an ulp of the format, in f32 bits (the dropped-bits tie of normal values).
+            let tie: u32 = match h {
+                Half::Bf16 => 0x8000,
+                Half::Fp16 => 0x1000,
+            };
+            let mut xs: Vec<f32> = vec![
+                65504.0,
+                65519.996,
+                65520.0,
+                f32::MAX,
+                f32::MIN_POSITIVE,
+                2f32.powi(-24),
+                2f32.powi(-25),
+                2f32.powi(-25) * 1.0001,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -0.0,
+            ];
+            for &v in &back {
+                let b = v.to_bits();
+                for d in [0, tie - 1, tie, tie + 1] {
+                    xs.push(f32::from_bits(b.wrapping_add(d)));
+                    xs.push(f32::from_bits(b.wrapping_sub(d)));
+                }
+            }
+            xs.extend(
+                (0..200_000u64).map(|i| f32::from_bits(sample(i).to_bits() ^ (i as u32) << 9)),
+            );
+            xs.extend((0..50_000u64).map(|i| f32::from_bits((i as u32).wrapping_mul(0x9e37_79b9))));
+            let mut w = vec![0u8; 2 * xs.len()];
+            encode(h, &xs, &mut w);
+            for (x, e) in xs.iter().zip(w.chunks_exact(2)) {
+                let got = u16::from_le_bytes([e[0], e[1]]);
+                assert_eq!(got, h.narrow(*x), "{h:?} encode {:#010x}", x.to_bits());
+            }
+            // Wire bytes at an odd address take the blocked path: the same bits.
+            let mut odd = vec![0u8; 2 * xs.len() + 1];
+            encode(h, &xs, &mut odd[1..]);
+            assert!(odd[1..] == w[..], "{h:?}: unaligned encode differs");
+            let mut from_odd = vec![0f32; all16.len()];
+            let mut odd_wire = vec![0u8; wire.len() + 1];
+            odd_wire[1..].copy_from_slice(&wire);
+            decode(h, &odd_wire[1..], &mut from_odd);
+            assert!(
+                from_odd
+                    .iter()
+                    .zip(&back)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{h:?}: unaligned decode differs"
+            );
+            let mut acc = vec![0.5f32; all16.len()];
+            accumulate(h, &mut acc, &odd_wire[1..]);
+            let mut acc_aligned = vec![0.5f32; all16.len()];
+            accumulate(h, &mut acc_aligned, &wire);
+            assert!(
+                acc.iter().zip(&acc_aligned).zip(&back).all(|((a, b), v)| {
+                    a.to_bits() == b.to_bits() && a.to_bits() == (0.5 + v).to_bits()
+                }),
+                "{h:?}: accumulate differs between the paths"
+            );
+        }
     }
 
     /// A deterministic pseudo-random value in about ±4, with a full f32 significand.

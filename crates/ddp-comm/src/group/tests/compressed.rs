@@ -4,7 +4,8 @@
 use super::*;
 use crate::group::compression::Half;
 
-const LENS: [usize; 6] = [0, 1, 7, 1000, 40_000, 1_000_003];
+// The last spans three segments of the compressed path (`COMPRESSED_SEGMENT`), the third partial.
+const LENS: [usize; 6] = [0, 1, 7, 1000, 40_000, 2_100_003];
 
 /// A deterministic pseudo-random value: about ±4 times a power of two in 2^-4..2^3, with a
 /// full f32 significand, or (`representable`) a multiple of 1/64 below 4 in magnitude, which
