@@ -21,7 +21,9 @@ const ROLE: &str = "TRACE_TEST_ROLE";
 /// The rank program. `ok`: a few collectives, then a normal exit (the trace is written when
 /// the group is dropped and at exit). `abort1`: the same, but rank 1 then aborts (SIGABRT:
 /// no exit hook runs, so it leaves no trace file) once rank 0 has written its trace (so that
-/// the launcher stopping rank 0 cannot race with it).
+/// the launcher stopping rank 0 cannot race with it). `fail-once`: on the first attempt rank 1
+/// exits with code 3 after the collectives while rank 0 waits, to be stopped by the launcher's
+/// SIGTERM; a restarted attempt is `ok`.
 #[test]
 #[ignore = "the rank program of the tests below, started by ddprun"]
 fn trace_rank_program() {
@@ -51,6 +53,15 @@ fn trace_rank_program() {
         pg.all_gather_varlen(&vec![1u8; rank + 1]).unwrap();
         pg.barrier().unwrap();
     }
+    let first_attempt = std::env::var("DDP_RESTART_COUNT").as_deref() == Ok("0");
+    if role == "fail-once" && first_attempt {
+        if rank == 1 {
+            std::process::exit(3);
+        }
+        // Rank 0: wait for the launcher's SIGTERM (the deadline only bounds a broken launcher).
+        std::thread::sleep(Duration::from_secs(60));
+        panic!("rank 0 was not stopped after rank 1 failed");
+    }
     if role == "abort1" && rank == 1 {
         let rank0 = Path::new(&std::env::var("DDP_TRACE").unwrap()).join("rank-0.trace.json");
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -69,9 +80,16 @@ struct Run {
 
 /// Runs `ddprun --nproc-per-node 2 --trace DIR -- <this exe> …` with `role`, under the deadline.
 fn ddprun_trace(dir: &Path, role: &str) -> Run {
+    ddprun_trace_with(dir, role, &[])
+}
+
+/// [`ddprun_trace`] with more ddprun options.
+fn ddprun_trace_with(dir: &Path, role: &str, options: &[&str]) -> Run {
     let me = std::env::current_exe().unwrap();
     let mut child = Command::new(DDPRUN)
-        .args(["--nproc-per-node", "2", "--grace-secs", "2", "--trace"])
+        .args(["--nproc-per-node", "2", "--grace-secs", "5"])
+        .args(options)
+        .arg("--trace")
         .arg(dir)
         .arg("--")
         .arg(me)
@@ -232,5 +250,63 @@ fn trace_of_a_failed_job_merges_what_exists_and_names_the_missing_rank() {
     assert_eq!(doc["otherData"]["missing_ranks"], serde_json::json!([1]));
     assert_eq!(collective_spans(&doc, "all_reduce", 0).len(), 2);
     assert!(events(&doc).iter().all(|e| e["pid"] == 0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank stopped by the launcher (SIGTERM after rank 1 failed) still leaves its trace, and
+/// the restarted attempt's ranks get tracks of their own beside the first attempt's.
+#[test]
+fn trace_keeps_a_stopped_rank_and_every_restart_attempt() {
+    let dir = scratch("restart");
+    let run = ddprun_trace_with(&dir, "fail-once", &["--max-restarts", "1"]);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("and of the 1 earlier attempt(s)"),
+        "{}",
+        run.stderr
+    );
+    assert!(dir.join("rank-0.trace.json").exists(), "{}", run.stderr);
+    assert!(dir.join("attempt-1").join("rank-1.trace.json").exists());
+    let doc = read(&dir.join("trace.json"));
+    let data = &doc["otherData"];
+    assert_eq!(data["merged_ranks"], serde_json::json!([0, 1]));
+    assert_eq!(data["attempts"].as_array().unwrap().len(), 2, "{data}");
+    assert_eq!(data["attempts"][0]["ranks"], serde_json::json!([0, 1]));
+    // Attempt 0: rank 0 was SIGTERMed while waiting; its file was written then.
+    let sigterm: Vec<&Value> = events(&doc)
+        .iter()
+        .filter(|e| e["name"] == "sigterm")
+        .collect();
+    assert_eq!(sigterm.len(), 1, "one sigterm mark: {sigterm:?}");
+    assert_eq!(sigterm[0]["pid"], 0);
+    for pid in [0u64, 1] {
+        assert_eq!(
+            collective_spans(&doc, "all_reduce", pid).len(),
+            2,
+            "pid {pid}"
+        );
+    }
+    // Attempt 1: its own tracks, named after the rank and the attempt.
+    for rank in [0u64, 1] {
+        let pid = trace::track_pid(rank as usize, 1);
+        assert_eq!(
+            collective_spans(&doc, "all_reduce", pid).len(),
+            2,
+            "pid {pid}"
+        );
+        let name = events(&doc)
+            .iter()
+            .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid)
+            .unwrap_or_else(|| panic!("no process_name for pid {pid}"));
+        assert_eq!(name["args"]["name"], format!("rank {rank} (attempt 1)"));
+    }
+    // The restart comes after the failure on the one timeline.
+    let first_end = collective_spans(&doc, "barrier", 0)[0]["ts"]
+        .as_f64()
+        .unwrap();
+    let second = collective_spans(&doc, "barrier", trace::track_pid(0, 1))[0]["ts"]
+        .as_f64()
+        .unwrap();
+    assert!(second > first_end, "{second} after {first_end}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -107,7 +107,7 @@ pub fn launch(
     for attempt in 0.. {
         let mut env = attempt_env(cfg, &env, attempt)?;
         if let Some(dir) = &trace_dir {
-            trace::prepare(dir, node_ranks.clone(), &mut env)?;
+            trace::prepare(dir, attempt, node_ranks.clone(), &mut env)?;
         }
         let mut report = launch_once(cfg, &env, program, args, forwarding.as_ref())?;
         report.attempt = attempt;

@@ -26,25 +26,59 @@ pub(super) fn trace_dir(cfg: &LaunchConfig) -> Option<PathBuf> {
     Some(std::path::absolute(&dir).unwrap_or(dir))
 }
 
-/// Before an attempt: creates the directory, removes this node's rank files of an earlier
-/// run (so that a merge never shows a stale rank), and sets `DDP_TRACE` for the ranks.
+/// Before an attempt: creates the attempt's directory (the trace directory for attempt 0,
+/// `DIR/attempt-<K>` after a restart, so that no attempt overwrites an earlier one's files),
+/// removes this node's rank files of an earlier run there (and, on attempt 0, those of the
+/// earlier run's restarts: a merge never shows a stale rank), and sets `DDP_TRACE` for the
+/// ranks.
 pub(super) fn prepare(
     dir: &Path,
+    attempt: usize,
     ranks: std::ops::Range<usize>,
     env: &mut BTreeMap<String, String>,
 ) -> Result<(), LaunchError> {
-    std::fs::create_dir_all(dir).map_err(|source| LaunchError::Io {
-        what: format!("creating the trace directory {}", dir.display()),
+    let here = match attempt {
+        0 => dir.to_path_buf(),
+        k => dir.join(trace::attempt_dir_name(k)),
+    };
+    std::fs::create_dir_all(&here).map_err(|source| LaunchError::Io {
+        what: format!("creating the trace directory {}", here.display()),
         source,
     })?;
-    for r in ranks {
-        let stale = dir.join(trace::rank_file_name(r));
-        if std::fs::remove_file(&stale).is_ok() {
-            tracing::debug!("removed the earlier trace file {}", stale.display());
+    let mut stale_dirs = vec![here.clone()];
+    if attempt == 0 {
+        stale_dirs.extend(earlier_attempt_dirs(dir));
+    }
+    for d in &stale_dirs {
+        for r in ranks.clone() {
+            let stale = d.join(trace::rank_file_name(r));
+            if std::fs::remove_file(&stale).is_ok() {
+                tracing::debug!("removed the earlier trace file {}", stale.display());
+            }
+        }
+        if d != &here {
+            // Empty once no node has files there (other nodes may share the directory).
+            let _ = std::fs::remove_dir(d);
         }
     }
-    env.insert(TRACE_VAR.into(), dir.to_string_lossy().into_owned());
+    env.insert(TRACE_VAR.into(), here.to_string_lossy().into_owned());
     Ok(())
+}
+
+/// The `attempt-<K>` subdirectories an earlier run left in `dir`.
+fn earlier_attempt_dirs(dir: &Path) -> Vec<PathBuf> {
+    let Ok(list) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    list.filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("attempt-"))
+                .is_some_and(|k| k.parse::<usize>().is_ok())
+        })
+        .map(|e| e.path())
+        .collect()
 }
 
 /// After the launch: merges the rank files into `DIR/trace.json` (`DIR/trace-node<N>.json`
@@ -58,8 +92,12 @@ pub(super) fn merge(cfg: &LaunchConfig, dir: &Path, ranks: std::ops::Range<usize
     let expected: Vec<usize> = ranks.collect();
     match trace::merge_into(dir, &expected, &out) {
         Ok(s) => {
+            let attempts = match s.attempts {
+                1 => String::new(),
+                n => format!(" and of the {} earlier attempt(s)", n - 1),
+            };
             let mut line = format!(
-                "ddprun: trace of rank(s) {} merged into {} ({} events; open it in https://ui.perfetto.dev)",
+                "ddprun: trace of rank(s) {}{attempts} merged into {} ({} events; open it in https://ui.perfetto.dev)",
                 list(&s.ranks),
                 s.path.display(),
                 s.events

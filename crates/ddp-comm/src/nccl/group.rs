@@ -305,12 +305,20 @@ impl NcclGroup {
     }
 
     /// Runs one NCCL call on the group's stream and waits for it under the watchdog. Any
-    /// failure aborts the communicator and breaks the group.
+    /// failure aborts the communicator and breaks the group. With tracing on (`DDP_TRACE`,
+    /// see [`crate::trace`]) the call is a `collective` span, from its enqueueing to its
+    /// completion on the device, with args `call` (`what`), `transport` (`nccl`), `world`
+    /// and `device`.
     fn collective(
         &mut self,
         what: &str,
         call: impl FnOnce(CommPtr, StreamPtr) -> std::result::Result<Progress, NcclError>,
     ) -> Result<()> {
+        let _span = crate::trace::span(span_name(what), "collective")
+            .arg_with("call", || what.to_string())
+            .arg("transport", "nccl")
+            .arg("world", self.world_size)
+            .arg("device", self.device);
         self.usable()?;
         let start = Instant::now();
         let deadline = start + self.timeout;
@@ -547,6 +555,14 @@ impl NcclGroup {
             .wait(&event)
             .map_err(|e| cuda_error("waiting for the foreign stream", e))
     }
+}
+
+/// The span name of an NCCL call described as `what` (`all_reduce(…)`, `broadcast(…)`, …).
+fn span_name(what: &str) -> &'static str {
+    const OPS: [&str; 4] = ["all_reduce", "broadcast", "all_gather", "barrier"];
+    OPS.into_iter()
+        .find(|op| what.starts_with(op))
+        .unwrap_or("nccl")
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Merges the rank files of a trace directory into one file: one track (`pid`) per rank.
+//! Merges the rank files of a trace directory into one file: one track (`pid`) per rank, and
+//! per restart attempt.
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -10,15 +11,42 @@ use super::writer::FORMAT;
 /// The merged file's name inside the trace directory (one node; see [`merge_into`]).
 pub const MERGED_FILE: &str = "trace.json";
 
+/// The subdirectory of the trace directory that holds the rank files of restart attempt
+/// `attempt` (≥ 1; attempt 0 writes into the trace directory itself). The launcher points
+/// `DDP_TRACE` of a restarted group there, so that no attempt overwrites an earlier one's files.
+///
+/// ```
+/// assert_eq!(ddp_comm::trace::attempt_dir_name(2), "attempt-2");
+/// ```
+pub fn attempt_dir_name(attempt: usize) -> String {
+    format!("attempt-{attempt}")
+}
+
+/// The `pid` (track) of rank `rank` of restart attempt `attempt` in a merged file: the rank for
+/// attempt 0, `attempt * 1_000_000 + rank` after a restart, so that every attempt's ranks get
+/// tracks of their own (named `rank R (attempt K)`), sorted after the earlier attempts'.
+///
+/// ```
+/// use ddp_comm::trace::track_pid;
+/// assert_eq!(track_pid(3, 0), 3);
+/// assert_eq!(track_pid(3, 2), 2_000_003);
+/// ```
+pub fn track_pid(rank: usize, attempt: usize) -> u64 {
+    (attempt as u64) * 1_000_000 + rank as u64
+}
+
 /// What [`merge_dir`] merged.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MergeSummary {
     /// The merged file.
     pub path: PathBuf,
-    /// The ranks whose files were merged, ascending.
+    /// The ranks of the last attempt whose files were merged, ascending.
     pub ranks: Vec<usize>,
-    /// Expected ranks without a file (killed before writing it, or not tracing).
+    /// Expected ranks without a file in the last attempt (killed before writing it, or not
+    /// tracing).
     pub missing: Vec<usize>,
+    /// The attempts merged: 1 without restarts, `K + 1` when the last one was restart `K`.
+    pub attempts: usize,
     /// Rank files that could not be read or parsed, with the reason (left out).
     pub unreadable: Vec<(PathBuf, String)>,
     /// Events in the merged file, metadata included.
@@ -73,71 +101,65 @@ pub fn merge_dir(dir: &Path, expected: &[usize]) -> Result<MergeSummary, TraceEr
 
 /// Merges every `rank-<R>.trace.json` in `dir` into `out`: the metadata events of every rank
 /// first, then all other events sorted by `ts`; `pid` stays the rank (set from the file name
-/// where an event lacks one). `otherData` lists the merged and missing ranks and carries each
-/// rank's own `otherData` under `ranks_other_data`. Ranks of `expected` without a file are
-/// reported as missing; unreadable files are left out and reported. The file is replaced
-/// atomically.
+/// where an event lacks one). The rank files of restart attempts, in `dir/attempt-<K>/`
+/// ([`attempt_dir_name`]), are merged too, each rank of each attempt on a track of its own
+/// ([`track_pid`]). `otherData` lists the merged and missing ranks of the last attempt, every
+/// attempt's under `attempts`, and carries each rank's own `otherData` under
+/// `ranks_other_data` (keyed `R`, or `R/attempt-K`). Ranks of `expected` without a file in the
+/// last attempt are reported as missing; unreadable files are left out and reported. The file
+/// is replaced atomically.
 pub fn merge_into(dir: &Path, expected: &[usize], out: &Path) -> Result<MergeSummary, TraceError> {
-    let read_dir = std::fs::read_dir(dir).map_err(|source| TraceError::ReadDir {
-        dir: dir.to_path_buf(),
-        source,
-    })?;
-    let mut files: Vec<(usize, PathBuf)> = read_dir
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let rank = name.strip_prefix("rank-")?.strip_suffix(".trace.json")?;
-            Some((rank.parse().ok()?, e.path()))
-        })
-        .collect();
-    files.sort();
-
-    let mut ranks = Vec::new();
+    let (files, last_attempt) = rank_files(dir)?;
+    let mut per_attempt: Vec<Vec<usize>> = vec![Vec::new(); last_attempt + 1];
     let mut unreadable = Vec::new();
     let mut metadata = Vec::new();
     let mut events = Vec::new();
     let mut other = Map::new();
     let mut dropped_events = 0;
-    for (rank, path) in files {
-        let parsed = std::fs::read(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()));
-        let mut doc = match parsed {
-            Ok(Value::Object(doc)) => doc,
-            Ok(_) => {
-                unreadable.push((path, "not a JSON object".to_string()));
-                continue;
-            }
+    for RankFile {
+        attempt,
+        rank,
+        path,
+    } in files
+    {
+        let (evs, data) = match read_rank_file(&path) {
+            Ok(doc) => doc,
             Err(e) => {
                 unreadable.push((path, e));
                 continue;
             }
         };
-        let Some(Value::Array(list)) = doc.remove("traceEvents") else {
-            unreadable.push((path, "no traceEvents array".to_string()));
-            continue;
-        };
-        for mut ev in list {
+        let pid = track_pid(rank, attempt);
+        for mut ev in evs {
             let Some(obj) = ev.as_object_mut() else {
                 continue;
             };
-            obj.entry("pid").or_insert(json!(rank));
+            if attempt == 0 {
+                obj.entry("pid").or_insert(json!(rank));
+            } else {
+                obj.insert("pid".into(), json!(pid));
+                rename_restarted_track(obj, rank, attempt, pid);
+            }
             if obj.get("ph").and_then(Value::as_str) == Some("M") {
                 metadata.push(ev);
             } else {
                 events.push(ev);
             }
         }
-        if let Some(data) = doc.remove("otherData") {
+        if let Some(data) = data {
             dropped_events += data
                 .get("dropped_events")
                 .and_then(Value::as_u64)
                 .unwrap_or(0);
-            other.insert(rank.to_string(), data);
+            let key = match attempt {
+                0 => rank.to_string(),
+                k => format!("{rank}/{}", attempt_dir_name(k)),
+            };
+            other.insert(key, data);
         }
-        ranks.push(rank);
+        per_attempt[attempt].push(rank);
     }
-    if ranks.is_empty() {
+    if per_attempt.iter().all(Vec::is_empty) {
         return Err(TraceError::NoRankFiles {
             dir: dir.to_path_buf(),
             unreadable,
@@ -145,10 +167,19 @@ pub fn merge_into(dir: &Path, expected: &[usize], out: &Path) -> Result<MergeSum
     }
     let ts = |e: &Value| e.get("ts").and_then(Value::as_f64).unwrap_or(0.0);
     events.sort_by(|a, b| ts(a).total_cmp(&ts(b)));
-    let missing: Vec<usize> = expected
+    let missing_of = |ranks: &[usize]| -> Vec<usize> {
+        expected
+            .iter()
+            .copied()
+            .filter(|r| !ranks.contains(r))
+            .collect()
+    };
+    let ranks = per_attempt[last_attempt].clone();
+    let missing = missing_of(&ranks);
+    let attempts: Vec<Value> = per_attempt
         .iter()
-        .copied()
-        .filter(|r| !ranks.contains(r))
+        .enumerate()
+        .map(|(k, r)| json!({"attempt": k, "ranks": r, "missing": missing_of(r)}))
         .collect();
     let count = metadata.len() + events.len();
     metadata.extend(events);
@@ -159,6 +190,7 @@ pub fn merge_into(dir: &Path, expected: &[usize], out: &Path) -> Result<MergeSum
             "format": FORMAT,
             "merged_ranks": ranks,
             "missing_ranks": missing,
+            "attempts": attempts,
             "unreadable": unreadable.iter().map(|(p, e)| format!("{}: {e}", p.display())).collect::<Vec<_>>(),
             "dropped_events": dropped_events,
             "ranks_other_data": other,
@@ -172,10 +204,101 @@ pub fn merge_into(dir: &Path, expected: &[usize], out: &Path) -> Result<MergeSum
         path: out.to_path_buf(),
         ranks,
         missing,
+        attempts: last_attempt + 1,
         unreadable,
         events: count,
         dropped_events,
     })
+}
+
+/// One rank file found in a trace directory.
+struct RankFile {
+    attempt: usize,
+    rank: usize,
+    path: PathBuf,
+}
+
+/// The rank files of `dir` (attempt 0) and of its `attempt-<K>` subdirectories, sorted by
+/// attempt and rank, and the last attempt (the highest `K` with a subdirectory, else 0).
+fn rank_files(dir: &Path) -> Result<(Vec<RankFile>, usize), TraceError> {
+    let list = |d: &Path| {
+        std::fs::read_dir(d).map_err(|source| TraceError::ReadDir {
+            dir: d.to_path_buf(),
+            source,
+        })
+    };
+    let mut files = Vec::new();
+    let mut attempt_dirs = Vec::new();
+    for e in list(dir)?.filter_map(|e| e.ok()) {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        if let Some(rank) = rank_of(&name) {
+            files.push(RankFile {
+                attempt: 0,
+                rank,
+                path: e.path(),
+            });
+        } else if let Some(k) = name.strip_prefix("attempt-").and_then(|k| k.parse().ok())
+            && k > 0
+            && e.path().is_dir()
+        {
+            attempt_dirs.push((k, e.path()));
+        }
+    }
+    let last = attempt_dirs.iter().map(|(k, _)| *k).max().unwrap_or(0);
+    for (attempt, sub) in attempt_dirs {
+        for e in list(&sub)?.filter_map(|e| e.ok()) {
+            if let Some(rank) = e.file_name().to_str().and_then(rank_of) {
+                files.push(RankFile {
+                    attempt,
+                    rank,
+                    path: e.path(),
+                });
+            }
+        }
+    }
+    files.sort_by_key(|f| (f.attempt, f.rank));
+    Ok((files, last))
+}
+
+/// The rank of a file named `rank-<R>.trace.json`.
+fn rank_of(name: &str) -> Option<usize> {
+    name.strip_prefix("rank-")?
+        .strip_suffix(".trace.json")?
+        .parse()
+        .ok()
+}
+
+/// A rank file's events and its `otherData`.
+fn read_rank_file(path: &Path) -> Result<(Vec<Value>, Option<Value>), String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    let Value::Object(mut doc) = serde_json::from_slice(&bytes).map_err(|e| e.to_string())? else {
+        return Err("not a JSON object".into());
+    };
+    let Some(Value::Array(list)) = doc.remove("traceEvents") else {
+        return Err("no traceEvents array".into());
+    };
+    Ok((list, doc.remove("otherData")))
+}
+
+/// Names the track of a restarted rank `rank (attempt K)` and sorts it after the earlier
+/// attempts' tracks (its `process_name` and `process_sort_index` metadata).
+fn rename_restarted_track(obj: &mut Map<String, Value>, rank: usize, attempt: usize, pid: u64) {
+    let name = obj.get("name").and_then(Value::as_str).map(str::to_owned);
+    let args = obj.get_mut("args").and_then(Value::as_object_mut);
+    match (name.as_deref(), args) {
+        (Some("process_name"), Some(args)) => {
+            args.insert(
+                "name".into(),
+                json!(format!("rank {rank} (attempt {attempt})")),
+            );
+        }
+        (Some("process_sort_index"), Some(args)) => {
+            args.insert("sort_index".into(), json!(pid));
+        }
+        _ => {}
+    }
 }
 
 fn write_atomically(path: &Path, doc: &Value) -> io::Result<()> {

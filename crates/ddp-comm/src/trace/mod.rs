@@ -24,11 +24,19 @@
 //!
 //! # When the file is written
 //! [`flush`] writes the file (all events so far; later flushes rewrite it). It also happens,
-//! best-effort, when a [`ProcessGroup`](crate::ProcessGroup) is dropped and when the process
-//! exits normally (returning from `main`, [`std::process::exit`], a panic that ends `main`).
-//! A rank killed by a signal (SIGKILL, an un-handled SIGTERM, an abort or a segfault) writes
+//! best-effort, when a [`ProcessGroup`](crate::ProcessGroup) is dropped, when the process
+//! exits normally (returning from `main`, [`std::process::exit`], a panic that ends `main`),
+//! and on SIGTERM — what the launcher sends the ranks it stops once another rank has failed —
+//! if SIGTERM had its default action when tracing turned on: a watcher thread writes the file,
+//! marked with a `sigterm` instant, then the process ends killed by SIGTERM as it would have.
+//! A rank killed otherwise (SIGKILL, an abort, a segfault, a SIGTERM it handles itself) writes
 //! nothing after its last flush; the launcher then merges the other ranks and names the
 //! missing one. Call [`flush`] yourself (e.g. every N steps) to keep a partial timeline.
+//!
+//! # Restarts
+//! A launcher that restarts the group (`ddprun --max-restarts`) points `DDP_TRACE` of restart
+//! `K` at `DIR/attempt-K` ([`attempt_dir_name`]); the merge puts every attempt's ranks on
+//! tracks of their own ([`track_pid`]), so the failure and the restart are on one timeline.
 //!
 //! # Memory
 //! At most [`DEFAULT_MAX_EVENTS`] events are kept (or `DDP_TRACE_MAX_EVENTS`); later ones are
@@ -83,7 +91,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 pub use clock::{ClockSample, ClockSync, estimate_offset};
-pub use merge::{MERGED_FILE, MergeSummary, TraceError, merge_dir, merge_into};
+pub use merge::{
+    MERGED_FILE, MergeSummary, TraceError, attempt_dir_name, merge_dir, merge_into, track_pid,
+};
 pub(crate) use recorder::flush_best_effort;
 
 use recorder::{Kind, Recorder};

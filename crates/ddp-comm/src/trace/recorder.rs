@@ -42,6 +42,7 @@ fn decide() -> bool {
             });
             if created {
                 register_exit_hook();
+                register_sigterm_flush();
                 tracing::debug!(
                     dir = %rec.dir.display(),
                     max_events = rec.cap,
@@ -88,6 +89,58 @@ fn register_exit_hook() {
     // SAFETY: `at_exit` is a plain `extern "C" fn()` that catches every panic.
     if unsafe { libc::atexit(at_exit) } != 0 {
         tracing::warn!("trace: cannot register the exit hook; call trace::flush() before exiting");
+    }
+}
+
+/// With tracing on, a SIGTERM (what the launcher sends the ranks it stops after another rank
+/// failed, and what schedulers send) writes the trace, marked with a `sigterm` instant, before
+/// the process ends as SIGTERM's default action ends it. Only if SIGTERM has its default
+/// action when tracing turns on: a handler of the program's own is left alone.
+fn register_sigterm_flush() {
+    use signal_hook::consts::SIGTERM;
+    if !sigterm_is_default() {
+        tracing::debug!("trace: SIGTERM has a handler already; a SIGTERM will not write the trace");
+        return;
+    }
+    let mut signals = match signal_hook::iterator::Signals::new([SIGTERM]) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(
+                "trace: cannot watch for SIGTERM ({e}); a SIGTERM will not write the trace"
+            );
+            return;
+        }
+    };
+    let watcher = std::thread::Builder::new()
+        .name("ddp-trace-sigterm".into())
+        .spawn(move || {
+            if signals.forever().next().is_some() {
+                if let Some(r) = GLOBAL.get() {
+                    drop(super::instant("sigterm", "signal"));
+                    if let Err(e) = r.flush_at_exit() {
+                        eprintln!("ddp-comm: cannot write the trace file on SIGTERM: {e}");
+                    }
+                }
+                // Resets SIGTERM to its default action and raises it: the process ends
+                // killed by SIGTERM, as it would have without tracing.
+                let _ = signal_hook::low_level::emulate_default_handler(SIGTERM);
+                std::process::exit(128 + SIGTERM);
+            }
+        });
+    if let Err(e) = watcher {
+        tracing::warn!(
+            "trace: cannot start the SIGTERM watcher ({e}); a SIGTERM will not write the trace"
+        );
+    }
+}
+
+/// Whether SIGTERM has its default action (terminate) in this process.
+fn sigterm_is_default() -> bool {
+    // SAFETY: a null new action makes sigaction only read the current one into `old`.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_DFL
     }
 }
 
