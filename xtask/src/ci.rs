@@ -8,6 +8,11 @@
 //! build` packs for a GPU machine. A link error fails CI. Burn's CUDA backend builds against
 //! the LLVM bundle its build script downloads, or, without internet, against the system LLVM
 //! that `cargo xtask setup-cuda-build` points it at.
+//!
+//! Disk: a cold run peaks at about 6.6 GB of target directory. The bins have no test-harness
+//! builds (`test = false`), the CUDA step links only the test binaries with CUDA tests, and on
+//! a nearly full disk the test executables that have run are deleted before the CUDA link
+//! (a CI run once died there of a full disk).
 
 use std::path::Path;
 use std::time::Instant;
@@ -43,12 +48,15 @@ pub const CUDA_NO_GPU_TESTS: [&str; 2] = ["without_a_usable_gpu", "without_a_cud
 struct Step {
     what: &'static str,
     args: Vec<&'static str>,
+    /// Make room first if the disk is nearly full (see [`make_room`]).
+    needs_room: bool,
 }
 
 fn steps() -> Vec<Step> {
     let step = |what, parts: &[&[&'static str]]| Step {
         what,
         args: parts.concat(),
+        needs_room: false,
     };
     vec![
         step("formatting", &[&["fmt", "--all", "--", "--check"]]),
@@ -84,17 +92,74 @@ fn steps() -> Vec<Step> {
             "tests (unit, multi-process integration, doc)",
             &[&["test", "--workspace", "--features", FEATURES]],
         ),
-        step(
-            "CUDA binaries built and linked; their no-GPU tests",
-            &[
-                &["test"],
-                &CUDA_PACKAGES,
-                &CUDA_TARGETS,
-                &["--features", CUDA_FEATURES, "--"],
-                &CUDA_NO_GPU_TESTS,
-            ],
-        ),
+        Step {
+            needs_room: true,
+            ..step(
+                "CUDA binaries built and linked; their no-GPU tests",
+                &[
+                    &["test"],
+                    &CUDA_PACKAGES,
+                    &CUDA_TARGETS,
+                    &["--features", CUDA_FEATURES, "--"],
+                    &CUDA_NO_GPU_TESTS,
+                ],
+            )
+        },
     ]
+}
+
+/// Free space below which [`make_room`] deletes the test executables that have run. A cold
+/// `cargo xtask ci` peaked at 6.6 GB of disk (measured); the CUDA step adds about 1.7 GB of it.
+const LOW_DISK_BYTES: u64 = 4 << 30;
+
+/// Before the CUDA step, on a nearly full disk: deletes the test executables of the earlier
+/// steps (`target/debug/deps/NAME-HASH`, the bulk of the target directory; they have run and
+/// passed, and a later run relinks them), so that the CUDA link does not die of a full disk.
+fn make_room(root: &Path) {
+    let deps = crate::target_dir(root).join("debug").join("deps");
+    let Some(free) = free_bytes(&deps) else {
+        return;
+    };
+    if free >= LOW_DISK_BYTES {
+        return;
+    }
+    let (files, bytes) = remove_test_executables(&deps);
+    eprintln!(
+        "==> low on disk ({:.1} GiB free): removed {files} test executables that have run ({:.1} GiB)",
+        free as f64 / (1u64 << 30) as f64,
+        bytes as f64 / (1u64 << 30) as f64
+    );
+}
+
+/// Deletes the executables without an extension in `deps` (test harnesses and binaries; not
+/// libraries, proc macros or metadata); returns how many and their bytes.
+fn remove_test_executables(deps: &Path) -> (usize, u64) {
+    let (mut files, mut bytes) = (0, 0u64);
+    for entry in std::fs::read_dir(deps).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let Ok(meta) = entry.metadata() else {
+            continue;
+        };
+        use std::os::unix::fs::PermissionsExt;
+        let executable = meta.is_file() && meta.permissions().mode() & 0o111 != 0;
+        if executable && path.extension().is_none() && std::fs::remove_file(&path).is_ok() {
+            files += 1;
+            bytes += meta.len();
+        }
+    }
+    (files, bytes)
+}
+
+/// Bytes free for an unprivileged user on the file system of `path`.
+fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a NUL-terminated path; statvfs fills the zeroed struct we pass.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// Runs every step; stops at the first failure.
@@ -107,6 +172,9 @@ pub fn run(root: &Path) -> Result<(), String> {
         );
     }
     for (i, s) in steps().iter().enumerate() {
+        if s.needs_room {
+            make_room(root);
+        }
         let t = Instant::now();
         eprintln!(
             "==> [{}/{}] {}: cargo {}",
@@ -127,4 +195,32 @@ pub fn run(root: &Path) -> Result<(), String> {
     }
     eprintln!("==> CI passed in {:.0?}", all.elapsed());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn only_executables_without_an_extension_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, mode: u32| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, b"12345").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            p
+        };
+        let test_exe = file("sync_batch_norm-0123abcd", 0o755);
+        let kept = [
+            file("libburn-0123abcd.rlib", 0o644),
+            file("libserde_derive-0123abcd.so", 0o755),
+            file("train_cnn-0123abcd.d", 0o644),
+            file("not_executable-0123abcd", 0o644),
+        ];
+        assert_eq!(remove_test_executables(dir.path()), (1, 5));
+        assert!(!test_exe.exists());
+        assert!(kept.iter().all(|p| p.exists()));
+        assert!(free_bytes(dir.path()).is_some_and(|b| b > 0));
+    }
 }
