@@ -66,7 +66,8 @@ pub struct TrainArgs {
     /// DIR/trace.json (open it in https://ui.perfetto.dev or chrome://tracing).
     #[arg(long, value_name = "DIR")]
     pub trace: Option<PathBuf>,
-    /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation).
+    /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation). `compare`
+    /// adds the SyncBatchNorm run with this wire format beside the uncompressed one.
     #[arg(long, value_name = "none|bf16|fp16")]
     pub compression: Option<String>,
     /// Run this `train-cnn` binary instead of building one in release (e.g. a debug build).
@@ -161,6 +162,7 @@ fn example_args(
     backend: BackendArg,
     batch: usize,
     sync_bn: bool,
+    compression: Option<&str>,
     out: &Path,
 ) -> Vec<OsString> {
     let mut v: Vec<OsString> = [
@@ -188,7 +190,7 @@ fn example_args(
     if a.resume {
         v.push("--resume".into());
     }
-    if let Some(c) = &a.compression {
+    if let Some(c) = compression {
         v.push("--compression".into());
         v.push(c.into());
     }
@@ -250,14 +252,21 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         },
         out.display()
     );
-    let args = example_args(a, backend, batch, a.sync_bn(), &out);
+    let args = example_args(
+        a,
+        backend,
+        batch,
+        a.sync_bn(),
+        a.compression.as_deref(),
+        &out,
+    );
     launch_ranks(ranks, a.max_restarts, a.trace.as_deref(), &program, &args)
 }
 
 /// The last epoch's metrics of a run.
 #[derive(Debug, serde::Serialize)]
 struct RunSummary {
-    name: &'static str,
+    name: String,
     ranks: usize,
     batch_per_rank: usize,
     train_loss: f64,
@@ -298,16 +307,23 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
     let global = per_rank * ranks;
     let program = build_example(root, a, backend)?;
     let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
-    let runs: [(&'static str, usize, usize, bool); 3] = [
-        ("1 process, BatchNorm", 1, global, false),
-        ("N ranks, per-rank BatchNorm", ranks, per_rank, false),
-        ("N ranks, SyncBatchNorm", ranks, per_rank, true),
+    let mut runs: Vec<(String, usize, usize, bool, Option<&str>)> = vec![
+        ("1 process, BatchNorm".into(), 1, global, false, None),
+        ("N ranks, per-rank BatchNorm".into(), ranks, per_rank, false, None),
+        ("N ranks, SyncBatchNorm".into(), ranks, per_rank, true, None),
     ];
+    // `--compression`: the SyncBatchNorm run once more with that wire format, beside the
+    // uncompressed one.
+    let wire = a.compression.as_deref().filter(|c| *c != "none");
+    if let Some(c) = wire {
+        let name = format!("N ranks, SyncBatchNorm, {c} wire");
+        runs.push((name, ranks, per_rank, true, Some(c)));
+    }
     let mut results = Vec::new();
-    for (i, (name, n, batch, sync)) in runs.into_iter().enumerate() {
+    for (i, (name, n, batch, sync, compression)) in runs.into_iter().enumerate() {
         let dir = out.join(format!("run{}", i + 1));
         eprintln!("xtask compare: {name}: {n} rank(s) × batch {batch}");
-        let args = example_args(a, backend, batch, sync, &dir);
+        let args = example_args(a, backend, batch, sync, compression, &dir);
         launch_ranks(n, a.max_restarts, a.trace.as_deref(), &program, &args)?;
         let m = last_epoch(&dir)?;
         let f = |k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
@@ -336,6 +352,13 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
             pct(r.train_accuracy),
             r.eval_loss,
             pct(r.eval_accuracy)
+        ));
+    }
+    if let (Some(c), [.., plain, wired]) = (wire, &results[..]) {
+        table.push_str(&format!(
+            "\n{c} wire vs uncompressed (SyncBatchNorm): eval accuracy {:+.2} points, eval loss {:+.4}\n",
+            pct(wired.eval_accuracy) - pct(plain.eval_accuracy),
+            wired.eval_loss - plain.eval_loss
         ));
     }
     println!("\n{table}");
