@@ -309,7 +309,13 @@ pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
     let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
     let mut runs: Vec<(String, usize, usize, bool, Option<&str>)> = vec![
         ("1 process, BatchNorm".into(), 1, global, false, None),
-        ("N ranks, per-rank BatchNorm".into(), ranks, per_rank, false, None),
+        (
+            "N ranks, per-rank BatchNorm".into(),
+            ranks,
+            per_rank,
+            false,
+            None,
+        ),
         ("N ranks, SyncBatchNorm".into(), ranks, per_rank, true, None),
     ];
     // `--compression`: the SyncBatchNorm run once more with that wire format, beside the

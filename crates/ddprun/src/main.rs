@@ -9,7 +9,8 @@
 //! signal when it was killed by a signal), with one summary line on stderr. With
 //! `--max-restarts K` a failed group is started again up to K times (one line per failed
 //! attempt); the exit code is then the last attempt's. With `--trace DIR` every rank records a
-//! timeline and ddprun merges them into `DIR/trace.json`, printing where it is.
+//! timeline and ddprun merges them into `DIR/trace.json`, printing where it is;
+//! `ddprun --merge-trace DIR` merges rank files gathered from several nodes into one timeline.
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -78,9 +79,16 @@ struct Args {
     /// environment does the same.
     #[arg(long, value_name = "DIR")]
     trace: Option<std::path::PathBuf>,
+    /// Launch nothing: merge the rank files in DIR (`rank-<R>.trace.json`, restarts' in
+    /// `DIR/attempt-<K>/`) into DIR/trace.json and exit, e.g. the files of a job over several
+    /// nodes gathered into one directory (every rank's clock was aligned to rank 0's at
+    /// rendezvous). Ranks expected: nnodes × nproc-per-node when either is given, else every
+    /// rank up to the highest found.
+    #[arg(long = "merge-trace", value_name = "DIR", conflicts_with_all = ["trace", "command"])]
+    merge_trace: Option<std::path::PathBuf>,
     /// The program to run, then its arguments (after `--`).
     #[arg(
-        required = true,
+        required_unless_present = "merge_trace",
         trailing_var_arg = true,
         allow_hyphen_values = true,
         value_name = "PROGRAM [ARGS]..."
@@ -106,6 +114,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(dir) = &args.merge_trace {
+        return merge_trace(dir, (args.nnodes * args.nproc_per_node) as usize);
+    }
     let cfg = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
         nnodes: args.nnodes as usize,
@@ -153,6 +164,29 @@ fn main() -> ExitCode {
                 _ => 1,
             };
             ExitCode::from(code)
+        }
+    }
+}
+
+/// `--merge-trace DIR`: merges the rank files of `DIR` into `DIR/trace.json` (expecting ranks
+/// `0..world` when `world` > 1, else every rank up to the highest found).
+fn merge_trace(dir: &std::path::Path, world: usize) -> ExitCode {
+    let expected: Vec<usize> = if world > 1 {
+        (0..world).collect()
+    } else {
+        Vec::new()
+    };
+    match ddp_comm::trace::merge_dir(dir, &expected) {
+        Ok(s) => {
+            for (path, why) in &s.unreadable {
+                eprintln!("ddprun: left out {}: {why}", path.display());
+            }
+            eprintln!("ddprun: {s}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ddprun: error: {e}");
+            ExitCode::from(1)
         }
     }
 }

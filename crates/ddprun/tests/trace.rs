@@ -85,9 +85,25 @@ fn ddprun_trace(dir: &Path, role: &str) -> Run {
 
 /// [`ddprun_trace`] with more ddprun options.
 fn ddprun_trace_with(dir: &Path, role: &str, options: &[&str]) -> Run {
+    start_ddprun(dir, role, options).wait()
+}
+
+/// A ddprun started by [`start_ddprun`]: its stderr is read on a thread.
+struct Running {
+    child: std::process::Child,
+    stderr: std::thread::JoinHandle<String>,
+}
+
+/// Starts `ddprun [--nproc-per-node 2] [options] --trace DIR -- <this exe> …` with `role`
+/// (two ranks unless `options` say how many).
+fn start_ddprun(dir: &Path, role: &str, options: &[&str]) -> Running {
     let me = std::env::current_exe().unwrap();
-    let mut child = Command::new(DDPRUN)
-        .args(["--nproc-per-node", "2", "--grace-secs", "5"])
+    let mut cmd = Command::new(DDPRUN);
+    if !options.contains(&"--nproc-per-node") {
+        cmd.args(["--nproc-per-node", "2"]);
+    }
+    let mut child = cmd
+        .args(["--grace-secs", "5"])
         .args(options)
         .arg("--trace")
         .arg(dir)
@@ -101,6 +117,7 @@ fn ddprun_trace_with(dir: &Path, role: &str, options: &[&str]) -> Run {
         ])
         .env(ROLE, role)
         .env("DDP_TIMEOUT_SECS", "30")
+        .env("DDP_JOB_TOKEN", "trace-test")
         .env_remove("DDP_TRACE")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
@@ -109,26 +126,33 @@ fn ddprun_trace_with(dir: &Path, role: &str, options: &[&str]) -> Run {
         .spawn()
         .expect("start ddprun");
     let mut err = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
+    let stderr = std::thread::spawn(move || {
         let mut s = String::new();
         let _ = err.read_to_string(&mut s);
         s
     });
-    let deadline = Instant::now() + DEADLINE;
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
+    Running { child, stderr }
+}
+
+impl Running {
+    /// Waits for ddprun under the deadline (past it ddprun is killed and the test fails).
+    fn wait(mut self) -> Run {
+        let deadline = Instant::now() + DEADLINE;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("ddprun ran past the {DEADLINE:?} deadline");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        Run {
+            code: status.code(),
+            stderr: self.stderr.join().unwrap(),
         }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("ddprun ran past the {DEADLINE:?} deadline");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    Run {
-        code: status.code(),
-        stderr: reader.join().unwrap(),
     }
 }
 
@@ -309,4 +333,93 @@ fn trace_keeps_a_stopped_rank_and_every_restart_attempt() {
         .unwrap();
     assert!(second > first_end, "{second} after {first_end}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two "nodes" (two ddprun on one host, one rank each, node-local trace directories) write
+/// their own per-node merge; `ddprun --merge-trace` joins the gathered rank files into one
+/// timeline of both, on rank 0's clock.
+#[test]
+fn merge_trace_joins_the_rank_files_of_several_nodes() {
+    let root = scratch("nodes");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let node = |n: &str| {
+        let opts = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            n,
+            "--master-port",
+            &port,
+            "--nproc-per-node",
+            "1",
+        ];
+        start_ddprun(&root.join(format!("node{n}")), "ok", &opts)
+    };
+    let (node0, node1) = (node("0"), node("1"));
+    let (run0, run1) = (node0.wait(), node1.wait());
+    assert_eq!(run0.code, Some(0), "{}", run0.stderr);
+    assert_eq!(run1.code, Some(0), "{}", run1.stderr);
+    assert!(run1.stderr.contains("--merge-trace"), "{}", run1.stderr);
+    assert!(root.join("node1").join("trace-node1.json").exists());
+
+    let all = root.join("all");
+    std::fs::create_dir_all(&all).unwrap();
+    for (n, r) in [(0, 0), (1, 1)] {
+        let name = trace::rank_file_name(r);
+        std::fs::copy(root.join(format!("node{n}")).join(&name), all.join(&name)).unwrap();
+    }
+    let merge = |extra: &[&str]| {
+        let out = Command::new(DDPRUN)
+            .arg("--merge-trace")
+            .arg(&all)
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = merge(&["--nnodes", "2"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("trace of rank(s) 0, 1 merged"), "{stderr}");
+    let doc = read(&all.join("trace.json"));
+    assert_eq!(doc["otherData"]["merged_ranks"], serde_json::json!([0, 1]));
+    for pid in [0u64, 1] {
+        assert_eq!(
+            collective_spans(&doc, "all_reduce", pid).len(),
+            2,
+            "pid {pid}"
+        );
+    }
+    let rank1 = &doc["otherData"]["ranks_other_data"]["1"];
+    assert!(
+        rank1["clock_rtt_us"].is_i64(),
+        "rank 1 measured its offset: {rank1}"
+    );
+
+    // Three ranks expected, two files: the merge names the missing one.
+    let (code, stderr) = merge(&["--nnodes", "3"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("no trace from rank(s) 2"), "{stderr}");
+    // Nothing to merge: one error, exit 1.
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = Command::new(DDPRUN)
+        .arg("--merge-trace")
+        .arg(&empty)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no readable rank-<R>.trace.json"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -92,42 +92,17 @@ pub(super) fn merge(cfg: &LaunchConfig, dir: &Path, ranks: std::ops::Range<usize
     let expected: Vec<usize> = ranks.collect();
     match trace::merge_into(dir, &expected, &out) {
         Ok(s) => {
-            let attempts = match s.attempts {
-                1 => String::new(),
-                n => format!(" and of the {} earlier attempt(s)", n - 1),
-            };
-            let mut line = format!(
-                "ddprun: trace of rank(s) {}{attempts} merged into {} ({} events; open it in https://ui.perfetto.dev)",
-                list(&s.ranks),
-                s.path.display(),
-                s.events
-            );
-            if !s.missing.is_empty() {
-                line += &format!(
-                    "; no trace from rank(s) {} (killed before writing one?)",
-                    list(&s.missing)
-                );
-            }
-            if s.dropped_events > 0 {
-                line += &format!(
-                    "; {} events dropped over the cap ({})",
-                    s.dropped_events,
-                    trace::MAX_EVENTS_VAR
-                );
-            }
             for (path, why) in &s.unreadable {
                 tracing::warn!("trace: left out {}: {why}", path.display());
             }
-            eprintln!("{line}");
+            eprintln!("ddprun: {s}");
+            if cfg.nnodes > 1 {
+                eprintln!(
+                    "ddprun: for one timeline of all nodes, gather every node's rank files into one \
+                     directory and run `ddprun --merge-trace DIR`"
+                );
+            }
         }
         Err(e) => eprintln!("ddprun: no merged trace: {e}"),
     }
-}
-
-fn list(ranks: &[usize]) -> String {
-    ranks
-        .iter()
-        .map(usize::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
 }

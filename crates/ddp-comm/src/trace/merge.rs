@@ -55,6 +55,48 @@ pub struct MergeSummary {
     pub dropped_events: u64,
 }
 
+/// One line for the user: which ranks (and attempts) were merged into which file, how to open
+/// it, and what is missing, e.g. `trace of rank(s) 0, 1 merged into /tmp/t/trace.json (812
+/// events; open it in https://ui.perfetto.dev); no trace from rank(s) 2 (killed before writing
+/// one?)`.
+impl std::fmt::Display for MergeSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |ranks: &[usize]| {
+            ranks
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        write!(f, "trace of rank(s) {}", list(&self.ranks))?;
+        if self.attempts > 1 {
+            write!(f, " and of the {} earlier attempt(s)", self.attempts - 1)?;
+        }
+        write!(
+            f,
+            " merged into {} ({} events; open it in https://ui.perfetto.dev)",
+            self.path.display(),
+            self.events
+        )?;
+        if !self.missing.is_empty() {
+            write!(
+                f,
+                "; no trace from rank(s) {} (killed before writing one?)",
+                list(&self.missing)
+            )?;
+        }
+        if self.dropped_events > 0 {
+            write!(
+                f,
+                "; {} events dropped over the cap ({})",
+                self.dropped_events,
+                super::MAX_EVENTS_VAR
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Why a merge produced no file.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -106,10 +148,19 @@ pub fn merge_dir(dir: &Path, expected: &[usize]) -> Result<MergeSummary, TraceEr
 /// ([`track_pid`]). `otherData` lists the merged and missing ranks of the last attempt, every
 /// attempt's under `attempts`, and carries each rank's own `otherData` under
 /// `ranks_other_data` (keyed `R`, or `R/attempt-K`). Ranks of `expected` without a file in the
-/// last attempt are reported as missing; unreadable files are left out and reported. The file
-/// is replaced atomically.
+/// last attempt are reported as missing (an empty `expected`: every rank up to the highest one
+/// with a file); unreadable files are left out and reported. The file is replaced atomically.
 pub fn merge_into(dir: &Path, expected: &[usize], out: &Path) -> Result<MergeSummary, TraceError> {
     let (files, last_attempt) = rank_files(dir)?;
+    let up_to_highest: Vec<usize> = match files.iter().map(|f| f.rank).max() {
+        Some(max) if expected.is_empty() => (0..=max).collect(),
+        _ => Vec::new(),
+    };
+    let expected = if expected.is_empty() {
+        &up_to_highest[..]
+    } else {
+        expected
+    };
     let mut per_attempt: Vec<Vec<usize>> = vec![Vec::new(); last_attempt + 1];
     let mut unreadable = Vec::new();
     let mut metadata = Vec::new();

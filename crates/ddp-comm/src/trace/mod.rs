@@ -38,6 +38,12 @@
 //! `K` at `DIR/attempt-K` ([`attempt_dir_name`]); the merge puts every attempt's ranks on
 //! tracks of their own ([`track_pid`]), so the failure and the restart are on one timeline.
 //!
+//! # Several nodes
+//! Each node's launcher merges the rank files it finds into `DIR/trace-node<N>.json`. The
+//! clock offsets are measured to rank 0 across nodes too, so rank files gathered from all
+//! nodes into one directory merge into one timeline: `ddprun --merge-trace DIR`, or
+//! [`merge_dir`].
+//!
 //! # Memory
 //! At most [`DEFAULT_MAX_EVENTS`] events are kept (or `DDP_TRACE_MAX_EVENTS`); later ones are
 //! dropped and counted, and the count is written into the file's metadata

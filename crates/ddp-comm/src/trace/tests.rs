@@ -183,6 +183,50 @@ fn merge_puts_every_rank_on_its_own_track_and_names_the_missing() {
     assert_eq!(doc["otherData"]["ranks_other_data"]["1"]["rank"], 1);
 }
 
+/// Without expected ranks, every rank below the highest one found is expected; restart
+/// attempts' files (`attempt-K/`) get tracks of their own, and the last attempt decides what is
+/// missing.
+#[test]
+fn merge_expects_ranks_up_to_the_highest_and_keeps_attempts_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |sub: &Path, rank: usize| {
+        let rec = Recorder::new(sub.to_path_buf(), rank, 100);
+        rec.record(ev("all_reduce", 1_000, 100, 1));
+        rec.flush().unwrap();
+    };
+    write(dir.path(), 0);
+    write(dir.path(), 2);
+    let s = merge_dir(dir.path(), &[]).unwrap();
+    assert_eq!(
+        (s.ranks.clone(), s.missing.clone(), s.attempts),
+        (vec![0, 2], vec![1], 1)
+    );
+    assert!(s.to_string().contains("no trace from rank(s) 1"), "{s}");
+
+    let second = dir.path().join(attempt_dir_name(1));
+    write(&second, 0);
+    let s = merge_dir(dir.path(), &[0, 1]).unwrap();
+    assert_eq!(
+        (s.ranks.clone(), s.missing.clone(), s.attempts),
+        (vec![0], vec![1], 2)
+    );
+    assert!(
+        s.to_string().contains("and of the 1 earlier attempt(s)"),
+        "{s}"
+    );
+    let doc = read(&s.path);
+    let mut pids: Vec<u64> = spans(&doc, "all_reduce")
+        .iter()
+        .map(|e| e["pid"].as_u64().unwrap())
+        .collect();
+    pids.sort();
+    assert_eq!(pids, [0, 2, track_pid(0, 1)]);
+    let attempts = &doc["otherData"]["attempts"];
+    assert_eq!(attempts[0]["ranks"], serde_json::json!([0, 2]));
+    assert_eq!(attempts[1]["missing"], serde_json::json!([1]));
+    assert!(doc["otherData"]["ranks_other_data"]["0/attempt-1"].is_object());
+}
+
 #[test]
 fn merge_without_rank_files_is_an_error_and_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();
