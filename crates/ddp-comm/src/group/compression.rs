@@ -172,52 +172,48 @@ impl Half {
     }
 }
 
-/// [`bf16_bits`] over a slice. The loop is compiled twice, for AVX2 (taken when the CPU has
-/// it, detected at run time) and for the baseline; integer operations only, so both give the
-/// same bits.
-fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
-    #[cfg(target_arch = "x86_64")]
-    if super::copy::has_avx2() {
-        // SAFETY: the CPU has AVX2 (checked at run time).
-        return unsafe { narrow_bf16_avx2(src, dst) };
+/// Defines `fn NAME(ARGS) BODY` with the body compiled twice, for AVX2 (taken when the CPU
+/// has it, detected at run time) and for the baseline, so that its loop vectorises as wide as
+/// the CPU allows. The bodies here use integer operations only: both give the same bits.
+macro_rules! with_avx2 {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn baseline($($arg: $ty),*) $body
+
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            fn avx2($($arg: $ty),*) {
+                baseline($($arg),*)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            if super::copy::has_avx2() {
+                // SAFETY: the CPU has AVX2 (checked at run time).
+                return unsafe { avx2($($arg),*) };
+            }
+            baseline($($arg),*)
+        }
+    };
+}
+
+with_avx2! {
+    /// [`bf16_bits`] over a slice.
+    fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &x)| *d = bf16_bits(x));
     }
-    narrow_bf16_loop(src, dst);
 }
 
-#[inline(always)]
-fn narrow_bf16_loop(src: &[f32], dst: &mut [u16]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, &x)| *d = bf16_bits(x));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn narrow_bf16_avx2(src: &[f32], dst: &mut [u16]) {
-    narrow_bf16_loop(src, dst);
-}
-
-/// [`bf16_value`] over a slice, compiled for AVX2 and the baseline as [`narrow_bf16`] is.
-fn widen_bf16(src: &[u16], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if super::copy::has_avx2() {
-        // SAFETY: the CPU has AVX2 (checked at run time).
-        return unsafe { widen_bf16_avx2(src, dst) };
+with_avx2! {
+    /// [`bf16_value`] over a slice.
+    fn widen_bf16(src: &[u16], dst: &mut [f32]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &b)| *d = bf16_value(b));
     }
-    widen_bf16_loop(src, dst);
-}
-
-#[inline(always)]
-fn widen_bf16_loop(src: &[u16], dst: &mut [f32]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, &b)| *d = bf16_value(b));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn widen_bf16_avx2(src: &[u16], dst: &mut [f32]) {
-    widen_bf16_loop(src, dst);
 }
 
 /// `x` rounded to bfloat16 (to nearest, ties to even; a NaN stays a quiet NaN), as bits.
