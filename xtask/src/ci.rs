@@ -11,8 +11,9 @@
 //!
 //! Disk: a cold run peaks at about 6.6 GB of target directory. The bins have no test-harness
 //! builds (`test = false`), the CUDA step links only the test binaries with CUDA tests, and on
-//! a nearly full disk the test executables that have run are deleted before the CUDA link
-//! (a CI run once died there of a full disk).
+//! a nearly full disk what the earlier steps left (clippy's metadata, the test executables
+//! that have run) is deleted before the test and CUDA steps (a CI run once died of a full disk
+//! in the CUDA link).
 
 use std::path::Path;
 use std::time::Instant;
@@ -88,10 +89,13 @@ fn steps() -> Vec<Step> {
                 ],
             ],
         ),
-        step(
-            "tests (unit, multi-process integration, doc)",
-            &[&["test", "--workspace", "--features", FEATURES]],
-        ),
+        Step {
+            needs_room: true,
+            ..step(
+                "tests (unit, multi-process integration, doc)",
+                &[&["test", "--workspace", "--features", FEATURES]],
+            )
+        },
         Step {
             needs_room: true,
             ..step(
@@ -108,13 +112,16 @@ fn steps() -> Vec<Step> {
     ]
 }
 
-/// Free space below which [`make_room`] deletes the test executables that have run. A cold
-/// `cargo xtask ci` peaked at 6.6 GB of disk (measured); the CUDA step adds about 1.7 GB of it.
+/// Free space below which [`make_room`] deletes what earlier steps left. A cold `cargo xtask
+/// ci` peaked at 6.6 GB of disk (measured): about 2.4 GB after the clippy steps, 4.9 GB after
+/// the tests, the CUDA step adding 1.7 GB.
 const LOW_DISK_BYTES: u64 = 4 << 30;
 
-/// Before the CUDA step, on a nearly full disk: deletes the test executables of the earlier
-/// steps (`target/debug/deps/NAME-HASH`, the bulk of the target directory; they have run and
-/// passed, and a later run relinks them), so that the CUDA link does not die of a full disk.
+/// Before the test and CUDA steps, on a nearly full disk: deletes what the earlier steps left
+/// in `target/debug/deps` and the next step does not need, so that a link does not die of a
+/// full disk (a CI run once did). That is clippy's metadata (a `.rmeta` without its `.rlib`)
+/// and the test executables (`NAME-HASH`, the bulk: they have run and passed). A later run
+/// redoes them.
 fn make_room(root: &Path) {
     let deps = crate::target_dir(root).join("debug").join("deps");
     let Some(free) = free_bytes(&deps) else {
@@ -123,26 +130,33 @@ fn make_room(root: &Path) {
     if free >= LOW_DISK_BYTES {
         return;
     }
-    let (files, bytes) = remove_test_executables(&deps);
+    let (files, bytes) = remove_used_artifacts(&deps);
     eprintln!(
-        "==> low on disk ({:.1} GiB free): removed {files} test executables that have run ({:.1} GiB)",
+        "==> low on disk ({:.1} GiB free): removed {files} test executables and check-only \
+         metadata files of the earlier steps ({:.1} GiB)",
         free as f64 / (1u64 << 30) as f64,
         bytes as f64 / (1u64 << 30) as f64
     );
 }
 
-/// Deletes the executables without an extension in `deps` (test harnesses and binaries; not
-/// libraries, proc macros or metadata); returns how many and their bytes.
-fn remove_test_executables(deps: &Path) -> (usize, u64) {
+/// Deletes from `deps` the executables without an extension (test harnesses, binaries) and
+/// the `.rmeta` files without an `.rlib` of the same name (from `cargo check`/`clippy`); keeps
+/// libraries, proc macros and everything else. Returns how many files and their bytes.
+fn remove_used_artifacts(deps: &Path) -> (usize, u64) {
+    use std::os::unix::fs::PermissionsExt;
     let (mut files, mut bytes) = (0, 0u64);
     for entry in std::fs::read_dir(deps).into_iter().flatten().flatten() {
         let path = entry.path();
         let Ok(meta) = entry.metadata() else {
             continue;
         };
-        use std::os::unix::fs::PermissionsExt;
         let executable = meta.is_file() && meta.permissions().mode() & 0o111 != 0;
-        if executable && path.extension().is_none() && std::fs::remove_file(&path).is_ok() {
+        let used = match path.extension().and_then(|e| e.to_str()) {
+            None => executable,
+            Some("rmeta") => !path.with_extension("rlib").exists(),
+            Some(_) => false,
+        };
+        if used && std::fs::remove_file(&path).is_ok() {
             files += 1;
             bytes += meta.len();
         }
@@ -203,7 +217,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     #[test]
-    fn only_executables_without_an_extension_are_removed() {
+    fn only_test_executables_and_check_only_metadata_are_removed() {
         let dir = tempfile::tempdir().unwrap();
         let file = |name: &str, mode: u32| {
             let p = dir.path().join(name);
@@ -211,15 +225,19 @@ mod tests {
             std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
             p
         };
-        let test_exe = file("sync_batch_norm-0123abcd", 0o755);
+        let removed = [
+            file("sync_batch_norm-0123abcd", 0o755),
+            file("libburn_nn-4567cdef.rmeta", 0o644),
+        ];
         let kept = [
             file("libburn-0123abcd.rlib", 0o644),
+            file("libburn-0123abcd.rmeta", 0o644),
             file("libserde_derive-0123abcd.so", 0o755),
             file("train_cnn-0123abcd.d", 0o644),
             file("not_executable-0123abcd", 0o644),
         ];
-        assert_eq!(remove_test_executables(dir.path()), (1, 5));
-        assert!(!test_exe.exists());
+        assert_eq!(remove_used_artifacts(dir.path()), (2, 10));
+        assert!(removed.iter().all(|p| !p.exists()));
         assert!(kept.iter().all(|p| p.exists()));
         assert!(free_bytes(dir.path()).is_some_and(|b| b > 0));
     }
