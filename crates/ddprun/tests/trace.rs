@@ -55,9 +55,17 @@ fn trace_rank_program() {
     }
     let first_attempt = std::env::var("DDP_RESTART_COUNT").as_deref() == Ok("0");
     if role == "fail-once" && first_attempt {
+        // Rank 1 fails only once rank 0 is past its collectives and waiting (a marker file),
+        // so that rank 0 is stopped by the launcher, not by a collective that lost its peer.
+        let waiting = Path::new(&std::env::var("DDP_TRACE").unwrap()).join("rank0-waiting");
         if rank == 1 {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !waiting.exists() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             std::process::exit(3);
         }
+        std::fs::write(&waiting, b"").unwrap();
         // Rank 0: wait for the launcher's SIGTERM (the deadline only bounds a broken launcher).
         std::thread::sleep(Duration::from_secs(60));
         panic!("rank 0 was not stopped after rank 1 failed");
