@@ -332,8 +332,11 @@ impl Recorder {
         out
     }
 
-    /// Writes `json` to the rank file atomically (a temporary file next to it, renamed).
+    /// Writes `json` to the rank file atomically (a temporary file next to it, renamed). One
+    /// writer at a time: the exit hook and the SIGTERM watcher may both flush at the end.
     fn write_file(&self, json: &[u8]) -> io::Result<PathBuf> {
+        static WRITING: Mutex<()> = Mutex::new(());
+        let _one_writer = lock(&WRITING);
         let path = self.path();
         std::fs::create_dir_all(&self.dir)?;
         let tmp = tmp_path(&path);
