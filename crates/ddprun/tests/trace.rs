@@ -96,10 +96,21 @@ fn ddprun_trace_with(dir: &Path, role: &str, options: &[&str]) -> Run {
     start_ddprun(dir, role, options).wait()
 }
 
-/// A ddprun started by [`start_ddprun`]: its stderr is read on a thread.
+/// A ddprun started by [`start_ddprun`]: its stderr is read on a thread. Dropped before
+/// [`Running::wait`] returned (a test failing elsewhere), it kills ddprun, whose ranks die
+/// with it.
 struct Running {
     child: std::process::Child,
-    stderr: std::thread::JoinHandle<String>,
+    stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }
 
 /// Starts `ddprun [--nproc-per-node 2] [options] --trace DIR -- <this exe> …` with `role`
@@ -139,7 +150,10 @@ fn start_ddprun(dir: &Path, role: &str, options: &[&str]) -> Running {
         let _ = err.read_to_string(&mut s);
         s
     });
-    Running { child, stderr }
+    Running {
+        child,
+        stderr: Some(stderr),
+    }
 }
 
 impl Running {
@@ -157,9 +171,10 @@ impl Running {
             }
             std::thread::sleep(Duration::from_millis(10));
         };
+        let stderr = self.stderr.take().expect("waited once");
         Run {
             code: status.code(),
-            stderr: self.stderr.join().unwrap(),
+            stderr: stderr.join().unwrap(),
         }
     }
 }
