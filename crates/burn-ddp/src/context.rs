@@ -316,7 +316,22 @@ fn is_gpu(device: &Device) -> bool {
 fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
     let ordinal = ddp_comm::nccl::cuda_device_for_local_rank(local_rank, local_world_size)
         .map_err(DdpError::Device)?;
+    prepare_libdevice()?;
     Ok(Device::cuda(ordinal))
+}
+
+/// Makes cubecl-llvm find `libdevice.10.bc` (toolkit folders, pip wheels), so the first kernel
+/// that calls exp/log does not fail mid-step: see [`ddp_comm::cuda_toolkit::prepare_libdevice`].
+#[cfg(feature = "cuda")]
+fn prepare_libdevice() -> Result<()> {
+    let found =
+        ddp_comm::cuda_toolkit::prepare_libdevice().map_err(|e| DdpError::Device(e.into()))?;
+    tracing::info!(
+        libdevice = %found.file.display(),
+        cuda_path = %found.cuda_path.display(),
+        "libdevice found for the CUDA kernels"
+    );
+    Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -329,6 +344,7 @@ fn check_device(device: &Device) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some(ordinal) = crate::nccl::cuda_ordinal(device) {
         ddp_comm::nccl::check_cuda_device(ordinal).map_err(DdpError::Device)?;
+        prepare_libdevice()?;
     }
     let _ = device;
     Ok(())

@@ -17,6 +17,9 @@ pub enum CommError {
     /// The launch environment is missing or malformed.
     #[error(transparent)]
     Env(#[from] EnvError),
+    /// A CUDA toolkit file the CUDA backend needs (libdevice) is missing.
+    #[error(transparent)]
+    Toolkit(#[from] crate::cuda_toolkit::ToolkitError),
     /// A blocking wait ran past its deadline.
     #[error("timed out after {after:.1?} during {op}{}", peer_suffix(*peer))]
     Timeout {

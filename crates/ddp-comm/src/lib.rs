@@ -6,6 +6,8 @@
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
 //! - [`launcher`]: starts, watches and stops rank processes (the library behind the `ddprun`
 //!   binary, which is its own crate, `crates/ddprun`).
+//! - [`cuda_toolkit`]: the CUDA toolkit files Burn's CUDA backend needs at run time
+//!   (libdevice) found without a toolkit install, in pip's wheels.
 //! - [`trace`]: per-rank timelines of the collectives and of spans the program marks
 //!   (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
 //!
@@ -19,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod cuda_toolkit;
 pub mod env;
 pub mod error;
 pub mod group;
