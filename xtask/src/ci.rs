@@ -109,6 +109,12 @@ fn steps() -> Vec<Step> {
                 ],
             )
         },
+        // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX
+        // assembled by ptxas for sm_90a (the stand-in itself builds in seconds).
+        step(
+            "the CUDA path down to the PTX (cargo xtask ptx-check)",
+            &[&["xtask", "ptx-check"]],
+        ),
     ]
 }
 

@@ -116,6 +116,15 @@ fn setup_folder(folder: &Path, llvm: Option<&Path>, check: bool) -> Result<(), S
     Ok(())
 }
 
+/// The version of the LLVM Burn's CUDA backend is built with (`llvm-config --version` in the
+/// bundler's folder), when the folder is set up.
+pub fn llvm_version(root: &Path) -> Option<String> {
+    let folder = bundle_folder(&bundler_version(root).ok()?).ok()?;
+    llvm_config_output(&folder.join("bin").join("llvm-config"), &["--version"])
+        .ok()
+        .map(|v| v.trim().to_string())
+}
+
 /// The tracel-llvm-bundler version in Cargo.lock, e.g. `23.1.0-4`.
 fn bundler_version(root: &Path) -> Result<String, String> {
     let lock = std::fs::read_to_string(root.join("Cargo.lock"))

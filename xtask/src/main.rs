@@ -21,6 +21,7 @@ use clap::{Parser, Subcommand};
 mod ci;
 mod cuda_build;
 mod gpu_check;
+mod ptx_check;
 mod train;
 
 #[derive(Parser, Debug)]
@@ -47,6 +48,10 @@ enum Cmd {
     /// machine with an NVIDIA GPU (no cargo there: `.gpu-bin/xtask gpu-check run`) runs every
     /// check and prints one table.
     GpuCheck(gpu_check::GpuCheckArgs),
+    /// Burn's CUDA path without a GPU: CI's CUDA binaries under the CUDA driver stand-in, every
+    /// PTX module assembled by ptxas for sm_90a and every launch checked against an H200's
+    /// limits (nothing runs: results are meaningless and not asserted).
+    PtxCheck(ptx_check::PtxCheckArgs),
     /// Benchmarks (release builds, launched through `ddprun`).
     Bench {
         #[command(subcommand)]
@@ -145,6 +150,7 @@ fn main() -> ExitCode {
             &extra,
         ),
         Cmd::Ci => ci::run(&workspace_root()),
+        Cmd::PtxCheck(a) => ptx_check::run(&workspace_root(), &a),
         Cmd::SetupCudaBuild(a) => cuda_build::setup(&workspace_root(), &a),
         Cmd::Train(a) => train::train(&workspace_root(), &a),
         Cmd::Compare(a) => train::compare(&workspace_root(), &a),

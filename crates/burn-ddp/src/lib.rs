@@ -76,6 +76,8 @@
 pub mod checkpoint;
 pub mod comm;
 mod context;
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_smoke;
 pub mod data;
 mod error;
 mod fingerprint;

@@ -40,7 +40,7 @@ pub struct CargoBuild {
 
 /// CI's CUDA build: the packages, targets and features of `cargo xtask ci`'s last step, so after
 /// CI it links nothing new.
-const CUDA_BUILD_ARGS: &[&[&str]] = &[
+pub const CUDA_BUILD_ARGS: &[&[&str]] = &[
     &["test", "--no-run"],
     &crate::ci::CUDA_PACKAGES,
     &crate::ci::CUDA_TARGETS,

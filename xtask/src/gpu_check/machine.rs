@@ -46,7 +46,7 @@ const DEFAULT_ENV: [(&str, &str); 5] = [
 ];
 
 /// Where the test binaries look for the rank programs they start (`ddp_tests::BIN_DIR_VAR`).
-const TESTS_BIN_DIR_VAR: &str = "DDP_TESTS_BIN_DIR";
+pub const TESTS_BIN_DIR_VAR: &str = "DDP_TESTS_BIN_DIR";
 
 /// What `xtask gpu-check probe` reports, as JSON on its stdout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -63,7 +63,14 @@ pub struct Probe {
     pub driver_cuda: Option<String>,
     /// The files of libcuda and libnccl this process has loaded (from `/proc/self/maps`).
     pub loaded: Vec<String>,
+    /// What `cuInit(0)` returned, when libcuda loads ([`CUDA_ERROR_STUB_LIBRARY`]: a toolkit
+    /// stub was loaded instead of the driver).
+    #[serde(default)]
+    pub cu_init: Option<i32>,
 }
+
+/// `CUDA_ERROR_STUB_LIBRARY`: what a CUDA toolkit's stub `libcuda.so` answers to `cuInit`.
+pub const CUDA_ERROR_STUB_LIBRARY: i32 = 34;
 
 /// Runs ddp-comm's checks in this process and prints them as JSON (`xtask gpu-check probe`).
 pub fn probe_here() -> Probe {
@@ -73,6 +80,8 @@ pub fn probe_here() -> Probe {
         .map_err(|e| e.to_string());
     let devices = visible_cuda_devices().map_err(|e| e.to_string());
     let driver_cuda = cuda.then(driver_cuda_version).flatten();
+    // SAFETY: only when cudarc can load libcuda, so its lazy loader does not panic.
+    let cu_init = cuda.then(|| unsafe { ddp_comm::nccl::cudarc::driver::sys::cuInit(0) } as i32);
     let loaded = std::fs::read_to_string("/proc/self/maps")
         .unwrap_or_default()
         .lines()
@@ -91,6 +100,7 @@ pub fn probe_here() -> Probe {
         devices,
         driver_cuda,
         loaded,
+        cu_init,
     }
 }
 
@@ -209,21 +219,51 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
         m.env.push(("VK_DRIVER_FILES".into(), NVIDIA_ICD.into()));
     }
 
-    let mut ld_path = inherited("LD_LIBRARY_PATH").unwrap_or_default();
+    let inherited_path = inherited("LD_LIBRARY_PATH").unwrap_or_default();
+    // A CUDA toolkit's stub libcuda.so (…/stubs/) on the path wins over the driver's
+    // libcuda.so.1, since cudarc tries `libcuda.so` first; its cuInit fails with
+    // CUDA_ERROR_STUB_LIBRARY. Drop such folders, and give the rows a `libcuda.so` that is the
+    // driver itself.
+    let (stubs, kept): (Vec<&str>, Vec<&str>) = inherited_path
+        .split(':')
+        .filter(|d| !d.is_empty())
+        .partition(|d| is_stub_dir(Path::new(d)));
+    if !stubs.is_empty() {
+        m.header.push(format!(
+            "toolkit stub libcuda.so removed from LD_LIBRARY_PATH: {}",
+            stubs.join(", ")
+        ));
+    }
+    let mut ld_path = kept.join(":");
     let mut cuda_dir = None;
-    if !cuda_present() {
-        cuda_dir = first_dir_with(DRIVER_DIRS.iter().map(Path::new), "libcuda.so.1");
-        if let Some(d) = &cuda_dir {
-            ld_path = prepend_path(&d.display().to_string(), &ld_path);
+    match real_driver(&scratch) {
+        Some(driver) => match link_as(&driver, bin_dir, "libcuda.so") {
+            Ok(link_dir) => {
+                ld_path = prepend_path(&link_dir, &ld_path);
+                cuda_dir = Some(driver);
+            }
+            Err(e) => m.notes.push(format!("--- cannot link libcuda.so: {e}")),
+        },
+        None if !cuda_present() => {
+            if let Some(d) = first_dir_with(DRIVER_DIRS.iter().map(Path::new), "libcuda.so.1") {
+                ld_path = prepend_path(&d.display().to_string(), &ld_path);
+                cuda_dir = Some(d);
+            }
         }
+        None => {}
     }
     let mut nccl_file = None;
     if !nccl_present() {
         nccl_file = find_nccl(&ld_path, &scratch);
         if let Some(f) = &nccl_file {
-            match link_nccl(f, bin_dir) {
-                Ok((link_dir, real_dir)) => {
-                    ld_path = prepend_path(&real_dir, &ld_path);
+            match link_as(f, bin_dir, "libnccl.so") {
+                Ok(link_dir) => {
+                    if let Some(real_dir) = std::fs::canonicalize(f)
+                        .ok()
+                        .and_then(|r| r.parent().map(|p| p.display().to_string()))
+                    {
+                        ld_path = prepend_path(&real_dir, &ld_path);
+                    }
                     ld_path = prepend_path(&link_dir, &ld_path);
                 }
                 Err(e) => m.notes.push(format!("--- cannot link libnccl.so: {e}")),
@@ -240,6 +280,22 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
     }
     m.env
         .push((TESTS_BIN_DIR_VAR.into(), bin_dir.display().to_string()));
+    // libdevice.10.bc for the kernels that call exp/log (no CUDA toolkit on the machine is
+    // the normal case): the lookup burn-ddp itself makes, here once for every row.
+    match ddp_comm::cuda_toolkit::find_libdevice().and_then(|f| {
+        ddp_comm::cuda_toolkit::cuda_path_for(&f, &bin_dir.join("cuda")).map(|p| (f, p))
+    }) {
+        Ok((file, cuda_path)) => {
+            m.header.push(format!(
+                "libdevice: {} (CUDA_PATH={})",
+                file.display(),
+                cuda_path.display()
+            ));
+            m.env
+                .push(("CUDA_PATH".into(), cuda_path.display().to_string()));
+        }
+        Err(e) => m.header.push(format!("libdevice: NOT FOUND — {e}")),
+    }
 
     // ddp-comm's checks, in a process that sees the rows' environment.
     let mut probe_cmd = Command::new(self_exe);
@@ -270,6 +326,15 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
         Some(p) => {
             m.gpus = *p.devices.as_ref().unwrap_or(&0);
             m.cuda_error = match &p.devices {
+                _ if p.cu_init == Some(CUDA_ERROR_STUB_LIBRARY) => Some(format!(
+                    "the libcuda.so loaded ({}) is a CUDA toolkit stub (cuInit: \
+                     CUDA_ERROR_STUB_LIBRARY), not the NVIDIA driver; put the driver's folder \
+                     first on LD_LIBRARY_PATH",
+                    p.loaded
+                        .iter()
+                        .find(|f| f.contains("libcuda"))
+                        .map_or("?", String::as_str)
+                )),
                 Err(e) => Some(e.clone()),
                 Ok(0) => Some(format!(
                     "libcuda loads but no CUDA device is visible (CUDA_VISIBLE_DEVICES={})",
@@ -292,7 +357,7 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
             m.header.push(format!(
                 "libcuda: {} ({}); libnccl: {} ({}){}",
                 if p.cuda_present { "loads" } else { "NOT FOUND" },
-                cuda_dir.map_or(loaded("libcuda"), |d| format!("{} added", d.display())),
+                cuda_dir.map_or(loaded("libcuda"), |d| format!("{} linked", d.display())),
                 match &p.libraries {
                     Ok(v) => format!("NCCL {v}"),
                     Err(_) if p.nccl_present => "loads, check failed".to_string(),
@@ -332,20 +397,37 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
     m
 }
 
-/// Links `bin_dir/lib/libnccl.so` to `file` (the name cudarc loads); returns the link's
-/// folder and the real library's folder.
-fn link_nccl(file: &Path, bin_dir: &Path) -> std::io::Result<(String, String)> {
+/// Links `bin_dir/lib/NAME` (a name cudarc loads) to `file`; returns the link's folder.
+pub fn link_as(file: &Path, bin_dir: &Path, name: &str) -> std::io::Result<String> {
     let real = std::fs::canonicalize(file)?;
     let dir = bin_dir.join("lib");
     std::fs::create_dir_all(&dir)?;
-    let link = dir.join("libnccl.so");
+    let link = dir.join(name);
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&real, &link)?;
-    let real_dir = real
-        .parent()
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    Ok((dir.display().to_string(), real_dir))
+    Ok(dir.display().to_string())
+}
+
+/// Whether `dir` is a CUDA toolkit's stub folder holding a `libcuda.so` (`…/stubs/`).
+pub fn is_stub_dir(dir: &Path) -> bool {
+    dir.components().any(|c| c.as_os_str() == "stubs") && dir.join("libcuda.so").exists()
+}
+
+/// The NVIDIA driver's `libcuda.so.1` (never a stub): from the ldconfig cache, else the first
+/// of [`DRIVER_DIRS`] holding it.
+fn real_driver(scratch: &Path) -> Option<PathBuf> {
+    let mut ldconfig = Command::new("ldconfig");
+    ldconfig.arg("-p");
+    let from_cache = process::output_within(&mut ldconfig, Duration::from_secs(30), scratch)
+        .and_then(|listing| ldconfig_path(&listing, "libcuda.so.1"));
+    from_cache
+        .into_iter()
+        .chain(
+            DRIVER_DIRS
+                .iter()
+                .map(|d| Path::new(d).join("libcuda.so.1")),
+        )
+        .find(|f| f.exists() && !f.components().any(|c| c.as_os_str() == "stubs"))
 }
 
 /// `dpkg -x` of every `.deb` in `gl` into `/`, then `ldconfig` (the device README's recipe
@@ -451,19 +533,29 @@ mod tests {
         let found = first_dir_with(dirs.iter().map(PathBuf::as_path), NCCL_SONAME);
         assert_eq!(found.as_deref(), Some(lib.as_path()));
         let bin = dir.path().join("bin");
-        let (link_dir, real_dir) = link_nccl(&lib.join(NCCL_SONAME), &bin).unwrap();
+        let link_dir = link_as(&lib.join(NCCL_SONAME), &bin, "libnccl.so").unwrap();
         let target = std::fs::read_link(bin.join("lib").join("libnccl.so")).unwrap();
         assert_eq!(
             target,
             std::fs::canonicalize(lib.join(NCCL_SONAME)).unwrap()
         );
         assert_eq!(PathBuf::from(link_dir), bin.join("lib"));
-        assert_eq!(
-            PathBuf::from(real_dir),
-            std::fs::canonicalize(&lib).unwrap()
-        );
         // Linking again replaces the link.
-        assert!(link_nccl(&lib.join(NCCL_SONAME), &bin).is_ok());
+        assert!(link_as(&lib.join(NCCL_SONAME), &bin, "libnccl.so").is_ok());
+    }
+
+    #[test]
+    fn a_toolkit_stub_folder_is_recognised() {
+        let dir = tempfile::tempdir().unwrap();
+        let stubs = dir.path().join("cuda/lib64/stubs");
+        std::fs::create_dir_all(&stubs).unwrap();
+        assert!(!is_stub_dir(&stubs), "no libcuda.so there yet");
+        std::fs::write(stubs.join("libcuda.so"), b"").unwrap();
+        assert!(is_stub_dir(&stubs));
+        let driver = dir.path().join("driver");
+        std::fs::create_dir_all(&driver).unwrap();
+        std::fs::write(driver.join("libcuda.so"), b"").unwrap();
+        assert!(!is_stub_dir(&driver));
     }
 
     #[test]

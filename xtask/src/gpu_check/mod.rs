@@ -230,15 +230,38 @@ fn run(a: &RunArgs) -> Result<(), GpuCheckError> {
         report.notes.push(format!("--- CUDA rows not run: {e}"));
     }
     let checks = select(rows::CHECKS, &a.only);
-    rows::run_all(&ctx, &checks, &mut report);
+    for h in &report.header {
+        eprintln!("gpu-check: {h}");
+    }
+    // `partial`: the rows so far, while the run goes on.
+    let title = |partial: Option<usize>| {
+        format!(
+            "burn-ddp GPU check ({}, {:.0} s of a {} s budget{})",
+            report::utc_now(),
+            start.elapsed().as_secs_f64(),
+            a.budget_secs,
+            match partial {
+                None => String::new(),
+                Some(n) =>
+                    format!("; PARTIAL: {n} rows so far — still running, or stopped after this row"),
+            }
+        )
+    };
+    // Each row printed as it ends and the table rewritten after it: a run that its machine's
+    // time limit kills still leaves every row it finished.
+    let mut on_row = |so_far: &report::Report, row: &report::Row| {
+        eprintln!("{}", report::progress_line(so_far.rows.len(), row));
+        if let Some(dir) = &a.report_dir {
+            let text = so_far.render(
+                &title(Some(so_far.rows.len())),
+                &format!("logs in {}", a.log_dir.display()),
+            );
+            write_report_dir(dir, &text, &a.log_dir);
+        }
+    };
+    rows::run_all(&ctx, &checks, &mut report, &mut on_row);
 
-    let title = format!(
-        "burn-ddp GPU check ({}, {:.0} s of a {} s budget)",
-        report::utc_now(),
-        start.elapsed().as_secs_f64(),
-        a.budget_secs
-    );
-    let text = report.render(&title, &format!("logs in {}", a.log_dir.display()));
+    let text = report.render(&title(None), &format!("logs in {}", a.log_dir.display()));
     print!("{text}");
     if let Some(dir) = &a.report_dir {
         write_report_dir(dir, &text, &a.log_dir);

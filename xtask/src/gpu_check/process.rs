@@ -14,6 +14,9 @@ use thiserror::Error;
 /// How long a group gets between `SIGTERM` and `SIGKILL` past its deadline.
 pub const KILL_GRACE: Duration = Duration::from_secs(5);
 
+/// How long a killed child may take to be reaped before it is left behind.
+pub const REAP_LIMIT: Duration = Duration::from_secs(10);
+
 /// How often a running child is polled.
 const POLL: Duration = Duration::from_millis(25);
 
@@ -87,8 +90,10 @@ impl std::fmt::Display for Exit {
 pub struct Finished {
     /// How it ended.
     pub exit: Exit,
-    /// From start to reaping.
+    /// From start to reaping (or to giving up on it).
     pub elapsed: Duration,
+    /// Still not reaped [`REAP_LIMIT`] after `SIGKILL`: left behind so the run goes on.
+    pub unreaped: bool,
 }
 
 /// Runs `cmd` with stdin closed and stdout and stderr appended to `log`, until it exits or
@@ -140,6 +145,7 @@ pub fn run_until_with_grace(
             return Ok(Finished {
                 exit: Exit::from_status(status),
                 elapsed: start.elapsed(),
+                unreaped: false,
             });
         }
         if Instant::now() >= deadline {
@@ -157,10 +163,32 @@ pub fn run_until_with_grace(
         std::thread::sleep(POLL);
     }
     kill_group(pgid, libc::SIGKILL);
-    child.wait().map_err(wait_err)?;
+    // Bounded: a process stuck in the driver (uninterruptible sleep) may not die for minutes,
+    // and the run must go on to its next row and its report.
+    let reap_by = Instant::now() + REAP_LIMIT;
+    let mut unreaped = true;
+    while Instant::now() < reap_by {
+        if child.try_wait().map_err(wait_err)?.is_some() {
+            unreaped = false;
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    if unreaped {
+        use std::io::Write as _;
+        if let Ok(mut f) = open_log(log) {
+            let _ = writeln!(
+                f,
+                "gpu-check: {program} (pid {pgid}) not reaped {} s after SIGKILL (stuck in the \
+                 kernel or the driver?); left behind",
+                REAP_LIMIT.as_secs()
+            );
+        }
+    }
     Ok(Finished {
         exit: Exit::TimedOut,
         elapsed: start.elapsed(),
+        unreaped,
     })
 }
 

@@ -220,6 +220,30 @@ fn utc(secs: u64) -> String {
     )
 }
 
+/// The line printed as soon as row number `n` ends: `gpu-check: [n] PASS  12.3 s  label — note`.
+pub fn progress_line(n: usize, row: &Row) -> String {
+    let secs = row.secs.map_or("-".to_string(), |t| format!("{t:.1} s"));
+    let note = if row.note.is_empty() {
+        String::new()
+    } else {
+        format!(" — {}", cut(&row.note, 160))
+    };
+    format!(
+        "gpu-check: [{n}] {:<7} {secs:>8}  {}{note}",
+        row.status.word(),
+        row.label
+    )
+}
+
+/// NCCL's own log lines (`host:pid:tid NCCL WARN …`, `… NCCL INFO …`), the first `max`.
+pub fn nccl_lines(log: &str, max: usize) -> Vec<String> {
+    log.lines()
+        .filter(|l| l.contains(" NCCL WARN ") || l.contains(" NCCL INFO "))
+        .take(max)
+        .map(|l| cut(l.trim(), 200))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,6 +26,12 @@ use tasks::run_task;
 #[cfg_attr(not(test), allow(unused_imports))]
 pub use tasks::{allreduce_bench_lines, compare_epochs, step_time_lines};
 
+/// The note heading NCCL's `NCCL_DEBUG` lines (kept from the first row that printed any).
+pub const NCCL_NOTE: &str = "--- NCCL_DEBUG=WARN lines of the first NCCL row:";
+
+/// How many of NCCL's lines are kept.
+const NCCL_LINES_KEPT: usize = 30;
+
 /// The limit of one test of a libtest binary.
 pub const TEST_LIMIT_SECS: u64 = 150;
 
@@ -67,8 +73,11 @@ pub enum Task {
 /// How a check runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// Every `#[ignore]`d test of this binary of the bundle, one row each.
+    /// Every `#[ignore]`d test of this binary of the bundle, one row each (except those a
+    /// [`Kind::Test`] row runs).
     Libtest(&'static str),
+    /// One `#[ignore]`d test (binary, test name) as a row of its own, with this limit.
+    Test(&'static str, &'static str, u64),
     /// A task with a limit for the whole row.
     Task(Task, u64),
 }
@@ -86,8 +95,19 @@ pub struct Check {
     pub binaries: &'static [&'static str],
 }
 
-/// The checks, in order of importance.
+/// The smoke row's test in `burn-ddp-tests`.
+pub const SMOKE_TEST: &str = "cuda_smoke::cuda_smoke_kernels_match_the_cpu";
+
+/// The checks, in order of what they prove: that Burn's kernels compute on this GPU at all
+/// (smoke, 20 s), then SyncBatchNorm's kernels, the NCCL device path, whole training runs,
+/// DDP equivalence, timings, and last what needs no GPU.
 pub const CHECKS: &[Check] = &[
+    Check {
+        label: "CUDA smoke: element-wise, sum, exp/log, f16/bf16 vs CPU",
+        kind: Kind::Test("burn-ddp-tests", SMOKE_TEST, 60),
+        needs: Needs::Cuda,
+        binaries: &["burn-ddp-tests"],
+    },
     Check {
         label: "SyncBatchNorm on CUDA (kernels, NCCL, host-staged)",
         kind: Kind::Libtest("sync_batch_norm-tests"),
@@ -207,8 +227,19 @@ pub fn listed_tests(listing: &str) -> Vec<String> {
         .collect()
 }
 
-/// Runs every check into `report` (rows and notes).
-pub fn run_all(ctx: &Ctx, checks: &[Check], report: &mut Report) {
+/// Called after every row with the report so far and the new row (to print the row and
+/// rewrite the partial table: a run killed by its time limit keeps what it reached).
+pub type OnRow<'a> = &'a mut dyn FnMut(&Report, &Row);
+
+/// Adds `row` to `report` and tells `on_row`.
+fn push(report: &mut Report, row: Row, on_row: &mut dyn FnMut(&Report, &Row)) {
+    report.rows.push(row);
+    let last = report.rows.last().expect("just pushed").clone();
+    on_row(report, &last);
+}
+
+/// Runs every check into `report` (rows and notes), calling `on_row` after each row.
+pub fn run_all(ctx: &Ctx, checks: &[Check], report: &mut Report, on_row: OnRow<'_>) {
     for check in checks {
         let missing: Vec<&str> = check
             .binaries
@@ -220,25 +251,41 @@ pub fn run_all(ctx: &Ctx, checks: &[Check], report: &mut Report) {
             Kind::Libtest(binary) => {
                 if !missing.is_empty() {
                     // Without libcuda that is the news, not the missing binary.
-                    report.rows.extend(gate(ctx, check, &missing));
+                    if let Some(row) = gate(ctx, check, &missing) {
+                        push(report, row, on_row);
+                    }
                 } else {
-                    run_libtest(ctx, check, binary, report);
+                    run_libtest(ctx, check, binary, report, on_row);
                 }
+            }
+            Kind::Test(binary, name, limit) => {
+                if let Some(row) = gate(ctx, check, &missing) {
+                    push(report, row, on_row);
+                    continue;
+                }
+                let Some(limit) = row_limit(limit, ctx.left()) else {
+                    push(report, skipped(check.label, "time budget spent"), on_row);
+                    continue;
+                };
+                let log = log_path(ctx, &format!("{binary}__{name}"));
+                let row = run_one_test(ctx, check.label, binary, name, limit, &log);
+                collect(report, &row, &log);
+                push(report, row, on_row);
             }
             Kind::Task(task, limit) => {
                 let gate = gate(ctx, check, &missing);
                 if let Some(row) = gate {
-                    report.rows.push(row);
+                    push(report, row, on_row);
                     continue;
                 }
                 let Some(limit) = row_limit(limit, ctx.left()) else {
-                    report.rows.push(skipped(check.label, "time budget spent"));
+                    push(report, skipped(check.label, "time budget spent"), on_row);
                     continue;
                 };
                 let log = log_path(ctx, check.label);
                 let row = run_task(ctx, task, check.label, limit, &log);
                 collect(report, &row, &log);
-                report.rows.push(row);
+                push(report, row, on_row);
             }
         }
     }
@@ -306,6 +353,15 @@ fn log_path(ctx: &Ctx, label: &str) -> PathBuf {
 fn collect(report: &mut Report, row: &Row, log: &Path) {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     report.notes.extend(report::bench_and_outcome_lines(&text));
+    // NCCL's own words (NCCL_DEBUG=WARN) from the first row that has any: the first NCCL
+    // init on a new machine is where a driver, library or network mismatch shows.
+    let nccl = report::nccl_lines(&text, NCCL_LINES_KEPT);
+    if !nccl.is_empty() && !report.notes.iter().any(|n| n.starts_with(NCCL_NOTE)) {
+        report.notes.push(format!("{NCCL_NOTE} {}", row.label));
+        report
+            .notes
+            .extend(nccl.into_iter().map(|l| format!("    {l}")));
+    }
     if row.status.is_failure() {
         report.notes.push(format!("--- {}", row.label));
         if !row.note.is_empty() {
@@ -317,85 +373,121 @@ fn collect(report: &mut Report, row: &Row, log: &Path) {
 
 /// Every `#[ignore]`d test of `binary`, one row each (gated, skipped or run under
 /// [`TEST_LIMIT_SECS`] or what is left of the budget).
-fn run_libtest(ctx: &Ctx, check: &Check, binary: &str, report: &mut Report) {
+fn run_libtest(
+    ctx: &Ctx,
+    check: &Check,
+    binary: &str,
+    report: &mut Report,
+    on_row: &mut dyn FnMut(&Report, &Row),
+) {
     let bin = ctx.bin_dir.join(binary);
     let list_log = ctx.log_dir.join(format!("{binary}.list"));
     let mut list = ctx.command(&bin);
     list.args(["--list", "--ignored", "--format=terse"]);
     let Some(listing) = process::output_within(&mut list, Duration::from_secs(60), &list_log)
     else {
-        report.rows.push(Row {
-            label: check.label.into(),
-            status: Status::Fail,
-            secs: None,
-            limit: None,
-            note: format!("{binary} --list failed (see ldd notes)"),
-        });
+        push(
+            report,
+            Row {
+                label: check.label.into(),
+                status: Status::Fail,
+                secs: None,
+                limit: None,
+                note: format!("{binary} --list failed (see ldd notes)"),
+            },
+            on_row,
+        );
         return;
     };
-    let names = listed_tests(&listing);
+    // Tests with a row of their own are not repeated here.
+    let names: Vec<String> = listed_tests(&listing)
+        .into_iter()
+        .filter(|n| {
+            !CHECKS
+                .iter()
+                .any(|c| matches!(c.kind, Kind::Test(b, t, _) if b == binary && t == n))
+        })
+        .collect();
     if names.is_empty() {
-        report.rows.push(Row {
-            label: check.label.into(),
-            status: Status::Fail,
-            secs: None,
-            limit: None,
-            note: format!("{binary} lists no #[ignore]d test"),
-        });
+        push(
+            report,
+            Row {
+                label: check.label.into(),
+                status: Status::Fail,
+                secs: None,
+                limit: None,
+                note: format!("{binary} lists no #[ignore]d test"),
+            },
+            on_row,
+        );
         return;
     }
     for name in names {
         let label = format!("{}::{name}", check.label);
         if let Some(why) = gpu_skip(&name, ctx.gpus) {
-            report.rows.push(skipped(&label, &why));
+            push(report, skipped(&label, &why), on_row);
             continue;
         }
         if let Some(row) = gate(ctx, check, &[]) {
-            report.rows.push(Row { label, ..row });
+            push(report, Row { label, ..row }, on_row);
             continue;
         }
         let Some(limit) = row_limit(TEST_LIMIT_SECS, ctx.left()) else {
-            report.rows.push(skipped(&label, "time budget spent"));
+            push(report, skipped(&label, "time budget spent"), on_row);
             continue;
         };
         let log = log_path(ctx, &format!("{binary}__{name}"));
-        let mut cmd = ctx.command(&bin);
-        cmd.args([
-            "--exact",
-            &name,
-            "--ignored",
-            "--test-threads=1",
-            "--nocapture",
-        ]);
-        let deadline = Instant::now() + Duration::from_secs(limit);
-        let row = match process::run_until(&mut cmd, deadline, &log) {
-            Ok(f) => {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                let (status, note) = match f.exit {
-                    Exit::Code(0) => (Status::Pass, report::first_outcome(&text)),
-                    Exit::TimedOut => (Status::Timeout, Some(format!("killed after {limit} s"))),
-                    other => (
-                        Status::Fail,
-                        Some(report::panic_message(&text).unwrap_or_else(|| other.to_string())),
-                    ),
-                };
-                Row {
-                    label,
-                    status,
-                    secs: Some(f.elapsed.as_secs_f64()),
-                    limit: Some(limit),
-                    note: note.unwrap_or_default(),
-                }
-            }
-            Err(e) => Row {
-                label,
-                status: Status::Fail,
-                secs: None,
-                limit: Some(limit),
-                note: e.to_string(),
-            },
-        };
+        let row = run_one_test(ctx, &label, binary, &name, limit, &log);
         collect(report, &row, &log);
-        report.rows.push(row);
+        push(report, row, on_row);
+    }
+}
+
+/// Runs the `#[ignore]`d test `name` of `binary` as the row `label`, within `limit` seconds.
+fn run_one_test(ctx: &Ctx, label: &str, binary: &str, name: &str, limit: u64, log: &Path) -> Row {
+    let bin = ctx.bin_dir.join(binary);
+    let label = label.to_string();
+    let mut cmd = ctx.command(&bin);
+    cmd.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--test-threads=1",
+        "--nocapture",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(limit);
+    match process::run_until(&mut cmd, deadline, log) {
+        Ok(f) => {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let (status, note) = match f.exit {
+                Exit::Code(0) => (Status::Pass, report::first_outcome(&text)),
+                Exit::TimedOut if f.unreaped => (
+                    Status::Timeout,
+                    Some(format!(
+                        "killed after {limit} s, not reaped {} s after SIGKILL (left behind)",
+                        process::REAP_LIMIT.as_secs()
+                    )),
+                ),
+                Exit::TimedOut => (Status::Timeout, Some(format!("killed after {limit} s"))),
+                other => (
+                    Status::Fail,
+                    Some(report::panic_message(&text).unwrap_or_else(|| other.to_string())),
+                ),
+            };
+            Row {
+                label,
+                status,
+                secs: Some(f.elapsed.as_secs_f64()),
+                limit: Some(limit),
+                note: note.unwrap_or_default(),
+            }
+        }
+        Err(e) => Row {
+            label,
+            status: Status::Fail,
+            secs: None,
+            limit: Some(limit),
+            note: e.to_string(),
+        },
     }
 }

@@ -143,7 +143,19 @@ fn one_gpu_skips_the_two_gpu_tests_and_a_failure_does_not_stop_the_table() {
         binaries: &["ddprun"],
     };
     let mut r = Report::default();
-    run_all(&c, &[FAKE_CHECK, missing, FAKE_CHECK], &mut r);
+    // Every row is announced as it ends, with the report so far.
+    let mut seen: Vec<(usize, String)> = Vec::new();
+    run_all(
+        &c,
+        &[FAKE_CHECK, missing, FAKE_CHECK],
+        &mut r,
+        &mut |so_far, row| seen.push((so_far.rows.len(), row.label.clone())),
+    );
+    assert_eq!(
+        seen.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        (1..=7).collect::<Vec<_>>()
+    );
+    assert_eq!(seen[3].1, "absent");
     let one = [
         ("fake::ok".to_string(), Status::Pass),
         ("fake::bad".to_string(), Status::Fail),
@@ -170,7 +182,7 @@ fn two_gpus_run_every_test() {
     let dir = tempfile::tempdir().unwrap();
     let c = ctx(dir.path(), 2, None);
     let mut r = Report::default();
-    run_all(&c, &[FAKE_CHECK], &mut r);
+    run_all(&c, &[FAKE_CHECK], &mut r, &mut |_, _| {});
     assert_eq!(
         r.rows.iter().map(|r| r.status).collect::<Vec<_>>(),
         [Status::Pass, Status::Fail, Status::Pass]
@@ -192,7 +204,7 @@ fn without_libcuda_cuda_rows_fail_unrun_and_a_spent_budget_skips() {
         binaries: &["train-cnn"],
     };
     let mut r = Report::default();
-    run_all(&c, &[FAKE_CHECK, task], &mut r);
+    run_all(&c, &[FAKE_CHECK, task], &mut r, &mut |_, _| {});
     assert_eq!(
         r.rows.iter().map(|r| r.status).collect::<Vec<_>>(),
         [Status::Fail, Status::Fail, Status::Skipped, Status::Fail]
@@ -207,7 +219,7 @@ fn without_libcuda_cuda_rows_fail_unrun_and_a_spent_budget_skips() {
         ..c
     };
     let mut r = Report::default();
-    run_all(&spent, &[FAKE_CHECK], &mut r);
+    run_all(&spent, &[FAKE_CHECK], &mut r, &mut |_, _| {});
     assert!(r.rows.iter().all(|r| r.status == Status::Skipped));
     assert!(!r.failed());
 }
@@ -247,7 +259,7 @@ fn cpu_scaling_collects_bench_lines() {
     );
     let check = CHECKS.iter().find(|c| c.needs == Needs::Cpu).unwrap();
     let mut r = Report::default();
-    run_all(&c, std::slice::from_ref(check), &mut r);
+    run_all(&c, std::slice::from_ref(check), &mut r, &mut |_, _| {});
     assert_eq!(r.rows[0].status, Status::Pass, "{:?} {:?}", r.rows, r.notes);
     assert!(
         r.notes
