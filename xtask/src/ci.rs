@@ -7,7 +7,10 @@
 //! the CUDA test binaries and the rank programs they launch — that `cargo xtask gpu-check
 //! build` packs for a GPU machine. A link error fails CI. Burn's CUDA backend builds against
 //! the LLVM bundle its build script downloads, or, without internet, against the system LLVM
-//! that `cargo xtask setup-cuda-build` points it at.
+//! that `cargo xtask setup-cuda-build` points it at. The last step, `cargo xtask ptx-check`,
+//! runs those CUDA binaries under the CUDA driver stand-in, so every kernel's PTX is assembled
+//! by ptxas; it builds only the stand-in (seconds) and needs ptxas and libdevice from pip
+//! (`.ci/run` installs them).
 //!
 //! Disk: a cold run peaks at about 6.6 GB of target directory. The bins have no test-harness
 //! builds (`test = false`), the CUDA step links only the test binaries with CUDA tests, and on

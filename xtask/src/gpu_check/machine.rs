@@ -27,7 +27,7 @@ const DRIVER_DIRS: [&str; 5] = [
     "/usr/local/cuda/compat",
 ];
 
-/// NVIDIA's Vulkan driver manifest on the lent machines (its folder is not on the loader's
+/// NVIDIA's Vulkan driver manifest on NVIDIA's container images (its folder is not on the loader's
 /// default search path).
 const NVIDIA_ICD: &str = "/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json";
 

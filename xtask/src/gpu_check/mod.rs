@@ -10,8 +10,19 @@
 //! their bytes), with this xtask binary (release, stripped) beside the archive. `run` needs no
 //! cargo, Python or `xz`: it unpacks the archive with the same Rust decoder, finds libcuda and
 //! libnccl (ddp-comm's checks, see [`machine`]), runs every check under a deadline and prints
-//! one table. With this workplace's device tool, after `build`:
-//! `run(command=".gpu-bin/xtask gpu-check run", carry=[".gpu-bin", ".gl"], timeout_s=540)`.
+//! one table.
+//!
+//! The GPU machine it is made for: an NVIDIA GPU with its driver (Python and PyTorch's wheels
+//! for NCCL and libdevice), no network and no cargo; `.gpu-bin/` and `.gl/` are copied to it
+//! (at most 64 MiB in all, see [`build::CARRY_LIMIT_BYTES`]), and the run has minutes: the
+//! default budget is 450 s of a 540 s command. On it, from the repository root:
+//!
+//! ```text
+//! .gpu-bin/xtask gpu-check run          # OUT=DIR to keep the table and the logs there
+//! ```
+//!
+//! Each row is printed as it ends and, with `OUT`, the table is rewritten after every row, so a
+//! run stopped by its machine's time limit still leaves what it reached.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -121,6 +132,20 @@ pub enum GpuCheckError {
         "{0} missing: run `cargo xtask gpu-check build` on the build machine and carry its folder"
     )]
     NoBundle(PathBuf),
+    /// The bundle is larger than what may be copied to the GPU machine.
+    #[error(
+        "the bundle and .gl are {:.1} MiB, over the {} MiB that may be copied to the GPU machine \
+         (64 MiB in all with the working tree): the machine could not receive it. Drop a \
+         program from the build (gpu_check/build.rs) or split the bundle",
+        *bytes as f64 / 1048576.0,
+        limit >> 20
+    )]
+    TooBig {
+        /// Bundle folder plus `.gl`.
+        bytes: u64,
+        /// [`build::CARRY_LIMIT_BYTES`].
+        limit: u64,
+    },
     /// The checks ran and some failed (the table says which).
     #[error("{0} of the GPU check's rows failed")]
     RowsFailed(usize),
@@ -274,7 +299,8 @@ fn run(a: &RunArgs) -> Result<(), GpuCheckError> {
     }
 }
 
-/// The summary and one file with every row's log (the device tool returns at most 8 files).
+/// The summary and one file with every row's log (two files: what comes back from the GPU
+/// machine is a few files under `$OUT`).
 fn write_report_dir(dir: &Path, summary: &str, log_dir: &Path) {
     use std::fmt::Write as _;
     if let Err(e) = std::fs::create_dir_all(dir)
