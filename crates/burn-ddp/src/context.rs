@@ -125,9 +125,12 @@ impl DdpBuilder {
     /// With `Bf16`/`Fp16` every bucket crosses the wire as 16-bit values, half the bytes; each
     /// rank still adds the incoming values into f32 and rounds the reduced values once, so the
     /// error does not grow with the world size (PyTorch's `bf16_compress_hook` sums in 16 bits)
-    /// and every rank ends with bitwise the same gradients. The averaged gradient is within
-    /// 16-bit rounding of the exact mean: relative error ≤ 2⁻⁸ for bf16, 2⁻¹¹ for fp16 (whose
-    /// range ends at 65504). Worth it when the network is the bottleneck (TCP between
+    /// and every rank ends with bitwise the same gradients. Each averaged element is within
+    /// about `u·|m| + 2u·A` of the exact mean `m` (`u` = 2⁻⁸ for bf16, 2⁻¹¹ for fp16, whose
+    /// range ends at 65504; `A` = Σ|xᵢ|/n, the mean of the ranks' magnitudes): relative to
+    /// `A`, not to `m`, so cancelling gradients keep an absolute error of about `2u·A`
+    /// ([`ddp_comm::ProcessGroup::all_reduce_compressed`] states the exact bound). Worth it
+    /// when the network is the bottleneck (TCP between
     /// hosts); on shared memory the casts cost about what the halved bytes save. On NCCL
     /// (feature `cuda`) buckets are cast on the device and all-reduced by NCCL's native 16-bit
     /// all-reduce, whose partial sums stay in 16 bits between ring steps.

@@ -8,6 +8,7 @@
 //!   binary, which is its own crate, `crates/ddprun`).
 //! - [`cuda_toolkit`]: the CUDA toolkit files Burn's CUDA backend needs at run time
 //!   (libdevice) found without a toolkit install, in pip's wheels.
+//! - [`log`]: whether log lines may be coloured (a terminal at the end, no `NO_COLOR`).
 //! - [`trace`]: per-rank timelines of the collectives and of spans the program marks
 //!   (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
 //!
@@ -26,6 +27,7 @@ pub mod env;
 pub mod error;
 pub mod group;
 pub mod launcher;
+pub mod log;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod net;

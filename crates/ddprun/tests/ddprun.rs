@@ -586,3 +586,34 @@ fn arguments_after_the_separator_reach_the_program_untouched() {
     assert_eq!(r.code(), Some(0), "{}", r.stderr);
     assert_eq!(r.rank_lines(0), ["--nproc-per-node|7|a b|"]);
 }
+
+/// Logs into a pipe or a file carry no ANSI colour codes (they read `[2m…[0m [33m WARN[0m`
+/// before): not ddprun's own lines, and its ranks are told their output is no terminal.
+#[test]
+fn logs_into_a_pipe_are_not_coloured_and_ranks_are_told() {
+    let r = run(ddprun_cmd(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        r#"echo "colour=$DDP_LOG_COLOR"; [ "$RANK" = 1 ] && exit 4; exit 0"#,
+    ])
+    .env("RUST_LOG", "debug"));
+    assert_eq!(r.code(), Some(4), "stderr: {}", r.stderr);
+    assert!(
+        r.stderr
+            .lines()
+            .any(|l| l.contains("DEBUG") || l.contains("INFO") || l.contains("WARN")),
+        "ddprun logged nothing to check: {}",
+        r.stderr
+    );
+    assert!(
+        !r.stderr.contains('\u{1b}'),
+        "ANSI codes in a pipe: {:?}",
+        r.stderr
+    );
+    assert!(!r.stdout.contains('\u{1b}'), "{:?}", r.stdout);
+    assert_eq!(r.rank_lines(0), ["colour=0"]);
+    assert_eq!(r.rank_lines(1), ["colour=0"]);
+}

@@ -83,6 +83,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
+        .with_ansi(ddp_comm::log::colour_wanted())
         .with_writer(std::io::stderr)
         .init();
     install_panic_message();

@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{Checkpoint, CheckpointError};
+use super::{Checkpoint, CheckpointError, atomic};
 
 const MAGIC: &[u8; 8] = b"BURNDDPC";
 const VERSION: u32 = 1;
@@ -70,9 +70,11 @@ impl<T: Serialize> Checkpoint<T> {
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
             .map(Duration::from_millis);
-        write_atomic_pausing(path, &bytes, pause).map_err(|source| CheckpointError::Io {
-            path: path.to_path_buf(),
-            source,
+        atomic::write_with(path, atomic::halves(&bytes, pause)).map_err(|source| {
+            CheckpointError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
         })
     }
 }
@@ -154,87 +156,16 @@ fn checksum(sections: &[&[u8]]) -> u32 {
     h.finalize()
 }
 
-/// The temporary file a writer with process id `pid` uses for `path`.
-fn temporary_name(path: &Path, pid: u32) -> Option<PathBuf> {
-    let name = path.file_name()?.to_string_lossy();
-    Some(path.with_file_name(format!(".{name}.tmp-{pid}")))
-}
-
-/// Writes `bytes` to a temporary file next to `path` (`.NAME.tmp-PID`), fsyncs it and renames
-/// it over `path`, then fsyncs the directory: a reader sees the old file or the new one, never
-/// a part. What checkpoints are written with; use it for other outputs that must not be torn.
+/// Writes `bytes` to a temporary file next to `path`, locked while it is written, fsyncs it and
+/// renames it over `path`, then fsyncs the directory: a reader sees the old file or the new
+/// one, never a part, and a reader's clean-up never removes a save in progress. What
+/// checkpoints are written with; use it for other outputs that must not be torn.
 ///
 /// # Errors
-/// The I/O error of any step (the previous file at `path` is then untouched).
+/// The I/O error of any step, the directory's fsync included (the temporary is removed and the
+/// previous file at `path` is untouched).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    write_atomic_pausing(path, bytes, None)
-}
-
-/// [`write_atomic`], pausing half-way when asked ([`WRITE_PAUSE_VAR`], for fault tests).
-fn write_atomic_pausing(path: &Path, bytes: &[u8], pause: Option<Duration>) -> std::io::Result<()> {
-    let tmp = temporary_name(path, std::process::id()).ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "the path has no file name",
-        )
-    })?;
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        let (first, second) = bytes.split_at(bytes.len() / 2);
-        f.write_all(first)?;
-        if let Some(pause) = pause {
-            f.flush()?;
-            tracing::warn!(
-                "{WRITE_PAUSE_VAR}: pausing {pause:?} in the middle of writing {}",
-                tmp.display()
-            );
-            std::thread::sleep(pause);
-        }
-        f.write_all(second)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    // Make the rename itself durable (best effort: not every platform syncs a directory).
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
-}
-
-/// Removes the temporary files that writers killed in the middle of a save left next to
-/// `path` (any process's but this one's). Returns how many were removed.
-pub(super) fn remove_stale_temporaries(path: &Path) -> usize {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return 0;
-    };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let prefix = format!(".{}.tmp-", name.to_string_lossy());
-    let mine = temporary_name(path, std::process::id());
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for entry in entries.flatten() {
-        let p = entry.path();
-        let stale =
-            entry.file_name().to_string_lossy().starts_with(&prefix) && Some(&p) != mine.as_ref();
-        if stale && std::fs::remove_file(&p).is_ok() {
-            tracing::info!(
-                "removed {}, left by a save that did not finish",
-                p.display()
-            );
-            removed += 1;
-        }
-    }
-    removed
+    atomic::write_with(path, atomic::halves(bytes, None))
 }
 
 #[cfg(test)]
@@ -288,10 +219,10 @@ mod tests {
         let mut newer = sample();
         newer.progress.step = 999;
         let bytes = newer.to_bytes().unwrap();
-        let stale = temporary_name(&p, 999_999).unwrap();
+        let stale = atomic::temporary_name(&p).unwrap();
         std::fs::write(&stale, &bytes[..bytes.len() / 2]).unwrap();
         assert_eq!(Checkpoint::read(&p).unwrap(), first);
-        assert_eq!(remove_stale_temporaries(&p), 1);
+        assert_eq!(atomic::remove_stale_temporaries(&p), 1);
         assert!(!stale.exists());
         assert!(p.exists());
     }

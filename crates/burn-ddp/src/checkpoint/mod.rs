@@ -43,6 +43,7 @@
 //! Every rank must call [`Checkpointer::save`], [`Checkpointer::load`] and
 //! [`Checkpointer::exists`] at the same points (they are collectives).
 
+mod atomic;
 pub(crate) mod error;
 mod file;
 
@@ -261,9 +262,26 @@ impl Checkpointer {
     /// [`DdpError::Comm`] when the broadcast fails.
     pub fn exists(&self, group: &impl GroupHandle) -> Result<bool> {
         let g = group.process_group();
-        let mut found = vec![u8::from(self.path.is_file())];
-        comm::lock(g).broadcast_bytes(&mut found, 0)?;
-        Ok(found.first() == Some(&1))
+        let is_main = comm::lock(g).rank() == 0;
+        let local = if is_main {
+            presence(&self.path)
+        } else {
+            Ok(false)
+        };
+        let mut answer = match &local {
+            Ok(found) => vec![if *found { FOUND } else { NONE }],
+            Err(e) => [&[FAILED][..], e.to_string().as_bytes()].concat(),
+        };
+        comm::lock(g).broadcast_bytes(&mut answer, 0)?;
+        local?;
+        match answer.split_first() {
+            Some((&FOUND, _)) => Ok(true),
+            Some((&NONE, _)) => Ok(false),
+            Some((_, msg)) => {
+                Err(CheckpointError::OnRankZero(String::from_utf8_lossy(msg).into()).into())
+            }
+            None => Err(CheckpointError::OnRankZero("sent nothing".into()).into()),
+        }
     }
 
     /// Rank 0 writes a checkpoint of `model`, `optim`, `progress` and `metadata`; the other
@@ -353,12 +371,14 @@ impl Checkpointer {
         let mut local_err = None;
         let mut bytes = if !is_main {
             Vec::new()
-        } else if !self.path.is_file() {
-            vec![NONE]
         } else {
-            file::remove_stale_temporaries(&self.path);
-            match file::read_file(&self.path) {
-                Ok(b) => [&[FOUND][..], &b].concat(),
+            // Also when no checkpoint exists yet: a first save killed half-way left one.
+            atomic::remove_stale_temporaries(&self.path);
+            let found = presence(&self.path)
+                .and_then(|found| found.then(|| file::read_file(&self.path)).transpose());
+            match found {
+                Ok(None) => vec![NONE],
+                Ok(Some(b)) => [&[FOUND][..], &b].concat(),
                 Err(e) => {
                     let msg = [&[FAILED][..], e.to_string().as_bytes()].concat();
                     local_err = Some(e);
@@ -422,6 +442,28 @@ impl Checkpointer {
             }
             e => e.into(),
         }
+    }
+}
+
+/// Whether the checkpoint file is there. Only `NotFound` means "no checkpoint": any other
+/// error (EACCES, EIO, ESTALE, an NFS timeout, a path through a file) stops the caller, since
+/// reading it as "none" would start the run over and let its first save replace a good
+/// checkpoint.
+fn presence(path: &Path) -> std::result::Result<bool, CheckpointError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(true),
+        Ok(_) => Err(CheckpointError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "exists but is not a regular file",
+            ),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(CheckpointError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
     }
 }
 

@@ -159,3 +159,44 @@ fn schedules() {
     assert_eq!(c.path(), Path::new("a/b.ck"));
     assert!(!c.due_after_epoch(2) && c.due_after_epoch(3));
 }
+
+/// Only `NotFound` means "no checkpoint": an error reading the directory (here ENOTDIR, a path
+/// through a regular file, and ELOOP, a link to itself — stand-ins for EIO or an NFS timeout)
+/// stops the run instead of starting it over. Before, `is_file()` read both as "none".
+#[test]
+fn an_unreadable_checkpoint_path_is_an_error_not_no_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = alone();
+    let blocker = dir.path().join("blocker");
+    std::fs::write(&blocker, b"a file where a directory should be").unwrap();
+    let through_a_file = Checkpointer::new(&blocker);
+    let looped_dir = dir.path().join("looped");
+    std::fs::create_dir(&looped_dir).unwrap();
+    let looped = Checkpointer::new(&looped_dir);
+    std::os::unix::fs::symlink(looped.path(), looped.path()).unwrap();
+    for ckpt in [through_a_file, looped] {
+        let e = ckpt.exists(&g).unwrap_err().to_string();
+        assert!(e.contains(&ckpt.path().display().to_string()), "{e}");
+        let e = ckpt.read::<()>(&g).unwrap_err().to_string();
+        assert!(e.contains(&ckpt.path().display().to_string()), "{e}");
+        let device = Device::flex().autodiff();
+        let model: Linear = LinearConfig::new(4, 3).init(&device);
+        let mut optim: ModuleOptimizer = AdamConfig::new().init();
+        assert!(ckpt.load::<_, ()>(&g, model, &mut optim).is_err());
+    }
+}
+
+/// A first save killed half-way leaves a temporary while no checkpoint exists yet; the next
+/// read removes it (before, only when a checkpoint was there).
+#[test]
+fn a_stale_temporary_is_removed_before_the_first_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = alone();
+    let ckpt = Checkpointer::new(dir.path());
+    let stale = ckpt
+        .path()
+        .with_file_name(".checkpoint.bin.tmp-deadhost-4242-00000000deadbeef");
+    std::fs::write(&stale, b"half a checkpoint").unwrap();
+    assert!(ckpt.read::<()>(&g).unwrap().is_none());
+    assert!(!stale.exists());
+}

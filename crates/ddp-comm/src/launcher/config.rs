@@ -140,6 +140,12 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
     env.insert("MASTER_ADDR".into(), cfg.master_addr.clone());
     env.insert("MASTER_PORT".into(), port.to_string());
     env.insert(TOKEN_VAR.into(), token);
+    // The ranks write into pipes; whether colour reaches a terminal is the launcher's to know.
+    let colour = crate::log::colour_wanted();
+    env.insert(
+        crate::log::COLOR_VAR.into(),
+        if colour { "1" } else { "0" }.into(),
+    );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"] {
         let threads = match cfg.threads_per_rank {
@@ -184,6 +190,12 @@ pub(super) fn attempt_env(
         }
         let token = format!("{}.restart{attempt}", first[TOKEN_VAR]);
         env.insert(TOKEN_VAR.into(), token);
+        // The ranks write into pipes; whether colour reaches a terminal is the launcher's to know.
+        let colour = crate::log::colour_wanted();
+        env.insert(
+            crate::log::COLOR_VAR.into(),
+            if colour { "1" } else { "0" }.into(),
+        );
     }
     Ok(env)
 }
