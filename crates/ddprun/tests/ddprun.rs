@@ -617,3 +617,64 @@ fn logs_into_a_pipe_are_not_coloured_and_ranks_are_told() {
     assert_eq!(r.rank_lines(0), ["colour=0"]);
     assert_eq!(r.rank_lines(1), ["colour=0"]);
 }
+
+/// A SIGTERM or Ctrl-C that reaches ddprun while it stops the group after a failure (the grace
+/// period) ends the job: no restart, whatever `--max-restarts` says (before, the group was
+/// restarted).
+#[test]
+fn a_signal_during_the_grace_period_after_a_failure_ends_the_job() {
+    for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let scratch = Scratch::new(name);
+        // Rank 1 fails at once (and says so); rank 0 ignores SIGTERM, so the group is stopping
+        // for the whole grace period.
+        let script = format!(
+            r#"touch "$DIR/attempt.$DDP_RESTART_COUNT"
+            if [ "$RANK" = 1 ]; then touch "$DIR/failed.$DDP_RESTART_COUNT"; exit 3; fi
+            trap '' TERM INT; {RECORD_PID}
+            while :; do sleep 0.05; done"#
+        );
+        let mut cmd = ddprun_cmd(&[
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--grace-secs",
+            "20",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ]);
+        cmd.env("DIR", scratch.dir());
+        let child = cmd.spawn().unwrap();
+        let ddprun_pid = child.id() as i32;
+        let failed = scratch.dir.join("failed.0");
+        let deadline = Instant::now() + DEADLINE;
+        while !failed.exists() {
+            assert!(Instant::now() < deadline, "rank 1 never failed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let pids = scratch.wait_for_pids(1);
+        // Well inside the 20 s grace period.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(ddprun_pid, sig) }, 0);
+        let r = finish(child);
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{name}: waited out the grace period"
+        );
+        assert_ne!(r.code(), Some(0), "{name}: {}", r.stderr);
+        assert!(
+            !r.stderr.contains("restarting the group"),
+            "{name}: restarted after the signal: {}",
+            r.stderr
+        );
+        assert!(
+            !scratch.dir.join("attempt.1").exists(),
+            "{name}: a second attempt started"
+        );
+        assert_all_gone(&pids);
+    }
+}

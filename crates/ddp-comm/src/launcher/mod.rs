@@ -111,6 +111,13 @@ pub fn launch(
         }
         let mut report = launch_once(cfg, &env, program, args, forwarding.as_ref())?;
         report.attempt = attempt;
+        // A signal to the launcher ends the job whenever it came, even after the last rank
+        // had exited (between the watch and this line).
+        if report.interrupted.is_none()
+            && let Some((sig, _)) = forwarding.as_ref().and_then(SignalForwarding::received)
+        {
+            report.interrupted = Some((sig, 0));
+        }
         let again = !report.success() && report.interrupted.is_none() && attempt < cfg.max_restarts;
         if !again {
             report.restarts = restarts;
@@ -361,10 +368,17 @@ fn watch(
                 interrupted = Some((sig, running));
                 stop(ranks, sig);
                 kill_at = Some(Instant::now() + cfg.grace);
-            } else if !killed {
-                // A second signal while stopping: do not wait out the grace period.
-                tracing::info!("received {} again; killing the ranks now", signal_name(sig));
-                kill_at = Some(Instant::now());
+            } else {
+                // A signal while stopping after a failure (or a second one): the user wants the
+                // job to end — no restart — and not to wait out the grace period.
+                interrupted.get_or_insert((sig, running));
+                if !killed {
+                    tracing::info!(
+                        "received {} while stopping; killing the ranks now",
+                        signal_name(sig)
+                    );
+                    kill_at = Some(Instant::now());
+                }
             }
         }
 
