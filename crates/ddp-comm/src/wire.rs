@@ -162,6 +162,37 @@ pub(crate) fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Option<Vec
     Ok(Some(buf))
 }
 
+/// Reads from a socket with one deadline for the whole exchange: each read's timeout is what
+/// is left of it, so a peer that trickles one byte now and then cannot stretch a handshake
+/// past its limit (a per-read timeout would let it hold the connection for hours).
+pub(crate) struct ReadBy<'a> {
+    stream: &'a std::net::TcpStream,
+    deadline: std::time::Instant,
+}
+
+impl<'a> ReadBy<'a> {
+    /// Reads from `stream` until `deadline`.
+    pub(crate) fn new(stream: &'a std::net::TcpStream, deadline: std::time::Instant) -> Self {
+        ReadBy { stream, deadline }
+    }
+}
+
+impl Read for ReadBy<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the handshake's deadline passed",
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
 /// Compares tokens in time independent of where they differ.
 pub(crate) fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0

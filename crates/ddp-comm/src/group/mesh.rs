@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::link::Link;
 use super::shm::ShmPair;
 use crate::error::{CommError, Result};
-use crate::wire::{Malformed, Reader, Writer, read_frame, tokens_equal, write_frame};
+use crate::wire::{Malformed, ReadBy, Reader, Writer, read_frame, tokens_equal, write_frame};
 
 const HELLO_MAGIC: u32 = 0x4844_4450; // "PDDH"
 const VERSION: u16 = 2;
@@ -168,8 +168,11 @@ pub(crate) fn decode_reply(frame: &[u8]) -> Option<(u8, bool)> {
     Some((code, shm == 1))
 }
 
+/// How long an accepted connection has to send its whole hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Reads one handshake frame (a hello or a reply); a clean close is an error here.
-pub(crate) fn read_handshake(s: &mut TcpStream) -> io::Result<Vec<u8>> {
+pub(crate) fn read_handshake(s: &mut impl io::Read) -> io::Result<Vec<u8>> {
     read_frame(s, MAX_HELLO)?.ok_or_else(|| io::ErrorKind::UnexpectedEof.into())
 }
 
@@ -178,7 +181,7 @@ pub(crate) fn write_handshake(s: &mut TcpStream, frame: &[u8]) -> io::Result<()>
     write_frame(s, frame, MAX_HELLO)
 }
 
-fn read_hello(s: &mut TcpStream) -> io::Result<Hello> {
+fn read_hello(s: &mut impl io::Read) -> io::Result<Hello> {
     Hello::decode(&read_handshake(s)?)
 }
 
@@ -266,13 +269,13 @@ pub(crate) fn establish(
             }
             Err(e) => return Err(CommError::io("rendezvous: accepting a peer", None, e)),
         };
+        // One deadline for the whole hello (at most 10 s, never past the rendezvous's): a peer
+        // trickling bytes cannot hold the accept loop.
+        let hello_by = cfg.deadline.min(Instant::now() + HELLO_TIMEOUT);
         let hello = s
             .set_nonblocking(false)
-            .and_then(|()| {
-                s.set_read_timeout(Some(left(cfg.deadline).min(Duration::from_secs(10))))
-            })
             .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(5))))
-            .and_then(|()| read_hello(&mut s));
+            .and_then(|()| read_hello(&mut ReadBy::new(&s, hello_by)));
         let hello = match hello {
             Ok(h) => h,
             Err(e) => {
@@ -322,10 +325,8 @@ pub(crate) fn establish(
     }
 
     // 3. Replies from the lower ranks.
-    for (peer, mut s, shm) in outgoing {
-        let got = s
-            .set_read_timeout(Some(left(cfg.deadline)))
-            .and_then(|()| read_handshake(&mut s));
+    for (peer, s, shm) in outgoing {
+        let got = read_handshake(&mut ReadBy::new(&s, cfg.deadline));
         if let Some((_, p)) = &shm {
             ShmPair::unlink(p);
         }

@@ -14,12 +14,17 @@ use std::time::{Duration, Instant};
 use super::message::{Reply, Request, VERSION};
 use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME};
 use crate::error::{CommError, Result};
-use crate::wire::{read_frame, tokens_equal, write_frame};
+use crate::wire::{ReadBy, read_frame, tokens_equal, write_frame};
 
 /// Largest handshake frame the server reads from a connection it does not trust yet.
 const MAX_HANDSHAKE_FRAME: usize = 4096;
-/// How long the server waits for a new connection's handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the server waits for a new connection's whole handshake (2 s in unit tests, so
+/// that the trickling-peer test is short).
+pub(super) const HANDSHAKE_TIMEOUT: Duration = if cfg!(test) {
+    Duration::from_secs(2)
+} else {
+    Duration::from_secs(10)
+};
 /// Most connections that may be in their handshake at once; more are refused at accept.
 const MAX_UNAUTHENTICATED: usize = 64;
 /// The longest a `get`/`wait` waits on the server, whatever timeout it asked for.
@@ -287,10 +292,11 @@ fn send(stream: &mut TcpStream, reply: &Reply) -> io::Result<()> {
 
 /// Reads and checks the client's handshake; the stream of an accepted client, else `None`.
 fn handshake(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) -> Option<TcpStream> {
-    // The handshake: bounded size and time, since the peer is not trusted yet.
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    // The handshake: bounded size and time — one deadline for the whole frame, however the
+    // bytes trickle in — since the peer is not trusted yet.
     let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    let frame = match read_frame(&mut stream, MAX_HANDSHAKE_FRAME) {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let frame = match read_frame(&mut ReadBy::new(&stream, deadline), MAX_HANDSHAKE_FRAME) {
         Ok(Some(f)) => f,
         Ok(None) => return None, // connected and closed (a port probe)
         Err(e) => {

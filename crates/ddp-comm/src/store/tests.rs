@@ -215,3 +215,49 @@ fn prefix_store_names_keys_in_its_namespace() {
     assert_eq!(c.get("job/sub/x", T).unwrap(), b"1");
     assert_eq!(PrefixStore::new(&mut c, "").key("k"), "k");
 }
+
+/// A peer that sends its handshake one byte at a time, each well inside the per-read limit,
+/// used to hold one of the handshake slots for as long as it liked (a byte every 9 s: about
+/// 10 h). Now the whole handshake has one deadline.
+#[test]
+fn a_trickling_handshake_is_cut_at_its_deadline() {
+    let (_s, ep) = server(Some("tok"));
+    let mut raw = TcpStream::connect(&ep).unwrap();
+    raw.set_read_timeout(Some(Duration::from_millis(20)))
+        .unwrap();
+    let start = Instant::now();
+    // A frame announcing 200 bytes, then a byte every 300 ms.
+    raw.write_all(&200u32.to_le_bytes()).unwrap();
+    let limit = server::HANDSHAKE_TIMEOUT;
+    let mut answered = None;
+    while start.elapsed() < limit * 4 {
+        if raw.write_all(b"x").is_err() {
+            answered = Some(start.elapsed());
+            break;
+        }
+        let mut buf = [0u8; 256];
+        match raw.read(&mut buf) {
+            Ok(_) => {
+                answered = Some(start.elapsed());
+                break;
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => {
+                answered = Some(start.elapsed());
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let after = answered.expect("the server kept a trickling handshake open");
+    assert!(
+        after < limit + Duration::from_secs(2),
+        "closed after {after:?}, the handshake limit is {limit:?}"
+    );
+    assert!(
+        after >= limit - Duration::from_millis(100),
+        "closed too early: {after:?}"
+    );
+}
