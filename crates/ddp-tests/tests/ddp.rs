@@ -300,6 +300,53 @@ fn compressed_gradients_keep_ranks_identical_and_near_the_reference() {
     }
 }
 
+/// Ranks that disagree on the wire format fail together with one clear error, before any
+/// bucket travels (under NCCL they would call it with bf16 on some ranks and f32 on others).
+/// Shared memory and TCP alike: the check is in the presence exchange of every step.
+#[test]
+fn ranks_that_disagree_on_compression_fail_together_with_a_clear_error() {
+    for shm in ["1", "0"] {
+        let out_dir = std::env::temp_dir().join(format!(
+            "burn-ddp-test-mixed-compression-{shm}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&out_dir).expect("temp dir");
+        let result = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), 2)
+            .args(["--scenario", "equiv", "--steps", "1", "--optim", "sgd"])
+            .arg("--out")
+            .arg(&out_dir)
+            .env("DDP_TIMEOUT_SECS", "60")
+            .env("RAYON_NUM_THREADS", "1")
+            .env("DDP_SHARED_MEMORY", shm)
+            .rank_env(1, "DDP_COMPRESSION", "bf16")
+            .deadline(DEADLINE)
+            .run()
+            .expect("spawn ddp_worker");
+        let _ = std::fs::remove_dir_all(&out_dir);
+        for r in &result.ranks {
+            assert!(
+                !r.success() && !r.timed_out,
+                "rank {}: {}",
+                r.rank,
+                result.report()
+            );
+            assert!(
+                r.stderr
+                    .contains("the gradient wire format differs between ranks"),
+                "rank {} (shm {shm}): {}",
+                r.rank,
+                r.stderr
+            );
+            assert!(
+                !r.stderr.contains("panicked"),
+                "rank {}: {}",
+                r.rank,
+                r.stderr
+            );
+        }
+    }
+}
+
 /// A wire format no rank knows is one clear error on every rank, before any step.
 #[test]
 fn an_unknown_compression_is_a_clear_error_on_every_rank() {

@@ -27,9 +27,14 @@ impl GradientSynchronizer {
         None
     }
 
-    /// All-reduces (Max) the presence bitmap plus a layout fingerprint (and, with a
-    /// `device_vote`, the pair `[yes, no]`); returns which slots have a gradient on at least
-    /// one rank, and whether every rank voted for the device path.
+    /// All-reduces (Max) the presence bitmap plus a layout fingerprint, the wire format (and,
+    /// with a `device_vote`, the pair `[yes, no]`); returns which slots have a gradient on at
+    /// least one rank, and whether every rank voted for the device path.
+    ///
+    /// # Errors
+    /// [`DdpError::GradientLayoutMismatch`] when the layouts differ; a
+    /// [`ddp_comm::CommError::Mismatch`] when the ranks' wire formats (compression) differ —
+    /// on every rank, before any bucket travels.
     pub(super) fn exchange_presence(
         &self,
         slots: &[Slot],
@@ -38,10 +43,14 @@ impl GradientSynchronizer {
         let _span = ddp_comm::trace::span("presence_exchange", "ddp").arg("slots", slots.len());
         let n = slots.len();
         let fp = layout_fingerprint(slots).to_le_bytes();
-        let mut buf = Vec::with_capacity(n + 18);
+        let mut buf = Vec::with_capacity(n + 20);
         buf.extend(slots.iter().map(|s| u8::from(s.grad.is_some())));
         buf.extend_from_slice(&fp);
         buf.extend(fp.iter().map(|b| !b));
+        // The wire format, checked the same way: on the device path NCCL would otherwise be
+        // called with bf16 on some ranks and f32 on others, and hang.
+        let wire = wire_code(self.compression);
+        buf.extend([wire, !wire]);
         if let Some(yes) = device_vote {
             buf.push(u8::from(yes));
             buf.push(u8::from(!yes));
@@ -57,9 +66,27 @@ impl GradientSynchronizer {
                 slots.iter().map(|s| s.numel).sum::<usize>()
             )));
         }
-        let on_device = device_vote.is_some() && tail[16] == 1 && tail[17] == 0;
+        if u16::from(tail[16]) + u16::from(tail[17]) != 255 {
+            return Err(ddp_comm::CommError::Mismatch(format!(
+                "the gradient wire format differs between ranks: this rank sends {} \
+                 (DDP_COMPRESSION / DdpBuilder::compression must be the same on every rank)",
+                self.compression
+            ))
+            .into());
+        }
+        let on_device = device_vote.is_some() && tail[18] == 1 && tail[19] == 0;
         log_path_once(device_vote, on_device);
         Ok((bits.iter().map(|&b| b != 0).collect(), on_device))
+    }
+}
+
+/// One byte naming a wire format in the presence exchange.
+fn wire_code(c: ddp_comm::Compression) -> u8 {
+    match c {
+        ddp_comm::Compression::None => 1,
+        ddp_comm::Compression::Bf16 => 2,
+        ddp_comm::Compression::Fp16 => 3,
+        _ => 4,
     }
 }
 
