@@ -155,8 +155,9 @@ where
     }
 
     /// Builds the loader for this rank of a [`Ddp`](crate::Ddp) job: its rank, world size
-    /// and device (batches land on `ddp.device()`; call `.autodiff()` on the tensors' device
-    /// yourself only if the batcher does not).
+    /// and the device a training step needs — batches land on `ddp.device().autodiff()`, where
+    /// the model trains and `loss.backward()` works. (For an evaluation loader without
+    /// autodiff, use [`Self::build`] with `ddp.device().clone()`.)
     ///
     /// ```no_run
     /// # use burn_ddp::data::ShardedDataLoaderBuilder;
@@ -181,6 +182,11 @@ where
         dataset: impl Dataset<I> + 'static,
         ddp: &crate::Ddp,
     ) -> Result<ShardedDataLoader<I, O>, DataError> {
-        self.build(dataset, ddp.rank(), ddp.world_size(), ddp.device().clone())
+        self.build(
+            dataset,
+            ddp.rank(),
+            ddp.world_size(),
+            ddp.device().clone().autodiff(),
+        )
     }
 }
