@@ -3,10 +3,17 @@
 //!
 //! Protocol (keys in the store's `ddp/trace` namespace): rank `k > 0` sets `ping/{k}/{i}` and
 //! waits for `pong/{k}/{i}`, which rank 0 sets to its clock as soon as it sees the ping. Rank 0
-//! serves the ranks one after another, [`ROUNDS`] rounds each. Rank `k` keeps the round with
-//! the smallest round trip and takes rank 0's clock to have been read halfway through it
-//! ([`estimate_offset`]); the error is at most half that round trip (plus the asymmetry of
-//! the two directions, which the store's relay makes small).
+//! serves the ranks one after another, [`ROUNDS`] rounds each.
+//!
+//! Rank 0 reads its clock when the store hands it the ping, i.e. when the ping *reached the
+//! store* (rank 0 serves the store in its own process, so that hand-over is a loopback hop),
+//! which is the middle of the ping's own round trip — the `set` and its acknowledgement —
+//! not the middle of the whole exchange: the `get` of the answer starts only after the
+//! acknowledgement, so the answer's arrival lags by a further round trip. Taking the middle of
+//! the whole exchange put rank 0's reading at a quarter of it instead of half, a bias of one
+//! one-way latency. Rank `k` keeps the round with the quickest ping and takes rank 0's clock
+//! to have been read halfway through it ([`estimate_offset`]); the error is at most half that
+//! round trip plus the hop from the store to rank 0.
 
 use std::time::{Duration, Instant};
 
@@ -30,16 +37,19 @@ const ROUND: Duration = Duration::from_secs(5);
 pub struct ClockSample {
     /// This rank's clock when it sent the ping.
     pub sent_us: i64,
-    /// Rank 0's clock when it answered.
+    /// This rank's clock when the store acknowledged the ping.
+    pub acked_us: i64,
+    /// Rank 0's clock when it saw the ping.
     pub peer_us: i64,
     /// This rank's clock when the answer arrived.
     pub received_us: i64,
 }
 
 impl ClockSample {
-    /// The round trip, `received - sent`.
+    /// The ping's round trip, `acked - sent`: rank 0's reading lies (up to the store's hop to
+    /// rank 0) at its middle.
     pub fn rtt_us(&self) -> i64 {
-        self.received_us - self.sent_us
+        self.acked_us - self.sent_us
     }
 }
 
@@ -54,17 +64,17 @@ pub struct ClockSync {
     pub rounds: usize,
 }
 
-/// The offset from the round with the smallest round trip: rank 0 read its clock `peer_us`
-/// about half a round trip before the answer arrived, so `offset = peer + rtt/2 − received`.
-/// Rounds with a negative round trip (a clock that went backwards) are ignored; `None` when
-/// no round is left.
+/// The offset from the round with the quickest ping: rank 0 read its clock `peer_us` when the
+/// ping reached the store, halfway through the ping's round trip, so
+/// `offset = peer − (sent + acked) / 2`. Rounds with a negative round trip (a clock that went
+/// backwards) are ignored; `None` when no round is left.
 ///
 /// ```
 /// use ddp_comm::trace::{estimate_offset, ClockSample};
-/// // This clock is 1000 µs behind rank 0's; the second round is the quickest (20 µs).
+/// // This clock is 1000 µs behind rank 0's; the second round's ping is the quickest (20 µs).
 /// let rounds = [
-///     ClockSample { sent_us: 0, peer_us: 1_090, received_us: 300 },
-///     ClockSample { sent_us: 500, peer_us: 1_510, received_us: 520 },
+///     ClockSample { sent_us: 0, acked_us: 300, peer_us: 1_150, received_us: 600 },
+///     ClockSample { sent_us: 500, acked_us: 520, peer_us: 1_510, received_us: 540 },
 /// ];
 /// let sync = estimate_offset(&rounds).unwrap();
 /// assert_eq!((sync.offset_us, sync.rtt_us, sync.rounds), (1_000, 20, 2));
@@ -72,12 +82,11 @@ pub struct ClockSync {
 pub fn estimate_offset(samples: &[ClockSample]) -> Option<ClockSync> {
     let best = samples
         .iter()
-        .filter(|s| s.rtt_us() >= 0)
+        .filter(|s| s.rtt_us() >= 0 && s.received_us >= s.acked_us)
         .min_by_key(|s| s.rtt_us())?;
-    let rtt = best.rtt_us();
     Some(ClockSync {
-        offset_us: best.peer_us + rtt / 2 - best.received_us,
-        rtt_us: rtt,
+        offset_us: best.peer_us - (best.sent_us + best.acked_us) / 2,
+        rtt_us: best.rtt_us(),
         rounds: samples.len(),
     })
 }
@@ -121,6 +130,7 @@ pub(super) fn sync_with_rank0(
     for round in 0..ROUNDS {
         let sent_us = now_us();
         ns.set(&keys::trace_ping(rank, round), &sent_us.to_le_bytes())?;
+        let acked_us = now_us();
         let wait = if round == 0 { FIRST_PONG } else { ROUND };
         let reply = ns.get(&keys::trace_pong(rank, round), wait)?;
         let received_us = now_us();
@@ -132,6 +142,7 @@ pub(super) fn sync_with_rank0(
         })?);
         samples.push(ClockSample {
             sent_us,
+            acked_us,
             peer_us,
             received_us,
         });
