@@ -279,3 +279,36 @@ fn a_kill_during_a_checkpoint_write_resumes_from_the_previous_one() {
     }
     eprintln!("kill during a checkpoint write: resumed from step 40, max |Δparam| {max_diff:e}");
 }
+
+/// A checkpoint save that takes longer than the collective deadline (`DDP_TIMEOUT_SECS`) is no
+/// failure: the ranks waiting for rank 0's save wait by the checkpoint deadline instead.
+/// Before, rank 1 timed out in the outcome broadcast and blamed rank 0 as stalled.
+#[test]
+fn a_save_slower_than_the_collective_deadline_succeeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut cfg = config(0, &dir.path().join("marks"), &out.join(FILE_NAME));
+    cfg.extra_env.extend([
+        ("DDP_TIMEOUT_SECS".to_string(), "5".to_string()),
+        (
+            burn_ddp::checkpoint::WRITE_PAUSE_VAR.to_string(),
+            "8000".to_string(),
+        ),
+    ]);
+    let args: Vec<String> = format!(
+        "--train-size 256 --eval-size 64 --batch-size 32 --channels 4,8,8 --seed 3 \
+         --no-progress --epochs 1 --out {}",
+        out.display()
+    )
+    .split(' ')
+    .map(String::from)
+    .collect();
+    let t = std::time::Instant::now();
+    let report = launch_with_deadline(cfg, env!("CARGO_BIN_EXE_train-cnn").into(), args);
+    assert!(report.success(), "a slow save failed the job: {report:?}");
+    assert!(
+        t.elapsed() >= Duration::from_secs(8),
+        "the save did not pause (the test proves nothing)"
+    );
+    assert!(Checkpoint::read(&out.join(FILE_NAME)).is_ok());
+}

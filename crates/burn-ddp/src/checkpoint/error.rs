@@ -33,6 +33,21 @@ pub enum CheckpointError {
     /// A record or the metadata could not be serialised.
     #[error("cannot encode the checkpoint: {0}")]
     Encode(String),
+    /// The other ranks waited for rank 0's save or read longer than the checkpoint deadline
+    /// ([`super::Checkpointer::io_timeout`], `DDP_CHECKPOINT_TIMEOUT_SECS`).
+    #[error(
+        "checkpoint {path}: rank 0's {what} did not finish within {after:.0?} (the checkpoint \
+         deadline: Checkpointer::io_timeout or DDP_CHECKPOINT_TIMEOUT_SECS, not the collective \
+         deadline DDP_TIMEOUT_SECS); a slow file system, or rank 0 is stuck"
+    )]
+    Timeout {
+        /// The file.
+        path: PathBuf,
+        /// `save` or `read`.
+        what: &'static str,
+        /// How long the ranks waited.
+        after: std::time::Duration,
+    },
     /// Rank 0 failed to write or read the checkpoint; this is its error, as every other rank
     /// reports it.
     #[error("on rank 0: {0}")]

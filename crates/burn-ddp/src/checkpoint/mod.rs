@@ -49,6 +49,7 @@ mod file;
 
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
@@ -204,6 +205,53 @@ pub struct Checkpointer {
     path: PathBuf,
     every_steps: Option<NonZeroU64>,
     every_epochs: Option<NonZeroU64>,
+    io_timeout: Duration,
+}
+
+/// The variable that sets [`Checkpointer::io_timeout`] (seconds) for programs that don't.
+pub const IO_TIMEOUT_VAR: &str = "DDP_CHECKPOINT_TIMEOUT_SECS";
+
+/// How long the other ranks wait for rank 0 to write or read a checkpoint, by default.
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// [`IO_TIMEOUT_VAR`]'s value, else [`DEFAULT_IO_TIMEOUT`] (a malformed value is reported
+/// once and ignored).
+fn io_timeout_from_env() -> Duration {
+    match std::env::var(IO_TIMEOUT_VAR) {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
+            Ok(secs) if secs.is_finite() && secs > 0.0 => Duration::from_secs_f64(secs),
+            _ => {
+                tracing::warn!(
+                    "{IO_TIMEOUT_VAR}={v:?} is not a positive number of seconds; using {} s",
+                    DEFAULT_IO_TIMEOUT.as_secs()
+                );
+                DEFAULT_IO_TIMEOUT
+            }
+        },
+        _ => DEFAULT_IO_TIMEOUT,
+    }
+}
+
+/// The group's collective deadline replaced by a checkpoint's for as long as this lives (every
+/// rank does the same at the same call, so the ranks agree).
+struct CheckpointDeadline<'a> {
+    group: &'a comm::SharedGroup,
+    previous: Duration,
+}
+
+impl<'a> CheckpointDeadline<'a> {
+    fn set(group: &'a comm::SharedGroup, timeout: Duration) -> Self {
+        let mut g = comm::lock(group);
+        let previous = g.timeout();
+        g.set_timeout(timeout.max(previous));
+        CheckpointDeadline { group, previous }
+    }
+}
+
+impl Drop for CheckpointDeadline<'_> {
+    fn drop(&mut self) {
+        comm::lock(self.group).set_timeout(self.previous);
+    }
 }
 
 /// A rank-0 outcome as broadcast to every rank: a tag byte, then the payload.
@@ -223,6 +271,32 @@ impl Checkpointer {
             path: path.into(),
             every_steps: None,
             every_epochs: NonZeroU64::new(1),
+            io_timeout: io_timeout_from_env(),
+        }
+    }
+
+    /// How long the other ranks wait for rank 0 to write or read the checkpoint (default
+    /// [`DEFAULT_IO_TIMEOUT`], 30 min, or [`IO_TIMEOUT_VAR`]). While they wait this replaces
+    /// the group's collective deadline (`DDP_TIMEOUT_SECS`), which a large model's save on a
+    /// slow network file system can outlast; it is never shorter than that deadline.
+    #[must_use]
+    pub fn io_timeout(mut self, timeout: Duration) -> Self {
+        self.io_timeout = timeout;
+        self
+    }
+
+    /// A wait for rank 0's `what` that ran out of time, said as such.
+    fn waited(&self, e: DdpError, what: &'static str) -> DdpError {
+        match e {
+            DdpError::Comm(ddp_comm::CommError::Timeout { after, .. }) => {
+                CheckpointError::Timeout {
+                    path: self.path.clone(),
+                    what,
+                    after,
+                }
+                .into()
+            }
+            e => e,
         }
     }
 
@@ -314,7 +388,12 @@ impl Checkpointer {
             Ok(()) => Vec::new(),
             Err(e) => e.to_string().into_bytes(),
         };
-        comm::lock(g).broadcast_bytes(&mut status, 0)?;
+        {
+            let _deadline = CheckpointDeadline::set(g, self.io_timeout);
+            comm::lock(g)
+                .broadcast_bytes(&mut status, 0)
+                .map_err(|e| self.waited(e.into(), "save"))?;
+        }
         outcome?;
         if !status.is_empty() {
             return Err(
@@ -386,7 +465,12 @@ impl Checkpointer {
                 }
             }
         };
-        comm::lock(g).broadcast_bytes(&mut bytes, 0)?;
+        {
+            let _deadline = CheckpointDeadline::set(g, self.io_timeout);
+            comm::lock(g)
+                .broadcast_bytes(&mut bytes, 0)
+                .map_err(|e| self.waited(e.into(), "read"))?;
+        }
         if let Some(e) = local_err {
             return Err(e.into());
         }
