@@ -70,6 +70,23 @@ fn trace_rank_program() {
         std::thread::sleep(Duration::from_secs(60));
         panic!("rank 0 was not stopped after rank 1 failed");
     }
+    if role == "own-handler" {
+        // A program with a SIGTERM handler of its own (installed after tracing turned on),
+        // which saves its work and exits 0: the trace's watcher must not end it first.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone()).unwrap();
+        trace::leave_sigterm_to_the_program();
+        let dir = PathBuf::from(std::env::var("DDP_TRACE").unwrap());
+        std::fs::write(dir.join(format!("ready-{rank}")), b"").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // "Saving" takes a while: long after the watcher has written the trace.
+        std::thread::sleep(Duration::from_millis(500));
+        std::fs::write(dir.join(format!("saved-{rank}")), b"").unwrap();
+        std::process::exit(0);
+    }
     if role == "abort1" && rank == 1 {
         let rank0 = Path::new(&std::env::var("DDP_TRACE").unwrap()).join("rank-0.trace.json");
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -445,4 +462,38 @@ fn merge_trace_joins_the_rank_files_of_several_nodes() {
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A rank program with a SIGTERM handler of its own (signal-hook, installed after tracing
+/// turned on) that calls `trace::leave_sigterm_to_the_program`: a SIGTERM writes its trace and
+/// the program still finishes its "save and exit". Before, the watcher re-raised SIGTERM and
+/// killed it half-way.
+#[test]
+fn a_program_with_its_own_sigterm_handler_finishes_it() {
+    let dir = scratch("own-handler");
+    let running = start_ddprun(&dir, "own-handler", &[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(dir.join("ready-0").exists() && dir.join("ready-1").exists()) {
+        assert!(Instant::now() < deadline, "the ranks never got ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(
+        unsafe { libc::kill(running.child.id() as i32, libc::SIGTERM) },
+        0
+    );
+    let run = running.wait();
+    for rank in 0..2 {
+        assert!(
+            dir.join(format!("saved-{rank}")).exists(),
+            "rank {rank} was ended before its own handler finished: {}",
+            run.stderr
+        );
+        assert!(
+            dir.join(format!("rank-{rank}.trace.json")).exists(),
+            "{}",
+            run.stderr
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

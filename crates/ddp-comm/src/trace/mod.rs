@@ -101,6 +101,7 @@ pub use merge::{
     MERGED_FILE, MergeSummary, TraceError, attempt_dir_name, merge_dir, merge_into, track_pid,
 };
 pub(crate) use recorder::flush_best_effort;
+pub use recorder::leave_sigterm_to_the_program;
 
 use recorder::{Kind, Recorder};
 

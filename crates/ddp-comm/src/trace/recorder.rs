@@ -92,10 +92,30 @@ fn register_exit_hook() {
     }
 }
 
+/// Set by [`leave_sigterm_to_the_program`].
+static PROGRAM_HANDLES_SIGTERM: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Tells the trace's SIGTERM watcher that this program ends itself on SIGTERM (a handler of
+/// its own through signal-hook, tokio or `ctrlc`, installed after tracing turned on, e.g. to
+/// save a checkpoint and exit): a SIGTERM then writes the trace and leaves the process running
+/// for that handler, instead of ending it as SIGTERM's default action would. The trace is
+/// written again at exit. Call it where the handler is installed.
+///
+/// ```no_run
+/// // … after installing the program's own SIGTERM handler (signal-hook, tokio, ctrlc):
+/// ddp_comm::trace::leave_sigterm_to_the_program();
+/// ```
+pub fn leave_sigterm_to_the_program() {
+    PROGRAM_HANDLES_SIGTERM.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// With tracing on, a SIGTERM (what the launcher sends the ranks it stops after another rank
 /// failed, and what schedulers send) writes the trace, marked with a `sigterm` instant, before
 /// the process ends as SIGTERM's default action ends it. Only if SIGTERM has its default
-/// action when tracing turns on: a handler of the program's own is left alone.
+/// action when tracing turns on: a handler of the program's own is left alone. A program that
+/// installs its handler later (so both run) calls [`leave_sigterm_to_the_program`]: then the
+/// watcher writes the trace and lets the program end itself.
 fn register_sigterm_flush() {
     use signal_hook::consts::SIGTERM;
     if !sigterm_is_default() {
@@ -114,12 +134,17 @@ fn register_sigterm_flush() {
     let watcher = std::thread::Builder::new()
         .name("ddp-trace-sigterm".into())
         .spawn(move || {
-            if signals.forever().next().is_some() {
+            for _ in signals.forever() {
                 if let Some(r) = GLOBAL.get() {
                     drop(super::instant("sigterm", "signal"));
                     if let Err(e) = r.flush_at_exit() {
                         eprintln!("ddp-comm: cannot write the trace file on SIGTERM: {e}");
                     }
+                }
+                if PROGRAM_HANDLES_SIGTERM.load(std::sync::atomic::Ordering::SeqCst) {
+                    // The program's own handler ends the process (and the exit hook writes
+                    // the trace once more).
+                    continue;
                 }
                 // Resets SIGTERM to its default action and raises it: the process ends
                 // killed by SIGTERM, as it would have without tracing.
