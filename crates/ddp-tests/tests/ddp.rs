@@ -300,6 +300,30 @@ fn compressed_gradients_keep_ranks_identical_and_near_the_reference() {
     }
 }
 
+/// 16-bit gradients only where they pay: a group whose every link is shared memory sends f32
+/// (bitwise the uncompressed result, within f32 rounding of the reference), while over TCP
+/// bf16 really travels (its rounding shows). Before, shm paid the casts for nothing (slower).
+#[test]
+fn compression_applies_over_tcp_and_not_over_shared_memory() {
+    let args = ["--scenario", "equiv", "--optim", "sgd", "--steps", "5", "--batch", "4"];
+    let shm = launch_with_env(2, "wire-shm-bf16", &args, &[("DDP_COMPRESSION", "bf16")]);
+    shm.assert_matches_reference(2, 4e-8);
+    assert!(
+        shm.result.ranks[0].stderr.contains("not used: every link of this group is shared memory"),
+        "{}",
+        shm.result.ranks[0].stderr
+    );
+    let tcp = launch_with_env(
+        2,
+        "wire-tcp-bf16",
+        &args,
+        &[("DDP_COMPRESSION", "bf16"), ("DDP_SHARED_MEMORY", "0")],
+    );
+    tcp.assert_matches_reference(2, 1.5e-3);
+    let rounded = max_abs_diff(&tcp.params("rank0.f32"), &tcp.params("reference.f32"));
+    assert!(rounded > 1e-6, "bf16 over TCP left no rounding: {rounded:e}");
+}
+
 /// Ranks that disagree on the wire format fail together with one clear error, before any
 /// bucket travels (under NCCL they would call it with bf16 on some ranks and f32 on others).
 /// Shared memory and TCP alike: the check is in the presence exchange of every step.

@@ -19,6 +19,7 @@ impl GradientSynchronizer {
         &self,
         slots: &mut [Slot],
         buckets: &[Bucket],
+        wire: Compression,
     ) -> Result<PipelineTimes> {
         let mut times = PipelineTimes::default();
         if buckets.is_empty() {
@@ -30,7 +31,7 @@ impl GradientSynchronizer {
                 let mut parts = fill_bucket(slots, bucket)?;
                 times.fill += t.elapsed();
                 let t = Instant::now();
-                reduce_parts(&mut comm::lock(&self.group), &mut parts, self.compression)?;
+                reduce_parts(&mut comm::lock(&self.group), &mut parts, wire)?;
                 times.all_reduce += t.elapsed();
                 let t = Instant::now();
                 unpack_bucket(slots, parts);
@@ -39,7 +40,7 @@ impl GradientSynchronizer {
             return Ok(times);
         }
         let group = self.group.clone();
-        let compression = self.compression;
+        let compression = wire;
         std::thread::scope(|scope| {
             // Bounded: at most two filled buckets wait for the comm thread.
             let (to_comm, comm_in) = mpsc::sync_channel::<Vec<Part>>(2);

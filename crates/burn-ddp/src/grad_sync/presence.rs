@@ -39,11 +39,11 @@ impl GradientSynchronizer {
         &self,
         slots: &[Slot],
         device_vote: Option<bool>,
-    ) -> Result<(Vec<bool>, bool)> {
+    ) -> Result<Presence> {
         let _span = ddp_comm::trace::span("presence_exchange", "ddp").arg("slots", slots.len());
         let n = slots.len();
         let fp = layout_fingerprint(slots).to_le_bytes();
-        let mut buf = Vec::with_capacity(n + 20);
+        let mut buf = Vec::with_capacity(n + 21);
         buf.extend(slots.iter().map(|s| u8::from(s.grad.is_some())));
         buf.extend_from_slice(&fp);
         buf.extend(fp.iter().map(|b| !b));
@@ -51,6 +51,11 @@ impl GradientSynchronizer {
         // called with bf16 on some ranks and f32 on others, and hang.
         let wire = wire_code(self.compression);
         buf.extend([wire, !wire]);
+        // Whether any rank reaches a peer over TCP: only there do 16-bit gradients pay.
+        let tcp = comm::lock(&self.group)
+            .transports()
+            .contains(&ddp_comm::group::Transport::Tcp);
+        buf.push(u8::from(tcp));
         if let Some(yes) = device_vote {
             buf.push(u8::from(yes));
             buf.push(u8::from(!yes));
@@ -74,10 +79,26 @@ impl GradientSynchronizer {
             ))
             .into());
         }
-        let on_device = device_vote.is_some() && tail[18] == 1 && tail[19] == 0;
+        let any_tcp = tail[18] != 0;
+        let on_device = device_vote.is_some() && tail[19] == 1 && tail[20] == 0;
         log_path_once(device_vote, on_device);
-        Ok((bits.iter().map(|&b| b != 0).collect(), on_device))
+        Ok(Presence {
+            present: bits.iter().map(|&b| b != 0).collect(),
+            on_device,
+            any_tcp,
+        })
     }
+}
+
+/// What every rank learns from the presence exchange.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Presence {
+    /// Which slots have a gradient on at least one rank.
+    pub(super) present: Vec<bool>,
+    /// Whether every rank voted for the device (NCCL) path.
+    pub(super) on_device: bool,
+    /// Whether some rank reaches a peer over TCP (else every link is shared memory).
+    pub(super) any_tcp: bool,
 }
 
 /// One byte naming a wire format in the presence exchange.

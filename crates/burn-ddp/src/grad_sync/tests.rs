@@ -139,9 +139,10 @@ fn presence_exchange_decodes_the_device_vote() {
     let slots = collector.slots;
     let sync = GradientSynchronizer::new(Arc::new(Mutex::new(ProcessGroup::single())), 64);
     for (vote, expected) in [(None, false), (Some(false), false), (Some(true), true)] {
-        let (present, on_device) = sync.exchange_presence(&slots, vote).unwrap();
-        assert_eq!(on_device, expected, "vote {vote:?}");
-        assert_eq!(present, vec![true, true, true, true, false, false]);
+        let p = sync.exchange_presence(&slots, vote).unwrap();
+        assert_eq!(p.on_device, expected, "vote {vote:?}");
+        assert_eq!(p.present, vec![true, true, true, true, false, false]);
+        assert!(!p.any_tcp, "a group of one has no link");
     }
 }
 
