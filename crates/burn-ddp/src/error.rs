@@ -55,7 +55,7 @@ pub enum DdpError {
     Data(#[from] crate::data::DataError),
     /// A SyncBatchNorm layer failed ([`crate::sync_batch_norm`]).
     #[error(transparent)]
-    SyncBatchNorm(#[from] crate::sync_batch_norm::SyncBatchNormError),
+    SyncBatchNorm(#[from] crate::sync_batch_norm::error::SyncBatchNormError),
     /// An invalid setting was passed to a builder.
     #[error("invalid setting: {0}")]
     InvalidSetting(String),

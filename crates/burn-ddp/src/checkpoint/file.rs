@@ -5,8 +5,7 @@
 //! progress, world size, the user's metadata), the model record (burnpack), the optimizer
 //! state (burnpack).
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use serde::Serialize;

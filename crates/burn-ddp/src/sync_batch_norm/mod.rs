@@ -83,7 +83,7 @@
 
 mod autodiff;
 mod backend;
-mod error;
+pub(crate) mod error;
 mod exchange;
 #[cfg(feature = "cube")]
 mod kernels;

@@ -23,7 +23,7 @@
 //!
 //! [`check_libraries`] recognises that case and says so in its error.
 
-use std::ffi::{CStr, CString};
+use std::ffi::CString;
 use std::io;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -250,21 +250,6 @@ fn dlopen_ok(name: &str) -> bool {
             libc::dlclose(handle);
             true
         }
-    }
-}
-
-/// Converts a C string returned by NCCL into an owned string (empty for NULL).
-///
-/// # Safety
-/// `ptr` must be NULL or point to a NUL-terminated string that stays valid during the call.
-pub(crate) unsafe fn c_string(ptr: *const std::ffi::c_char) -> String {
-    if ptr.is_null() {
-        String::new()
-    } else {
-        // SAFETY: guaranteed by the caller.
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .into_owned()
     }
 }
 

@@ -14,7 +14,6 @@ use cudarc::nccl::sys::{self, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUni
 pub use cudarc::nccl::sys::ncclResult_t;
 pub(crate) use cudarc::nccl::sys::{cudaStream_t as StreamPtr, ncclComm_t as CommPtr};
 
-use super::library::c_string;
 use super::rendezvous::ID_BYTES;
 use crate::error::CommError;
 
@@ -262,6 +261,21 @@ pub(crate) fn group_start() -> Result<Progress, NcclError> {
 pub(crate) unsafe fn group_end() -> Result<Progress, NcclError> {
     // SAFETY: per the contract.
     check("ncclGroupEnd", unsafe { sys::ncclGroupEnd() })
+}
+
+/// Converts a C string returned by NCCL into an owned string (empty for NULL).
+///
+/// # Safety
+/// `ptr` must be NULL or point to a NUL-terminated string that stays valid during the call.
+pub(crate) unsafe fn c_string(ptr: *const std::ffi::c_char) -> String {
+    if ptr.is_null() {
+        String::new()
+    } else {
+        // SAFETY: guaranteed by the caller.
+        unsafe { std::ffi::CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .into_owned()
+    }
 }
 
 #[cfg(test)]

@@ -85,6 +85,7 @@
 //! [`LaunchConfig::trace`]: crate::launcher::LaunchConfig::trace
 
 mod clock;
+mod event;
 mod merge;
 mod recorder;
 #[cfg(test)]

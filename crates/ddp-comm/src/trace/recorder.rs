@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError, TryLockError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+pub(super) use super::event::{Event, Kind};
 use super::writer::{self, Meta};
-use super::{ArgValue, ClockSync, DEFAULT_MAX_EVENTS, MAX_EVENTS_VAR, TRACE_VAR, rank_file_name};
+use super::{ClockSync, DEFAULT_MAX_EVENTS, MAX_EVENTS_VAR, TRACE_VAR, rank_file_name};
 
 const UNKNOWN: u8 = 0;
 const OFF: u8 = 1;
@@ -167,28 +168,6 @@ fn sigterm_is_default() -> bool {
         libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut old) == 0
             && old.sa_sigaction == libc::SIG_DFL
     }
-}
-
-/// What a span is in the file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
-    /// `"ph":"X"`: a start and a duration.
-    Complete,
-    /// `"ph":"i"`: a point in time.
-    Instant,
-}
-
-/// One recorded span or instant.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct Event {
-    pub name: &'static str,
-    pub cat: &'static str,
-    pub kind: Kind,
-    /// Start, nanoseconds after the recorder's base instant.
-    pub start_ns: u64,
-    pub dur_ns: u64,
-    pub tid: u32,
-    pub args: Vec<(&'static str, ArgValue)>,
 }
 
 thread_local! {

@@ -6,7 +6,7 @@ use std::io::{self, Write};
 
 use super::ArgValue;
 use super::clock::ClockSync;
-use super::recorder::{Event, Kind};
+use super::event::{Event, Kind};
 
 /// What the file says besides the events.
 #[derive(Debug, Clone, PartialEq)]
