@@ -21,6 +21,8 @@ use clap::{Parser, Subcommand};
 mod ci;
 mod cuda_build;
 mod gpu_check;
+#[cfg(test)]
+mod import_cycles;
 mod ptx_check;
 mod train;
 
