@@ -35,7 +35,10 @@ fn kernels(device: &Device) -> [Vec<f32>; 5] {
     let elementwise = values(x.clone() * 2.5 + 1.0);
     let sums = values(x.clone().sum_dim(1));
     let exp_log = values((x.clone().abs() + 1.0).log() + (x.clone() * 0.5).exp());
-    let half = |dtype| values((x.clone().cast(dtype) * 3.0 + 0.5).cast(DType::F32));
+    let half = |dtype: DType| {
+        let h: Tensor<2> = x.clone().cast(dtype) * 3.0 + 0.5;
+        values(h.cast(DType::F32))
+    };
     [
         elementwise,
         sums,
