@@ -39,7 +39,7 @@ pub enum ToolkitError {
     #[error(
         "libdevice.10.bc not found: Burn's CUDA kernels that call exp/log/tanh/erf link it (the \
          CUDA toolkit's nvvm/libdevice). Tried {}. Install a toolkit, `pip install \
-         nvidia-cuda-nvcc-cu12` (or PyTorch, whose triton wheel has it), or set CUDA_PATH to a \
+         nvidia-cuda-nvcc` (its nvidia-nvvm dependency has it; so has PyTorch's triton wheel), or set CUDA_PATH to a \
          folder holding nvvm/libdevice/libdevice.10.bc",
         list(tried)
     )]
@@ -182,8 +182,8 @@ fn toolkit_roots() -> Vec<PathBuf> {
 
 /// Every place `libdevice.10.bc` is looked for, in order: under each toolkit root
 /// (`nvvm/libdevice/`), Debian's `nvidia-cuda-toolkit` folder, then in each site-packages
-/// folder the wheels' layouts — `nvidia/cu13/nvvm/libdevice/` and `nvidia/cuda_nvcc/nvvm/libdevice/`
-/// (nvidia-cuda-nvcc), `triton/backends/nvidia/lib/` (PyTorch's triton).
+/// folder the wheels' layouts — `nvidia/cu13/nvvm/libdevice/` (nvidia-nvvm 13.x, a dependency of
+/// nvidia-cuda-nvcc) and `nvidia/cuda_nvcc/nvvm/libdevice/` (nvidia-cuda-nvcc-cu12), `triton/backends/nvidia/lib/` (PyTorch's triton).
 pub fn libdevice_candidates(sites: &[PathBuf]) -> Vec<PathBuf> {
     let nvvm = |root: &Path| root.join("nvvm").join("libdevice").join(LIBDEVICE);
     let mut files: Vec<PathBuf> = toolkit_roots().iter().map(|r| nvvm(r)).collect();
