@@ -436,7 +436,7 @@ fn build_standin(root: &Path) -> Result<PathBuf, String> {
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "cuda-standin")
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "cuda_standin")
         .flat_map(|m| {
             m["filenames"]
                 .as_array()

@@ -66,6 +66,7 @@ pub fn write_svg(path: &Path, history: &[EpochMetrics]) -> Result<(), PlotError>
         ),
     ];
     for (area, title, y_range, series) in panels {
+        let (lo, hi) = (y_range.start, y_range.end);
         let mut chart = ChartBuilder::on(area)
             .caption(title, ("sans-serif", 20))
             .margin(12)
@@ -80,8 +81,15 @@ pub fn write_svg(path: &Path, history: &[EpochMetrics]) -> Result<(), PlotError>
             .draw()
             .map_err(|e| err(&e))?;
         for (value, label, color) in series {
-            let points: Vec<(i32, f64)> =
-                history.iter().map(|m| (m.epoch as i32, value(m))).collect();
+            // Non-finite values are left out and the rest kept inside the panel: a value far
+            // outside it (a diverged run, or the meaningless numbers of the CUDA driver
+            // stand-in) overflowed plotters' pixel arithmetic.
+            let points: Vec<(i32, f64)> = history
+                .iter()
+                .map(|m| (m.epoch as i32, value(m)))
+                .filter(|(_, v)| v.is_finite())
+                .map(|(e, v)| (e, v.clamp(lo, hi)))
+                .collect();
             chart
                 .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
                 .map_err(|e| err(&e))?
@@ -134,6 +142,28 @@ mod tests {
             assert!(svg.contains(label), "missing {label}");
         }
         assert!(svg.matches("<polyline").count() >= 4);
+    }
+
+    /// Values far outside the panels (a diverged run; the CUDA driver stand-in's meaningless
+    /// numbers) are drawn at the edge, not an overflow in the plotting library.
+    #[test]
+    fn wild_values_do_not_break_the_plot() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wild.svg");
+        let m = |epoch, train_loss: f64, train_accuracy: f64| EpochMetrics {
+            epoch,
+            train_loss,
+            train_accuracy,
+            eval_loss: f64::INFINITY,
+            eval_accuracy: -1.8e7,
+            samples_per_sec: 1.0,
+            seconds: 1.0,
+            sync_seconds: 0.0,
+            wait_seconds: 0.0,
+        };
+        let h = vec![m(1, -0.0055, 3.6e6), m(2, 1e30, f64::NAN), m(3, 0.5, 0.5)];
+        write_svg(&path, &h).unwrap();
+        assert!(std::fs::metadata(&path).unwrap().len() > 100);
     }
 
     #[test]
