@@ -44,7 +44,12 @@ pub struct PtxCheckArgs {
 }
 
 /// The CUDA binaries the check runs, from CI's CUDA build.
-const PICKS: [Pick; 3] = [
+const PICKS: [Pick; 4] = [
+    Pick {
+        target: "burn_ddp",
+        kind: "lib",
+        file: "burn-ddp-tests",
+    },
     Pick {
         target: "train-cnn",
         kind: "bin",
@@ -78,6 +83,8 @@ pub enum Record {
         target: String,
         /// Whether it carries libdevice functions.
         libdevice: bool,
+        /// The program that loaded it.
+        program: String,
         /// Entry names, or ptxas's message.
         detail: String,
     },
@@ -98,16 +105,24 @@ pub fn parse_record(text: &str) -> Vec<Record> {
         .filter_map(|l| {
             let f: Vec<&str> = l.split('\t').collect();
             match f.as_slice() {
-                ["module", hash, status, version, target, libdevice, detail] => {
-                    Some(Record::Module {
-                        hash: (*hash).into(),
-                        ok: *status == "ok",
-                        version: (*version).into(),
-                        target: (*target).into(),
-                        libdevice: *libdevice == "libdevice",
-                        detail: (*detail).into(),
-                    })
-                }
+                [
+                    "module",
+                    hash,
+                    status,
+                    version,
+                    target,
+                    libdevice,
+                    program,
+                    detail,
+                ] => Some(Record::Module {
+                    hash: (*hash).into(),
+                    ok: *status == "ok",
+                    version: (*version).into(),
+                    target: (*target).into(),
+                    libdevice: *libdevice == "libdevice",
+                    program: (*program).into(),
+                    detail: (*detail).into(),
+                }),
                 ["launch", kernel, status, reason] => Some(Record::Launch {
                     kernel: (*kernel).into(),
                     ok: *status == "ok",
@@ -136,6 +151,8 @@ pub struct Tally {
     pub refused_launches: Vec<(String, String)>,
     /// PTX versions and targets seen.
     pub versions: BTreeSet<String>,
+    /// Distinct modules per program that loaded them.
+    pub per_program: BTreeMap<String, usize>,
 }
 
 impl Tally {
@@ -143,6 +160,7 @@ impl Tally {
     pub fn of(records: &[Record]) -> Tally {
         let mut t = Tally::default();
         let mut seen = BTreeSet::new();
+        let mut per_program: BTreeSet<(String, String)> = BTreeSet::new();
         let mut entries = BTreeSet::new();
         let mut launched = BTreeSet::new();
         for r in records {
@@ -153,8 +171,10 @@ impl Tally {
                     version,
                     target,
                     libdevice,
+                    program,
                     detail,
                 } => {
+                    per_program.insert((program.clone(), hash.clone()));
                     if !seen.insert(hash.clone()) {
                         continue;
                     }
@@ -177,6 +197,9 @@ impl Tally {
                     }
                 }
             }
+        }
+        for (program, _) in per_program {
+            *t.per_program.entry(program).or_default() += 1;
         }
         t.entries = entries.len();
         t.launched = launched.len();
@@ -297,6 +320,12 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
         tally.launched,
         tally.refused_launches.len()
     );
+    let programs: Vec<String> = tally
+        .per_program
+        .iter()
+        .map(|(p, n)| format!("{p} {n}"))
+        .collect();
+    println!("ptx-check: modules per program: {}", programs.join(", "));
     for (hash, why) in &tally.refused_modules {
         problems.push(format!(
             "module {hash} refused by ptxas (PTX kept as {}): {why}",
@@ -333,7 +362,6 @@ fn run_tests(
     limit: Duration,
     problems: &mut Vec<String>,
 ) -> Result<(), String> {
-    let tests = &bins["sync_batch_norm-tests"];
     // The in-process tests compile kernels on Device::cuda(0) without Ddp::init: give them
     // the CUDA_PATH the same lookup finds.
     let cuda_path = ddp_comm::cuda_toolkit::cuda_path_for(libdevice, &work.join("cuda"))
@@ -342,19 +370,29 @@ fn run_tests(
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_default();
-    let listing = Command::new(tests)
+    // The GPU check's smoke row, then the CUDA SyncBatchNorm tests.
+    let smoke = crate::gpu_check::rows::SMOKE_TEST.to_string();
+    let sbn = &bins["sync_batch_norm-tests"];
+    let listing = Command::new(sbn)
         .args(["--list", "--ignored", "--format=terse"])
         .stderr(Stdio::null())
         .output()
-        .map_err(|e| format!("cannot list {}: {e}", tests.display()))?;
-    let names: Vec<String> =
+        .map_err(|e| format!("cannot list {}: {e}", sbn.display()))?;
+    let mut runs: Vec<(&PathBuf, String)> = vec![(&bins["burn-ddp-tests"], smoke)];
+    runs.extend(
         crate::gpu_check::rows::listed_tests(&String::from_utf8_lossy(&listing.stdout))
             .into_iter()
-            .filter(|n| n.contains("cuda") && !n.contains("two_gpus"))
-            .collect();
-    for name in &names {
+            // The NCCL tests need libnccl, whose CUDA runtime the stand-in does not serve (it
+            // calls cuGetProcAddress): they are for the GPU check.
+            .filter(|n| n.contains("cuda") && !n.contains("two_gpus") && !n.contains("nccl"))
+            .map(|n| (sbn, n)),
+    );
+    if runs.len() < 2 {
+        problems.push(format!("{} lists no CUDA test", sbn.display()));
+    }
+    for (tests, name) in &runs {
         let log = work.join(format!("{}.log", name.replace("::", "__")));
-        let mut cmd = Command::new(tests);
+        let mut cmd = Command::new(tests.as_path());
         cmd.args([
             "--exact",
             name,
@@ -381,9 +419,6 @@ fn run_tests(
             f.elapsed.as_secs_f64()
         );
         problems.extend(missing_symbols(&text, name));
-    }
-    if names.is_empty() {
-        problems.push(format!("{} lists no CUDA test", tests.display()));
     }
     Ok(())
 }
@@ -483,10 +518,10 @@ mod tests {
 
     #[test]
     fn the_record_is_tallied_once_per_module() {
-        let text = "module\taa\tok\t9.0\tsm_90a\tlibdevice\tk1\n\
-                    module\taa\tok\t9.0\tsm_90a\tlibdevice\tk1\n\
-                    module\tbb\tok\t9.0\tsm_90a\t-\tk2,k3\n\
-                    module\tcc\tfailed\t9.0\tsm_90a\t-\tptxas exit 255: bad\n\
+        let text = "module\taa\tok\t9.0\tsm_90a\tlibdevice\ttrain-cnn\tk1\n\
+                    module\taa\tok\t9.0\tsm_90a\tlibdevice\tsync_batch_norm\tk1\n\
+                    module\tbb\tok\t9.0\tsm_90a\t-\ttrain-cnn\tk2,k3\n\
+                    module\tcc\tfailed\t9.0\tsm_90a\t-\ttrain-cnn\tptxas exit 255: bad\n\
                     launch\tk1\tok\t\n\
                     launch\tk2\tok\t\n\
                     launch\tk1\tok\t\n\
@@ -504,5 +539,7 @@ mod tests {
             t.versions.iter().collect::<Vec<_>>(),
             ["PTX 9.0 for sm_90a"]
         );
+        assert_eq!(t.per_program["train-cnn"], 3);
+        assert_eq!(t.per_program["sync_batch_norm"], 1);
     }
 }

@@ -853,11 +853,21 @@ fn load_ptx(ptx: &str) -> Result<Module, CuResult> {
                         &version,
                         &target,
                         libdevice,
+                        &record::program(),
                         &names.join(","),
                     ]);
                 }
                 Assembled::Failed(why) => {
-                    record::line(&["module", &hash, "failed", &version, &target, libdevice, why]);
+                    record::line(&[
+                        "module",
+                        &hash,
+                        "failed",
+                        &version,
+                        &target,
+                        libdevice,
+                        &record::program(),
+                        why,
+                    ]);
                     record::keep_failed(&hash, ptx, why);
                     eprintln!(
                         "cuda-standin: PTX module {hash} refused (cuModuleLoadData fails with CUDA_ERROR_INVALID_PTX): {why}"

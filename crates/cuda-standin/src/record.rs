@@ -3,8 +3,8 @@
 //! `write` of an `O_APPEND` file). `cargo xtask ptx-check` reads it.
 //!
 //! ```text
-//! module  HASH  ok|failed  PTX-VERSION  TARGET  libdevice|-  ENTRY,ENTRY,…
-//! launch  ENTRY  refused  REASON
+//! module  HASH  ok|failed  PTX-VERSION  TARGET  libdevice|-  PROGRAM  ENTRY,ENTRY,…
+//! launch  ENTRY  ok|refused  REASON
 //! ```
 //! Fields are separated by tabs. A module that ptxas refuses is also written beside the record
 //! as `HASH.ptx` with ptxas's message in `HASH.ptxas.txt`, to fix it or to report it upstream.
@@ -46,6 +46,20 @@ pub fn keep_failed(hash: &str, ptx: &str, message: &str) {
     };
     let _ = std::fs::write(dir.join(format!("{hash}.ptx")), ptx);
     let _ = std::fs::write(dir.join(format!("{hash}.ptxas.txt")), message);
+}
+
+/// This process's program name (its executable's file name, cargo's hash suffix removed).
+pub fn program() -> String {
+    let exe = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "?".into());
+    match exe.rsplit_once('-') {
+        Some((name, hash)) if hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()) => {
+            name.to_string()
+        }
+        _ => exe,
+    }
 }
 
 /// The FNV-1a hash of `bytes`, as 16 hex digits (names a module across processes).

@@ -157,7 +157,8 @@ fn bad_ptx_and_bad_launches_are_refused_and_recorded() {
     assert_eq!(modules.len(), 4, "{record}");
     assert_eq!(modules[0][2], "ok");
     assert_eq!(&modules[0][3..5], ["9.0", "sm_90a"]);
-    assert_eq!(modules[0][6], "add_one");
+    assert_eq!(modules[0][6], "refuses_bad_kernels", "the program");
+    assert_eq!(modules[0][7], "add_one");
     assert_eq!((modules[1][2], modules[2][2]), ("failed", "failed"));
     assert!(
         record.contains("launch\tadd_one\trefused\tblock dimension x = 2048"),
