@@ -42,21 +42,18 @@ pub fn check(
             reason,
         })
     };
-    let axes = ["x", "y", "z"];
-    for i in 0..3 {
-        if launch.block[i] == 0 || launch.block[i] > device::MAX_BLOCK_DIM[i] {
+    let axes = ["x", "y", "z"].into_iter().enumerate();
+    for (i, axis) in axes {
+        let (block, grid) = (launch.block[i], launch.grid[i]);
+        if block == 0 || block > device::MAX_BLOCK_DIM[i] {
             return invalid(format!(
-                "block dimension {} = {} outside 1..={}",
-                axes[i],
-                launch.block[i],
+                "block dimension {axis} = {block} outside 1..={}",
                 device::MAX_BLOCK_DIM[i]
             ));
         }
-        if launch.grid[i] == 0 || launch.grid[i] > device::MAX_GRID_DIM[i] {
+        if grid == 0 || grid > device::MAX_GRID_DIM[i] {
             return invalid(format!(
-                "grid dimension {} = {} outside 1..={}",
-                axes[i],
-                launch.grid[i],
+                "grid dimension {axis} = {grid} outside 1..={}",
                 device::MAX_GRID_DIM[i]
             ));
         }
