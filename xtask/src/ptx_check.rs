@@ -373,14 +373,14 @@ fn run_tests(
     // The GPU check's smoke row, then the CUDA SyncBatchNorm tests.
     let smoke = crate::gpu_check::rows::SMOKE_TEST.to_string();
     let sbn = &bins["sync_batch_norm-tests"];
-    let listing = Command::new(sbn)
-        .args(["--list", "--ignored", "--format=terse"])
-        .stderr(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot list {}: {e}", sbn.display()))?;
+    let mut list = Command::new(sbn);
+    list.args(["--list", "--ignored", "--format=terse"]);
+    let listing =
+        process::output_within(&mut list, Duration::from_secs(60), &work.join("list.tmp"))
+            .ok_or_else(|| format!("{} --list failed or took over 60 s", sbn.display()))?;
     let mut runs: Vec<(&PathBuf, String)> = vec![(&bins["burn-ddp-tests"], smoke)];
     runs.extend(
-        crate::gpu_check::rows::listed_tests(&String::from_utf8_lossy(&listing.stdout))
+        crate::gpu_check::rows::listed_tests(&listing)
             .into_iter()
             // The NCCL tests need libnccl, whose CUDA runtime the stand-in does not serve (it
             // calls cuGetProcAddress): they are for the GPU check.
@@ -393,16 +393,10 @@ fn run_tests(
     for (tests, name) in &runs {
         let log = work.join(format!("{}.log", name.replace("::", "__")));
         let mut cmd = Command::new(tests.as_path());
-        cmd.args([
-            "--exact",
-            name,
-            "--ignored",
-            "--test-threads=1",
-            "--nocapture",
-        ])
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env("CUDA_PATH", &cuda_path)
-        .env(crate::gpu_check::machine::TESTS_BIN_DIR_VAR, &worker_dir);
+        cmd.args(crate::gpu_check::rows::one_ignored_test_args(name))
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("CUDA_PATH", &cuda_path)
+            .env(crate::gpu_check::machine::TESTS_BIN_DIR_VAR, &worker_dir);
         let f = process::run_until(&mut cmd, Instant::now() + limit, &log)
             .map_err(|e| e.to_string())?;
         let text = std::fs::read_to_string(&log).unwrap_or_default();

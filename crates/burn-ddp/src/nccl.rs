@@ -1,8 +1,8 @@
 //! Gradient buckets all-reduced by NCCL on CUDA device memory (feature `cuda`).
 //!
 //! **Status: built and linked, not yet run on a GPU.** CI builds and links this path against
-//! Burn 0.22.1 / CubeCL 0.11.3 (`cargo xtask ci`), and `cargo xtask gpu-check` runs it where
-//! a GPU is lent; until that has happened, treat it as unverified and use
+//! Burn 0.22.1 / CubeCL 0.11.3 (`cargo xtask ci`), `cargo xtask ptx-check` assembles its kernels,
+//! and `cargo xtask gpu-check` runs it on a machine with an NVIDIA GPU; until that has happened, treat it as unverified and use
 //! [`NcclPolicy::Disabled`] (or `DDP_NCCL=off`) if in doubt.
 //!
 //! # How the buckets travel

@@ -238,7 +238,7 @@ fn a_learner_run_matches_the_hand_written_loop() {
     run.assert_matches_reference(2, 1e-6);
 }
 
-/// DDP on CUDA devices (`cargo xtask gpu-check` runs these where a GPU is lent).
+/// DDP on CUDA devices (`cargo xtask gpu-check` runs these on a machine with an NVIDIA GPU).
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;

@@ -320,6 +320,29 @@ fn missing_row(label: &str, missing: &[&str]) -> Row {
     }
 }
 
+/// A FAIL row of a check that could not run, `note` saying why.
+fn unrun_failure(label: &str, note: String) -> Row {
+    Row {
+        label: label.into(),
+        status: Status::Fail,
+        secs: None,
+        limit: None,
+        note,
+    }
+}
+
+/// The arguments that run the `#[ignore]`d test `name` of a libtest binary alone, its output
+/// shown.
+pub fn one_ignored_test_args(name: &str) -> [&str; 5] {
+    [
+        "--exact",
+        name,
+        "--ignored",
+        "--test-threads=1",
+        "--nocapture",
+    ]
+}
+
 /// A SKIPPED row, `why` as its note.
 fn skipped(label: &str, why: &str) -> Row {
     Row {
@@ -386,17 +409,8 @@ fn run_libtest(
     list.args(["--list", "--ignored", "--format=terse"]);
     let Some(listing) = process::output_within(&mut list, Duration::from_secs(60), &list_log)
     else {
-        push(
-            report,
-            Row {
-                label: check.label.into(),
-                status: Status::Fail,
-                secs: None,
-                limit: None,
-                note: format!("{binary} --list failed (see ldd notes)"),
-            },
-            on_row,
-        );
+        let note = format!("{binary} --list failed (see ldd notes)");
+        push(report, unrun_failure(check.label, note), on_row);
         return;
     };
     // Tests with a row of their own are not repeated here.
@@ -409,17 +423,8 @@ fn run_libtest(
         })
         .collect();
     if names.is_empty() {
-        push(
-            report,
-            Row {
-                label: check.label.into(),
-                status: Status::Fail,
-                secs: None,
-                limit: None,
-                note: format!("{binary} lists no #[ignore]d test"),
-            },
-            on_row,
-        );
+        let note = format!("{binary} lists no #[ignore]d test");
+        push(report, unrun_failure(check.label, note), on_row);
         return;
     }
     for name in names {
@@ -448,13 +453,7 @@ fn run_one_test(ctx: &Ctx, label: &str, binary: &str, name: &str, limit: u64, lo
     let bin = ctx.bin_dir.join(binary);
     let label = label.to_string();
     let mut cmd = ctx.command(&bin);
-    cmd.args([
-        "--exact",
-        name,
-        "--ignored",
-        "--test-threads=1",
-        "--nocapture",
-    ]);
+    cmd.args(one_ignored_test_args(name));
     let deadline = Instant::now() + Duration::from_secs(limit);
     match process::run_until(&mut cmd, deadline, log) {
         Ok(f) => {
