@@ -11,9 +11,14 @@
 //! not the middle of the whole exchange: the `get` of the answer starts only after the
 //! acknowledgement, so the answer's arrival lags by a further round trip. Taking the middle of
 //! the whole exchange put rank 0's reading at a quarter of it instead of half, a bias of one
-//! one-way latency. Rank `k` keeps the round with the quickest ping and takes rank 0's clock
-//! to have been read halfway through it ([`estimate_offset`]); the error is at most half that
-//! round trip plus the hop from the store to rank 0.
+//! one-way latency.
+//!
+//! Which round to trust: the one whose *whole exchange* (ping sent to answer received) was
+//! shortest. Rank 0's reading can only have happened inside that exchange, so its length bounds
+//! the error whatever delayed it; a round picked by the quickest ping alone could be one in
+//! which rank 0's thread woke late (a loaded machine: milliseconds), and nothing in the ping
+//! shows that. [`ClockSync::bound_us`] is that causal bound; the typical error is far smaller
+//! (half the ping's round trip plus the store's hop to rank 0).
 
 use std::time::{Duration, Instant};
 
@@ -58,35 +63,42 @@ impl ClockSample {
 pub struct ClockSync {
     /// Add this to a local time to get rank 0's time (0 on rank 0).
     pub offset_us: i64,
-    /// The round trip of the round the offset comes from (the error bound is half of it).
+    /// The ping's round trip in the round the offset comes from.
     pub rtt_us: i64,
+    /// The offset is certain to within ± this many µs: rank 0 read its clock somewhere inside
+    /// that round's exchange, at most this far from where the estimate puts it.
+    pub bound_us: i64,
     /// Rounds measured.
     pub rounds: usize,
 }
 
-/// The offset from the round with the quickest ping: rank 0 read its clock `peer_us` when the
-/// ping reached the store, halfway through the ping's round trip, so
-/// `offset = peer − (sent + acked) / 2`. Rounds with a negative round trip (a clock that went
-/// backwards) are ignored; `None` when no round is left.
+/// The offset from the round with the shortest whole exchange (`received − sent`): rank 0
+/// read its clock `peer_us` when the ping reached the store, halfway through the ping's round
+/// trip, so `offset = peer − (sent + acked) / 2`, certain to within
+/// `bound = received − (sent + acked) / 2` (the reading cannot lie outside the exchange).
+/// Rounds whose times go backwards (a clock that jumped) are ignored; `None` when no round is
+/// left.
 ///
 /// ```
 /// use ddp_comm::trace::{estimate_offset, ClockSample};
-/// // This clock is 1000 µs behind rank 0's; the second round's ping is the quickest (20 µs).
+/// // This clock is 1000 µs behind rank 0's; the second round's exchange is the shortest (40 µs).
 /// let rounds = [
 ///     ClockSample { sent_us: 0, acked_us: 300, peer_us: 1_150, received_us: 600 },
 ///     ClockSample { sent_us: 500, acked_us: 520, peer_us: 1_510, received_us: 540 },
 /// ];
 /// let sync = estimate_offset(&rounds).unwrap();
-/// assert_eq!((sync.offset_us, sync.rtt_us, sync.rounds), (1_000, 20, 2));
+/// assert_eq!((sync.offset_us, sync.rtt_us, sync.bound_us, sync.rounds), (1_000, 20, 30, 2));
 /// ```
 pub fn estimate_offset(samples: &[ClockSample]) -> Option<ClockSync> {
     let best = samples
         .iter()
         .filter(|s| s.rtt_us() >= 0 && s.received_us >= s.acked_us)
-        .min_by_key(|s| s.rtt_us())?;
+        .min_by_key(|s| s.received_us - s.sent_us)?;
+    let middle = (best.sent_us + best.acked_us) / 2;
     Some(ClockSync {
-        offset_us: best.peer_us - (best.sent_us + best.acked_us) / 2,
+        offset_us: best.peer_us - middle,
         rtt_us: best.rtt_us(),
+        bound_us: best.received_us - middle,
         rounds: samples.len(),
     })
 }
@@ -123,6 +135,7 @@ pub(super) fn sync_with_rank0(
         return Ok(ClockSync {
             offset_us: 0,
             rtt_us: 0,
+            bound_us: 0,
             rounds: 0,
         });
     }

@@ -58,7 +58,7 @@
 //!    "pid":1,"tid":1,"args":{"op":"all_reduce","dtype":"f32","bytes":4096,...}},
 //!   ...],
 //!  "displayTimeUnit":"ms",
-//!  "otherData":{"rank":1,"clock_offset_us":-3,"clock_rtt_us":41,"dropped_events":0,...}}
+//!  "otherData":{"rank":1,"clock_offset_us":-3,"clock_rtt_us":41,"clock_bound_us":60,"dropped_events":0,...}}
 //! ```
 //! `ts` and `dur` are microseconds (`ts` since the Unix epoch on rank 0's clock), `pid` is
 //! the rank, `tid` a small per-process thread number named by a `thread_name` event.
@@ -389,6 +389,7 @@ pub(crate) fn on_group_ready(rank: usize, world: usize, store: &mut impl crate::
                 rank,
                 offset_us = s.offset_us,
                 rtt_us = s.rtt_us,
+                bound_us = s.bound_us,
                 "trace clock synchronised with rank 0"
             );
             rec.set_offset(s.offset_us, Some(s));

@@ -241,7 +241,7 @@ fn merge_without_rank_files_is_an_error_and_writes_nothing() {
 }
 
 #[test]
-fn offset_comes_from_the_round_with_the_quickest_ping() {
+fn offset_comes_from_the_round_with_the_shortest_exchange() {
     let s = |sent_us, acked_us, peer_us, received_us| ClockSample {
         sent_us,
         acked_us,
@@ -251,8 +251,8 @@ fn offset_comes_from_the_round_with_the_quickest_ping() {
     assert_eq!(estimate_offset(&[]), None);
     // A clock that went backwards is no measurement.
     assert_eq!(estimate_offset(&[s(10, 5, 0, 20)]), None);
-    // Rank 0 is 250 µs ahead; the second ping's round trip is 100 µs → rank 0 read its clock
-    // 50 µs after it was sent.
+    // Rank 0 is 250 µs ahead; the second round's exchange is the shortest (200 µs), its ping's
+    // round trip 100 µs → rank 0 read its clock 50 µs after it was sent.
     let sync = estimate_offset(&[
         s(0, 400, 900, 1_000),
         s(2_000, 2_100, 2_300, 2_200),
@@ -264,9 +264,15 @@ fn offset_comes_from_the_round_with_the_quickest_ping() {
         ClockSync {
             offset_us: 250,
             rtt_us: 100,
+            bound_us: 150,
             rounds: 3
         }
     );
+    // A quick ping whose answer came late (rank 0 woke up late: its reading may be anywhere in
+    // the exchange) loses to a slower ping with a short exchange.
+    let late_answer = estimate_offset(&[s(0, 10, 2_000, 5_000), s(6_000, 6_100, 6_300, 6_200)])
+        .unwrap();
+    assert_eq!((late_answer.offset_us, late_answer.bound_us), (250, 150));
     // Behind: a negative offset.
     let behind = estimate_offset(&[s(10_000, 10_020, 5_010, 10_040)]).unwrap();
     assert_eq!(behind.offset_us, -5_000);
@@ -303,14 +309,16 @@ impl<S: crate::store::Store> crate::store::Store for Far<S> {
     }
 }
 
-/// A known offset behind a 15 ms one-way latency is recovered to within a couple of ms. The
-/// earlier estimate (the middle of the whole ping-pong) was off by the one-way latency.
+/// A known offset behind a 40 ms one-way latency is recovered well inside half that latency.
+/// The earlier estimate (the middle of the whole ping-pong) was off by the one-way latency; the
+/// margin left is for rank 0's thread waking late on a loaded machine (3.5 ms seen with four
+/// busy loops on two cores).
 #[test]
 fn a_known_offset_is_recovered_across_a_slow_link() {
     let server = StoreServer::bind("127.0.0.1:0", Some("t".into())).unwrap();
     let endpoint = server.local_addr().to_string();
     let base = std::time::Instant::now();
-    let latency = Duration::from_millis(15);
+    let latency = Duration::from_millis(40);
     let skew = 70_000i64; // rank 1's clock runs 70 ms ahead of rank 0's
     let handles: Vec<_> = (0..2)
         .map(|rank| {
@@ -331,8 +339,9 @@ fn a_known_offset_is_recovered_across_a_slow_link() {
         .collect();
     let syncs: Vec<ClockSync> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let err = (syncs[1].offset_us + skew).abs();
+    assert!(err <= syncs[1].bound_us, "{:?}: error {err} µs", syncs[1]);
     assert!(
-        err < 3_000,
+        err < latency.as_micros() as i64 / 2,
         "offset {} µs for a true {} µs: error {err} µs with a {latency:?} one-way latency",
         syncs[1].offset_us,
         -skew
@@ -363,12 +372,9 @@ fn clock_sync_over_the_store_recovers_skewed_clocks() {
         let s = syncs[rank];
         assert_eq!(s.rounds, clock::ROUNDS);
         let err = (s.offset_us + skew[rank]).abs();
-        // Half the ping's round trip, plus the store's hop to rank 0 (loopback and a thread
-        // waking up: about as long again).
-        assert!(
-            err <= s.rtt_us * 2 + 500,
-            "rank {rank}: {s:?}, error {err} µs"
-        );
+        // Rank 0's reading lies inside the chosen exchange, however loaded the machine is (a
+        // bound from half the ping's round trip failed CI once: rank 0's thread woke 2 ms late).
+        assert!(err <= s.bound_us, "rank {rank}: {s:?}, error {err} µs");
     }
 }
 

@@ -93,13 +93,18 @@ pub(super) fn write_trace(
         }
         out.write_all(b"}")?;
     }
-    let (offset, rtt, rounds) = match meta.sync {
-        Some(s) => (s.offset_us.to_string(), s.rtt_us.to_string(), s.rounds),
-        None => ("null".into(), "null".into(), 0),
+    let (offset, rtt, bound, rounds) = match meta.sync {
+        Some(s) => (
+            s.offset_us.to_string(),
+            s.rtt_us.to_string(),
+            s.bound_us.to_string(),
+            s.rounds,
+        ),
+        None => ("null".into(), "null".into(), "null".into(), 0),
     };
     write!(
         out,
-        "\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":{{\"format\":\"{FORMAT}\",\"rank\":{pid},\"clock_offset_us\":{},\"clock_sync_offset_us\":{offset},\"clock_rtt_us\":{rtt},\"clock_rounds\":{rounds},\"events\":{},\"dropped_events\":{dropped},\"max_events\":{}}}}}\n",
+        "\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":{{\"format\":\"{FORMAT}\",\"rank\":{pid},\"clock_offset_us\":{},\"clock_sync_offset_us\":{offset},\"clock_rtt_us\":{rtt},\"clock_bound_us\":{bound},\"clock_rounds\":{rounds},\"events\":{},\"dropped_events\":{dropped},\"max_events\":{}}}}}\n",
         meta.offset_us,
         events.len(),
         meta.max_events
