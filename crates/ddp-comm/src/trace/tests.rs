@@ -270,8 +270,8 @@ fn offset_comes_from_the_round_with_the_shortest_exchange() {
     );
     // A quick ping whose answer came late (rank 0 woke up late: its reading may be anywhere in
     // the exchange) loses to a slower ping with a short exchange.
-    let late_answer = estimate_offset(&[s(0, 10, 2_000, 5_000), s(6_000, 6_100, 6_300, 6_200)])
-        .unwrap();
+    let late_answer =
+        estimate_offset(&[s(0, 10, 2_000, 5_000), s(6_000, 6_100, 6_300, 6_200)]).unwrap();
     assert_eq!((late_answer.offset_us, late_answer.bound_us), (250, 150));
     // Behind: a negative offset.
     let behind = estimate_offset(&[s(10_000, 10_020, 5_010, 10_040)]).unwrap();
