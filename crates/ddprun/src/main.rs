@@ -3,7 +3,12 @@
 //! ```text
 //! ddprun --nproc-per-node 4 -- ./train --epochs 1
 //! ddprun --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
+//! ddprun --nproc-per-node 8 --nnodes 1:4 --node-rank 2 --master-addr 10.0.0.1 --max-restarts 3 -- ./train
 //! ```
+//!
+//! On several nodes the launchers meet at a rendezvous that node 0's ddprun serves
+//! (`--rdzv-endpoint`, default `MASTER_ADDR:MASTER_PORT`): every restart and every change of
+//! membership is a round all of them agree on (see `ddp_comm::launcher`).
 //!
 //! Exit code: 0 when every rank succeeds; otherwise the first failing rank's exit code (128 +
 //! signal when it was killed by a signal), with one summary line on stderr. With
@@ -31,12 +36,36 @@ struct Args {
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..))]
     nproc_per_node: u32,
-    /// Nodes in the job (each runs its own ddprun; set DDP_JOB_TOKEN to one value on all).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    nnodes: u32,
-    /// This node's index, 0..nnodes.
+    /// Nodes in the job, N or MIN:MAX (each runs its own ddprun; set DDP_JOB_TOKEN to one
+    /// value on all). With MIN:MAX a round starts with MAX nodes, or with at least MIN once
+    /// --rdzv-last-call has passed; a node that joins later is admitted by restarting the group.
+    #[arg(long, default_value = "1", value_parser = parse_nnodes, value_name = "N|MIN:MAX")]
+    nnodes: (u32, u32),
+    /// This node's index, 0..nnodes. Node 0 hosts the launchers' rendezvous; the others are
+    /// ordered by it (a round assigns GROUP_RANK: node 0 first, then these, then by arrival).
     #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
     node_rank: u32,
+    /// The launchers' rendezvous on several nodes, HOST:PORT, served by node 0's ddprun
+    /// [default: MASTER_ADDR:MASTER_PORT].
+    #[arg(
+        long = "rdzv-endpoint",
+        visible_alias = "rdzv_endpoint",
+        value_name = "HOST:PORT"
+    )]
+    rdzv_endpoint: Option<String>,
+    /// With --nnodes MIN:MAX: how long a round with at least MIN nodes waits for more.
+    #[arg(long = "rdzv-last-call", visible_alias = "rdzv_last_call", default_value_t = 10.0,
+          value_parser = parse_secs, value_name = "SECS")]
+    rdzv_last_call: f64,
+    /// A node whose ddprun sends no heartbeat for this long is lost (its round ends); when
+    /// node 0's ddprun stops answering for this long, every other node fails.
+    #[arg(long = "rdzv-heartbeat-secs", visible_alias = "rdzv_heartbeat_secs",
+          default_value_t = 10.0, value_parser = parse_secs, value_name = "SECS")]
+    rdzv_heartbeat_secs: f64,
+    /// How long a round waits for the fewest nodes it needs before the job fails.
+    #[arg(long = "rdzv-join-timeout", visible_alias = "rdzv_join_timeout",
+          default_value_t = 300.0, value_parser = parse_secs, value_name = "SECS")]
+    rdzv_join_timeout: f64,
     /// Host of rank 0 (where the rendezvous store runs).
     #[arg(
         long = "master-addr",
@@ -96,6 +125,28 @@ struct Args {
     command: Vec<OsString>,
 }
 
+/// `N` or `MIN:MAX`, 1 ≤ MIN ≤ MAX.
+fn parse_nnodes(s: &str) -> Result<(u32, u32), String> {
+    let number = |v: &str| {
+        v.trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| format!("{v:?} is not a number of nodes (1 or more)"))
+    };
+    let (min, max) = match s.split_once(':') {
+        Some((min, max)) => (number(min)?, number(max)?),
+        None => {
+            let n = number(s)?;
+            (n, n)
+        }
+    };
+    if min > max {
+        return Err(format!("MIN {min} is above MAX {max} in {s:?}"));
+    }
+    Ok((min, max))
+}
+
 fn parse_secs(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && (0.0..=86_400.0).contains(&v) => Ok(v),
@@ -116,14 +167,20 @@ fn main() -> ExitCode {
         .init();
     let args = Args::parse();
     if let Some(dir) = &args.merge_trace {
-        return merge_trace(dir, (args.nnodes * args.nproc_per_node) as usize);
+        return merge_trace(dir, (args.nnodes.1 * args.nproc_per_node) as usize);
     }
+    let (min_nodes, max_nodes) = args.nnodes;
     let cfg = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
-        nnodes: args.nnodes as usize,
+        nnodes: max_nodes as usize,
+        min_nodes: Some(min_nodes as usize),
         node_rank: args.node_rank as usize,
         master_addr: args.master_addr,
         master_port: args.master_port,
+        rdzv_endpoint: args.rdzv_endpoint,
+        rdzv_last_call: Duration::from_secs_f64(args.rdzv_last_call),
+        rdzv_heartbeat: Duration::from_secs_f64(args.rdzv_heartbeat_secs),
+        rdzv_join_timeout: Duration::from_secs_f64(args.rdzv_join_timeout),
         grace: Duration::from_secs_f64(args.grace_secs),
         threads_per_rank: args.threads_per_rank.map(|t| t as usize),
         prefix_output: !args.no_prefix,
@@ -142,6 +199,11 @@ fn main() -> ExitCode {
         Ok(report) => {
             if let Some(line) = report.summary() {
                 eprintln!("{line}");
+            } else if cfg.nnodes > 1 && report.attempt > 0 {
+                eprintln!(
+                    "ddprun: every rank of the job exited 0 in round {} (rounds counted from 0)",
+                    report.attempt
+                );
             } else if report.attempt > 0 {
                 eprintln!(
                     "ddprun: all {} ranks exited 0 on restart {} of {}",

@@ -251,34 +251,58 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
         assert!(line.contains(" O=3 "), "{line}");
         assert!(line.contains(" T=shared-secret "), "{line}");
     }
-    // Node 1 of 2, torchrun's underscore spellings, explicit port and threads.
-    let r = run(ddprun_cmd(&[
-        "--nproc_per_node",
-        "2",
-        "--nnodes",
-        "2",
-        "--node_rank",
-        "1",
-        "--master_addr",
-        "localhost",
-        "--master_port",
-        "23456",
-        "--threads-per-rank",
-        "5",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ])
-    .env("DDP_JOB_TOKEN", "node-token"));
+    // Both nodes of two (two ddprun: node 1 waits for node 0's rendezvous), torchrun's
+    // underscore spellings, explicit port and threads. The port is the launchers'
+    // rendezvous; the ranks get a fresh one for their rank 0, the same on both nodes.
+    let node = |n: &str| {
+        ddprun_cmd(&[
+            "--nproc_per_node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            n,
+            "--master_addr",
+            "localhost",
+            "--master_port",
+            "23456",
+            "--threads-per-rank",
+            "5",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .env("DDP_JOB_TOKEN", "node-token")
+        .spawn()
+        .expect("start ddprun")
+    };
+    let (node0, node1) = (node("0"), node("1"));
+    let (r0, r) = (finish(node0), finish(node1));
+    assert_eq!(r0.code(), Some(0), "{}", r0.stderr);
     assert_eq!(r.code(), Some(0), "{}", r.stderr);
+    let port = |line: &str| {
+        line.split(" P=")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let rank0_port = port(r0.rank_lines(0)[0]);
+    assert_ne!(rank0_port, "23456");
     assert_eq!(
         r.rank_lines(2),
-        ["R=2 L=0 W=4 G=1 A=localhost P=23456 T=node-token O=5 Y=5"]
+        [format!(
+            "R=2 L=0 W=4 G=1 A=localhost P={rank0_port} T=node-token O=5 Y=5"
+        )]
     );
     assert_eq!(
         r.rank_lines(3),
-        ["R=3 L=1 W=4 G=1 A=localhost P=23456 T=node-token O=5 Y=5"]
+        [format!(
+            "R=3 L=1 W=4 G=1 A=localhost P={rank0_port} T=node-token O=5 Y=5"
+        )]
     );
 }
 

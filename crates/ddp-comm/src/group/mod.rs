@@ -37,7 +37,7 @@ mod element;
 mod engine;
 mod header;
 mod link;
-mod mesh;
+pub(crate) mod mesh;
 mod shm;
 mod trace_hooks;
 

@@ -11,14 +11,34 @@ use crate::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
 pub struct LaunchConfig {
     /// Ranks on this node (`LOCAL_WORLD_SIZE`), at least 1.
     pub nproc_per_node: usize,
-    /// Nodes in the job, at least 1.
+    /// Nodes in the job, at least 1 (with [`Self::min_nodes`], the most nodes: torchrun's
+    /// `--nnodes MIN:MAX`). Above 1, the launchers of the job meet at a rendezvous that node
+    /// 0's launcher serves (see the `rendezvous` module): restarts and membership are agreed
+    /// on by all of them, round by round.
     pub nnodes: usize,
-    /// This node's index, `0..nnodes` (`GROUP_RANK`).
+    /// The fewest nodes a round may start with. `None`: [`Self::nnodes`] (a fixed size).
+    pub min_nodes: Option<usize>,
+    /// This node's index, `0..nnodes`. Node 0 hosts the launchers' rendezvous; on several
+    /// nodes the node rank a round gives (`GROUP_RANK`) puts the host first and the others
+    /// in this order, then by arrival.
     pub node_rank: usize,
-    /// Host of rank 0's rendezvous store (`MASTER_ADDR`).
+    /// Host of the rendezvous store (`MASTER_ADDR`): rank 0's on one node, the launchers' on
+    /// several (node 0's; rank 0 of every round serves the ranks' store on that host too).
     pub master_addr: String,
-    /// Port of the rendezvous store. `None`: a free port on one node, 29500 on several.
+    /// Port of the rendezvous store. `None`: a free port on one node, 29500 on several (where
+    /// it is the launchers' rendezvous; each round's ranks get a fresh port of their own).
     pub master_port: Option<u16>,
+    /// The launchers' rendezvous endpoint `HOST:PORT` on several nodes (torchrun's
+    /// `--rdzv-endpoint`). `None`: `master_addr:master_port`.
+    pub rdzv_endpoint: Option<String>,
+    /// How long a round with at least [`Self::min_nodes`] (and fewer than `nnodes`) launchers
+    /// waits for more (torchrun's last call).
+    pub rdzv_last_call: Duration,
+    /// A launcher whose heartbeat stops for this long is lost: its round ends (and node 0's
+    /// launcher, when the others' heartbeats to it fail this long).
+    pub rdzv_heartbeat: Duration,
+    /// How long a round may wait for [`Self::min_nodes`] launchers before the job fails.
+    pub rdzv_join_timeout: Duration,
     /// How long stopped ranks get between SIGTERM and SIGKILL.
     pub grace: Duration,
     /// Compute threads per rank (`OMP_NUM_THREADS`, `RAYON_NUM_THREADS`). `None`: when
@@ -56,9 +76,14 @@ impl Default for LaunchConfig {
         LaunchConfig {
             nproc_per_node: 1,
             nnodes: 1,
+            min_nodes: None,
             node_rank: 0,
             master_addr: "127.0.0.1".to_string(),
             master_port: None,
+            rdzv_endpoint: None,
+            rdzv_last_call: Duration::from_secs(10),
+            rdzv_heartbeat: Duration::from_secs(10),
+            rdzv_join_timeout: Duration::from_secs(300),
             grace: Duration::from_secs(5),
             threads_per_rank: None,
             prefix_output: true,
@@ -85,6 +110,19 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
     if cfg.nnodes == 0 {
         return Err(LaunchError::InvalidConfig(
             "nnodes must be at least 1".into(),
+        ));
+    }
+    if let Some(min) = cfg.min_nodes
+        && !(1..=cfg.nnodes).contains(&min)
+    {
+        return Err(LaunchError::InvalidConfig(format!(
+            "the fewest nodes ({min}) must be between 1 and the most nodes ({})",
+            cfg.nnodes
+        )));
+    }
+    if cfg.nnodes > 1 && cfg.rdzv_heartbeat.is_zero() {
+        return Err(LaunchError::InvalidConfig(
+            "the rendezvous heartbeat timeout must be above 0".into(),
         ));
     }
     if cfg.node_rank >= cfg.nnodes {

@@ -26,7 +26,9 @@
 //! ```
 
 mod config;
+mod job;
 mod output;
+mod rendezvous;
 mod report;
 mod signals;
 mod trace;
@@ -39,7 +41,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub use config::{LaunchConfig, RESTART_COUNT_VARS};
-pub use report::{AttemptEnd, Failure, LaunchError, LaunchReport, RankExit};
+pub use rendezvous::RendezvousError;
+pub use report::{AttemptEnd, Failure, JobStop, LaunchError, LaunchReport, RankExit};
 pub use signals::signal_name;
 
 use config::{attempt_env, common_env};
@@ -102,14 +105,25 @@ pub fn launch(
         None
     };
     let trace_dir = trace::trace_dir(cfg);
-    let node_ranks = cfg.node_rank * cfg.nproc_per_node..(cfg.node_rank + 1) * cfg.nproc_per_node;
+    if cfg.nnodes > 1 {
+        return job::launch_nodes(cfg, &env, program, args, forwarding.as_ref(), trace_dir);
+    }
+    let node_ranks = 0..cfg.nproc_per_node;
     let mut restarts = Vec::new();
     for attempt in 0.. {
         let mut env = attempt_env(cfg, &env, attempt)?;
         if let Some(dir) = &trace_dir {
             trace::prepare(dir, attempt, node_ranks.clone(), &mut env)?;
         }
-        let mut report = launch_once(cfg, &env, program, args, forwarding.as_ref())?;
+        let mut report = launch_once(
+            cfg,
+            &env,
+            0,
+            program,
+            args,
+            forwarding.as_ref(),
+            &mut NoHooks,
+        )?;
         report.attempt = attempt;
         // A signal to the launcher ends the job whenever it came, even after the last rank
         // had exited (between the watch and this line).
@@ -122,7 +136,7 @@ pub fn launch(
         if !again {
             report.restarts = restarts;
             if let Some(dir) = &trace_dir {
-                trace::merge(cfg, dir, node_ranks);
+                trace::merge(dir, None, node_ranks);
             }
             return Ok(report);
         }
@@ -143,16 +157,36 @@ pub fn launch(
     unreachable!("the attempts loop returns")
 }
 
-/// One attempt: starts the ranks with `env`, watches them until all have ended, reaps them.
+/// What a job over several nodes adds to the watch loop of one attempt.
+trait RoundHooks {
+    /// Called once, when the first local rank fails (with the line naming it and its code).
+    fn local_failure(&mut self, what: &str, exit_code: i32);
+    /// Polled while the ranks run: `Some` stops them (SIGTERM, grace, SIGKILL).
+    fn stop_requested(&mut self) -> Option<JobStop>;
+}
+
+/// One node alone: nothing to tell, nothing to hear.
+struct NoHooks;
+
+impl RoundHooks for NoHooks {
+    fn local_failure(&mut self, _: &str, _: i32) {}
+    fn stop_requested(&mut self) -> Option<JobStop> {
+        None
+    }
+}
+
+/// One attempt: starts the ranks with `env` (global ranks from `first_rank`), watches them
+/// until all have ended, reaps them.
 fn launch_once(
     cfg: &LaunchConfig,
     env: &BTreeMap<String, String>,
+    first_rank: usize,
     program: &std::ffi::OsStr,
     args: &[impl AsRef<std::ffi::OsStr>],
     forwarding: Option<&SignalForwarding>,
+    hooks: &mut dyn RoundHooks,
 ) -> Result<LaunchReport, LaunchError> {
     let start = Instant::now();
-    let first_rank = cfg.node_rank * cfg.nproc_per_node;
     tracing::info!(
         program = ?program,
         nproc_per_node = cfg.nproc_per_node,
@@ -257,7 +291,7 @@ fn launch_once(
     }
     drop(done_tx);
 
-    let report = watch(cfg, &mut ranks, forwarding, start, first_rank);
+    let report = watch(cfg, &mut ranks, forwarding, start, first_rank, hooks);
 
     // Every rank is reaped. Kill what is left of each rank's process group (a background
     // grandchild would otherwise outlive the job and hold the output pipe open).
@@ -294,8 +328,10 @@ fn watch(
     forwarding: Option<&SignalForwarding>,
     start: Instant,
     first_rank: usize,
+    hooks: &mut dyn RoundHooks,
 ) -> LaunchReport {
     let mut first_failure: Option<Failure> = None;
+    let mut job_stop: Option<JobStop> = None;
     let mut interrupted: Option<(i32, usize)> = None;
     let mut signals_seen = 0u32;
     // When set: SIGKILL whatever still runs at this instant.
@@ -340,12 +376,14 @@ fn watch(
         // Record a failure before deciding that the launch is over: the rank that failed may
         // be the last one to exit (one rank per node, or every rank failing together).
         if let Some((rank, exit)) = newly_failed {
-            first_failure = Some(Failure {
+            let failure = Failure {
                 rank,
                 exit,
                 elapsed: start.elapsed(),
                 stopped: running,
-            });
+            };
+            hooks.local_failure(&failure.what_happened(), exit.shell_code());
+            first_failure = Some(failure);
             if running > 0 {
                 tracing::info!(rank, %exit, "rank failed; stopping the other {running} rank(s)");
                 stop(ranks, libc::SIGTERM);
@@ -354,6 +392,14 @@ fn watch(
         }
         if running == 0 {
             break;
+        }
+        if kill_at.is_none()
+            && let Some(stop) = hooks.stop_requested()
+        {
+            tracing::info!("{}; stopping this node's {running} rank(s)", stop.line);
+            job_stop = Some(stop);
+            self::stop(ranks, libc::SIGTERM);
+            kill_at = Some(Instant::now() + cfg.grace);
         }
 
         if let Some((sig, count)) = forwarding.and_then(SignalForwarding::received)
@@ -404,6 +450,7 @@ fn watch(
         elapsed: start.elapsed(),
         attempt: 0,
         restarts: Vec::new(),
+        job_stop,
     }
 }
 

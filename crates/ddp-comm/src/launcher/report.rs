@@ -54,6 +54,10 @@ pub enum LaunchError {
         #[source]
         source: io::Error,
     },
+    /// The launchers of a job over several nodes could not agree (see the `rendezvous`
+    /// module: a host that is gone, a node that differs, too few nodes).
+    #[error(transparent)]
+    Rendezvous(#[from] super::rendezvous::RendezvousError),
     /// Setting up the launcher itself failed (signal handlers, output threads).
     #[error("{what}: {source}")]
     Io {
@@ -121,6 +125,16 @@ pub struct Failure {
     pub stopped: usize,
 }
 
+/// Why a job over several nodes stopped this node's ranks: what happened on another node (or
+/// to it), as every launcher of the job prints it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobStop {
+    /// The line, naming the node and what happened there.
+    pub line: String,
+    /// The exit code the job ends with if it ends here.
+    pub exit_code: i32,
+}
+
 /// What happened to the ranks of a launch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaunchReport {
@@ -139,12 +153,16 @@ pub struct LaunchReport {
     pub attempt: usize,
     /// How the earlier attempts ended, in order (empty without restarts).
     pub restarts: Vec<AttemptEnd>,
+    /// On a job of several nodes: the job stopped this node's ranks (a failure elsewhere, a
+    /// lost node, a scale-up) or ended without a failure here.
+    pub job_stop: Option<JobStop>,
 }
 
 impl LaunchReport {
-    /// Whether every rank exited with code 0 and no signal interrupted the launch.
+    /// Whether every rank exited with code 0, no signal interrupted the launch, and (on
+    /// several nodes) the job did not stop it.
     pub fn success(&self) -> bool {
-        self.first_failure.is_none() && self.interrupted.is_none()
+        self.first_failure.is_none() && self.interrupted.is_none() && self.job_stop.is_none()
     }
 
     /// The launcher's exit code: 0 on success, the first failing rank's code (128 + signal
@@ -154,6 +172,12 @@ impl LaunchReport {
             // A non-zero code that wraps to 0 in the shell would hide the failure.
             let code = f.exit.shell_code();
             if code & 0xff == 0 { 1 } else { code }
+        } else if let Some(stop) = &self.job_stop {
+            if stop.exit_code & 0xff == 0 {
+                1
+            } else {
+                stop.exit_code
+            }
         } else if let Some((sig, _)) = self.interrupted {
             128 + sig
         } else {
@@ -165,12 +189,6 @@ impl LaunchReport {
     /// `ddprun: rank 1 failed with exit code 3 after 0.42 s; stopped the other 3 ranks`.
     pub fn summary(&self) -> Option<String> {
         if let Some(f) = &self.first_failure {
-            let how = match f.exit {
-                RankExit::Code(c) => format!("failed with exit code {c}"),
-                RankExit::Signal(s) => {
-                    format!("was killed by signal {s} ({})", signal_name(s))
-                }
-            };
             let others = match f.stopped {
                 0 => "no other rank was running".to_string(),
                 1 => "stopped the other 1 rank".to_string(),
@@ -180,11 +198,10 @@ impl LaunchReport {
                 0 => String::new(),
                 n => format!(" (restart {n})"),
             };
-            return Some(format!(
-                "ddprun: rank {} {how} after {:.2} s{attempt}; {others}",
-                f.rank,
-                f.elapsed.as_secs_f64()
-            ));
+            return Some(format!("ddprun: {}{attempt}; {others}", f.what_happened()));
+        }
+        if let Some(stop) = &self.job_stop {
+            return Some(stop.line.clone());
         }
         self.interrupted.map(|(sig, n)| {
             format!(
@@ -194,5 +211,22 @@ impl LaunchReport {
                 if n == 1 { "" } else { "s" }
             )
         })
+    }
+}
+
+impl Failure {
+    /// What happened, e.g. `rank 1 failed with exit code 3 after 0.42 s`.
+    pub fn what_happened(&self) -> String {
+        let how = match self.exit {
+            RankExit::Code(c) => format!("failed with exit code {c}"),
+            RankExit::Signal(s) => {
+                format!("was killed by signal {s} ({})", signal_name(s))
+            }
+        };
+        format!(
+            "rank {} {how} after {:.2} s",
+            self.rank,
+            self.elapsed.as_secs_f64()
+        )
     }
 }

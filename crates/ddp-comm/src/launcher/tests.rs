@@ -137,6 +137,7 @@ fn report_exit_codes_and_summaries() {
         elapsed: Duration::from_millis(10),
         attempt: 0,
         restarts: Vec::new(),
+        job_stop: None,
     };
     assert!(ok.success());
     assert_eq!(ok.exit_code(), 0);
@@ -181,10 +182,33 @@ fn report_exit_codes_and_summaries() {
     assert_eq!(wraps.exit_code(), 1);
     let interrupted = LaunchReport {
         interrupted: Some((libc::SIGINT, 2)),
-        ..ok
+        ..ok.clone()
     };
     assert_eq!(interrupted.exit_code(), 130);
     assert!(interrupted.summary().unwrap().contains("SIGINT"));
+    // Stopped by the job (another node's failure): that node's line and code; a code that
+    // would read as success is 1.
+    let stopped = LaunchReport {
+        job_stop: Some(JobStop {
+            line: "ddprun: node 1 (ddprun pid 7 on b): rank 1 failed".into(),
+            exit_code: 3,
+        }),
+        ..ok.clone()
+    };
+    assert!(!stopped.success());
+    assert_eq!(stopped.exit_code(), 3);
+    assert_eq!(
+        stopped.summary().unwrap(),
+        "ddprun: node 1 (ddprun pid 7 on b): rank 1 failed"
+    );
+    let stopped_zero = LaunchReport {
+        job_stop: Some(JobStop {
+            line: "x".into(),
+            exit_code: 0,
+        }),
+        ..ok
+    };
+    assert_eq!(stopped_zero.exit_code(), 1);
 }
 
 #[test]

@@ -82,12 +82,12 @@ fn earlier_attempt_dirs(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// After the launch: merges the rank files into `DIR/trace.json` (`DIR/trace-node<N>.json`
-/// on a job of several nodes) and says on stderr where it is and which ranks are missing.
-pub(super) fn merge(cfg: &LaunchConfig, dir: &Path, ranks: std::ops::Range<usize>) {
-    let out = if cfg.nnodes > 1 {
-        dir.join(format!("trace-node{}.json", cfg.node_rank))
-    } else {
-        dir.join(MERGED_FILE)
+/// for node `N` of a job of several nodes) and says on stderr where it is and which ranks
+/// are missing.
+pub(super) fn merge(dir: &Path, node: Option<usize>, ranks: std::ops::Range<usize>) {
+    let out = match node {
+        Some(n) => dir.join(format!("trace-node{n}.json")),
+        None => dir.join(MERGED_FILE),
     };
     let expected: Vec<usize> = ranks.collect();
     match trace::merge_into(dir, &expected, &out) {
@@ -96,7 +96,7 @@ pub(super) fn merge(cfg: &LaunchConfig, dir: &Path, ranks: std::ops::Range<usize
                 tracing::warn!("trace: left out {}: {why}", path.display());
             }
             eprintln!("ddprun: {s}");
-            if cfg.nnodes > 1 {
+            if node.is_some() {
                 eprintln!(
                     "ddprun: for one timeline of all nodes, gather every node's rank files into one \
                      directory and run `ddprun --merge-trace DIR`"

@@ -177,6 +177,12 @@ impl StoreClient {
         &self.endpoint
     }
 
+    /// Whether the connection still works: `false` after an I/O error (a key that did not
+    /// appear in time is not one), when every later request fails at once.
+    pub fn is_usable(&self) -> bool {
+        self.broken.is_none()
+    }
+
     /// Sets the deadline for replies to requests (added to the timeout of `get`/`wait`).
     pub fn set_io_timeout(&mut self, timeout: Duration) {
         self.io_timeout = timeout;

@@ -1,0 +1,302 @@
+//! What the launchers write into their rendezvous store: a launcher's configuration
+//! ([`NodeSpec`]), a round as the host closed it ([`RoundOutcome`]), how a round ended
+//! ([`RoundEnd`]), and the one rule every launcher applies to an end ([`after`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CommError, Result};
+
+/// One launcher's configuration, published when it first joins. Every launcher of a job must
+/// agree on everything but `id`, `host`, `pid` and `requested_node_rank`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct NodeSpec {
+    /// Random, unique for this launcher process.
+    pub id: String,
+    /// The host identity (hostname and boot id, or `DDP_HOST_ID`).
+    pub host: String,
+    /// The launcher's process id.
+    pub pid: u32,
+    /// `--node-rank` as given (0 hosts the rendezvous; the others sort by it).
+    pub requested_node_rank: usize,
+    /// `--nproc-per-node`.
+    pub nproc_per_node: usize,
+    /// The program and its arguments.
+    pub command: Vec<String>,
+    /// `--max-restarts`.
+    pub max_restarts: usize,
+    /// `--nnodes MIN:MAX`, the MIN.
+    pub min_nodes: usize,
+    /// `--nnodes MIN:MAX`, the MAX.
+    pub max_nodes: usize,
+}
+
+impl NodeSpec {
+    /// How messages name this launcher: `node 1 (ddprun pid 4242 on host-b)`.
+    pub fn label(&self) -> String {
+        // The host identity is `hostname/boot-id` (or DDP_HOST_ID): the hostname says enough.
+        let host = self.host.split(['/', ' ']).next().unwrap_or("?");
+        format!(
+            "node {} (ddprun pid {} on {host})",
+            self.requested_node_rank, self.pid
+        )
+    }
+
+    /// What `self` sets differently from `reference`, one phrase each, e.g.
+    /// `--nproc-per-node 2 (node 0 has 1)`.
+    pub fn differences(&self, reference: &NodeSpec) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut differ = |what: &str, here: String, there: String| {
+            if here != there {
+                out.push(format!("{what} {here} (node 0 has {there})"));
+            }
+        };
+        differ(
+            "--nproc-per-node",
+            self.nproc_per_node.to_string(),
+            reference.nproc_per_node.to_string(),
+        );
+        differ(
+            "--max-restarts",
+            self.max_restarts.to_string(),
+            reference.max_restarts.to_string(),
+        );
+        differ(
+            "--nnodes",
+            format!("{}:{}", self.min_nodes, self.max_nodes),
+            format!("{}:{}", reference.min_nodes, reference.max_nodes),
+        );
+        differ(
+            "the program",
+            format!("{:?}", self.command),
+            format!("{:?}", reference.command),
+        );
+        out
+    }
+}
+
+/// A round as the rendezvous host closed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RoundInfo {
+    /// The round number (`DDP_RESTART_COUNT` of its ranks).
+    pub round: u64,
+    /// The launchers taking part, by node rank (their [`NodeSpec::id`]s).
+    pub nodes: Vec<String>,
+    /// Their labels, in the same order.
+    pub labels: Vec<String>,
+    /// Ranks per node.
+    pub nproc_per_node: usize,
+    /// Where the round's rank 0 serves its store (on the host's node).
+    pub master_addr: String,
+    /// Its port, fresh for every round.
+    pub master_port: u16,
+    /// Rounds that ended in a failure before this one (they count against `--max-restarts`).
+    pub failures_before: usize,
+}
+
+impl RoundInfo {
+    /// This launcher's node rank in the round, if it takes part.
+    pub fn node_rank(&self, id: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n == id)
+    }
+
+    /// The round's world size.
+    pub fn world_size(&self) -> usize {
+        self.nodes.len() * self.nproc_per_node
+    }
+}
+
+/// What the host wrote for a round: it started, or the job cannot go on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum RoundOutcome {
+    /// The round's members and rendezvous.
+    Started(RoundInfo),
+    /// The job ends before this round: too few nodes, or a node whose configuration differs.
+    Refused {
+        /// One line saying why, naming the nodes concerned.
+        line: String,
+    },
+}
+
+/// Why a round ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum EndKind {
+    /// Every rank of every node exited 0: the job is done.
+    Done,
+    /// A rank failed (counts against `--max-restarts`).
+    Failed,
+    /// A launcher stopped sending heartbeats (counts against `--max-restarts`).
+    Lost,
+    /// A launcher got SIGINT or SIGTERM: the job ends.
+    Interrupted,
+    /// A launcher is waiting to join and the round has room: the group restarts to admit it
+    /// (does not count against `--max-restarts`).
+    ScaleUp,
+    /// A launcher whose configuration differs joined: the job ends.
+    Refused,
+}
+
+/// How a round ended, written once (the first claim wins).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RoundEnd {
+    /// Why.
+    pub kind: EndKind,
+    /// One line for every launcher to print, naming the node and what happened there.
+    pub line: String,
+    /// The exit code every launcher exits with if the job ends here.
+    pub exit_code: i32,
+}
+
+/// What every launcher (and the host) does after a round's end: the same answer on all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum After {
+    /// The job is over, with this exit code.
+    Finish(i32),
+    /// Join the next round.
+    NextRound,
+}
+
+/// The rule: `Done` finishes with 0; `Interrupted` and `Refused` finish with the end's code; a
+/// failure or a lost node restarts while fewer than `max_restarts` failures came before; a
+/// scale-up always restarts.
+pub(crate) fn after(end: &RoundEnd, info: &RoundInfo, max_restarts: usize) -> After {
+    match end.kind {
+        EndKind::Done => After::Finish(0),
+        EndKind::Interrupted | EndKind::Refused => After::Finish(end.exit_code),
+        EndKind::ScaleUp => After::NextRound,
+        EndKind::Failed | EndKind::Lost if info.failures_before < max_restarts => After::NextRound,
+        EndKind::Failed | EndKind::Lost => After::Finish(end.exit_code),
+    }
+}
+
+/// Whether `end` counts against `--max-restarts`.
+pub(crate) fn is_failure(end: &RoundEnd) -> bool {
+    matches!(end.kind, EndKind::Failed | EndKind::Lost)
+}
+
+/// Encodes a message for the store.
+pub(crate) fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("the rendezvous messages always serialise")
+}
+
+/// Decodes a message read from key `key` of the store at `addr`.
+pub(crate) fn decode<T: for<'de> Deserialize<'de>>(
+    addr: &str,
+    key: &str,
+    bytes: &[u8],
+) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|e| CommError::Store {
+        addr: addr.to_string(),
+        msg: format!(
+            "malformed launcher rendezvous value at {key:?} ({e}): is a launcher of another ddprun version in this job?"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(node: usize) -> NodeSpec {
+        NodeSpec {
+            id: format!("id{node}"),
+            host: format!("host{node} boot"),
+            pid: 100 + node as u32,
+            requested_node_rank: node,
+            nproc_per_node: 2,
+            command: vec!["train".into(), "--epochs".into(), "1".into()],
+            max_restarts: 2,
+            min_nodes: 1,
+            max_nodes: 2,
+        }
+    }
+
+    fn info(failures_before: usize) -> RoundInfo {
+        RoundInfo {
+            round: 3,
+            nodes: vec!["id0".into(), "id1".into()],
+            labels: vec![spec(0).label(), spec(1).label()],
+            nproc_per_node: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: 1234,
+            failures_before,
+        }
+    }
+
+    fn end(kind: EndKind) -> RoundEnd {
+        RoundEnd {
+            kind,
+            line: "x".into(),
+            exit_code: 137,
+        }
+    }
+
+    #[test]
+    fn launchers_that_differ_are_named_with_both_values() {
+        assert_eq!(spec(1).label(), "node 1 (ddprun pid 101 on host1)");
+        assert!(spec(1).differences(&spec(0)).is_empty());
+        let other = NodeSpec {
+            nproc_per_node: 4,
+            command: vec!["train".into()],
+            ..spec(1)
+        };
+        assert_eq!(
+            other.differences(&spec(0)),
+            [
+                "--nproc-per-node 4 (node 0 has 2)".to_string(),
+                r#"the program ["train"] (node 0 has ["train", "--epochs", "1"])"#.to_string(),
+            ]
+        );
+        let restarts = NodeSpec {
+            max_restarts: 0,
+            max_nodes: 3,
+            ..spec(1)
+        };
+        assert_eq!(
+            restarts.differences(&spec(0)),
+            [
+                "--max-restarts 0 (node 0 has 2)".to_string(),
+                "--nnodes 1:3 (node 0 has 1:2)".to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn failures_restart_until_the_budget_is_spent_and_scale_ups_always_do() {
+        assert_eq!(after(&end(EndKind::Done), &info(5), 2), After::Finish(0));
+        assert_eq!(after(&end(EndKind::Failed), &info(0), 2), After::NextRound);
+        assert_eq!(after(&end(EndKind::Lost), &info(1), 2), After::NextRound);
+        assert_eq!(
+            after(&end(EndKind::Failed), &info(2), 2),
+            After::Finish(137)
+        );
+        assert_eq!(
+            after(&end(EndKind::Failed), &info(0), 0),
+            After::Finish(137)
+        );
+        assert_eq!(after(&end(EndKind::ScaleUp), &info(2), 2), After::NextRound);
+        assert_eq!(
+            after(&end(EndKind::Interrupted), &info(0), 2),
+            After::Finish(137)
+        );
+        assert_eq!(
+            after(&end(EndKind::Refused), &info(0), 2),
+            After::Finish(137)
+        );
+        assert!(is_failure(&end(EndKind::Lost)) && !is_failure(&end(EndKind::ScaleUp)));
+    }
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_a_clear_error() {
+        let started = RoundOutcome::Started(info(1));
+        let bytes = encode(&started);
+        assert_eq!(
+            decode::<RoundOutcome>("h:1", "round/3", &bytes).unwrap(),
+            started
+        );
+        assert_eq!(info(0).node_rank("id1"), Some(1));
+        assert_eq!(info(0).node_rank("nope"), None);
+        assert_eq!(info(0).world_size(), 4);
+        let err = decode::<RoundEnd>("h:1", "end/3", b"{oops").unwrap_err();
+        assert!(err.to_string().contains("\"end/3\""), "{err}");
+    }
+}
