@@ -12,11 +12,18 @@
 //! by ptxas; it builds only the stand-in (seconds) and needs ptxas and libdevice from pip
 //! (`.ci/run` installs them).
 //!
+//! **Clippy in the build.** The test and CUDA steps compile the workspace's crates through
+//! `clippy-driver` ([`lint_with_clippy`]: what `cargo clippy -- -D warnings` does, as Cargo's
+//! workspace wrapper), so every target they build — libraries, their unit tests, binaries,
+//! examples, integration tests, the CUDA variants — is linted with warnings denied while it is
+//! compiled. A separate `cargo clippy` step would check every dependency (Burn, CubeCL, wgpu)
+//! a second time, in check mode: 14 of a cold run's 42 minutes here, for lints that the build
+//! can give.
+//!
 //! Disk: a cold run peaks at about 6.6 GB of target directory. The bins have no test-harness
 //! builds (`test = false`), the CUDA step links only the test binaries with CUDA tests, and on
-//! a nearly full disk what the earlier steps left (clippy's metadata, the test executables
-//! that have run) is deleted before the test and CUDA steps (a CI run once died of a full disk
-//! in the CUDA link).
+//! a nearly full disk what the earlier steps left (the test executables that have run) is
+//! deleted before the CUDA step (a CI run once died of a full disk in the CUDA link).
 
 use std::path::Path;
 use std::time::Instant;
@@ -48,12 +55,28 @@ pub const CUDA_TARGETS: [&str; 7] = [
 /// usable GPU gives); the others are `#[ignore]`d and run under `cargo xtask gpu-check`.
 pub const CUDA_NO_GPU_TESTS: [&str; 2] = ["without_a_usable_gpu", "without_a_cuda_driver"];
 
+/// Set for an `xtask` subcommand that CI runs: its cargo builds lint with clippy too (see
+/// [`lint_with_clippy`]), so that they reuse what the lint-building steps compiled.
+pub const LINT_MARKER: &str = "DDP_CI_LINT";
+
+/// How a step lints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lint {
+    /// Nothing to lint (formatting).
+    No,
+    /// A cargo build: its workspace crates compile through clippy-driver.
+    Build,
+    /// An `xtask` subcommand: its own cargo builds do ([`LINT_MARKER`]).
+    Subcommand,
+}
+
 /// One CI step: a description and the cargo arguments.
 struct Step {
     what: &'static str,
     args: Vec<&'static str>,
     /// Make room first if the disk is nearly full (see [`make_room`]).
     needs_room: bool,
+    lint: Lint,
 }
 
 fn steps() -> Vec<Step> {
@@ -61,48 +84,21 @@ fn steps() -> Vec<Step> {
         what,
         args: parts.concat(),
         needs_room: false,
+        lint: Lint::Build,
     };
     vec![
-        step("formatting", &[&["fmt", "--all", "--", "--check"]]),
-        step(
-            "clippy (all targets, warnings denied)",
-            &[&[
-                "clippy",
-                "--workspace",
-                "--all-targets",
-                "--features",
-                FEATURES,
-                "--",
-                "-D",
-                "warnings",
-            ]],
-        ),
-        step(
-            "clippy of the CUDA build (all targets, warnings denied)",
-            &[
-                &["clippy"],
-                &CUDA_PACKAGES,
-                &[
-                    "--all-targets",
-                    "--features",
-                    CUDA_FEATURES,
-                    "--",
-                    "-D",
-                    "warnings",
-                ],
-            ],
-        ),
         Step {
-            needs_room: true,
-            ..step(
-                "tests (unit, multi-process integration, doc)",
-                &[&["test", "--workspace", "--features", FEATURES]],
-            )
+            lint: Lint::No,
+            ..step("formatting", &[&["fmt", "--all", "--", "--check"]])
         },
+        step(
+            "clippy (every target built, warnings denied) and the tests (unit, multi-process integration, doc)",
+            &[&["test", "--workspace", "--features", FEATURES]],
+        ),
         Step {
             needs_room: true,
             ..step(
-                "CUDA binaries built and linked; their no-GPU tests",
+                "CUDA binaries linted (warnings denied), built and linked; their no-GPU tests",
                 &[
                     &["test"],
                     &CUDA_PACKAGES,
@@ -114,11 +110,34 @@ fn steps() -> Vec<Step> {
         },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX
         // assembled by ptxas for sm_90a (the stand-in itself builds in seconds).
-        step(
-            "the CUDA path down to the PTX (cargo xtask ptx-check)",
-            &[&["xtask", "ptx-check"]],
-        ),
+        Step {
+            lint: Lint::Subcommand,
+            ..step(
+                "the CUDA path down to the PTX (cargo xtask ptx-check)",
+                &[&["xtask", "ptx-check"]],
+            )
+        },
     ]
+}
+
+/// What `cargo clippy -- -D warnings` sets for its `cargo check`, set for a build: the
+/// workspace's crates compile through `clippy-driver` (rustc with clippy's lints, which also
+/// generates code), warnings denied. Dependencies compile with rustc as always.
+pub fn lint_with_clippy(cmd: &mut std::process::Command) -> Result<(), String> {
+    let found = std::process::Command::new("clippy-driver")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        return Err(
+            "clippy-driver is not on PATH: install clippy (`rustup component add clippy`)".into(),
+        );
+    }
+    cmd.env("RUSTC_WORKSPACE_WRAPPER", "clippy-driver").env(
+        "CLIPPY_ARGS",
+        "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+    );
+    Ok(())
 }
 
 /// Free space below which [`make_room`] deletes what earlier steps left. A cold `cargo xtask
@@ -206,9 +225,16 @@ pub fn run(root: &Path) -> Result<(), String> {
             s.what,
             s.args.join(" ")
         );
-        let status = crate::cargo()
-            .args(&s.args)
-            .current_dir(root)
+        let mut cmd = crate::cargo();
+        cmd.args(&s.args).current_dir(root);
+        match s.lint {
+            Lint::No => {}
+            Lint::Build => lint_with_clippy(&mut cmd)?,
+            Lint::Subcommand => {
+                cmd.env(LINT_MARKER, "1");
+            }
+        }
+        let status = cmd
             .status()
             .map_err(|e| format!("could not run cargo: {e}"))?;
         if !status.success() {

@@ -216,3 +216,160 @@ fn bad_rank_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// One line of `data_worker`'s elastic mode.
+#[derive(serde::Deserialize, Debug)]
+struct Consumed {
+    attempt: u64,
+    world: usize,
+    epoch: u64,
+    before: Option<u64>,
+    ids: Vec<i64>,
+}
+
+/// `--nnodes 1:2` over two `ddprun` on loopback (emulated hosts), node 1's ddprun SIGKILLed in
+/// the middle of epoch 0: node 0 goes on alone (WORLD_SIZE 1) from the committed loader
+/// position, and over the attempts every sample of each epoch is consumed exactly once — what
+/// an attempt consumed counts up to the position the next one resumed from.
+#[test]
+fn a_lost_node_leaves_every_sample_of_each_epoch_read_exactly_once() {
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+    let worker = env!("CARGO_BIN_EXE_data_worker");
+    let ddprun = std::path::Path::new(worker).with_file_name("ddprun");
+    assert!(
+        ddprun.exists(),
+        "{} is missing: build the launcher first (`cargo build -p ddprun`; `cargo test --workspace` does)",
+        ddprun.display()
+    );
+    let dir = std::env::temp_dir().join(format!("ddp-elastic-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("state.json");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let len = 101;
+    let start = |node: &str| {
+        Command::new(&ddprun)
+            .args([
+                "--nnodes",
+                "1:2",
+                "--node-rank",
+                node,
+                "--master-port",
+                &port,
+            ])
+            .args(["--max-restarts", "1", "--rdzv-last-call", "0.5"])
+            .args([
+                "--rdzv-heartbeat-secs",
+                "2",
+                "--grace-secs",
+                "1",
+                "--",
+                worker,
+            ])
+            .env("DDP_JOB_TOKEN", "elastic-data")
+            .env("DDP_HOST_ID", format!("host-{node}"))
+            .env("DATA_LEN", len.to_string())
+            .env("BATCH_SIZE", "3")
+            .env("EPOCHS", "2")
+            .env("SEED", "5")
+            .env("NUM_WORKERS", "1")
+            .env("BATCH_SLEEP_MS", "60")
+            .env("STATE_FILE", &state)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start ddprun")
+    };
+    let node0 = start("0");
+    let mut node1 = start("1");
+    let deadline = Instant::now() + DEADLINE;
+    // Kill node 1 once the job has committed a few batches of epoch 0.
+    loop {
+        let committed = std::fs::read(&state)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        if committed.is_some_and(|s| s["epoch"] == 0 && s["samples_done"].as_u64() >= Some(18)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the job never committed a batch");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    node1.kill().unwrap();
+    let _ = node1.wait_with_output();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let pid = node0.id();
+    std::thread::spawn(move || {
+        let _ = tx.send(node0.wait_with_output());
+    });
+    let out = rx.recv_timeout(DEADLINE).unwrap_or_else(|_| {
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        panic!("node 0 overran its deadline")
+    });
+    let out = out.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "node 0 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Consumed> = stdout
+        .lines()
+        .filter_map(|l| l.split_once("] ").map(|(_, rest)| rest))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    // Node 0's rank 0 in both attempts; node 1's lines died with it (its pipe was node 1's).
+    let resumed_at = lines
+        .iter()
+        .find(|c| c.attempt == 1)
+        .map(|c| (c.epoch, c.before))
+        .expect("an attempt after the loss");
+    assert!(
+        lines
+            .iter()
+            .all(|c| c.world == if c.attempt == 0 { 2 } else { 1 })
+    );
+    // Rank 1's share of attempt 0 is the interleaved half of each position: rebuild it from
+    // the sampler (node 1's output is gone), rank 0's from its lines.
+    for epoch in 0..2u64 {
+        let mut counted: Vec<i64> = Vec::new();
+        for c in lines.iter().filter(|c| c.epoch == epoch) {
+            let committed = c.attempt == 1 || (c.epoch, c.before) < resumed_at;
+            if committed {
+                counted.extend(&c.ids);
+                if c.attempt == 0 {
+                    // Rank 1 read the other half of the same global positions.
+                    let rank1 = burn_ddp::data::DistributedSampler::new(len, 2, 1)
+                        .unwrap()
+                        .with_seed(5);
+                    let mut s = rank1;
+                    s.set_epoch(epoch);
+                    let first = (c.before.unwrap() / 2) as usize;
+                    let shard = s.indices();
+                    counted.extend(
+                        shard[first..(first + c.ids.len()).min(shard.len())]
+                            .iter()
+                            .map(|&i| i as i64),
+                    );
+                }
+            }
+        }
+        let mut sorted = counted.clone();
+        sorted.sort_unstable();
+        let distinct: std::collections::BTreeSet<i64> = sorted.iter().copied().collect();
+        assert_eq!(distinct.len(), len, "epoch {epoch}: every sample read");
+        assert!(
+            sorted.len() - len <= 1,
+            "epoch {epoch}: {} samples read twice (the sampler pads fewer than the world size)",
+            sorted.len() - len
+        );
+    }
+    eprintln!("resumed at {resumed_at:?} with 1 rank after node 1 was lost");
+}

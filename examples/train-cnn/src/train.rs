@@ -312,7 +312,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         }
         if meta.batch_size != cfg.batch_size || r.world_size != world {
             tracing::warn!(
-                "resuming a run of {} ranks × batch {} with {world} ranks × batch {}: the optimisation differs from an uninterrupted run",
+                "resuming a run of {} ranks × batch {} with {world} ranks × batch {}: the global batch, so the optimisation, differs from an uninterrupted run (the epoch's data continues at its global sample position)",
                 r.world_size,
                 meta.batch_size,
                 cfg.batch_size
@@ -397,7 +397,13 @@ pub fn train<N: NormLayer, C: Cluster>(
         if loader.epoch() != epoch as u64 {
             loader.set_epoch(epoch as u64);
         }
-        let skip = loader.state().batches_done;
+        // Batches of this epoch done before this pass, counted at this world size from the
+        // epoch's global sample position (a checkpoint of another world size continues the
+        // epoch's data order from there, and the schedule from the same point).
+        let state = loader.state();
+        let skip = state.samples_done.map_or(state.batches_done, |done| {
+            (done / (cfg.batch_size * world) as u64) as usize
+        });
         // loss × n, correct, n; a resumed epoch's sums so far are counted once, on rank 0.
         let mut sums = [0f64; 3];
         let mut seconds_before = 0.0;
@@ -493,10 +499,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         let progress = Progress {
             step: ((epoch + 1) * batches_per_epoch) as u64,
             epochs_done: epoch as u64 + 1,
-            loader: Some(LoaderState {
-                epoch: epoch as u64 + 1,
-                batches_done: 0,
-            }),
+            loader: Some(LoaderState::at_epoch(epoch as u64 + 1)),
         };
         ckpt.save(
             cluster.group(),

@@ -179,8 +179,8 @@ mod tests {
                 step: 250,
                 epochs_done: 2,
                 loader: Some(LoaderState {
-                    epoch: 2,
                     batches_done: 17,
+                    ..LoaderState::at_epoch(2)
                 }),
             },
             world_size: 4,

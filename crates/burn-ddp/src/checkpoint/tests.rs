@@ -54,8 +54,10 @@ fn save_then_load_continues_exactly() {
         step: 3,
         epochs_done: 1,
         loader: Some(LoaderState {
-            epoch: 1,
             batches_done: 2,
+            samples_done: Some(2 * 4 * 3),
+            world_size: Some(3),
+            ..LoaderState::at_epoch(1)
         }),
     };
     ckpt.save(&g, &model, &optim, progress, &"notes".to_string())

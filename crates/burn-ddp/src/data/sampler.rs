@@ -158,28 +158,68 @@ impl DistributedSampler {
     /// The padded (or truncated) global order of the current epoch, of length
     /// [`total_size`](Self::total_size); rank `r` reads positions `r, r + W, …`.
     pub fn global_indices(&self) -> Vec<usize> {
-        let mut order = if self.shuffle {
+        self.global_indices_after(0)
+    }
+
+    /// The epoch's order before padding or truncation: the permutation, or `0..len`.
+    fn order(&self) -> Vec<usize> {
+        if self.shuffle {
             permutation(self.dataset_len, self.seed.wrapping_add(self.epoch))
         } else {
             (0..self.dataset_len).collect()
-        };
-        let total = self.total_size();
-        if total <= order.len() {
-            order.truncate(total);
-        } else {
-            // Padding: repeat the head of the order, cyclically when len < W.
-            let len = order.len();
-            for i in 0..total - len {
-                let head = order[i % len];
-                order.push(head);
+        }
+    }
+
+    /// The rest of the epoch's global order after its first `consumed` items, made a multiple
+    /// of the world size: truncated with `drop_last`, else padded with the head of the
+    /// *whole* order (cyclically), as [`global_indices`](Self::global_indices) is. So for a
+    /// `consumed` that is a multiple of the world size, it is `global_indices()[consumed..]`.
+    pub fn global_indices_after(&self, consumed: usize) -> Vec<usize> {
+        let order = self.order();
+        let len = order.len();
+        let start = consumed.min(len);
+        let rest = len - start;
+        let w = self.num_replicas;
+        if self.drop_last {
+            return order[start..start + rest / w * w].to_vec();
+        }
+        let mut out = order[start..].to_vec();
+        if rest > 0 {
+            for i in 0..rest.div_ceil(w) * w - rest {
+                out.push(order[i % len]);
             }
         }
-        order
+        out
     }
 
     /// This rank's indices for the current epoch, in the order they should be read.
     pub fn indices(&self) -> Vec<usize> {
-        self.global_indices()
+        self.indices_after(0)
+    }
+
+    /// This rank's indices for the rest of the current epoch, after the first `consumed`
+    /// items of the epoch's order were read by the job **at any world size**: ranks read the
+    /// order strided, so `k` items read on each of `W` ranks are its first `k·W`, whatever `W`
+    /// was. The rest is shared among this sampler's ranks as an epoch is (see
+    /// [`global_indices_after`](Self::global_indices_after)): every rank gets the same count,
+    /// no item of the epoch is skipped or read twice beyond the padding. At the same world
+    /// size it continues exactly where [`indices`](Self::indices) would have.
+    ///
+    /// ```
+    /// use burn_ddp::data::DistributedSampler;
+    ///
+    /// // 12 items read by 4 ranks, 1 each (the first 4 of the order), then 2 ranks go on.
+    /// let rest = |rank| {
+    ///     DistributedSampler::new(12, 2, rank)
+    ///         .unwrap()
+    ///         .with_shuffle(false)
+    ///         .indices_after(4)
+    /// };
+    /// assert_eq!(rest(0), vec![4, 6, 8, 10]);
+    /// assert_eq!(rest(1), vec![5, 7, 9, 11]);
+    /// ```
+    pub fn indices_after(&self, consumed: usize) -> Vec<usize> {
+        self.global_indices_after(consumed)
             .into_iter()
             .skip(self.rank)
             .step_by(self.num_replicas)
@@ -299,6 +339,47 @@ mod tests {
             let b = shards(len, w, drop_last, seed, epoch + step);
             for (r, (x, y)) in a.iter().zip(&b).enumerate() {
                 prop_assert_ne!(x, y, "rank {} got the same shard in two epochs", r);
+            }
+        }
+    }
+
+    proptest! {
+        /// A job that reads `k` items per rank at world size `w1`, then goes on at `w2` from
+        /// the global count `k·w1`: every item of the epoch is read once, apart from padding
+        /// (each phase pads fewer than its world size), every rank of a phase gets the same
+        /// count, and at `w2 = w1` the rest is what the uninterrupted shard had.
+        #[test]
+        fn resuming_at_another_world_size_reads_the_rest_of_the_epoch(
+            len in 0usize..300,
+            w1 in 1usize..6,
+            w2 in 1usize..6,
+            fraction in 0.0f64..1.0,
+            drop_last in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let sampler = |w, r| DistributedSampler::new(len, w, r).unwrap().with_seed(seed).with_drop_last(drop_last);
+            let per_rank = sampler(w1, 0).num_samples();
+            let k = (per_rank as f64 * fraction) as usize;
+            let mut read: Vec<usize> = Vec::new();
+            for r in 0..w1 {
+                read.extend(&sampler(w1, r).indices()[..k]);
+            }
+            let rest: Vec<Vec<usize>> = (0..w2).map(|r| sampler(w2, r).indices_after(k * w1)).collect();
+            prop_assert!(rest.iter().all(|s| s.len() == rest[0].len()));
+            read.extend(rest.iter().flatten());
+            let distinct: HashSet<usize> = read.iter().copied().collect();
+            let padding = read.len() - distinct.len();
+            if drop_last {
+                prop_assert_eq!(padding, 0);
+                prop_assert!(len - distinct.len() < w1 + w2);
+            } else {
+                prop_assert_eq!(distinct.len(), len);
+                prop_assert!(padding < w1.max(w2) * 2 || len < w1.max(w2));
+            }
+            if w1 == w2 {
+                for (r, got) in rest.iter().enumerate() {
+                    prop_assert_eq!(&got[..], &sampler(w1, r).indices()[k..]);
+                }
             }
         }
     }

@@ -6,13 +6,21 @@
 //! the CPU device, and prints one JSON line per epoch to stdout:
 //! `{"rank":…,"epoch":…,"batches":…,"batch_sizes":[…],"ids":[…]}`.
 //! Any error is printed to stderr and the process exits with status 1.
+//!
+//! With `STATE_FILE` set it is an elastic job's rank instead (`tests/data.rs` runs it under
+//! two `ddprun` of `--nnodes 1:2`): it joins the process group (`burn_ddp::init`), resumes the
+//! loader from `STATE_FILE` when it is a restart (`DDP_RESTART_COUNT` > 0), and after each
+//! batch prints `{"attempt":…,"world":…,"epoch":…,"before":…,"ids":[…]}` (`before`: the
+//! epoch's global sample position before the batch), waits for every rank (a barrier: a lost
+//! peer fails it) and has rank 0 commit the loader's position to `STATE_FILE` (written to a
+//! temporary, then renamed). `BATCH_SLEEP_MS` slows each batch down.
 
 use std::process::ExitCode;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_ddp::data::ShardedDataLoaderBuilder;
+use burn_ddp::data::{LoaderState, ShardedDataLoader, ShardedDataLoaderBuilder};
 use ddp_testkit::data_report::EpochReport;
 
 /// Batches sample ids into a 1-D `Int` tensor on the rank's device.
@@ -62,6 +70,9 @@ fn run() -> Result<(), String> {
         )
         .map_err(|e| e.to_string())?;
 
+    if let Ok(path) = std::env::var("STATE_FILE") {
+        return elastic(&loader, epochs, std::path::Path::new(&path));
+    }
     for _ in 0..epochs {
         let pass = loader.batches();
         let epoch = pass.epoch();
@@ -87,6 +98,72 @@ fn run() -> Result<(), String> {
         }
         let line = serde_json::to_string(&report).map_err(|e| e.to_string())?;
         println!("{line}");
+    }
+    Ok(())
+}
+
+/// One line of the elastic mode's output.
+#[derive(serde::Serialize)]
+struct Consumed {
+    attempt: u64,
+    world: usize,
+    epoch: u64,
+    before: Option<u64>,
+    ids: Vec<i64>,
+}
+
+/// The elastic mode (see the module docs).
+fn elastic(
+    loader: &ShardedDataLoader<i64, Tensor<1, Int>>,
+    epochs: u64,
+    state_file: &std::path::Path,
+) -> Result<(), String> {
+    let ddp = burn_ddp::init().map_err(|e| e.to_string())?;
+    let attempt: u64 = var("DDP_RESTART_COUNT", Some(0))?;
+    let pause = std::time::Duration::from_millis(var("BATCH_SLEEP_MS", Some(0))?);
+    if attempt > 0 {
+        match std::fs::read(state_file) {
+            Ok(bytes) => {
+                let state: LoaderState =
+                    serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+                loader.load_state(state);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{}: {e}", state_file.display())),
+        }
+    }
+    while loader.epoch() < epochs {
+        let mut pass = loader.batches();
+        let epoch = pass.epoch();
+        loop {
+            let before = loader.state().samples_done;
+            let Some(batch) = pass.next() else { break };
+            let ids = batch
+                .map_err(|e| e.to_string())?
+                .into_data()
+                .try_to_vec_as::<i64>()
+                .map_err(|e| format!("{e:?}"))?;
+            let line = Consumed {
+                attempt,
+                world: ddp.world_size(),
+                epoch,
+                before,
+                ids,
+            };
+            println!(
+                "{}",
+                serde_json::to_string(&line).map_err(|e| e.to_string())?
+            );
+            std::thread::sleep(pause);
+            ddp.barrier().map_err(|e| e.to_string())?;
+            if ddp.is_main() {
+                let tmp = state_file.with_extension("tmp");
+                let state = serde_json::to_vec(&loader.state()).map_err(|e| e.to_string())?;
+                std::fs::write(&tmp, state)
+                    .and_then(|()| std::fs::rename(&tmp, state_file))
+                    .map_err(|e| format!("{}: {e}", state_file.display()))?;
+            }
+        }
     }
     Ok(())
 }

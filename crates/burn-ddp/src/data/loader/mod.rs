@@ -43,12 +43,38 @@ pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(600);
 /// While a pass is being read, `epoch` is that pass's epoch and `batches_done` the batches
 /// already yielded; between passes, `epoch` is the epoch the next pass will use and
 /// `batches_done` is 0 (or the batches to skip, after `load_state`).
+///
+/// `samples_done` is the position in the epoch's global order (items read by all ranks
+/// together), which is what lets a job resume at **another world size**: the new ranks share
+/// the rest of the epoch (see [`DistributedSampler::indices_after`]), so no item of the epoch
+/// is skipped or read twice beyond the sampler's padding. At the same world size the resume
+/// is exactly the uninterrupted order either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LoaderState {
     /// The epoch in progress, or the next one.
     pub epoch: u64,
-    /// Batches of that epoch already consumed.
+    /// Batches of that epoch already consumed (by this loader's pass: after a resume at
+    /// another world size, the batches of the rest of the epoch).
     pub batches_done: usize,
+    /// Items of the epoch's global order consumed by all ranks together; `None` in states
+    /// written before it existed (they resume by `batches_done`) or of a sliced loader.
+    #[serde(default)]
+    pub samples_done: Option<u64>,
+    /// The world size of the loader that wrote the state (`None` as for `samples_done`).
+    #[serde(default)]
+    pub world_size: Option<usize>,
+}
+
+impl LoaderState {
+    /// The start of `epoch`.
+    pub fn at_epoch(epoch: u64) -> Self {
+        LoaderState {
+            epoch,
+            batches_done: 0,
+            samples_done: None,
+            world_size: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -71,8 +97,14 @@ struct Config {
 struct EpochState {
     next_epoch: u64,
     skip_batches: usize,
+    /// The next pass reads the rest of its epoch after this many items of the global order
+    /// (a resume at another world size).
+    skip_samples: Option<u64>,
     /// (generation, epoch, batches yielded) of the pass being read, if any.
     current: Option<(u64, u64, usize)>,
+    /// Of the pass being read: the items of the global order consumed before its first batch,
+    /// and this rank's items in it.
+    current_span: (u64, usize),
 }
 
 /// One epoch's plan: the batches of dataset indices, in order.
@@ -256,34 +288,71 @@ where
 
     /// Makes the next pass use `epoch`, from its first batch. Every rank must do the same.
     pub fn set_epoch(&self, epoch: u64) {
-        self.load_state(LoaderState {
-            epoch,
-            batches_done: 0,
-        });
+        self.load_state(LoaderState::at_epoch(epoch));
     }
 
     /// The position to save in a checkpoint (see [`LoaderState`]).
     pub fn state(&self) -> LoaderState {
         let s = self.lock_state();
-        match s.current {
-            Some((_, epoch, batches_done)) => LoaderState {
-                epoch,
-                batches_done,
+        let (b, w) = (self.config.batch_size, self.config.world_size);
+        let global = self.config.range.is_none();
+        let (batches_done, before, items) = match s.current {
+            Some((_, _, n)) => (n, s.current_span.0, s.current_span.1),
+            None => match s.skip_samples {
+                Some(c) => (0, c, 0),
+                None => (s.skip_batches, 0, self.num_items_per_epoch()),
             },
-            None => LoaderState {
-                epoch: s.next_epoch,
-                batches_done: s.skip_batches,
-            },
+        };
+        LoaderState {
+            epoch: s.current.map_or(s.next_epoch, |(_, e, _)| e),
+            batches_done,
+            samples_done: global.then(|| before + (batches_done * b).min(items) as u64 * w as u64),
+            world_size: global.then_some(w),
         }
     }
 
     /// Restores a saved position: the next pass reads `state.epoch`, skipping its first
     /// `state.batches_done` batches; the pass after it reads `state.epoch + 1` from the start.
     /// A pass in progress is left to finish, but is no longer tracked.
+    ///
+    /// A state written at another world size (or by a pass that itself resumed at another
+    /// one) continues from `state.samples_done` instead: the next pass is this rank's share of
+    /// the rest of the epoch ([`DistributedSampler::indices_after`]), so its
+    /// [`num_batches`](ShardedBatches::num_batches) is smaller. Without `samples_done` (a
+    /// state from before it existed) a different world size is warned about and the resume
+    /// goes by batches (the checkpoint's world size, [`crate::checkpoint::Resumed::world_size`], tells
+    /// the program).
     pub fn load_state(&self, state: LoaderState) {
+        let (b, w) = (self.config.batch_size, self.config.world_size);
+        let by_batches = (state.batches_done * b).min(self.num_items_per_epoch()) as u64 * w as u64;
+        let by_samples = match (state.samples_done, state.world_size) {
+            (Some(c), Some(_)) if self.config.range.is_some() => {
+                tracing::warn!(
+                    samples_done = c,
+                    "a sliced loader resumes by batches: the sample position of the state is not used"
+                );
+                None
+            }
+            (Some(c), Some(saved)) if saved != w || c != by_batches => {
+                tracing::info!(
+                    epoch = state.epoch,
+                    samples_done = c,
+                    saved_world_size = saved,
+                    world_size = w,
+                    "resuming the epoch from its global sample position"
+                );
+                Some(c)
+            }
+            _ => None,
+        };
         let mut s = self.lock_state();
         s.next_epoch = state.epoch;
-        s.skip_batches = state.batches_done;
+        s.skip_batches = if by_samples.is_some() {
+            0
+        } else {
+            state.batches_done
+        };
+        s.skip_samples = by_samples;
         s.current = None;
     }
 
@@ -297,11 +366,12 @@ where
         let mut s = self.lock_state();
         let epoch = s.next_epoch;
         let skip = std::mem::take(&mut s.skip_batches);
+        let before = s.skip_samples.take().unwrap_or(0);
         s.next_epoch = epoch.wrapping_add(1);
 
         let mut sampler = self.sampler_for(self.dataset.len());
         sampler.set_epoch(epoch);
-        let mut indices = sampler.indices();
+        let mut indices = sampler.indices_after(usize::try_from(before).unwrap_or(usize::MAX));
         if let Some(r) = &self.config.range {
             let end = r.end.min(indices.len());
             let start = r.start.min(end);
@@ -318,6 +388,7 @@ where
         let first = skip.min(batches.len());
         let items_before_first = batches[..first].iter().map(Vec::len).sum();
         s.current = Some((generation, epoch, first));
+        s.current_span = (before, items_total);
         drop(s);
 
         if batches.is_empty() {
