@@ -16,3 +16,18 @@ pub struct EpochReport {
     /// The dataset ids, in the order read.
     pub ids: Vec<i64>,
 }
+
+/// One batch of `data_worker`'s elastic mode (`STATE_FILE` set), as one JSON line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumedBatch {
+    /// The restart round (`DDP_RESTART_COUNT`).
+    pub attempt: u64,
+    /// The world size of that round.
+    pub world: usize,
+    /// The epoch.
+    pub epoch: u64,
+    /// The epoch's global sample position before the batch.
+    pub before: Option<u64>,
+    /// The dataset ids of the batch.
+    pub ids: Vec<i64>,
+}

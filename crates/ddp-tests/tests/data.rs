@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ddp_testkit::data_report::EpochReport;
+use ddp_testkit::data_report::{ConsumedBatch, EpochReport};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -217,14 +217,17 @@ fn bad_rank_is_a_clear_error() {
     );
 }
 
-/// One line of `data_worker`'s elastic mode.
-#[derive(serde::Deserialize, Debug)]
-struct Consumed {
-    attempt: u64,
-    world: usize,
-    epoch: u64,
-    before: Option<u64>,
-    ids: Vec<i64>,
+/// Launchers of a test: SIGKILLed and reaped however the test ends (their ranks die with
+/// them through PDEATHSIG).
+struct Launchers(Vec<std::process::Child>);
+
+impl Drop for Launchers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 /// `--nnodes 1:2` over two `ddprun` on loopback (emulated hosts), node 1's ddprun SIGKILLed in
@@ -287,8 +290,7 @@ fn a_lost_node_leaves_every_sample_of_each_epoch_read_exactly_once() {
             .spawn()
             .expect("start ddprun")
     };
-    let node0 = start("0");
-    let mut node1 = start("1");
+    let mut nodes = Launchers(vec![start("0"), start("1")]);
     let deadline = Instant::now() + DEADLINE;
     // Kill node 1 once the job has committed a few batches of epoch 0.
     loop {
@@ -301,25 +303,31 @@ fn a_lost_node_leaves_every_sample_of_each_epoch_read_exactly_once() {
         assert!(Instant::now() < deadline, "the job never committed a batch");
         std::thread::sleep(Duration::from_millis(10));
     }
+    let mut node1 = nodes.0.pop().unwrap();
     node1.kill().unwrap();
     let _ = node1.wait_with_output();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let pid = node0.id();
-    std::thread::spawn(move || {
-        let _ = tx.send(node0.wait_with_output());
-    });
-    let out = rx.recv_timeout(DEADLINE).unwrap_or_else(|_| {
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        panic!("node 0 overran its deadline")
-    });
-    let out = out.unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "node 0 failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<Consumed> = stdout
+    // Node 0's output, read on a thread; the deadline kills it (dropping `nodes`).
+    let mut node0 = nodes.0.pop().unwrap();
+    let (out, err) = (node0.stdout.take().unwrap(), node0.stderr.take().unwrap());
+    nodes.0.push(node0);
+    let read = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let (out, err) = (read(Box::new(out)), read(Box::new(err)));
+    let status = loop {
+        if let Some(s) = nodes.0[0].try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "node 0 overran its deadline");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stdout = out.join().unwrap();
+    assert!(status.success(), "node 0 failed: {}", err.join().unwrap());
+    let lines: Vec<ConsumedBatch> = stdout
         .lines()
         .filter_map(|l| l.split_once("] ").map(|(_, rest)| rest))
         .filter_map(|l| serde_json::from_str(l).ok())

@@ -242,6 +242,46 @@ fn the_restart_budget_is_the_jobs_not_each_nodes() {
     assert!(b.rank_lines(1).len() == 2 && a.rank_lines(0).len() == 2);
 }
 
+/// Every rank of both nodes fails at once (no restarts): both launchers exit with the failing
+/// code and say which rank failed.
+#[test]
+fn every_rank_failing_at_once_fails_both_nodes() {
+    let port = free_port();
+    let opts = ["--nnodes", "2", "--nproc-per-node", "2"];
+    let s = format!("{REPORT}; sleep 0.3; exit 5");
+    let node0 = Node::start(0, &port, "tok", &opts, &s);
+    let node1 = Node::start(1, &port, "tok", &opts, &s);
+    let (a, b) = (node0.wait(), node1.wait());
+    for (node, end) in [(0, &a), (1, &b)] {
+        assert_eq!(end.code, Some(5), "node {node}: {}", end.stderr);
+        assert!(
+            end.stderr.contains("failed with exit code 5"),
+            "node {node}: {}",
+            end.stderr
+        );
+    }
+}
+
+/// Node 0's rank finishes at once; node 1's fails 1.5 s later: the job fails on both nodes —
+/// node 0, already done, hears of it and exits non-zero too.
+#[test]
+fn a_rank_failing_late_fails_the_node_that_had_finished() {
+    let port = free_port();
+    let opts = ["--nnodes", "2"];
+    let s = format!(r#"{REPORT}; if [ "$RANK" = 1 ]; then sleep 1.5; exit 6; fi"#);
+    let node0 = Node::start(0, &port, "tok", &opts, &s);
+    let node1 = Node::start(1, &port, "tok", &opts, &s);
+    let (a, b) = (node0.wait(), node1.wait());
+    assert_eq!(b.code, Some(6), "{}", b.stderr);
+    assert_eq!(a.code, Some(6), "{}", a.stderr);
+    assert!(
+        a.stderr.contains("node 1 (ddprun pid")
+            && a.stderr.contains("rank 1 failed with exit code 6"),
+        "{}",
+        a.stderr
+    );
+}
+
 /// `--nnodes 1:2`, node 1's ddprun SIGKILLed while its rank runs: node 0 goes on alone in the
 /// next round (WORLD_SIZE 1) and finishes.
 #[test]

@@ -21,7 +21,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_ddp::data::{LoaderState, ShardedDataLoader, ShardedDataLoaderBuilder};
-use ddp_testkit::data_report::EpochReport;
+use ddp_testkit::data_report::{ConsumedBatch, EpochReport};
 
 /// Batches sample ids into a 1-D `Int` tensor on the rank's device.
 #[derive(Clone)]
@@ -102,16 +102,6 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-/// One line of the elastic mode's output.
-#[derive(serde::Serialize)]
-struct Consumed {
-    attempt: u64,
-    world: usize,
-    epoch: u64,
-    before: Option<u64>,
-    ids: Vec<i64>,
-}
-
 /// The elastic mode (see the module docs).
 fn elastic(
     loader: &ShardedDataLoader<i64, Tensor<1, Int>>,
@@ -143,7 +133,7 @@ fn elastic(
                 .into_data()
                 .try_to_vec_as::<i64>()
                 .map_err(|e| format!("{e:?}"))?;
-            let line = Consumed {
+            let line = ConsumedBatch {
                 attempt,
                 world: ddp.world_size(),
                 epoch,
