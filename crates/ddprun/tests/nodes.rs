@@ -135,7 +135,7 @@ const REPORT: &str = r#"echo "R=$RANK W=$WORLD_SIZE G=$GROUP_RANK L=$LOCAL_RANK 
 
 fn script(fail_rank: usize, how: &str) -> String {
     format!(
-        r#"{REPORT}; if [ "$RANK" = {fail_rank} ] && [ "$DDP_RESTART_COUNT" = 0 ]; then sleep 0.5; {how}; fi; sleep 1"#
+        r#"{REPORT}; if [ "$RANK" = {fail_rank} ] && [ "$DDP_RESTART_COUNT" = 0 ]; then sleep 1.5; {how}; fi; sleep 1"#
     )
 }
 
@@ -239,7 +239,10 @@ fn the_restart_budget_is_the_jobs_not_each_nodes() {
             end.stderr
         );
     }
-    assert!(b.rank_lines(1).len() == 2 && a.rank_lines(0).len() == 2);
+    // Rank 0 printed in both rounds (it prints, then fails in round 1); rank 1 of round 1 may
+    // be stopped by rank 0's failure before it prints.
+    assert_eq!(a.rank_lines(0).len(), 2, "{}", a.stdout);
+    assert!(!b.rank_lines(1).is_empty(), "{}", b.stdout);
 }
 
 /// Every rank of both nodes fails at once (no restarts): both launchers exit with the failing
