@@ -1,47 +1,47 @@
 //! `cargo xtask ci`: everything CI checks, in the order that fails fastest.
 //!
-//! Every build step uses one profile (`dev`: optimised dependencies without debug info) and
-//! one target directory. The tests use one feature set ([`FEATURES`]); the CUDA steps use a
-//! superset of it ([`CUDA_FEATURES`]), so Cargo rebuilds only the crates whose features change
-//! (Burn's umbrella crates, cubecl-cuda and its LLVM) and links the CUDA binaries — train-cnn,
-//! the CUDA test binaries and the rank programs they launch — that `cargo xtask gpu-check
-//! build` packs for a GPU machine. A link error fails CI. Burn's CUDA backend builds against
-//! the LLVM bundle its build script downloads, or, without internet, against the system LLVM
-//! that `cargo xtask setup-cuda-build` points it at. The last step, `cargo xtask ptx-check`,
-//! runs those CUDA binaries under the CUDA driver stand-in, so every kernel's PTX is assembled
-//! by ptxas; it builds only the stand-in (seconds) and needs ptxas and libdevice from pip
-//! (`.ci/run` installs them).
+//! **One build.** Every build step uses one profile (`dev`: optimised dependencies without
+//! debug info), one target directory and one feature set, [`FEATURES`]: the CubeCL kernels on
+//! wgpu (lavapipe), Burn's CUDA backend and the NCCL transport, all at once. Cargo's features
+//! are unified over the packages of a command, and a dependency whose features differ between
+//! two commands is a different build — and so is everything above it: with a CPU feature set
+//! for the tests and a CUDA one for the CUDA binaries, a cold run compiled Burn's and CubeCL's
+//! whole stack twice (measured 2026-12-02: 38 min for the tests' build and run, then 25 min
+//! for the CUDA build, 22 of them the stack again). So the test step builds the CUDA binaries
+//! too — train-cnn, the CUDA test binaries and the rank programs they launch — and runs their
+//! no-GPU tests with the others (the GPU-only tests are `#[ignore]`d); `cargo xtask ptx-check`
+//! and `cargo xtask gpu-check build` run the same cargo command ([`CUDA_BUILD_ARGS`]), which
+//! after CI only names the executables. A link error fails CI. Burn's CUDA backend builds
+//! against the LLVM bundle its build script downloads, or, without internet, against the
+//! system LLVM that `cargo xtask setup-cuda-build` points it at. The last step, `cargo xtask
+//! ptx-check`, runs the CUDA binaries under the CUDA driver stand-in, so every kernel's PTX is
+//! assembled by ptxas; it builds only the stand-in (seconds) and needs ptxas and libdevice from
+//! pip (`.ci/run` installs them).
 //!
-//! **Clippy in the build.** The test and CUDA steps compile the workspace's crates through
+//! **Clippy in the build.** The build step compiles the workspace's crates through
 //! `clippy-driver` ([`lint_with_clippy`]: what `cargo clippy -- -D warnings` does, as Cargo's
-//! workspace wrapper), so every target they build — libraries, their unit tests, binaries,
-//! examples, integration tests, the CUDA variants — is linted with warnings denied while it is
+//! workspace wrapper), so every target it builds — libraries, their unit tests, binaries,
+//! examples, integration tests, the CUDA code — is linted with warnings denied while it is
 //! compiled. A separate `cargo clippy` step would check every dependency (Burn, CubeCL, wgpu)
-//! a second time, in check mode: 17 minutes of a cold run here (measured 2026-12-01: 64 min in all
-//! with the lints in the build; with the two clippy steps, 50 min had gone before the CUDA build).
+//! a second time, in check mode: 17 minutes of a cold run here.
 //!
-//! Disk: a cold run peaks at about 6.6 GB of target directory. The bins have no test-harness
-//! builds (`test = false`), the CUDA step links only the test binaries with CUDA tests, and on
-//! a nearly full disk what the earlier steps left (the test executables that have run) is
-//! deleted before the CUDA step (a CI run once died of a full disk in the CUDA link).
+//! Disk: the bins have no test-harness builds (`test = false`), and on a nearly full disk
+//! what an earlier run left (test executables, check-only metadata) is deleted before the
+//! build (a CI run once died of a full disk in a link).
 
 use std::path::Path;
 use std::time::Instant;
 
-/// The features of clippy and the tests: the CubeCL kernels on wgpu (lavapipe) and the NCCL
-/// transport (cudarc, loaded at run time).
-pub const FEATURES: &str = "ddp-tests/wgpu,ddp-bench/wgpu,ddp-comm/nccl";
+/// The one feature set of every build CI makes: the CubeCL kernels on wgpu (lavapipe) and on
+/// CUDA, Burn's CUDA backend in burn-ddp, the rank programs and train-cnn, and the NCCL
+/// transport (cudarc, loaded at run time). See the module's documentation for why it is one.
+pub const FEATURES: &str =
+    "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda,ddp-bench/wgpu,ddp-comm/nccl";
 
-/// [`FEATURES`] plus Burn's CUDA backend in burn-ddp, the rank programs and train-cnn.
-pub const CUDA_FEATURES: &str = "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda";
-
-/// The packages built with [`CUDA_FEATURES`].
-pub const CUDA_PACKAGES: [&str; 6] = ["-p", "burn-ddp", "-p", "ddp-tests", "-p", "train-cnn"];
-
-/// The targets of the CUDA build: the test binaries with CUDA tests (`gpu-check` runs them) and,
-/// through them, the rank programs and train-cnn. The other test binaries run in the CPU step;
-/// linking their CUDA twins too would only fill the disk.
-pub const CUDA_TARGETS: [&str; 7] = [
+/// The targets with CUDA code that `cargo xtask gpu-check` runs on a GPU and `cargo xtask
+/// ptx-check` under the stand-in: burn-ddp's unit tests, the CUDA test binaries and, through
+/// them, the rank programs and train-cnn; the NCCL transport's tests.
+pub const CUDA_TARGETS: [&str; 9] = [
     "--lib",
     "--test",
     "sync_batch_norm",
@@ -49,11 +49,18 @@ pub const CUDA_TARGETS: [&str; 7] = [
     "ddp",
     "--test",
     "multi_rank",
+    "--test",
+    "nccl",
 ];
 
-/// The tests of the CUDA build that need no GPU (they check the errors a machine without a
-/// usable GPU gives); the others are `#[ignore]`d and run under `cargo xtask gpu-check`.
-pub const CUDA_NO_GPU_TESTS: [&str; 2] = ["without_a_usable_gpu", "without_a_cuda_driver"];
+/// The cargo command that names the CUDA executables: CI's build ([`FEATURES`], the whole
+/// workspace, so that the features resolve as in the test step) limited to [`CUDA_TARGETS`].
+/// After `cargo xtask ci` it compiles nothing.
+pub const CUDA_BUILD_ARGS: &[&[&str]] = &[
+    &["test", "--no-run", "--workspace"],
+    &CUDA_TARGETS,
+    &["--features", FEATURES],
+];
 
 /// Set for an `xtask` subcommand that CI runs: its cargo builds lint with clippy too (see
 /// [`lint_with_clippy`]), so that they reuse what the lint-building steps compiled.
@@ -91,21 +98,11 @@ fn steps() -> Vec<Step> {
             lint: Lint::No,
             ..step("formatting", &[&["fmt", "--all", "--", "--check"]])
         },
-        step(
-            "clippy (every target built, warnings denied) and the tests (unit, multi-process integration, doc)",
-            &[&["test", "--workspace", "--features", FEATURES]],
-        ),
         Step {
             needs_room: true,
             ..step(
-                "CUDA binaries linted (warnings denied), built and linked; their no-GPU tests",
-                &[
-                    &["test"],
-                    &CUDA_PACKAGES,
-                    &CUDA_TARGETS,
-                    &["--features", CUDA_FEATURES, "--"],
-                    &CUDA_NO_GPU_TESTS,
-                ],
+                "the workspace with its CUDA code built (clippy's lints, warnings denied) and linked; every test (unit, multi-process integration, doc, CUDA without a GPU)",
+                &[&["test", "--workspace", "--timings", "--features", FEATURES]],
             )
         },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX

@@ -16,8 +16,9 @@
 //!   as on a GPU machine (`ddp_comm::cuda_toolkit`), with `CUDA_PATH` unset for train-cnn;
 //! - train-cnn exits 0, and no program met a driver call the stand-in lacks.
 //!
-//! It builds nothing heavy: the CUDA binaries are those of `cargo xtask ci`'s CUDA step (the
-//! same cargo command, which then only lists them), plus the stand-in itself (seconds).
+//! It builds nothing heavy: the CUDA binaries are those of `cargo xtask ci`'s build step (its
+//! features and packages, limited to the CUDA targets: after CI the command only lists them),
+//! plus the stand-in itself (seconds).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -478,11 +479,11 @@ fn build_standin(root: &Path) -> Result<PathBuf, String> {
         .ok_or_else(|| "cargo built no libcuda_standin.so".to_string())
 }
 
-/// The CUDA binaries of CI's CUDA build (the same command: after `cargo xtask ci` it builds
+/// The CUDA binaries of CI's build (its features and packages: after `cargo xtask ci` it builds
 /// nothing and only names them).
 fn cuda_binaries(root: &Path) -> Result<BTreeMap<&'static str, PathBuf>, String> {
     eprintln!(
-        "==> ptx-check: CI's CUDA binaries: cargo {}",
+        "==> ptx-check: the CUDA binaries of CI's build: cargo {}",
         build::CUDA_BUILD_ARGS.concat().join(" ")
     );
     let out = crate::cargo()
@@ -493,7 +494,10 @@ fn cuda_binaries(root: &Path) -> Result<BTreeMap<&'static str, PathBuf>, String>
         .output()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if !out.status.success() {
-        return Err(format!("CI's CUDA build failed: {}", out.status));
+        return Err(format!(
+            "CI's build of the CUDA binaries failed: {}",
+            out.status
+        ));
     }
     let json = String::from_utf8_lossy(&out.stdout);
     PICKS

@@ -31,9 +31,13 @@ pub fn init() -> Result<Ddp> {
 /// Where a rank runs its model.
 #[derive(Debug, Clone, Default)]
 enum DeviceChoice {
-    /// CUDA device `LOCAL_RANK` when built with the `cuda` feature, else the CPU (Flex).
+    /// CUDA device `LOCAL_RANK` when built with the `cuda` feature and a CUDA device is
+    /// usable, else the CPU (Flex).
     #[default]
     Auto,
+    /// CUDA device `LOCAL_RANK`, required ([`DdpBuilder::cuda`]).
+    #[cfg(feature = "cuda")]
+    Cuda,
     /// A device chosen by the caller.
     Fixed(Device),
 }
@@ -85,12 +89,30 @@ impl Default for DdpBuilder {
 }
 
 impl DdpBuilder {
-    /// Runs this rank on `device` instead of the automatic choice (CUDA device `LOCAL_RANK`
-    /// when built with the `cuda` feature, otherwise the CPU backend, Flex).
+    /// Runs this rank on `device` instead of the automatic choice. The automatic choice is
+    /// PyTorch's `"cuda" if torch.cuda.is_available() else "cpu"`: CUDA device `LOCAL_RANK`
+    /// when built with the `cuda` feature and the CUDA driver reports a device, otherwise the
+    /// CPU backend, Flex (with a warning naming why, when built with `cuda`). A CUDA device
+    /// given here must exist: `init` fails with [`DdpError::Device`] otherwise.
     ///
     /// Give the plain device; call `.autodiff()` on [`Ddp::device`] for training.
     pub fn device(mut self, device: Device) -> Self {
         self.device = DeviceChoice::Fixed(device);
+        self
+    }
+
+    /// Runs this rank on CUDA device `LOCAL_RANK` (device 0 when the rank sees only one),
+    /// with no fallback: without a usable CUDA driver or device `init` fails with one
+    /// [`DdpError::Device`] naming why, on every rank, before any rank joins the group.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), burn_ddp::DdpError> {
+    /// let ddp = burn_ddp::Ddp::builder().cuda().init()?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "cuda")]
+    pub fn cuda(mut self) -> Self {
+        self.device = DeviceChoice::Cuda;
         self
     }
 
@@ -190,6 +212,8 @@ impl DdpBuilder {
                 d
             }
             DeviceChoice::Auto => auto_device(env.local_rank, env.local_world_size)?,
+            #[cfg(feature = "cuda")]
+            DeviceChoice::Cuda => cuda_device(env.local_rank, env.local_world_size)?,
         };
         #[cfg(feature = "cuda")]
         let group_options = self.group_options.clone();
@@ -314,9 +338,28 @@ fn is_gpu(device: &Device) -> bool {
     }
 }
 
-/// CUDA device `LOCAL_RANK` (device 0 when the rank sees only one), checked to exist.
+/// CUDA device `LOCAL_RANK` when the driver reports any device, else Flex with a warning.
 #[cfg(feature = "cuda")]
 fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
+    match ddp_comm::nccl::visible_cuda_devices() {
+        Ok(n) if n > 0 => cuda_device(local_rank, local_world_size),
+        found => {
+            let why = match found {
+                Ok(_) => "no CUDA device is visible".to_string(),
+                Err(e) => e.to_string(),
+            };
+            tracing::warn!(
+                "no usable CUDA device ({why}): this rank runs on the CPU (Flex); ask for CUDA \
+                 with `DdpBuilder::cuda` to make that an error"
+            );
+            Ok(Device::flex())
+        }
+    }
+}
+
+/// CUDA device `LOCAL_RANK` (device 0 when the rank sees only one), checked to exist.
+#[cfg(feature = "cuda")]
+fn cuda_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
     let ordinal = ddp_comm::nccl::cuda_device_for_local_rank(local_rank, local_world_size)
         .map_err(DdpError::Device)?;
     prepare_libdevice()?;
@@ -551,14 +594,23 @@ mod cuda_tests {
     use super::*;
 
     /// Built with CUDA on a machine without a usable GPU (CI): `init` fails with one readable
-    /// error before it joins a group, for the automatic device and for an explicit one.
+    /// error before it joins a group when CUDA is asked for (`cuda()` or an explicit CUDA
+    /// device); the automatic choice runs on the CPU.
     #[test]
     fn init_without_a_cuda_driver_is_one_clear_error() {
         if ddp_comm::nccl::visible_cuda_devices().is_ok_and(|n| n > 0) {
             // A GPU machine: `cargo xtask gpu-check` runs the CUDA path itself.
             return;
         }
-        let builders = [Ddp::builder(), Ddp::builder().device(Device::cuda(0))];
+        let auto = Ddp::builder()
+            .launch_env(LaunchEnv::single_process())
+            .init()
+            .unwrap();
+        assert!(!is_gpu(auto.device()), "{:?}", auto.device());
+        let builders = [
+            Ddp::builder().cuda(),
+            Ddp::builder().device(Device::cuda(0)),
+        ];
         for builder in builders {
             let err = builder
                 .launch_env(LaunchEnv::single_process())

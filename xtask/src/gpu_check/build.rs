@@ -38,19 +38,14 @@ pub struct CargoBuild {
     pub picks: &'static [Pick],
 }
 
-/// CI's CUDA build: the packages, targets and features of `cargo xtask ci`'s last step, so after
-/// CI it links nothing new.
-pub const CUDA_BUILD_ARGS: &[&[&str]] = &[
-    &["test", "--no-run"],
-    &crate::ci::CUDA_PACKAGES,
-    &crate::ci::CUDA_TARGETS,
-    &["--features", crate::ci::CUDA_FEATURES],
-];
+/// CI's build, limited to the CUDA targets (the same features and packages as `cargo xtask
+/// ci`'s build step, so after CI it links nothing new).
+pub use crate::ci::CUDA_BUILD_ARGS;
 
 /// The cargo commands and their executables, in build order.
 pub const CARGO_BUILDS: &[CargoBuild] = &[
     CargoBuild {
-        what: "CI's CUDA build (dev profile): CubeCL on CUDA, NCCL on device memory, train-cnn",
+        what: "CI's build (dev profile), its CUDA targets: CubeCL on CUDA, NCCL on device memory, train-cnn",
         args: CUDA_BUILD_ARGS,
         picks: &[
             pick("burn_ddp", "lib", "burn-ddp-tests"),
@@ -59,21 +54,8 @@ pub const CARGO_BUILDS: &[CargoBuild] = &[
             pick("ddp_worker", "bin", "ddp_worker"),
             pick("syncbn_worker", "bin", "syncbn_worker"),
             pick("train-cnn", "bin", "train-cnn"),
+            pick("nccl", "test", "ddp-comm-nccl-tests"),
         ],
-    },
-    CargoBuild {
-        what: "the NCCL transport's tests (no Burn)",
-        args: &[&[
-            "test",
-            "--no-run",
-            "-p",
-            "ddp-comm",
-            "--features",
-            "nccl",
-            "--test",
-            "nccl",
-        ]],
-        picks: &[pick("nccl", "test", "ddp-comm-nccl-tests")],
     },
     CargoBuild {
         what: "release: ddprun and the all-reduce benchmark",
@@ -367,14 +349,10 @@ mod tests {
     #[test]
     fn the_cuda_build_is_the_one_ci_links() {
         let args = CARGO_BUILDS[0].args.concat();
-        let ci = [
-            &crate::ci::CUDA_PACKAGES[..],
-            &crate::ci::CUDA_TARGETS,
-            &["--features", crate::ci::CUDA_FEATURES],
-        ]
-        .concat();
-        assert_eq!(args[..2], ["test", "--no-run"]);
-        assert_eq!(args[2..], ci[..]);
+        assert_eq!(args[..3], ["test", "--no-run", "--workspace"]);
+        let features = args.iter().position(|a| *a == "--features").unwrap();
+        assert_eq!(args[features + 1], crate::ci::FEATURES);
+        assert_eq!(args.len(), features + 2, "{args:?}");
     }
 
     #[test]

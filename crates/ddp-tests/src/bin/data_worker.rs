@@ -108,7 +108,11 @@ fn elastic(
     epochs: u64,
     state_file: &std::path::Path,
 ) -> Result<(), String> {
-    let ddp = burn_ddp::init().map_err(|e| e.to_string())?;
+    // The CPU whatever the build's features (the automatic choice would be CUDA on a GPU).
+    let ddp = burn_ddp::Ddp::builder()
+        .device(Device::flex())
+        .init()
+        .map_err(|e| e.to_string())?;
     let attempt: u64 = var("DDP_RESTART_COUNT", Some(0))?;
     let pause = std::time::Duration::from_millis(var("BATCH_SLEEP_MS", Some(0))?);
     if attempt > 0 {

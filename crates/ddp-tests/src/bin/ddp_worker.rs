@@ -336,7 +336,7 @@ fn run(args: &Args) -> Result<(), String> {
         #[cfg(feature = "wgpu")]
         DeviceArg::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
         #[cfg(feature = "cuda")]
-        DeviceArg::Cuda => builder,
+        DeviceArg::Cuda => builder.cuda(),
     };
     let ddp = builder.init().map_err(|e| e.to_string())?;
     let (rank, world) = (ddp.rank(), ddp.world_size());

@@ -53,7 +53,7 @@ impl DdpCluster {
                 ));
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda => builder,
+            Backend::Cuda => builder.cuda(),
             #[cfg(not(feature = "cuda"))]
             Backend::Cuda => {
                 return Err(DistError(
@@ -72,14 +72,15 @@ impl DdpCluster {
 /// Which device each rank trains on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Backend {
-    /// CUDA device `LOCAL_RANK` when built with `cuda`, else the CPU.
+    /// CUDA device `LOCAL_RANK` when built with `cuda` and a CUDA device is usable, else the
+    /// CPU (with a warning when built with `cuda`).
     #[default]
     Auto,
     /// The CPU backend (Flex).
     Cpu,
     /// wgpu's default adapter (build with `--features wgpu`).
     Wgpu,
-    /// CUDA device `LOCAL_RANK` (build with `--features cuda`).
+    /// CUDA device `LOCAL_RANK` (build with `--features cuda`); an error without one.
     Cuda,
 }
 

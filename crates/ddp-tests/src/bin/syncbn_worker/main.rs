@@ -23,7 +23,7 @@ fn join(case: &Case) -> Result<Ddp, String> {
         #[cfg(feature = "wgpu")]
         "wgpu" => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
         #[cfg(feature = "cuda")]
-        "cuda" => builder.nccl(if case.nccl {
+        "cuda" => builder.cuda().nccl(if case.nccl {
             burn_ddp::nccl::NcclPolicy::Required
         } else {
             burn_ddp::nccl::NcclPolicy::Disabled
