@@ -62,6 +62,13 @@ pub const CUDA_BUILD_ARGS: &[&[&str]] = &[
     &["--features", FEATURES],
 ];
 
+/// Burn's default device for the tests: `Device::default()` (and what Burn makes on it, such as
+/// the optimizer state a record loads) picks CUDA first in a build with the `cuda` feature and
+/// panics where there is no driver; `BURN_DEVICE=wgpu` keeps the device of a build without
+/// CUDA (lavapipe here), as the tests had it before the CUDA code joined their build. Devices
+/// chosen explicitly (`--backend cuda`, `Device::cuda`) are unaffected.
+pub const BURN_DEFAULT_DEVICE: (&str, &str) = ("BURN_DEVICE", "wgpu");
+
 /// Set for an `xtask` subcommand that CI runs: its cargo builds lint with clippy too (see
 /// [`lint_with_clippy`]), so that they reuse what the lint-building steps compiled.
 pub const LINT_MARKER: &str = "DDP_CI_LINT";
@@ -84,6 +91,8 @@ struct Step {
     /// Make room first if the disk is nearly full (see [`make_room`]).
     needs_room: bool,
     lint: Lint,
+    /// Variables for the step's command.
+    env: &'static [(&'static str, &'static str)],
 }
 
 fn steps() -> Vec<Step> {
@@ -92,6 +101,7 @@ fn steps() -> Vec<Step> {
         args: parts.concat(),
         needs_room: false,
         lint: Lint::Build,
+        env: &[],
     };
     vec![
         Step {
@@ -100,6 +110,7 @@ fn steps() -> Vec<Step> {
         },
         Step {
             needs_room: true,
+            env: &[BURN_DEFAULT_DEVICE],
             ..step(
                 "the workspace with its CUDA code built (clippy's lints, warnings denied) and linked; every test (unit, multi-process integration, doc, CUDA without a GPU)",
                 &[&["test", "--workspace", "--timings", "--features", FEATURES]],
@@ -223,7 +234,9 @@ pub fn run(root: &Path) -> Result<(), String> {
             s.args.join(" ")
         );
         let mut cmd = crate::cargo();
-        cmd.args(&s.args).current_dir(root);
+        cmd.args(&s.args)
+            .current_dir(root)
+            .envs(s.env.iter().copied());
         match s.lint {
             Lint::No => {}
             Lint::Build => lint_with_clippy(&mut cmd)?,

@@ -18,6 +18,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 
+mod bench_zero;
 mod ci;
 mod cuda_build;
 mod gpu_check;
@@ -87,6 +88,17 @@ enum Bench {
         #[arg(last = true)]
         extra: Vec<String>,
     },
+    /// The optimizer state sharded across ranks (ZeRO stage 1) vs not: step time, optimizer
+    /// state and peak memory per rank (Adam, a 52 M-parameter MLP by default). Arguments after
+    /// `--` go to `zero_bench`.
+    Zero {
+        /// World sizes; each runs unsharded, then sharded.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        nproc: Vec<u32>,
+        /// More arguments for the rank program (`zero_bench --help`).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
     /// Items/s of the sharded loader vs Burn's DataLoaderBuilder on the same dataset/batcher.
     Data {
         /// More arguments for the benchmark (`data_bench --help`).
@@ -144,6 +156,9 @@ fn main() -> ExitCode {
             "syncbn_bench",
             &extra,
         ),
+        Cmd::Bench {
+            what: Bench::Zero { nproc, extra },
+        } => bench_zero::run(&nproc, &extra),
         Cmd::Bench {
             what: Bench::Data { extra },
         } => bench_program(

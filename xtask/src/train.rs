@@ -36,6 +36,11 @@ pub struct TrainArgs {
     /// Keep per-rank BatchNorm statistics.
     #[arg(long)]
     pub no_sync_bn: bool,
+    /// Shard the optimizer state across the ranks (ZeRO stage 1; train-cnn's
+    /// `--shard-optimizer`): the same training, each rank holding the momentum of its own
+    /// parameters only.
+    #[arg(long)]
+    pub shard_optimizer: bool,
     /// Samples per batch on each rank [default: 32 for `train`, 8 for `compare`, where small
     /// per-rank batches show what per-rank BatchNorm statistics cost].
     #[arg(long)]
@@ -190,6 +195,9 @@ fn example_args(
     if a.resume {
         v.push("--resume".into());
     }
+    if a.shard_optimizer {
+        v.push("--shard-optimizer".into());
+    }
     if let Some(c) = compression {
         v.push("--compression".into());
         v.push(c.into());
@@ -243,12 +251,17 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
     let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/train")));
     let batch = a.batch_size.unwrap_or(32);
     eprintln!(
-        "xtask train: {ranks} {} rank(s) × batch {batch} ({}), output in {}",
+        "xtask train: {ranks} {} rank(s) × batch {batch} ({}{}), output in {}",
         backend_name(backend),
         if a.sync_bn() {
             "SyncBatchNorm"
         } else {
             "per-rank BatchNorm"
+        },
+        if a.shard_optimizer {
+            ", sharded optimizer state"
+        } else {
+            ""
         },
         out.display()
     );

@@ -350,7 +350,9 @@ fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
             };
             tracing::warn!(
                 "no usable CUDA device ({why}): this rank runs on the CPU (Flex); ask for CUDA \
-                 with `DdpBuilder::cuda` to make that an error"
+                 with `DdpBuilder::cuda` to make that an error. Burn's own default device \
+                 (`Device::default()`, where a loaded optimizer state is first put) is still \
+                 CUDA in this build unless BURN_DEVICE names another (e.g. BURN_DEVICE=flex)"
             );
             Ok(Device::flex())
         }

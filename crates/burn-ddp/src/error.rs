@@ -53,6 +53,9 @@ pub enum DdpError {
     /// The sampler or the sharded data loader failed ([`crate::data`]).
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
+    /// The sharded optimizer's bookkeeping failed ([`crate::DdpOptimizer::sharded`]).
+    #[error(transparent)]
+    Sharding(#[from] crate::sharding::ShardingError),
     /// A SyncBatchNorm layer failed ([`crate::sync_batch_norm`]).
     #[error(transparent)]
     SyncBatchNorm(#[from] crate::sync_batch_norm::error::SyncBatchNormError),

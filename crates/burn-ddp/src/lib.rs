@@ -90,6 +90,7 @@ pub mod learner;
 pub mod nccl;
 mod optimizer;
 mod replicate;
+pub mod sharding;
 pub mod sync_batch_norm;
 
 pub use context::{Ddp, DdpBuilder, init};

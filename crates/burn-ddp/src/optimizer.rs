@@ -7,6 +7,7 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use crate::context::Ddp;
 use crate::error::Result;
 use crate::grad_sync::{GradientSynchronizer, SyncStats};
+use crate::sharding::{ShardStats, Sharding};
 
 /// A [`ModuleOptimizer`] that first averages the gradients over all ranks, then steps.
 ///
@@ -41,10 +42,16 @@ use crate::grad_sync::{GradientSynchronizer, SyncStats};
 ///
 /// Every rank must call `step` the same number of times (equal batch counts per rank — use
 /// a distributed sampler that pads or drops the tail).
+///
+/// **Sharded optimizer state** (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`):
+/// [`DdpOptimizer::sharded`] keeps each parameter's optimizer state on one rank only, so
+/// Adam's moments take 1/N of the memory per rank, and trains bitwise as this one does; see
+/// [`crate::sharding`].
 #[derive(Clone)]
 pub struct DdpOptimizer {
     optim: ModuleOptimizer,
     sync: GradientSynchronizer,
+    sharding: Option<Sharding>,
 }
 
 impl DdpOptimizer {
@@ -54,7 +61,55 @@ impl DdpOptimizer {
         DdpOptimizer {
             optim: optim.into(),
             sync: ddp.gradient_synchronizer(),
+            sharding: None,
         }
+    }
+
+    /// Wraps `optim` with its state sharded across the ranks (ZeRO stage 1): each rank keeps
+    /// and updates the state of the parameters it owns only, and the updated parameters are
+    /// all-gathered from their owners after every step. For element-wise optimizers (SGD,
+    /// momentum, Adam, AdamW) the training is bitwise that of [`Self::new`]; see
+    /// [`crate::sharding`] for the rule, the exceptions and checkpoints.
+    ///
+    /// ```no_run
+    /// # use burn::optim::AdamConfig;
+    /// # fn main() -> Result<(), burn_ddp::DdpError> {
+    /// let ddp = burn_ddp::init()?;
+    /// // before: burn_ddp::DdpOptimizer::new(&ddp, AdamConfig::new().init());
+    /// let mut optim = burn_ddp::DdpOptimizer::sharded(&ddp, AdamConfig::new().init());
+    /// # Ok(()) }
+    /// ```
+    pub fn sharded(ddp: &Ddp, optim: impl Into<ModuleOptimizer>) -> Self {
+        let sync = ddp.gradient_synchronizer();
+        let sharding = Sharding::new(sync.group().clone(), sync.bucket_cap_bytes());
+        DdpOptimizer {
+            optim: optim.into(),
+            sync,
+            sharding: Some(sharding),
+        }
+    }
+
+    /// Whether the optimizer state is sharded ([`Self::sharded`]).
+    pub fn is_sharded(&self) -> bool {
+        self.sharding.is_some()
+    }
+
+    /// What the last step of a sharded optimizer did on this rank (`None` unsharded).
+    pub fn last_shard_stats(&self) -> Option<ShardStats> {
+        self.sharding.as_ref().map(Sharding::last_stats)
+    }
+
+    /// Bytes of the optimizer state this rank holds (its burnpack encoding: the state tensors
+    /// plus a few bytes per parameter). Serialises the state, so call it to measure, not
+    /// every step.
+    ///
+    /// # Errors
+    /// [`crate::checkpoint::CheckpointError::Encode`] when the state can't be serialised.
+    pub fn state_size_bytes(
+        &self,
+    ) -> std::result::Result<usize, crate::checkpoint::CheckpointError> {
+        use crate::checkpoint::OptimizerState;
+        Ok(self.optim.state_bytes()?.len())
     }
 
     /// Wraps `optim` with an explicit synchroniser (e.g. a different bucket cap).
@@ -65,6 +120,7 @@ impl DdpOptimizer {
         DdpOptimizer {
             optim: optim.into(),
             sync,
+            sharding: None,
         }
     }
 
@@ -101,7 +157,10 @@ impl DdpOptimizer {
         grads: GradientsParams,
     ) -> Result<M> {
         let grads = self.sync.sync(&module, grads)?;
-        Ok(self.optim.step(lr, module, grads))
+        match &mut self.sharding {
+            Some(sharding) => sharding.step(&mut self.optim, lr.into(), module, grads),
+            None => Ok(self.optim.step(lr, module, grads)),
+        }
     }
 
     /// Timings of the last synchronisation.
@@ -109,7 +168,8 @@ impl DdpOptimizer {
         self.sync.last_stats()
     }
 
-    /// The wrapped optimizer (its state, for records and checkpoints).
+    /// The wrapped optimizer (its state, for records and checkpoints; sharded, this rank's
+    /// shard only: checkpoints gather the whole state, see [`crate::sharding`]).
     pub fn optimizer(&self) -> &ModuleOptimizer {
         &self.optim
     }
@@ -124,9 +184,19 @@ impl DdpOptimizer {
         &mut self.sync
     }
 
-    /// Unwraps into the plain optimizer.
+    /// Unwraps into the plain optimizer (sharded: with this rank's shard of the state).
     pub fn into_inner(self) -> ModuleOptimizer {
         self.optim
+    }
+
+    /// The sharding bookkeeping, for checkpoints.
+    pub(crate) fn sharding_mut(&mut self) -> Option<&mut Sharding> {
+        self.sharding.as_mut()
+    }
+
+    /// See [`Self::sharding_mut`].
+    pub(crate) fn sharding(&self) -> Option<&Sharding> {
+        self.sharding.as_ref()
     }
 }
 

@@ -27,3 +27,16 @@ mod job;
 pub mod syncbn_case;
 
 pub use job::{BIN_DIR_VAR, JobResult, RankJob, RankResult, RunningJob, free_port, job_token};
+
+/// The little-endian f32 values of the file at `path` (what the rank programs write their
+/// parameters as).
+///
+/// # Panics
+/// When the file can't be read (a test helper: the panic names the path).
+pub fn read_f32(path: &std::path::Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}

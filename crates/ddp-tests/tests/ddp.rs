@@ -2,10 +2,10 @@
 //! (`src/bin/ddp_worker.rs`) on loopback with the CPU backend, compared with a single-process
 //! reference on the joined batch that rank 0 computes from the same initial weights.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use ddp_testkit::{JobResult, RankJob};
+use ddp_testkit::{JobResult, RankJob, read_f32};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 
@@ -76,14 +76,6 @@ impl Drop for RankRun {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.out_dir);
     }
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {

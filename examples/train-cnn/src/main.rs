@@ -60,6 +60,10 @@ struct Args {
     /// Synchronise BatchNorm statistics across ranks (SyncBatchNorm).
     #[arg(long)]
     sync_bn: bool,
+    /// Shard the optimizer state across the ranks (ZeRO stage 1): each rank keeps the
+    /// momentum of its own parameters only; the training is bitwise the same.
+    #[arg(long)]
+    shard_optimizer: bool,
     /// Device of each rank: auto (CUDA when built with it, else CPU), cpu, wgpu, cuda.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
@@ -152,7 +156,8 @@ fn run(args: Args) -> Result<(), TrainError> {
         resume_if_present: restarted(),
         progress: !args.no_progress,
     };
-    let mut cluster = DdpCluster::from_env(args.backend, args.compression)?;
+    let mut cluster = DdpCluster::from_env(args.backend, args.compression)?
+        .with_sharded_optimizer(args.shard_optimizer);
     if args.sync_bn {
         run_with::<SyncBatchNorm, _>(&mut cluster, &cfg)
     } else {

@@ -108,6 +108,21 @@ impl<T> Checkpoint<T> {
         world_size: usize,
         metadata: T,
     ) -> Result<Self, CheckpointError> {
+        Self::capture_with_state(model, optim.state_bytes()?, progress, world_size, metadata)
+    }
+
+    /// [`Self::capture`] with the optimizer state given as bytes (e.g. a sharded optimizer's
+    /// state gathered to rank 0, [`OptimizerState::gather_state_bytes`]).
+    ///
+    /// # Errors
+    /// [`CheckpointError::Encode`] when the model record can't be serialised.
+    pub fn capture_with_state<M: Module>(
+        model: &M,
+        optimizer: Vec<u8>,
+        progress: Progress,
+        world_size: usize,
+        metadata: T,
+    ) -> Result<Self, CheckpointError> {
         let model = model
             .clone()
             .into_record()
@@ -119,7 +134,7 @@ impl<T> Checkpoint<T> {
             world_size,
             metadata,
             model,
-            optimizer: optim.state_bytes()?,
+            optimizer,
         })
     }
 
@@ -156,6 +171,22 @@ pub trait OptimizerState {
     /// [`CheckpointError::DoesNotFit`] (with an empty path) when the bytes are not a state of
     /// this optimizer.
     fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), CheckpointError>;
+
+    /// The whole state on rank 0 (`None` on the other ranks), as [`Checkpointer::save`] writes
+    /// it; every rank calls it. By default rank 0's [`state_bytes`](Self::state_bytes),
+    /// without communication; a sharded [`DdpOptimizer`] gathers every rank's shard (a
+    /// collective).
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] when the state can't be serialised; a sharded optimizer's
+    /// [`DdpError::Comm`] and [`DdpError::Sharding`].
+    fn gather_state_bytes(&self, rank: usize) -> Result<Option<Vec<u8>>> {
+        if rank == 0 {
+            Ok(Some(self.state_bytes()?))
+        } else {
+            Ok(None)
+        }
+    }
 }
 
 impl OptimizerState for ModuleOptimizer {
@@ -178,13 +209,38 @@ impl OptimizerState for ModuleOptimizer {
     }
 }
 
+/// Sharded ([`DdpOptimizer::sharded`]): [`OptimizerState::state_bytes`] is this rank's shard,
+/// [`OptimizerState::gather_state_bytes`] the whole state (what checkpoints hold), and
+/// [`OptimizerState::load_state_bytes`] takes a whole state and keeps, at the next step, the
+/// part of the parameters this rank owns.
 impl OptimizerState for DdpOptimizer {
     fn state_bytes(&self) -> Result<Vec<u8>, CheckpointError> {
         self.optimizer().state_bytes()
     }
 
     fn load_state_bytes(&mut self, bytes: Vec<u8>) -> Result<(), CheckpointError> {
-        self.optimizer_mut().load_state_bytes(bytes)
+        match self.sharding_mut() {
+            Some(sharding) => {
+                // Checked now that it is a state at all; cut down at the next step.
+                crate::sharding::state::ids_in(&bytes).map_err(|e| {
+                    CheckpointError::DoesNotFit {
+                        path: PathBuf::new(),
+                        reason: e.to_string(),
+                    }
+                })?;
+                sharding.load_whole(bytes);
+                Ok(())
+            }
+            None => self.optimizer_mut().load_state_bytes(bytes),
+        }
+    }
+
+    fn gather_state_bytes(&self, rank: usize) -> Result<Option<Vec<u8>>> {
+        match self.sharding() {
+            Some(sharding) => sharding.gather_whole(self.optimizer()),
+            None if rank == 0 => Ok(Some(self.state_bytes()?)),
+            None => Ok(None),
+        }
     }
 }
 
@@ -378,11 +434,22 @@ impl Checkpointer {
             let pg = comm::lock(g);
             (pg.rank(), pg.world_size())
         };
-        let outcome = if rank == 0 {
-            Checkpoint::capture(model, optim, progress, world_size, metadata)
+        // Every rank: a sharded optimizer gathers its state to rank 0 here.
+        let state = optim.gather_state_bytes(rank);
+        let outcome: Result<()> = match state {
+            Ok(state) if rank == 0 => state
+                .ok_or_else(|| {
+                    CheckpointError::Encode("the optimizer gave rank 0 no state to write".into())
+                })
+                .and_then(|state| {
+                    Checkpoint::capture_with_state(model, state, progress, world_size, metadata)
+                })
                 .and_then(|ck| ck.write(&self.path))
-        } else {
-            Ok(())
+                .map_err(DdpError::from),
+            Ok(_) => Ok(()),
+            // A failed collective broke the group: nothing more to wait for.
+            Err(e) if rank != 0 => return Err(e),
+            Err(e) => Err(e),
         };
         let mut status = match &outcome {
             Ok(()) => Vec::new(),

@@ -196,6 +196,11 @@ impl GradientSynchronizer {
         self.last
     }
 
+    /// The process group it synchronises over.
+    pub(crate) fn group(&self) -> &SharedGroup {
+        &self.group
+    }
+
     /// The largest bucket in bytes.
     pub fn bucket_cap_bytes(&self) -> usize {
         self.bucket_cap_elems * 4

@@ -11,12 +11,12 @@
 //! `unused` (a branch used only on rank 1, another never used), `mismatch` (rank 1 builds a
 //! different model: must fail on every rank), `learner` (burn-train `Learner` vs the loop).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
 use burn::data::dataset::InMemDataset;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{
     AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
@@ -28,6 +28,7 @@ use burn::train::{
 };
 use burn_ddp::{Ddp, DdpModel, DdpOptimizer, SilentRenderer};
 use clap::{Parser, ValueEnum};
+use ddp_tests::{check_identical, flatten, write_f32};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Scenario {
@@ -179,54 +180,6 @@ fn optimizer(o: Optim) -> ModuleOptimizer {
             .init(),
         Optim::Adam => AdamConfig::new().init(),
     }
-}
-
-#[derive(Default)]
-struct Flatten(Vec<f32>);
-
-impl ModuleVisitor for Flatten {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let data = param.val().into_data().convert::<f32>();
-        self.0
-            .extend(data.as_slice::<f32>().expect("f32 after convert"));
-    }
-}
-
-fn flatten<M: Module>(m: &M) -> Vec<f32> {
-    let mut f = Flatten::default();
-    m.visit(&mut f);
-    f.0
-}
-
-fn write_f32(path: &Path, v: &[f32]) -> std::io::Result<()> {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    std::fs::write(path, bytes)
-}
-
-fn hash(v: &[f32]) -> i64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for x in v {
-        for b in x.to_bits().to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    h as i64
-}
-
-/// Fails unless every rank holds bitwise the same parameters.
-fn check_identical(ddp: &Ddp, model: &Mlp, step: usize) -> Result<(), String> {
-    let h = hash(&flatten(model));
-    let mut all = vec![0i64; ddp.world_size()];
-    ddp.process_group()
-        .all_gather(&[h], &mut all)
-        .map_err(|e| e.to_string())?;
-    if all.iter().any(|&x| x != h) {
-        return Err(format!(
-            "ranks differ after step {step}: parameter hashes {all:x?}"
-        ));
-    }
-    Ok(())
 }
 
 /// A batch for burn-train.

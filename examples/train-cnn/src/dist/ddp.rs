@@ -17,6 +17,8 @@ fn err(e: impl std::fmt::Display) -> DistError {
 pub struct DdpCluster {
     ddp: Ddp,
     device: Device,
+    /// Shard the optimizer state across the ranks (`DdpOptimizer::sharded`).
+    shard_optimizer: bool,
 }
 
 impl std::fmt::Debug for DdpCluster {
@@ -65,7 +67,18 @@ impl DdpCluster {
         };
         let ddp = builder.init().map_err(err)?;
         let device = ddp.device().clone().autodiff();
-        Ok(Self { ddp, device })
+        Ok(Self {
+            ddp,
+            device,
+            shard_optimizer: false,
+        })
+    }
+
+    /// Shards the optimizer state across the ranks (ZeRO stage 1, `DdpOptimizer::sharded`):
+    /// the same training, each rank holding the state of its own parameters only.
+    pub fn with_sharded_optimizer(mut self, shard: bool) -> Self {
+        self.shard_optimizer = shard;
+        self
     }
 }
 
@@ -119,7 +132,11 @@ impl Cluster for DdpCluster {
     }
 
     fn optimizer(&mut self, inner: ModuleOptimizer) -> DdpOptimizer {
-        DdpOptimizer::new(&self.ddp, inner)
+        if self.shard_optimizer {
+            DdpOptimizer::sharded(&self.ddp, inner)
+        } else {
+            DdpOptimizer::new(&self.ddp, inner)
+        }
     }
 
     fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<(), DistError> {

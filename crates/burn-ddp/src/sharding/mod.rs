@@ -1,0 +1,270 @@
+//! Optimizer state sharded across ranks (ZeRO stage 1): [`crate::DdpOptimizer::sharded`].
+//!
+//! Every rank keeps the whole model and computes the whole gradient, but the optimizer state
+//! (Adam's two moments, SGD's momentum) of each parameter lives on one rank only, its
+//! *owner* ([`assign_owners`]: largest parameters first, each to the least-loaded rank).
+//! After backward a step is:
+//!
+//! 1. the gradients are averaged over all ranks by the same bucketed all-reduce as
+//!    [`crate::DdpOptimizer::new`] (so they are bitwise the unsharded ones, on every
+//!    transport);
+//! 2. each rank drops the gradients of the parameters it does not own and steps the wrapped
+//!    Burn optimizer, which therefore creates and updates state only for its own parameters;
+//! 3. the updated parameters are all-gathered from their owners in buckets, as raw bytes in
+//!    their own dtype, so every rank ends the step with bitwise the owner's values.
+//!
+//! For an element-wise optimizer (SGD with or without momentum and weight decay, Adam,
+//! AdamW, …) the arithmetic of each parameter is the unsharded one, run on its owner: the
+//! training is bitwise the same as with [`crate::DdpOptimizer::new`]. Burn's gradient clipping
+//! (`with_grad_clipping`) clips each parameter's gradient by its own value or norm and is
+//! therefore exact too. What needs all parameters at once does not fit: clipping by the
+//! *global* norm, or an optimizer whose update mixes parameters (Muon's orthogonalisation,
+//! L-BFGS) — use the unsharded optimizer for those.
+//!
+//! What is not sharded: the parameters and the gradients stay whole on every rank (that is
+//! ZeRO stages 2 and 3). The traffic is the gradient all-reduce plus one all-gather of the
+//! parameters per step.
+//!
+//! **Checkpoints** ([`crate::checkpoint::Checkpointer`]) hold the whole state in today's
+//! format: on save the shards are gathered to rank 0 and merged (keyed by rank 0's parameter
+//! ids), so a sharded run resumes unsharded, an unsharded run resumes sharded, and either
+//! resumes at another world size; on load each rank keeps the entries of the parameters it
+//! owns under the new world size.
+
+pub(crate) mod error;
+mod gather;
+mod plan;
+pub(crate) mod state;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Bytes, Tensor};
+
+use crate::comm::{self, SharedGroup};
+use crate::error::Result;
+
+pub use error::ShardingError;
+pub use plan::assign_owners;
+
+use plan::{ShardPlan, layout_fingerprint, trainable_params};
+
+/// What a sharded optimizer keeps besides the wrapped optimizer.
+#[derive(Debug, Clone)]
+pub(crate) struct Sharding {
+    group: SharedGroup,
+    cap_bytes: usize,
+    plan: Option<ShardPlan>,
+    /// A whole state loaded from a checkpoint, cut down to the owned parameters at the next
+    /// step (when the model, and so the plan, is known).
+    pending: Option<Vec<u8>>,
+    last: ShardStats,
+}
+
+/// What the last step of a sharded optimizer did on this rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardStats {
+    /// Trainable parameters of the model.
+    pub params: usize,
+    /// Of those, the ones this rank owns.
+    pub owned_params: usize,
+    /// Bytes of the parameters this rank owns.
+    pub owned_bytes: usize,
+    /// Bytes of all trainable parameters.
+    pub total_bytes: usize,
+    /// Parameter all-gather calls of the last step.
+    pub gather_buckets: usize,
+    /// Bytes this rank sent (its updated parameters) and received (the others') in them.
+    pub gather_sent: usize,
+    /// See [`Self::gather_sent`].
+    pub gather_received: usize,
+}
+
+impl Sharding {
+    pub(crate) fn new(group: SharedGroup, cap_bytes: usize) -> Self {
+        Sharding {
+            group,
+            cap_bytes: cap_bytes.max(1),
+            plan: None,
+            pending: None,
+            last: ShardStats::default(),
+        }
+    }
+
+    pub(crate) fn last_stats(&self) -> ShardStats {
+        self.last
+    }
+
+    /// One step after the gradients were averaged: see the module docs.
+    pub(crate) fn step<M: Module>(
+        &mut self,
+        optim: &mut ModuleOptimizer,
+        lr: burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M> {
+        self.prepare(&module, optim)?;
+        let plan = self.plan.as_ref().expect("prepared");
+        let mut keep = KeepOwned {
+            plan,
+            grads: &mut grads,
+            index: 0,
+            stepped: vec![false; plan.params.len()],
+        };
+        module.visit(&mut keep);
+        let stepped = keep.stepped;
+        let module = optim.step(lr, module, grads);
+        let (module, g) =
+            gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?;
+        let owned: Vec<usize> = (0..plan.params.len()).filter(|&i| plan.owns(i)).collect();
+        self.last = ShardStats {
+            params: plan.params.len(),
+            owned_params: owned.len(),
+            owned_bytes: owned.iter().map(|&i| plan.params[i].bytes).sum(),
+            total_bytes: plan.params.iter().map(|p| p.bytes).sum(),
+            gather_buckets: g.buckets,
+            gather_sent: g.sent,
+            gather_received: g.received,
+        };
+        Ok(module)
+    }
+
+    /// Makes the plan for `module`'s layout (collective, on the first step and whenever the
+    /// layout changes: rank 0's ids are broadcast) and loads a pending state's owned part.
+    fn prepare<M: Module>(&mut self, module: &M, optim: &mut ModuleOptimizer) -> Result<()> {
+        let params = trainable_params(module);
+        let fingerprint = layout_fingerprint(&params);
+        if self
+            .plan
+            .as_ref()
+            .is_none_or(|p| p.fingerprint != fingerprint)
+        {
+            let (rank, world_size) = {
+                let g = comm::lock(&self.group);
+                (g.rank(), g.world_size())
+            };
+            // Ids travel as i64 bit patterns (the group's integer element).
+            let mut ids: Vec<i64> = params.iter().map(|p| p.id.val() as i64).collect();
+            if world_size > 1 {
+                comm::lock(&self.group).broadcast(&mut ids, 0)?;
+            }
+            let root_ids: Vec<u64> = ids.into_iter().map(|id| id as u64).collect();
+            let sizes: Vec<usize> = params.iter().map(|p| p.bytes).collect();
+            let owners = assign_owners(&sizes, world_size);
+            let plan = ShardPlan {
+                rank,
+                world_size,
+                params,
+                root_ids,
+                owners,
+                fingerprint,
+            };
+            tracing::debug!(
+                owned_bytes = ?plan.owned_bytes(),
+                "optimizer state sharded over {world_size} rank(s)"
+            );
+            self.plan = Some(plan);
+        }
+        if let Some(whole) = self.pending.take() {
+            let plan = self.plan.as_ref().expect("just made");
+            let mine: std::collections::BTreeSet<u64> = (0..plan.params.len())
+                .filter(|&i| plan.owns(i))
+                .map(|i| plan.params[i].id.val())
+                .collect();
+            let known: std::collections::BTreeSet<u64> =
+                plan.params.iter().map(|p| p.id.val()).collect();
+            let in_state = state::ids_in(&whole)?;
+            let unmatched = in_state.difference(&known).count();
+            if unmatched > 0 {
+                return Err(ShardingError::StateDoesNotFit {
+                    unmatched,
+                    total: in_state.len(),
+                }
+                .into());
+            }
+            let shard = state::transform(&[&whole], |id| mine.contains(&id).then_some(id))?;
+            *optim = optim
+                .clone()
+                .from_bytes(Bytes::from_bytes_vec(shard))
+                .map_err(|e| ShardingError::State(format!("loading this rank's shard: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Keeps a whole state (from a checkpoint) until the next step.
+    pub(crate) fn load_whole(&mut self, whole: Vec<u8>) {
+        self.pending = Some(whole);
+    }
+
+    /// The whole state on rank 0 (`None` on the others): every rank's shard, keyed by rank
+    /// 0's parameter ids, merged. Collective.
+    pub(crate) fn gather_whole(&self, optim: &ModuleOptimizer) -> Result<Option<Vec<u8>>> {
+        let (rank, world_size) = {
+            let g = comm::lock(&self.group);
+            (g.rank(), g.world_size())
+        };
+        // A state loaded but not yet cut down is the whole state on every rank already.
+        let mine = match (&self.pending, &self.plan) {
+            (Some(whole), _) => {
+                if rank == 0 {
+                    whole.clone()
+                } else {
+                    Vec::new()
+                }
+            }
+            (None, Some(plan)) => {
+                let own = optim
+                    .into_bytes()
+                    .map_err(|e| ShardingError::State(format!("this rank's shard: {e}")))?
+                    .to_vec();
+                let to_root: std::collections::HashMap<u64, u64> = plan
+                    .params
+                    .iter()
+                    .zip(&plan.root_ids)
+                    .map(|(p, &root)| (p.id.val(), root))
+                    .collect();
+                state::transform(&[&own], |id| to_root.get(&id).copied())?
+            }
+            (None, None) => optim
+                .into_bytes()
+                .map_err(|e| ShardingError::State(format!("this rank's state: {e}")))?
+                .to_vec(),
+        };
+        if world_size == 1 {
+            return Ok(Some(mine));
+        }
+        let parts = comm::lock(&self.group).all_gather_varlen::<u8>(&mine)?;
+        if rank != 0 {
+            return Ok(None);
+        }
+        let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        Ok(Some(state::transform(&parts, Some)?))
+    }
+}
+
+/// Drops the gradients of the parameters this rank does not own and notes which parameters
+/// the optimizer will step (those with a gradient; the same set on every rank after the
+/// gradient sync).
+struct KeepOwned<'a> {
+    plan: &'a ShardPlan,
+    grads: &'a mut GradientsParams,
+    index: usize,
+    stepped: Vec<bool>,
+}
+
+impl ModuleVisitor for KeepOwned<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !param.is_require_grad() {
+            return;
+        }
+        let i = self.index;
+        self.index += 1;
+        if i >= self.stepped.len() {
+            return;
+        }
+        if self.plan.owns(i) {
+            self.stepped[i] = self.grads.get::<D>(param.id).is_some();
+        } else {
+            self.stepped[i] = self.grads.remove::<D>(param.id).is_some();
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Sharded vs unsharded optimizer state (ZeRO stage 1) rank program: step time, optimizer
+//! state bytes and peak memory of one rank, for `cargo xtask bench zero`.
+//!
+//! Trains an MLP of `--layers` square layers of width `--width` (default 4 × 3600²: 51.8 M
+//! parameters) with Adam through [`DdpOptimizer::new`] or, with `--shard`,
+//! [`DdpOptimizer::sharded`], `--warmup` untimed steps then `--steps` timed ones (a barrier
+//! before each, so a step is every rank's). Rank 0 prints one line
+//! `ZERO {json}` with the median step time, every rank's optimizer-state bytes and every
+//! rank's peak resident memory (`VmHWM`). A process measures one mode: the peak memory of a
+//! process is its own high-water mark.
+
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::{Device, Distribution, Tensor};
+use burn_ddp::{Ddp, DdpOptimizer};
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Shard the optimizer state (`DdpOptimizer::sharded`).
+    #[arg(long)]
+    shard: bool,
+    /// Square layers of the MLP.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Width of each layer.
+    #[arg(long, default_value_t = 3600)]
+    width: usize,
+    /// Per-rank batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed steps first (the first creates Adam's state).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+}
+
+#[derive(Module, Debug)]
+struct Mlp {
+    layers: Vec<Linear>,
+    act: Relu,
+}
+
+impl Mlp {
+    fn new(layers: usize, width: usize, device: &Device) -> Self {
+        Mlp {
+            layers: (0..layers)
+                .map(|_| LinearConfig::new(width, width).init(device))
+                .collect(),
+            act: Relu::new(),
+        }
+    }
+
+    fn loss(&self, x: Tensor<2>) -> Tensor<1> {
+        let h = self
+            .layers
+            .iter()
+            .fold(x, |h, l| self.act.forward(l.forward(h)));
+        h.powi_scalar(2).mean()
+    }
+}
+
+/// This process's peak resident set (`VmHWM`), in bytes.
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn median_ms(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
+    let ddp = Ddp::builder().device(Device::flex()).init()?;
+    let device = ddp.device().clone().autodiff();
+    device.seed(7);
+    let mut model = ddp.replicate_model(Mlp::new(args.layers, args.width, &device))?;
+    let params = model.num_params();
+    let mut optim = if args.shard {
+        DdpOptimizer::sharded(&ddp, AdamConfig::new().init())
+    } else {
+        DdpOptimizer::new(&ddp, AdamConfig::new().init())
+    };
+    let mut times = Vec::new();
+    for step in 0..args.warmup + args.steps {
+        let x = Tensor::<2>::random([args.batch, args.width], Distribution::Default, &device);
+        ddp.barrier()?;
+        let t = Instant::now();
+        let grads = GradientsParams::from_grads(model.loss(x).backward(), &model);
+        model = optim.try_step(1e-4, model, grads)?;
+        ddp.barrier()?;
+        if step >= args.warmup {
+            times.push(t.elapsed());
+        }
+    }
+    let state = optim.state_size_bytes()? as i64;
+    let rss = peak_rss_bytes() as i64;
+    let world = ddp.world_size();
+    let (mut states, mut rsss) = (vec![0i64; world], vec![0i64; world]);
+    ddp.process_group().all_gather(&[state], &mut states)?;
+    ddp.process_group().all_gather(&[rss], &mut rsss)?;
+    if ddp.is_main() {
+        let list = |v: &[i64]| v.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        let line = format!(
+            "{{\"mode\":\"{}\",\"ranks\":{world},\"params\":{params},\"batch\":{},\
+             \"step_ms\":{:.3},\"state_bytes\":[{}],\"peak_rss_bytes\":[{}]}}",
+            if args.shard { "sharded" } else { "unsharded" },
+            args.batch,
+            median_ms(times),
+            list(&states),
+            list(&rsss),
+        );
+        println!("ZERO {line}");
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    match run(&Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("zero_bench: error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! `cargo xtask bench zero`: the sharded optimizer (ZeRO stage 1) against the unsharded one,
+//! per world size: step time, optimizer-state bytes and peak memory per rank, with ratios
+//! against the unsharded run of the same size measured in the same invocation.
+
+use std::process::Command;
+
+use serde::Deserialize;
+
+/// What `zero_bench`'s rank 0 prints after `ZERO `.
+#[derive(Debug, Clone, Deserialize)]
+struct Measured {
+    mode: String,
+    ranks: usize,
+    params: usize,
+    batch: usize,
+    step_ms: f64,
+    state_bytes: Vec<u64>,
+    peak_rss_bytes: Vec<u64>,
+}
+
+/// Runs `zero_bench` unsharded then sharded at each of `nprocs` ranks and prints the table.
+pub fn run(nprocs: &[u32], extra: &[String]) -> Result<(), String> {
+    let root = crate::workspace_root();
+    crate::run(crate::cargo().current_dir(&root).args([
+        "build",
+        "--release",
+        "-p",
+        "ddp-bench",
+        "--bin",
+        "zero_bench",
+        "-p",
+        "ddprun",
+        "--bin",
+        "ddprun",
+    ]))?;
+    let release = crate::target_dir(&root).join("release");
+    let mut rows = Vec::new();
+    for &n in nprocs {
+        for shard in [false, true] {
+            let mut cmd = if n > 1 {
+                let mut c = Command::new(release.join("ddprun"));
+                c.args(["--nproc-per-node", &n.to_string(), "--no-prefix", "--"]);
+                c.arg(release.join("zero_bench"));
+                c
+            } else {
+                Command::new(release.join("zero_bench"))
+            };
+            if shard {
+                cmd.arg("--shard");
+            }
+            cmd.args(extra);
+            eprintln!(
+                "bench zero: {n} rank(s), {}",
+                if shard { "sharded" } else { "unsharded" }
+            );
+            let out = cmd
+                .output()
+                .map_err(|e| format!("cannot run zero_bench: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "zero_bench on {n} rank(s) failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+            rows.push(parse(&String::from_utf8_lossy(&out.stdout))?);
+        }
+    }
+    print!("{}", table(&rows));
+    Ok(())
+}
+
+fn parse(stdout: &str) -> Result<Measured, String> {
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("ZERO "))
+        .ok_or_else(|| format!("zero_bench printed no ZERO line: {stdout}"))?;
+    serde_json::from_str(line).map_err(|e| format!("zero_bench's ZERO line {line:?}: {e}"))
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// The markdown table: one row per run, ratios against the unsharded run of the same size.
+fn table(rows: &[Measured]) -> String {
+    let mut s = String::new();
+    if let Some(r) = rows.first() {
+        s += &format!(
+            "\n## Optimizer state sharded (ZeRO-1) vs not: Adam, {:.1} M parameters, batch {} per rank, CPU ranks\n\n",
+            r.params as f64 / 1e6,
+            r.batch
+        );
+    }
+    s += "| ranks | optimizer | step ms (median) | vs unsharded | optimizer state per rank, MiB (max) | vs unsharded | peak RSS per rank, MiB (max) | vs unsharded |\n";
+    s += "|---|---|---|---|---|---|---|---|\n";
+    for r in rows {
+        let base = rows
+            .iter()
+            .find(|b| b.ranks == r.ranks && b.mode == "unsharded")
+            .unwrap_or(r);
+        let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        s += &format!(
+            "| {} | {} | {:.1} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} |\n",
+            r.ranks,
+            r.mode,
+            r.step_ms,
+            ratio(r.step_ms, base.step_ms),
+            mib(max(&r.state_bytes)),
+            ratio(max(&r.state_bytes) as f64, max(&base.state_bytes) as f64),
+            mib(max(&r.peak_rss_bytes)),
+            ratio(
+                max(&r.peak_rss_bytes) as f64,
+                max(&base.peak_rss_bytes) as f64
+            ),
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_has_ratios_against_the_unsharded_run_of_the_same_size() {
+        let out = "noise\nZERO {\"mode\":\"unsharded\",\"ranks\":2,\"params\":1000000,\"batch\":8,\"step_ms\":100.0,\"state_bytes\":[800,800],\"peak_rss_bytes\":[2097152,2097152]}\n";
+        let a = parse(out).unwrap();
+        let b = Measured {
+            mode: "sharded".into(),
+            step_ms: 104.0,
+            state_bytes: vec![400, 400],
+            ..a.clone()
+        };
+        let t = table(&[a, b]);
+        assert!(t.contains("| 2 | unsharded | 100.0 | 1.000 |"), "{t}");
+        assert!(
+            t.contains("| 2 | sharded | 104.0 | 1.040 | 0.0 | 0.500 | 2.0 | 1.000 |"),
+            "{t}"
+        );
+        assert!(parse("nothing").is_err());
+    }
+}
