@@ -55,7 +55,7 @@ pub enum DdpError {
     Data(#[from] crate::data::DataError),
     /// The sharded optimizer's bookkeeping failed ([`crate::DdpOptimizer::sharded`]).
     #[error(transparent)]
-    Sharding(#[from] crate::sharding::ShardingError),
+    Sharding(#[from] crate::sharding::error::ShardingError),
     /// A SyncBatchNorm layer failed ([`crate::sync_batch_norm`]).
     #[error(transparent)]
     SyncBatchNorm(#[from] crate::sync_batch_norm::error::SyncBatchNormError),

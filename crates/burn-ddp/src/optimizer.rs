@@ -104,12 +104,13 @@ impl DdpOptimizer {
     /// every step.
     ///
     /// # Errors
-    /// [`crate::checkpoint::CheckpointError::Encode`] when the state can't be serialised.
-    pub fn state_size_bytes(
-        &self,
-    ) -> std::result::Result<usize, crate::checkpoint::CheckpointError> {
-        use crate::checkpoint::OptimizerState;
-        Ok(self.optim.state_bytes()?.len())
+    /// [`crate::DdpError::Sharding`] when the state can't be serialised.
+    pub fn state_size_bytes(&self) -> Result<usize> {
+        let bytes = self
+            .optim
+            .into_bytes()
+            .map_err(|e| crate::sharding::error::ShardingError::State(e.to_string()))?;
+        Ok(bytes.len())
     }
 
     /// Wraps `optim` with an explicit synchroniser (e.g. a different bucket cap).
