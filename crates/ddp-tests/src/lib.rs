@@ -8,12 +8,18 @@ use burn::tensor::Tensor;
 use burn_ddp::Ddp;
 
 #[derive(Default)]
-struct Flatten(Vec<f32>);
+struct Flatten {
+    values: Vec<f32>,
+    trainable_only: bool,
+}
 
 impl ModuleVisitor for Flatten {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.trainable_only && !param.is_require_grad() {
+            return;
+        }
         let data = param.val().into_data().convert::<f32>();
-        self.0
+        self.values
             .extend(data.as_slice::<f32>().expect("f32 after convert"));
     }
 }
@@ -22,7 +28,18 @@ impl ModuleVisitor for Flatten {
 pub fn flatten<M: Module>(m: &M) -> Vec<f32> {
     let mut f = Flatten::default();
     m.visit(&mut f);
-    f.0
+    f.values
+}
+
+/// The trainable float parameters of `m` in visit order, as f32 (not BatchNorm's running
+/// statistics).
+pub fn flatten_trainable<M: Module>(m: &M) -> Vec<f32> {
+    let mut f = Flatten {
+        trainable_only: true,
+        ..Flatten::default()
+    };
+    m.visit(&mut f);
+    f.values
 }
 
 /// Writes `v` as little-endian f32 values (what the tests read back).

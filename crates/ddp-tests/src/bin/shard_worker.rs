@@ -3,7 +3,8 @@
 //! Trains a small network with SyncBatchNorm, a branch only rank 1's samples use and a layer
 //! no sample uses, on deterministic synthetic data, with [`DdpOptimizer::sharded`] (`--shard`)
 //! or [`DdpOptimizer::new`]; after every step all ranks check that their parameters are
-//! bitwise identical. Writes this rank's final parameters to `OUT/rank{r}.f32` and prints
+//! bitwise identical. Writes this rank's final parameters to `OUT/rank{r}.f32` (the trainable
+//! ones alone, without SyncBatchNorm's running statistics, to `OUT/trainable{r}.f32`) and prints
 //! `STATE rank={r} bytes={n}`, the size of the optimizer state the rank holds.
 //!
 //! Checkpoints: `--save-at K` saves after step K into `OUT/ckpt.bin`, then throws the model
@@ -24,7 +25,7 @@ use burn_ddp::checkpoint::{Checkpointer, Progress};
 use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn_ddp::{Ddp, DdpOptimizer};
 use clap::{Parser, ValueEnum};
-use ddp_tests::{check_identical, flatten, write_f32};
+use ddp_tests::{check_identical, flatten, flatten_trainable, write_f32};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Optim {
@@ -244,6 +245,11 @@ fn run(args: &Args) -> Result<(), String> {
     }
     write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
         .map_err(|e| e.to_string())?;
+    write_f32(
+        &args.out.join(format!("trainable{rank}.f32")),
+        &flatten_trainable(&model),
+    )
+    .map_err(|e| e.to_string())?;
     ddp.barrier().map_err(|e| e.to_string())
 }
 
