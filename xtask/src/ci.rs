@@ -148,12 +148,12 @@ pub fn lint_with_clippy(cmd: &mut std::process::Command) -> Result<(), String> {
     Ok(())
 }
 
-/// Free space below which [`make_room`] deletes what earlier steps left. A cold `cargo xtask
-/// ci` peaked at 6.6 GB of disk (measured): about 2.4 GB after the clippy steps, 4.9 GB after
-/// the tests, the CUDA step adding 1.7 GB.
+/// Free space below which [`make_room`] deletes what an earlier run left. The two builds of
+/// the old layout peaked at 6.6 GB of disk (measured); the one build, tests and CUDA binaries
+/// included, left a 5.9 GB target directory (2026-12-02).
 const LOW_DISK_BYTES: u64 = 4 << 30;
 
-/// Before the test and CUDA steps, on a nearly full disk: deletes what the earlier steps left
+/// Before the build step, on a nearly full disk: deletes what an earlier run left
 /// in `target/debug/deps` and the next step does not need, so that a link does not die of a
 /// full disk (a CI run once did). That is clippy's metadata (a `.rmeta` without its `.rlib`)
 /// and the test executables (`NAME-HASH`, the bulk: they have run and passed). A later run
