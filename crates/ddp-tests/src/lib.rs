@@ -1,10 +1,11 @@
-//! What the rank programs of the integration tests share: a model's parameters flattened,
-//! written for the test to compare, and hashed to check that all ranks hold the same.
+//! What the rank programs of the integration tests share: deterministic synthetic data, a
+//! model's parameters flattened, written for the test to compare, and hashed to check that
+//! all ranks hold the same.
 
 use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor, TensorData};
 use burn_ddp::Ddp;
 
 #[derive(Default)]
@@ -79,4 +80,40 @@ pub fn check_identical<M: Module>(ddp: &Ddp, model: &M, step: usize) -> Result<(
         ));
     }
     Ok(())
+}
+
+/// Deterministic sample `i` of a regression task: `IN` features in [0.5, 2.5) (a non-zero
+/// mean, so that normalisation layers have work) and `OUT` targets in [-0.5, 0.5).
+pub fn sample<const IN: usize, const OUT: usize>(i: usize) -> ([f32; IN], [f32; OUT]) {
+    let mut s = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut next = || {
+        s ^= s >> 33;
+        s = s.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        s ^= s >> 33;
+        (s >> 40) as f32 / (1u64 << 24) as f32 // [0, 1)
+    };
+    let mut x = [0.0; IN];
+    x.iter_mut().for_each(|v| *v = 2.0 * next() + 0.5);
+    let mut y = [0.0; OUT];
+    y.iter_mut().for_each(|v| *v = next() - 0.5);
+    (x, y)
+}
+
+/// The samples `indices` ([`sample`]) as an `[n, IN]` input and an `[n, OUT]` target.
+pub fn batch<const IN: usize, const OUT: usize>(
+    indices: impl Iterator<Item = usize>,
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>) {
+    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+    let mut n = 0;
+    for i in indices {
+        let (x, y) = sample::<IN, OUT>(i);
+        xs.extend(x);
+        ys.extend(y);
+        n += 1;
+    }
+    (
+        Tensor::from_data(TensorData::new(xs, [n, IN]), device),
+        Tensor::from_data(TensorData::new(ys, [n, OUT]), device),
+    )
 }

@@ -22,7 +22,7 @@ use burn::optim::{
     AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
     momentum::MomentumConfig,
 };
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn::train::{
     InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
 };
@@ -125,35 +125,8 @@ impl Mlp {
     }
 }
 
-/// Deterministic sample `i` (features with a non-zero mean, a target).
-fn sample(i: usize) -> ([f32; IN], [f32; OUT]) {
-    let mut s = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let mut next = || {
-        s ^= s >> 33;
-        s = s.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        s ^= s >> 33;
-        (s >> 40) as f32 / (1u64 << 24) as f32 // [0, 1)
-    };
-    let mut x = [0.0; IN];
-    x.iter_mut().for_each(|v| *v = 2.0 * next() + 0.5);
-    let mut y = [0.0; OUT];
-    y.iter_mut().for_each(|v| *v = next() - 0.5);
-    (x, y)
-}
-
 fn batch(indices: impl Iterator<Item = usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
-    let (mut xs, mut ys) = (Vec::new(), Vec::new());
-    let mut n = 0;
-    for i in indices {
-        let (x, y) = sample(i);
-        xs.extend(x);
-        ys.extend(y);
-        n += 1;
-    }
-    (
-        Tensor::from_data(TensorData::new(xs, [n, IN]), device),
-        Tensor::from_data(TensorData::new(ys, [n, OUT]), device),
-    )
+    ddp_tests::batch::<IN, OUT>(indices, device)
 }
 
 fn mse(pred: Tensor<2>, y: Tensor<2>) -> Tensor<1> {

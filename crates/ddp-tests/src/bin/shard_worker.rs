@@ -20,7 +20,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{
     AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig, momentum::MomentumConfig,
 };
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn_ddp::checkpoint::{Checkpointer, Progress};
 use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn_ddp::{Ddp, DdpOptimizer};
@@ -106,23 +106,7 @@ impl Net {
     }
 }
 
-/// Deterministic sample `i`.
-fn sample(i: usize) -> ([f32; IN], [f32; OUT]) {
-    let mut s = (i as u64 + 7).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let mut next = || {
-        s ^= s >> 31;
-        s = s.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        s ^= s >> 29;
-        (s >> 40) as f32 / (1u64 << 24) as f32
-    };
-    let mut x = [0.0; IN];
-    x.iter_mut().for_each(|v| *v = 3.0 * next() - 1.0);
-    let mut y = [0.0; OUT];
-    y.iter_mut().for_each(|v| *v = next() - 0.5);
-    (x, y)
-}
-
-/// Rank `rank`'s batch of step `step`.
+/// Rank `rank`'s batch of step `step` (`ddp_tests::sample`).
 fn batch(
     step: u64,
     rank: usize,
@@ -131,16 +115,7 @@ fn batch(
     device: &Device,
 ) -> (Tensor<2>, Tensor<2>) {
     let start = (step as usize * world + rank) * b;
-    let (mut xs, mut ys) = (Vec::new(), Vec::new());
-    for i in start..start + b {
-        let (x, y) = sample(i);
-        xs.extend(x);
-        ys.extend(y);
-    }
-    (
-        Tensor::from_data(TensorData::new(xs, [b, IN]), device),
-        Tensor::from_data(TensorData::new(ys, [b, OUT]), device),
-    )
+    ddp_tests::batch::<IN, OUT>(start..start + b, device)
 }
 
 fn optimizer(ddp: &Ddp, o: Optim, shard: bool) -> DdpOptimizer {
