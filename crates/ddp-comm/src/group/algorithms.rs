@@ -4,6 +4,7 @@
 
 use super::*;
 use compression::Half;
+use shards::Shards;
 
 impl ProcessGroup {
     pub(super) fn header<T: Element>(
@@ -108,66 +109,97 @@ impl ProcessGroup {
         hdr.inline = std::mem::size_of_val(buf) * (n - 1) <= INLINE_BYTES;
         if hdr.inline {
             self.exchange(&hdr, bytemuck::cast_slice(buf))?;
-            // Reduce in rank order so every rank computes exactly the same values.
-            let rank = self.rank;
-            let m = self.mesh_mut();
-            m.scratch.clear();
-            m.scratch.extend_from_slice(bytemuck::cast_slice(buf));
-            let first: &[u8] = if rank == 0 {
-                &m.scratch
-            } else {
-                &m.msgs[0].payload
-            };
-            bytemuck::cast_slice_mut::<T, u8>(buf).copy_from_slice(first);
-            for p in 1..n {
-                let src: &[u8] = if p == rank {
-                    &m.scratch
-                } else {
-                    &m.msgs[p].payload
-                };
-                element::reduce_into(buf, src, op);
-            }
-            if op == ReduceOp::Mean {
-                element::divide(buf, n);
-            }
+            let everything = 0..buf.len();
+            self.reduce_inline(buf, everything, op);
             return Ok(());
         }
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
         let wait = self.waiting();
-        let r = self.rank;
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let len = buf.len();
-        let range = |c: usize| chunk(len, n, c);
-        // Reduce-scatter then all-gather as one pipeline: rank r sends its chunk r, then
-        // forwards each chunk as soon as it is reduced (or received), so all 2(n-1) steps
-        // overlap. After the reduce-scatter rank r holds the full reduction of chunk r+1.
-        let mut items = Vec::with_capacity(2 * (n - 1));
-        for s in 0..n - 1 {
-            items.push(engine::RingItem {
-                range: bytes_of(range((r + 2 * n - s - 1) % n), sz),
-                reduce: true,
-                finish: s == n - 2 && op == ReduceOp::Mean,
-            });
-        }
-        for s in 0..n - 1 {
-            items.push(engine::RingItem {
-                range: bytes_of(range((r + n - s) % n), sz),
-                reduce: false,
-                finish: false,
-            });
-        }
-        let links = &mut self.mesh_mut().links;
-        let mut pipe = engine::RingPipe::new(
-            prev,
-            next,
+        // The direct reduce-scatter of even shards (every element summed in rank order, as on
+        // the inline path), then a ring all-gather of the reduced shards.
+        let shards = Shards::even(buf.len(), n);
+        let round = direct::Round {
+            rank: self.rank,
+            world: n,
+            wait: &wait,
+            what: &what,
+        };
+        direct::reduce_scatter(self.mesh_mut(), &round, buf, &shards, op)?;
+        self.gather_ring(
+            &hdr,
             bytemuck::cast_slice_mut(buf),
-            bytes_of(range(r), sz),
-            items,
-        );
-        pipe.reduce = Some((element::reduce_bytes::<T>, op, sz));
-        pipe.finish = Some((element::divide_bytes::<T>, n));
-        drive(links, &mut [Op::Ring(pipe)], &wait, &what)
+            &shards.byte_offsets(sz),
+        )
+    }
+
+    /// Reduces `buf[range]` from every rank's whole buffer sent inline in its header (this
+    /// rank's from `buf` itself) in rank order, so every rank computes the same values.
+    pub(super) fn reduce_inline<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        range: std::ops::Range<usize>,
+        op: ReduceOp,
+    ) {
+        let (rank, n) = (self.rank, self.world_size);
+        let bytes = direct::bytes_of(&range, std::mem::size_of::<T>());
+        let m = self.mesh_mut();
+        m.scratch.clear();
+        m.scratch
+            .extend_from_slice(bytemuck::cast_slice(&buf[range.clone()]));
+        let dst = &mut buf[range];
+        let first: &[u8] = if rank == 0 {
+            &m.scratch
+        } else {
+            &m.msgs[0].payload[bytes.clone()]
+        };
+        bytemuck::cast_slice_mut::<T, u8>(dst).copy_from_slice(first);
+        for p in 1..n {
+            let src: &[u8] = if p == rank {
+                &m.scratch
+            } else {
+                &m.msgs[p].payload[bytes.clone()]
+            };
+            element::reduce_into(dst, src, op);
+        }
+        if op == ReduceOp::Mean {
+            element::divide(dst, n);
+        }
+    }
+
+    /// The 16-bit inline path: every rank sends its whole buffer rounded to `h` in its
+    /// header; this rank reduces `buf[range]` from the `n` rounded contributions in rank
+    /// order ([`compression::reduce_chunk`]: f32 accumulation, one rounding).
+    pub(super) fn reduce_inline_half(
+        &mut self,
+        hdr: &Header,
+        buf: &mut [f32],
+        range: std::ops::Range<usize>,
+        h: Half,
+        div: Option<usize>,
+    ) -> Result<()> {
+        let (rank, n) = (self.rank, self.world_size);
+        let mut wire = std::mem::take(&mut self.mesh_mut().half);
+        wire.resize(2 * buf.len(), 0);
+        compression::encode(h, buf, &mut wire);
+        let res = self.exchange(hdr, &wire);
+        let m = self.mesh_mut();
+        if res.is_ok() {
+            let at = direct::bytes_of(&range, 2);
+            let terms: Vec<&[u8]> = (0..n)
+                .map(|p| {
+                    if p == rank {
+                        &wire[at.clone()]
+                    } else {
+                        &m.msgs[p].payload[at.clone()]
+                    }
+                })
+                .collect();
+            m.scratch.resize(at.len(), 0);
+            compression::reduce_chunk(h, &mut buf[range], &terms, div, &mut m.scratch);
+        }
+        m.half = wire;
+        res
     }
 
     /// The 16-bit all-reduce behind [`ProcessGroup::all_reduce_compressed`] (whose rustdoc
@@ -199,28 +231,8 @@ impl ProcessGroup {
             dtype_name: h.name(),
         };
         if hdr.inline {
-            // Everyone sends its rounded buffer to everyone and reduces the same n rounded
-            // contributions in rank order.
-            let mut wire = std::mem::take(&mut self.mesh_mut().half);
-            wire.resize(2 * len, 0);
-            compression::encode(h, buf, &mut wire);
-            let res = self.exchange(&hdr, &wire);
-            let m = self.mesh_mut();
-            if res.is_ok() {
-                let terms: Vec<Option<&[u8]>> = (0..n)
-                    .map(|p| {
-                        Some(if p == r {
-                            &wire[..]
-                        } else {
-                            &m.msgs[p].payload[..]
-                        })
-                    })
-                    .collect();
-                m.scratch.resize(2 * len, 0);
-                compression::reduce_chunk(h, buf, &terms, div, &mut m.scratch);
-            }
-            m.half = wire;
-            return res;
+            let everything = 0..len;
+            return self.reduce_inline_half(&hdr, buf, everything, h, div);
         }
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
@@ -359,8 +371,6 @@ impl ProcessGroup {
                     } else {
                         offs[c]..offs[c + 1]
                     },
-                    reduce: false,
-                    finish: false,
                 }
             })
             .collect();
@@ -416,7 +426,6 @@ impl ProcessGroup {
     }
 }
 
-/// Element range of chunk `c` of `len` elements split `n` ways.
 /// Elements per segment of a compressed all-reduce: each segment is reduced on its own, so the
 /// 16-bit image of one segment and its accumulators stay in the CPU caches between the
 /// conversions and the transfers (4 MiB of f32 values, 2 MiB on the wire).
@@ -432,8 +441,8 @@ struct SegmentPlan {
 }
 
 /// One segment of [`ProcessGroup::all_reduce_compressed`] after the header exchange: the
-/// direct reduce-scatter of 16-bit chunks into f32 accumulators, one rounding, the ring
-/// all-gather of the 16-bit results.
+/// direct reduce-scatter of 16-bit chunks into f32 accumulators ([`direct::reduce_round_half`]),
+/// one rounding, the ring all-gather of the 16-bit results.
 fn compressed_segment(
     mesh: &mut Mesh,
     plan: &SegmentPlan,
@@ -447,87 +456,44 @@ fn compressed_segment(
         div,
         h,
     } = *plan;
-    let len = buf.len();
-    let range = |c: usize| chunk(len, n, c);
-    let mine = range(r);
+    let shards = Shards::even(buf.len(), n);
+    let pieces: Vec<_> = (0..n).map(|c| shards.range(c)).collect();
+    let round = direct::Round {
+        rank: r,
+        world: n,
+        wait,
+        what,
+    };
+    // Afterwards `mesh.half` holds the segment's 16-bit image with this rank's chunk reduced.
+    direct::reduce_round_half(mesh, &round, buf, &pieces, h, div)?;
     let Mesh {
-        links,
-        scratch,
-        half: wire,
-        ..
+        links, half: wire, ..
     } = mesh;
-    wire.resize(2 * len, 0);
-    for c in (0..n).filter(|&c| c != r) {
-        compression::encode(h, &buf[range(c)], &mut wire[bytes_of(range(c), 2)]);
-    }
-    // Reduce-scatter: chunk p to rank p, rank p's copy of our chunk into stage p.
-    let each = 2 * mine.len();
-    scratch.resize(each * (n - 1), 0);
-    {
-        let mut ops: Vec<Op<'_>> = Vec::with_capacity(2 * (n - 1));
-        let mut rest: &mut [u8] = scratch;
-        for p in (0..n).filter(|&p| p != r) {
-            let (stage, tail) = rest.split_at_mut(each);
-            rest = tail;
-            ops.push(Op::Send {
-                peer: p,
-                hdr: None,
-                data: &wire[bytes_of(range(p), 2)],
-                done: 0,
-            });
-            ops.push(Op::Recv {
-                peer: p,
-                dst: stage,
-                done: 0,
-            });
-        }
-        drive(links, &mut ops, wait, what)?;
-    }
-    // Our chunk: n contributions in rank order (ours in f32), one rounding.
-    let mut stages = scratch.chunks_exact(each.max(1));
-    let terms: Vec<Option<&[u8]>> = (0..n)
-        .map(|p| match p == r {
-            true => None,
-            false if each == 0 => Some(&[][..]),
-            false => stages.next(),
-        })
-        .collect();
-    compression::reduce_chunk(
-        h,
-        &mut buf[mine.clone()],
-        &terms,
-        div,
-        &mut wire[bytes_of(mine.clone(), 2)],
-    );
     // All-gather of the 16-bit chunks: send ours, forward each one received.
     let items = (0..n - 1)
         .map(|s| engine::RingItem {
-            range: bytes_of(range((r + 2 * n - s - 1) % n), 2),
-            reduce: false,
-            finish: false,
+            range: direct::bytes_of(&pieces[(r + 2 * n - s - 1) % n], 2),
         })
         .collect();
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let pipe = engine::RingPipe::new(prev, next, wire, bytes_of(mine, 2), items);
+    let pipe = engine::RingPipe::new(prev, next, wire, direct::bytes_of(&pieces[r], 2), items);
     drive(links, &mut [Op::Ring(pipe)], wait, what)?;
     for c in (0..n).filter(|&c| c != r) {
-        compression::decode(h, &wire[bytes_of(range(c), 2)], &mut buf[range(c)]);
+        compression::decode(
+            h,
+            &wire[direct::bytes_of(&pieces[c], 2)],
+            &mut buf[pieces[c].clone()],
+        );
     }
     Ok(())
 }
 
-fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
-    let at = |c: usize| ((len as u128 * c as u128) / n as u128) as usize;
-    at(c)..at(c + 1)
-}
-
-fn bytes_of(r: std::ops::Range<usize>, sz: usize) -> std::ops::Range<usize> {
-    r.start * sz..r.end * sz
-}
-
 /// Whether two ranks' headers describe the same call.
 fn agrees(a: &Header, b: &Header) -> bool {
-    let same_len = !matches!(a.kind, Kind::AllGatherVarlen | Kind::BroadcastBytes);
+    let same_len = !matches!(
+        a.kind,
+        Kind::AllGatherVarlen | Kind::BroadcastBytes | Kind::AllGatherShards
+    );
     a.kind == b.kind
         && a.seq == b.seq
         && a.dtype == b.dtype
@@ -550,6 +516,25 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
             s += &format!("{} × {dtype}, root {}", h.len, h.root)
         }
         Kind::AllGather | Kind::AllGatherVarlen => s += &format!("{} × {dtype}", h.len),
+        Kind::ReduceScatter => {
+            s += &format!(
+                "{} × {dtype}, {}, shard sizes #{:08x}",
+                h.len,
+                op_name(h.op),
+                h.root
+            )
+        }
+        Kind::ReduceScatterCompressed => {
+            s += &format!(
+                "{} × f32 as {dtype}, {}, shard sizes #{:08x}",
+                h.len,
+                op_name(h.op),
+                h.root
+            )
+        }
+        Kind::AllGatherShards => {
+            s += &format!("own shard {} × {dtype}, shard sizes #{:08x}", h.len, h.root)
+        }
     }
     s += &format!(") as call #{}", h.seq);
     s

@@ -323,14 +323,15 @@ pub(crate) fn accumulate(h: Half, acc: &mut [f32], src: &[u8]) {
 
 /// Reduces one chunk in f32 and rounds the result once.
 ///
-/// `terms` are the contributions in rank order: `Some(bytes)` 16-bit values (`2 * dst.len()`
-/// bytes), `None` the f32 values `dst` holds on entry (the caller's own contribution). They are
-/// added in that order into an f32 accumulator, which is divided by `div` (a mean) if given and
-/// rounded to `h` once: the 16-bit result goes to `out`, its decoded value to `dst`.
+/// `terms` are the contributions in rank order, each `2 * dst.len()` bytes of 16-bit values
+/// (every rank's, the caller's own included, rounded alike: the result does not depend on
+/// which rank reduces). They are decoded and added in that order into an f32 accumulator,
+/// which is divided by `div` (a mean) if given and rounded to `h` once: the 16-bit result goes
+/// to `out`, its decoded value to `dst`.
 pub(crate) fn reduce_chunk(
     h: Half,
     dst: &mut [f32],
-    terms: &[Option<&[u8]>],
+    terms: &[&[u8]],
     div: Option<usize>,
     out: &mut [u8],
 ) {
@@ -341,14 +342,9 @@ pub(crate) fn reduce_chunk(
     while start < dst.len() {
         let end = (start + BLOCK).min(dst.len());
         let a = &mut acc[..end - start];
-        let own = &dst[start..end];
-        for (j, t) in terms.iter().enumerate() {
-            match (j, t) {
-                (0, None) => a.copy_from_slice(own),
-                (_, None) => a.iter_mut().zip(own).for_each(|(a, &x)| *a += x),
-                (0, Some(w)) => decode(h, &w[2 * start..2 * end], a),
-                (_, Some(w)) => accumulate(h, a, &w[2 * start..2 * end]),
-            }
+        decode(h, &terms[0][2 * start..2 * end], a);
+        for t in &terms[1..] {
+            accumulate(h, a, &t[2 * start..2 * end]);
         }
         if let Some(n) = div {
             let n = n as f32;

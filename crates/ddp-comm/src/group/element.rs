@@ -142,11 +142,6 @@ pub(crate) fn reduce_bytes<T: Element>(dst: &mut [u8], src: &[u8], op: ReduceOp)
     reduce_into(dst, src, op);
 }
 
-/// [`divide`] on a byte view of a `[T]` region (aligned).
-pub(crate) fn divide_bytes<T: Element>(buf: &mut [u8], n: usize) {
-    divide(bytemuck::cast_slice_mut::<u8, T>(buf), n);
-}
-
 /// Divides every element by `n` (the last step of [`ReduceOp::Mean`]).
 pub(crate) fn divide<T: Element>(buf: &mut [T], n: usize) {
     for x in buf {

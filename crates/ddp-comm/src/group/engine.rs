@@ -17,6 +17,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use super::ReduceOp;
+pub(crate) use super::direct::OrderedReduce;
 use super::link::{Link, LinkError};
 use crate::error::CommError;
 
@@ -62,8 +63,6 @@ impl Msg {
 
 /// A reduction of raw received bytes into a byte view of a typed buffer.
 pub(crate) type ReduceFn = fn(&mut [u8], &[u8], ReduceOp);
-/// A final in-place step on reduced elements (the division of a mean by the world size).
-pub(crate) type FinishFn = fn(&mut [u8], usize);
 
 /// One transfer the engine drives.
 pub(crate) enum Op<'a> {
@@ -92,31 +91,27 @@ pub(crate) enum Op<'a> {
     Msg { peer: usize, msg: &'a mut Msg },
     /// A whole ring algorithm as one pipeline (see [`RingPipe`]).
     Ring(RingPipe<'a>),
+    /// One piece received from several peers and reduced in a fixed order as it streams in
+    /// (see [`OrderedReduce`]).
+    Ordered(OrderedReduce<'a>),
 }
 
-/// One chunk a ring pipeline receives: a byte range of the buffer, reduced or copied.
+/// One chunk a ring pipeline receives: a byte range of the buffer.
 #[derive(Debug, Clone)]
 pub(crate) struct RingItem {
     pub range: std::ops::Range<usize>,
-    pub reduce: bool,
-    /// Apply the pipeline's `finish` to the elements once reduced (the last reduction of a
-    /// chunk, e.g. the division of a mean), before they are forwarded.
-    pub finish: bool,
 }
 
-/// A ring algorithm (reduce-scatter + all-gather, or all-gather) as one stream per direction:
-/// the rank sends `first` to `next`, then forwards each received item except the last, each
-/// byte as soon as it has been received (and reduced). Receiving never waits for sending, so
-/// the ring cannot deadlock, and every step overlaps with the next: NCCL's ring pipeline.
+/// A ring all-gather as one stream per direction: the rank sends `first` to `next`, then
+/// forwards each received item except the last, each byte as soon as it has been received.
+/// Receiving never waits for sending, so the ring cannot deadlock, and every step overlaps
+/// with the next: NCCL's ring pipeline.
 pub(crate) struct RingPipe<'a> {
     pub prev: usize,
     pub next: usize,
     pub buf: &'a mut [u8],
     pub first: std::ops::Range<usize>,
     pub items: Vec<RingItem>,
-    pub reduce: Option<(ReduceFn, ReduceOp, usize)>,
-    /// Applied to finished elements of `finish` items, with its argument (the world size).
-    pub finish: Option<(FinishFn, usize)>,
     /// Receive cursor: item and wire offset inside it.
     pub ri: usize,
     pub ro: usize,
@@ -140,8 +135,6 @@ impl<'a> RingPipe<'a> {
             buf,
             first,
             items,
-            reduce: None,
-            finish: None,
             ri: 0,
             ro: 0,
             si: 0,
@@ -208,23 +201,7 @@ impl<'a> RingPipe<'a> {
             let link = link_of(links, self.prev);
             let n = if self.ro < len {
                 let at = item.range.start + self.ro;
-                match (item.reduce, self.reduce) {
-                    (true, Some((f, op, elem))) => link.readable(elem, len - self.ro).map(|a| {
-                        let a = a - a % elem;
-                        if a > 0 {
-                            let dst = &mut self.buf[at..at + a];
-                            f(dst, link.peek(a), op);
-                            if item.finish
-                                && let Some((fin, arg)) = self.finish
-                            {
-                                fin(dst, arg);
-                            }
-                            link.consume(a);
-                        }
-                        a
-                    }),
-                    _ => link.recv_into(&mut self.buf[at..item.range.end]),
-                }
+                link.recv_into(&mut self.buf[at..item.range.end])
             } else {
                 skip(link, len + pad8(len) - self.ro)
             }
@@ -273,6 +250,7 @@ impl Op<'_> {
             Op::Msg { msg, .. } => msg.want.is_some_and(|w| msg.got == HDR + w),
             // Cursors are settled at the end of every `progress` call.
             Op::Ring(p) => p.finished(),
+            Op::Ordered(o) => o.finished(),
         }
     }
 
@@ -301,6 +279,7 @@ impl Op<'_> {
                 let w = buf.len() + pad8(buf.len());
                 ((*got < w).then_some(*from), (*sent < *got).then_some(*to))
             }
+            Op::Ordered(o) => (o.waits_on(), None),
         }
     }
 }
@@ -313,13 +292,13 @@ pub(crate) struct Waiting {
     pub spin: bool,
 }
 
-fn link_of(links: &mut [Option<Link>], peer: usize) -> &mut Link {
+pub(super) fn link_of(links: &mut [Option<Link>], peer: usize) -> &mut Link {
     links[peer]
         .as_mut()
         .expect("the engine is only given ops on connected peers")
 }
 
-fn link_err(e: LinkError, peer: usize, what: &str) -> CommError {
+pub(super) fn link_err(e: LinkError, peer: usize, what: &str) -> CommError {
     match e {
         LinkError::Closed => CommError::PeerClosed {
             peer,
@@ -349,7 +328,7 @@ fn send_step(
 }
 
 /// Drops up to `n` padding bytes; returns how many.
-fn skip(link: &mut Link, n: usize) -> Result<usize, LinkError> {
+pub(super) fn skip(link: &mut Link, n: usize) -> Result<usize, LinkError> {
     let k = link.readable(1, n)?;
     if k > 0 {
         link.consume(k);
@@ -418,6 +397,7 @@ fn progress(op: &mut Op<'_>, links: &mut [Option<Link>], what: &str) -> Result<u
             Ok(moved)
         }
         Op::Ring(pipe) => pipe.progress(links, what),
+        Op::Ordered(o) => o.progress(links, what),
         Op::Msg { peer, msg } => {
             let link = link_of(links, *peer);
             let mut moved = 0;

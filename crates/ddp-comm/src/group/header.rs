@@ -26,6 +26,14 @@ pub(crate) enum Kind {
     /// the wire format, bf16 or fp16): distinct from [`Kind::AllReduce`], so a rank calling
     /// the uncompressed op against a compressed peer fails with a mismatch.
     AllReduceCompressed = 7,
+    /// A reduce-scatter over shards of any sizes (the header's `root` carries a fingerprint
+    /// of the shard sizes, so ranks that disagree on them fail with a mismatch).
+    ReduceScatter = 8,
+    /// [`Kind::ReduceScatter`] of f32 values travelling as 16-bit values.
+    ReduceScatterCompressed = 9,
+    /// An all-gather of shards of any sizes into one buffer (`len` is the sender's own shard,
+    /// `root` the fingerprint of the shard sizes).
+    AllGatherShards = 10,
 }
 
 impl Kind {
@@ -38,6 +46,9 @@ impl Kind {
             5 => Kind::BroadcastBytes,
             6 => Kind::Barrier,
             7 => Kind::AllReduceCompressed,
+            8 => Kind::ReduceScatter,
+            9 => Kind::ReduceScatterCompressed,
+            10 => Kind::AllGatherShards,
             _ => return None,
         })
     }
@@ -51,6 +62,9 @@ impl Kind {
             Kind::BroadcastBytes => "broadcast_bytes",
             Kind::Barrier => "barrier",
             Kind::AllReduceCompressed => "all_reduce_compressed",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::ReduceScatterCompressed => "reduce_scatter_compressed",
+            Kind::AllGatherShards => "all_gather_into",
         }
     }
 }
@@ -60,7 +74,7 @@ impl Kind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
     pub kind: Kind,
-    /// [`ReduceOp`] code (all-reduce only).
+    /// [`ReduceOp`] code (all-reduce and reduce-scatter only).
     pub op: u8,
     /// The sender's data follows the header.
     pub inline: bool,
@@ -70,6 +84,7 @@ pub(crate) struct Header {
     pub seq: u64,
     /// Element count (the sender's own count for variable-length calls).
     pub len: u64,
+    /// The root rank (broadcast), or the fingerprint of the shard sizes (the sharded calls).
     pub root: u32,
     /// Element type tag.
     pub dtype: u32,

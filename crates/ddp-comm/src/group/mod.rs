@@ -11,11 +11,15 @@
 //! - **Protocol**: every collective starts with a 32-byte header (kind, element type, length,
 //!   reduce op, root, call number) sent to every peer and checked, so mismatched calls fail with
 //!   [`CommError::Mismatch`] on every rank. Small payloads travel inside that first message
-//!   (one round: the latency path); large ones then use bandwidth-optimal algorithms — a ring
-//!   reduce-scatter + all-gather for all-reduce, a ring for all-gather, a pipelined chain for
-//!   broadcast — with sends, receives and reductions overlapping in one progress loop.
-//! - **Determinism**: every element is reduced in the same order on every rank's behalf and the
-//!   result is copied, so all ranks get bitwise identical results.
+//!   (one round: the latency path); large ones then use bandwidth-optimal algorithms — a
+//!   direct reduce-scatter (every rank sends each rank its shard) + ring all-gather for
+//!   all-reduce, a ring for all-gather, a pipelined chain for broadcast — with sends and
+//!   receives to all peers overlapping in one progress loop.
+//! - **Determinism**: every element of every reduction is summed **in rank order**
+//!   (`x0 + x1 + … + x(n-1)`), on the small and the large path, in [`ProcessGroup::all_reduce`]
+//!   and in [`ProcessGroup::reduce_scatter`] with any shard sizes, and the result is copied: all
+//!   ranks get bitwise identical results, independent of buffer splits (bucket sizes, shard
+//!   layouts).
 //! - **Failures**: every wait has a deadline. Any error poisons the group and breaks all its
 //!   links (FIN on TCP, a closed flag on the rings), so every other rank fails quickly too.
 //!   A ring closed this way carries the rank that caused it, so ranks that only see the
@@ -33,11 +37,14 @@
 mod algorithms;
 mod compression;
 mod copy;
+mod direct;
 mod element;
 mod engine;
 mod header;
 mod link;
 pub(crate) mod mesh;
+mod scatter;
+mod shards;
 mod shm;
 mod trace_hooks;
 
@@ -129,6 +136,9 @@ struct Mesh {
     links: Vec<Option<Link>>,
     msgs: Vec<Msg>,
     scratch: Vec<u8>,
+    /// The staging area of the direct reduce-scatter (8-byte aligned, so that every slot can
+    /// be read as elements in place).
+    stage: Vec<u64>,
     /// The 16-bit image of the buffer in a compressed all-reduce (reused between calls).
     half: Vec<u8>,
     spin: bool,
@@ -282,6 +292,7 @@ impl ProcessGroup {
                 links,
                 msgs: (0..world).map(|_| Msg::default()).collect(),
                 scratch: Vec::new(),
+                stage: Vec::new(),
                 half: Vec::new(),
                 spin: local <= cores,
                 store,
@@ -376,9 +387,11 @@ impl ProcessGroup {
     /// # Algorithm
     /// `buf` is split into `world_size` chunks. Reduce-scatter: every rank sends its chunk
     /// `c`, rounded to 16 bits, straight to rank `c` (each rank sends and receives
-    /// `(n-1)/n` of the buffer, as in a ring), and rank `c` adds the `n` contributions — its
-    /// own in f32, the others decoded — in rank order into an f32 accumulator, divides it by
-    /// `n` for a mean, and rounds it to 16 bits once. All-gather: those 16-bit chunks go round
+    /// `(n-1)/n` of the buffer, as in a ring), and rank `c` adds the `n` rounded
+    /// contributions — its own rounded too, so the result does not depend on which rank
+    /// reduces an element — decoded in rank order into an f32 accumulator, divides it by
+    /// `n` for a mean, and rounds it to 16 bits once ([`Self::reduce_scatter_compressed`]
+    /// does the same with shards of any sizes and gives the same bits). All-gather: those 16-bit chunks go round
     /// the ring unchanged and every rank, the chunk's owner included, decodes the same bits,
     /// so all ranks end bitwise identical (and the fixed order makes runs reproducible).
     /// Partial sums are never rounded: a ring reduce-scatter forwarding 16-bit partial sums

@@ -97,9 +97,17 @@ impl Ring {
         unsafe { self.base.add(RING_HEADER) }
     }
 
-    /// `code` 1 = closed; `2 + r` = closed because rank `r` failed.
+    /// `code` 1 = closed; `2 + r` = closed because rank `r` failed. The first blame stays: a
+    /// rank that drops its group right after failing (closing everything again, blaming no
+    /// one) must not erase the culprit before the peer has read it.
     fn close(&self, code: u32) {
-        self.closed().store(code, Ordering::SeqCst);
+        let _ = self
+            .closed()
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| match now {
+                0 => Some(code),
+                1 if code >= 2 => Some(code),
+                _ => None,
+            });
         self.data_seq().fetch_add(1, Ordering::SeqCst);
         self.space_seq().fetch_add(1, Ordering::SeqCst);
         futex_wake(self.data_seq());

@@ -283,3 +283,6 @@ fn single_rank_is_a_no_op() {
 
 /// Tests of `all_reduce_compressed`.
 mod compressed;
+
+/// Tests of `reduce_scatter`, `reduce_scatter_compressed` and `all_gather_into`.
+mod scatter;

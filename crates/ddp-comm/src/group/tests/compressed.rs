@@ -10,7 +10,7 @@ const LENS: [usize; 6] = [0, 1, 7, 1000, 40_000, 2_100_003];
 /// A deterministic pseudo-random value: about ±4 times a power of two in 2^-4..2^3, with a
 /// full f32 significand, or (`representable`) a multiple of 1/64 below 4 in magnitude, which
 /// bf16 and fp16 hold exactly.
-fn sample(rank: usize, i: usize, representable: bool) -> f32 {
+pub(super) fn sample(rank: usize, i: usize, representable: bool) -> f32 {
     let mut z = ((rank as u64) << 40 ^ i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
