@@ -157,10 +157,16 @@ impl DdpOptimizer {
         module: M,
         grads: GradientsParams,
     ) -> Result<M> {
-        let grads = self.sync.sync(&module, grads)?;
         match &mut self.sharding {
-            Some(sharding) => sharding.step(&mut self.optim, lr.into(), module, grads),
-            None => Ok(self.optim.step(lr, module, grads)),
+            Some(sharding) => {
+                let owners = sharding.prepare(&module, &mut self.optim)?;
+                let owned = self.sync.sync_to_owners(&module, grads, owners)?;
+                sharding.step(&mut self.optim, lr.into(), module, owned)
+            }
+            None => {
+                let grads = self.sync.sync(&module, grads)?;
+                Ok(self.optim.step(lr, module, grads))
+            }
         }
     }
 

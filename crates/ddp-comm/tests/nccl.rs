@@ -190,6 +190,29 @@ fn world1_host_helpers_and_argument_errors() {
 
 #[test]
 #[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
+fn world1_sharded_collectives_and_their_argument_errors() {
+    let mut g = NcclGroup::single(&opts()).unwrap();
+    let stream = g.stream().clone();
+    let data = ramp(1000, |i| i as f32 - 500.25);
+    let mut buf = stream.clone_htod(&data).unwrap();
+    g.reduce_scatter(&mut buf, &[1000], ReduceOp::Mean).unwrap();
+    g.all_gather_into(&mut buf, &[1000]).unwrap();
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), data);
+    let mut empty = stream.alloc_zeros::<f32>(0).unwrap();
+    g.reduce_scatter(&mut empty, &[0], ReduceOp::Sum).unwrap();
+    // Sizes that do not fit are refused before NCCL and leave the group usable.
+    let err = g
+        .reduce_scatter(&mut buf, &[999], ReduceOp::Sum)
+        .unwrap_err();
+    assert!(err.to_string().contains("add up to 999"), "{err}");
+    let err = g.all_gather_into(&mut buf, &[500, 500]).unwrap_err();
+    assert!(err.to_string().contains("2 shard sizes"), "{err}");
+    assert!(g.broken_reason().is_none());
+    g.barrier().unwrap();
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
 fn world1_raw_pointer_collectives() {
     let mut g = NcclGroup::single(&opts()).unwrap();
     let stream = g.stream().clone();
@@ -329,6 +352,21 @@ fn child_entry_two_process_rank() {
     g.all_gather_host(&[r as i32, -(r as i32)], &mut gathered)
         .unwrap();
     assert_eq!(gathered, vec![0, 0, 1, -1]);
+    // Uneven shards: rank 0 owns 3 values, rank 1 owns 5.
+    let stream = g.stream().clone();
+    let mut shards = stream
+        .clone_htod(&ramp(8, |i| (i + 10 * r) as f32))
+        .unwrap();
+    g.reduce_scatter(&mut shards, &[3, 5], ReduceOp::Sum)
+        .unwrap();
+    let reduced = stream.clone_dtoh(&shards).unwrap();
+    let mine = if r == 0 { 0..3 } else { 3..8 };
+    for i in mine {
+        assert_eq!(reduced[i], (2 * i + 10) as f32, "reduce_scatter at {i}");
+    }
+    g.all_gather_into(&mut shards, &[3, 5]).unwrap();
+    let gathered = stream.clone_dtoh(&shards).unwrap();
+    assert_eq!(gathered, ramp(8, |i| (2 * i + 10) as f32));
     g.barrier().unwrap();
     println!("CHILD rank={r} collectives-ok");
     if r == 1 {

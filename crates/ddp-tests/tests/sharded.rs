@@ -105,11 +105,17 @@ fn launch(world: usize, name: &str, args: &[&str]) -> Run {
 /// Sharded and unsharded training at `world` ranks with `optim`: bitwise the same parameters,
 /// and each sharded rank holding a part of the unsharded state (together about all of it).
 fn sharded_equals_unsharded(world: usize, optim: &str) {
-    let args = ["--optim", optim, "--steps", "6"];
-    let plain = launch(world, &format!("plain-{world}-{optim}"), &args);
+    sharded_equals_unsharded_with(world, optim, &[]);
+}
+
+/// [`sharded_equals_unsharded`] with more rank-program arguments.
+fn sharded_equals_unsharded_with(world: usize, optim: &str, more: &[&str]) {
+    let args = [&["--optim", optim, "--steps", "6"][..], more].concat();
+    let tag = more.join("");
+    let plain = launch(world, &format!("plain-{world}-{optim}{tag}"), &args);
     let sharded = launch(
         world,
-        &format!("sharded-{world}-{optim}"),
+        &format!("sharded-{world}-{optim}{tag}"),
         &[&args[..], &["--shard"]].concat(),
     );
     assert!(
@@ -133,6 +139,17 @@ fn sharded_equals_unsharded(world: usize, optim: &str) {
         sum <= whole + world * 4096,
         "the shards ({parts:?}) add up to more than the whole state ({whole})"
     );
+}
+
+/// Gradients and parameters over 64 KiB: the collectives' direct reduce-scatter and ring
+/// all-gather, not the inline path. Three ranks: one bucket whose shards take two 4 MiB
+/// rounds; four ranks: 6 MB buckets that split parameters between them.
+#[test]
+fn a_wide_model_over_the_large_path_is_bitwise_unsharded() {
+    for (world, bucket) in [(3, "40000000"), (4, "6000000")] {
+        let more = ["--hidden", "300000", "--bucket-bytes", bucket];
+        sharded_equals_unsharded_with(world, "adam", &more);
+    }
 }
 
 #[test]

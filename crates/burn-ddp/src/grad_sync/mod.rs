@@ -30,6 +30,7 @@
 mod buckets;
 mod device;
 mod host;
+mod owners;
 mod presence;
 mod slots;
 #[cfg(test)]
@@ -45,6 +46,7 @@ use crate::comm::{self, SharedGroup};
 use crate::error::Result;
 
 use buckets::plan_buckets;
+pub(crate) use owners::OwnedGradients;
 use slots::{SlotCollector, SlotWriter};
 
 /// Default largest bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.

@@ -20,11 +20,13 @@ pub enum ShardingError {
         /// Parameters in the state.
         total: usize,
     },
-    /// The ranks' contributions to a parameter all-gather do not have the sizes the plan
-    /// expects (the ranks' models differ).
-    #[error("parameter all-gather: rank {rank} sent {got} bytes, the plan expects {expected}")]
+    /// A parameter this rank owns does not have the size the plan expects (its dtype
+    /// changed since the plan was made).
+    #[error(
+        "parameter all-gather: rank {rank} has {got} bytes of a parameter, the plan expects {expected}"
+    )]
     GatherSize {
-        /// The rank whose contribution is off.
+        /// The rank (this one) whose parameter is off.
         rank: usize,
         /// Bytes received.
         got: usize,

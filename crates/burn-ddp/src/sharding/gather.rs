@@ -50,35 +50,46 @@ pub(crate) fn all_gather_params<M: Module>(
 
     let mut incoming: Vec<Option<Vec<u8>>> = vec![None; plan.params.len()];
     let chosen: Vec<usize> = (0..plan.params.len()).filter(|&i| stepped[i]).collect();
+    let world = plan.world_size;
     for bucket in buckets(&chosen, plan, cap_bytes) {
-        let mut contribution = Vec::new();
-        let mut expected = vec![0usize; plan.world_size];
+        // Every owner's parameters of the bucket side by side, owners in rank order.
+        let mut counts = vec![0usize; world];
         for &i in bucket {
-            expected[plan.owners[i]] += plan.params[i].bytes;
-            if plan.owns(i) {
-                contribution.extend_from_slice(&mine[i].take().unwrap_or_default());
-            }
+            counts[plan.owners[i]] += plan.params[i].bytes;
         }
-        let parts = comm::lock(group).all_gather_varlen::<u8>(&contribution)?;
-        stats.buckets += 1;
-        stats.sent += contribution.len();
-        for (rank, part) in parts.iter().enumerate() {
-            if part.len() != expected[rank] {
+        let starts: Vec<usize> = counts
+            .iter()
+            .scan(0, |acc, &c| {
+                let at = *acc;
+                *acc += c;
+                Some(at)
+            })
+            .collect();
+        let mut buf = vec![0u8; counts.iter().sum()];
+        let mut at = starts[plan.rank];
+        for &i in bucket.iter().filter(|&&i| plan.owns(i)) {
+            let bytes = mine[i].take().unwrap_or_default();
+            if bytes.len() != plan.params[i].bytes {
                 return Err(ShardingError::GatherSize {
-                    rank,
-                    got: part.len(),
-                    expected: expected[rank],
+                    rank: plan.rank,
+                    got: bytes.len(),
+                    expected: plan.params[i].bytes,
                 }
                 .into());
             }
+            buf[at..at + bytes.len()].copy_from_slice(&bytes);
+            at += bytes.len();
         }
-        let mut cursor = vec![0usize; plan.world_size];
+        comm::lock(group).all_gather_into::<u8>(&mut buf, &counts)?;
+        stats.buckets += 1;
+        stats.sent += counts[plan.rank];
+        let mut cursor = starts;
         for &i in bucket {
             let owner = plan.owners[i];
             let n = plan.params[i].bytes;
             if owner != plan.rank {
                 let at = cursor[owner];
-                incoming[i] = Some(parts[owner][at..at + n].to_vec());
+                incoming[i] = Some(buf[at..at + n].to_vec());
                 stats.received += n;
             }
             cursor[owner] += n;

@@ -5,12 +5,17 @@
 //! *owner* ([`assign_owners`]: largest parameters first, each to the least-loaded rank).
 //! After backward a step is:
 //!
-//! 1. the gradients are averaged over all ranks by the same bucketed all-reduce as
-//!    [`crate::DdpOptimizer::new`] (so they are bitwise the unsharded ones, on every
-//!    transport);
-//! 2. each rank drops the gradients of the parameters it does not own and steps the wrapped
-//!    Burn optimizer, which therefore creates and updates state only for its own parameters;
-//! 3. the updated parameters are all-gathered from their owners in buckets, as raw bytes in
+//! 1. the gradients are **reduce-scattered** to their owners: laid out owner by owner, in
+//!    buckets that hold a part of every owner's gradients, each averaged over all ranks by
+//!    [`ddp_comm::ProcessGroup::reduce_scatter_compressed`] and kept only by its owner. The
+//!    group sums every element in rank order, as its all-reduce does, so an owner's gradients
+//!    are bitwise those [`crate::DdpOptimizer::new`] averages (bf16/fp16 wire compression
+//!    applies here as there). On the NCCL device path the buckets are all-reduced by NCCL
+//!    and each rank keeps its own (NCCL's reduce order is its own: see the README);
+//! 2. each rank steps the wrapped Burn optimizer with its own gradients only, so the
+//!    optimizer creates and updates state only for its own parameters;
+//! 3. the updated parameters are all-gathered from their owners in buckets
+//!    ([`ddp_comm::ProcessGroup::all_gather_into`], shards of any sizes), as raw bytes in
 //!    their own dtype, so every rank ends the step with bitwise the owner's values.
 //!
 //! For an element-wise optimizer (SGD with or without momentum and weight decay, Adam,
@@ -22,8 +27,8 @@
 //! L-BFGS) — use the unsharded optimizer for those.
 //!
 //! What is not sharded: the parameters and the gradients stay whole on every rank (that is
-//! ZeRO stages 2 and 3). The traffic is the gradient all-reduce plus one all-gather of the
-//! parameters per step.
+//! ZeRO stages 2 and 3). The traffic is a reduce-scatter of the gradients plus an all-gather
+//! of the parameters per step: what one all-reduce moves.
 //!
 //! **Checkpoints** ([`crate::checkpoint::Checkpointer`]) hold the whole state in today's
 //! format: on save the shards are gathered to rank 0 and merged (keyed by rank 0's parameter
@@ -36,12 +41,13 @@ mod gather;
 mod plan;
 pub(crate) mod state;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::{Bytes, Tensor};
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Bytes;
 
 use crate::comm::{self, SharedGroup};
 use crate::error::Result;
+use crate::grad_sync::OwnedGradients;
 
 pub use error::ShardingError;
 pub use plan::assign_owners;
@@ -94,25 +100,23 @@ impl Sharding {
         self.last
     }
 
-    /// One step after the gradients were averaged: see the module docs.
+    /// One step after the gradients were reduced to their owners: this rank steps its own
+    /// parameters (`owned.grads` holds only theirs, so the optimizer keeps state for them
+    /// only), then the updated parameters are all-gathered from their owners. See the
+    /// module docs.
     pub(crate) fn step<M: Module>(
         &mut self,
         optim: &mut ModuleOptimizer,
         lr: burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate,
         module: M,
-        mut grads: GradientsParams,
+        owned: OwnedGradients,
     ) -> Result<M> {
-        self.prepare(&module, optim)?;
-        let plan = self.plan.as_ref().expect("prepared");
-        let mut keep = KeepOwned {
-            plan,
-            grads: &mut grads,
-            index: 0,
-            stepped: vec![false; plan.params.len()],
-        };
-        module.visit(&mut keep);
-        let stepped = keep.stepped;
-        let module = optim.step(lr, module, grads);
+        let plan = self
+            .plan
+            .as_ref()
+            .expect("prepared before the gradient sync");
+        let stepped = owned.present;
+        let module = optim.step(lr, module, owned.grads);
         let (module, g) =
             gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?;
         let owned: Vec<usize> = (0..plan.params.len()).filter(|&i| plan.owns(i)).collect();
@@ -129,8 +133,13 @@ impl Sharding {
     }
 
     /// Makes the plan for `module`'s layout (collective, on the first step and whenever the
-    /// layout changes: rank 0's ids are broadcast) and loads a pending state's owned part.
-    fn prepare<M: Module>(&mut self, module: &M, optim: &mut ModuleOptimizer) -> Result<()> {
+    /// layout changes: rank 0's ids are broadcast), loads a pending state's owned part, and
+    /// returns the owner of each trainable parameter (visit order).
+    pub(crate) fn prepare<M: Module>(
+        &mut self,
+        module: &M,
+        optim: &mut ModuleOptimizer,
+    ) -> Result<&[usize]> {
         let params = trainable_params(module);
         let fingerprint = layout_fingerprint(&params);
         if self
@@ -187,7 +196,7 @@ impl Sharding {
                 .from_bytes(Bytes::from_bytes_vec(shard))
                 .map_err(|e| ShardingError::State(format!("loading this rank's shard: {e}")))?;
         }
-        Ok(())
+        Ok(&self.plan.as_ref().expect("made above").owners)
     }
 
     /// Keeps a whole state (from a checkpoint) until the next step.
@@ -238,33 +247,5 @@ impl Sharding {
         }
         let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
         Ok(Some(state::transform(&parts, Some)?))
-    }
-}
-
-/// Drops the gradients of the parameters this rank does not own and notes which parameters
-/// the optimizer will step (those with a gradient; the same set on every rank after the
-/// gradient sync).
-struct KeepOwned<'a> {
-    plan: &'a ShardPlan,
-    grads: &'a mut GradientsParams,
-    index: usize,
-    stepped: Vec<bool>,
-}
-
-impl ModuleVisitor for KeepOwned<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !param.is_require_grad() {
-            return;
-        }
-        let i = self.index;
-        self.index += 1;
-        if i >= self.stepped.len() {
-            return;
-        }
-        if self.plan.owns(i) {
-            self.stepped[i] = self.grads.get::<D>(param.id).is_some();
-        } else {
-            self.stepped[i] = self.grads.remove::<D>(param.id).is_some();
-        }
     }
 }

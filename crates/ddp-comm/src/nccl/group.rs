@@ -24,6 +24,7 @@ use crate::store::StoreClient;
 
 mod host;
 mod raw;
+mod shards;
 
 /// One rank's NCCL communicator, its CUDA stream and a watchdog deadline for every call.
 ///
@@ -559,7 +560,15 @@ impl NcclGroup {
 
 /// The span name of an NCCL call described as `what` (`all_reduce(…)`, `broadcast(…)`, …).
 fn span_name(what: &str) -> &'static str {
-    const OPS: [&str; 4] = ["all_reduce", "broadcast", "all_gather", "barrier"];
+    // Longer names first: `all_gather_into(…)` also starts with `all_gather`.
+    const OPS: [&str; 6] = [
+        "all_reduce",
+        "broadcast",
+        "all_gather_into",
+        "all_gather",
+        "reduce_scatter",
+        "barrier",
+    ];
     OPS.into_iter()
         .find(|op| what.starts_with(op))
         .unwrap_or("nccl")

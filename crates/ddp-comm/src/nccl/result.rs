@@ -211,6 +211,27 @@ pub(crate) unsafe fn all_reduce(
     })
 }
 
+/// `ncclReduce` to `root` (in place when `send == recv`; `recv` is used on `root` only).
+///
+/// # Safety
+/// As for [`all_reduce`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn reduce(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    op: ncclRedOp_t,
+    root: c_int,
+    comm: CommPtr,
+    stream: StreamPtr,
+) -> Result<Progress, NcclError> {
+    // SAFETY: per the contract.
+    check("ncclReduce", unsafe {
+        sys::ncclReduce(send, recv, count, dtype, op, root, comm, stream)
+    })
+}
+
 /// `ncclBroadcast` (in place when `send == recv`).
 ///
 /// # Safety

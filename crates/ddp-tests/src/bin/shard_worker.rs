@@ -50,6 +50,10 @@ struct Args {
     /// Gradient bucket cap in bytes (also the parameter all-gather's).
     #[arg(long, default_value_t = 256)]
     bucket_bytes: usize,
+    /// Width of the hidden layer (a wide one gives gradients that take the collectives'
+    /// large, non-inline path).
+    #[arg(long, default_value_t = 10)]
+    hidden: usize,
     /// Save a checkpoint after this step, then resume from it with a new model and optimizer.
     #[arg(long)]
     save_at: Option<u64>,
@@ -65,7 +69,6 @@ struct Args {
 }
 
 const IN: usize = 6;
-const HIDDEN: usize = 10;
 const OUT: usize = 3;
 const LR: f64 = 0.05;
 
@@ -82,21 +85,22 @@ struct Net {
 }
 
 impl Net {
-    fn new(device: &Device) -> Self {
+    fn new(hidden: usize, device: &Device) -> Self {
         Net {
-            fc1: LinearConfig::new(IN, HIDDEN).init(device),
-            bn: SyncBatchNormConfig::new(HIDDEN).init(device),
-            fc2: LinearConfig::new(HIDDEN, OUT).init(device),
-            branch: LinearConfig::new(HIDDEN, OUT).init(device),
-            never: LinearConfig::new(HIDDEN, OUT).init(device),
+            fc1: LinearConfig::new(IN, hidden).init(device),
+            bn: SyncBatchNormConfig::new(hidden).init(device),
+            fc2: LinearConfig::new(hidden, OUT).init(device),
+            branch: LinearConfig::new(hidden, OUT).init(device),
+            never: LinearConfig::new(hidden, OUT).init(device),
             act: Relu::new(),
         }
     }
 
     fn forward(&self, x: Tensor<2>, use_branch: bool) -> Tensor<2> {
         let [n, _] = x.dims();
-        let h = self.fc1.forward(x).reshape([n, HIDDEN, 1]);
-        let h = self.act.forward(self.bn.forward(h).reshape([n, HIDDEN]));
+        let hidden = self.fc1.weight.dims()[1];
+        let h = self.fc1.forward(x).reshape([n, hidden, 1]);
+        let h = self.act.forward(self.bn.forward(h).reshape([n, hidden]));
         let y = self.fc2.forward(h.clone());
         if use_branch {
             y + self.branch.forward(h)
@@ -145,7 +149,7 @@ fn resume(
     let device = ddp.device().clone().autodiff();
     device.seed(seed);
     let model = ddp
-        .replicate_model(Net::new(&device))
+        .replicate_model(Net::new(args.hidden, &device))
         .map_err(|e| e.to_string())?;
     let mut optim = optimizer(ddp, args.optim, shard);
     let (model, resumed) = ckpt
@@ -175,7 +179,7 @@ fn run(args: &Args) -> Result<(), String> {
         None => {
             device.seed(1000 + rank as u64);
             let model = ddp
-                .replicate_model(Net::new(&device))
+                .replicate_model(Net::new(args.hidden, &device))
                 .map_err(|e| e.to_string())?;
             (model, optimizer(&ddp, args.optim, args.shard), 0)
         }
