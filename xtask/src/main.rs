@@ -4,7 +4,7 @@
 //! cargo xtask ci
 //! cargo xtask setup-cuda-build [--llvm DIR] [--check]
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
-//! cargo xtask compare [--cpus N] [--batch-size b] …
+//! cargo xtask compare [--ranks N] [--per-rank-batch 4,8,16,32,64] [--seeds K] …
 //! cargo xtask bench ddp|syncbn|data
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--compression none,bf16] [--iters N] [--pin]
@@ -20,6 +20,7 @@ use clap::{Parser, Subcommand};
 
 mod bench_zero;
 mod ci;
+mod compare;
 mod cuda_build;
 mod gpu_check;
 #[cfg(test)]
@@ -44,9 +45,10 @@ enum Cmd {
     SetupCudaBuild(cuda_build::SetupArgs),
     /// Train the example CNN data-parallel (2 CPU ranks by default; `--gpus N` on CUDA).
     Train(train::TrainArgs),
-    /// The BatchNorm experiment: 1 process × B vs N ranks × B/N with per-rank BatchNorm vs
-    /// N ranks × B/N with SyncBatchNorm, same seed and data.
-    Compare(train::TrainArgs),
+    /// The BatchNorm sweep: per per-rank batch b, 1 process × N·b with BatchNorm vs N ranks × b
+    /// with per-rank BatchNorm vs N ranks × b with SyncBatchNorm, over several seeds: mean ±
+    /// sd, gaps, verdicts and a plot (compare.md, compare.json, compare.svg).
+    Compare(compare::CompareArgs),
     /// The GPU check: `build` here packs the CUDA binaries into .gpu-bin/, `run` on a
     /// machine with an NVIDIA GPU (no cargo there: `.gpu-bin/xtask gpu-check run`) runs every
     /// check and prints one table.
@@ -170,7 +172,7 @@ fn main() -> ExitCode {
         Cmd::PtxCheck(a) => ptx_check::run(&workspace_root(), &a),
         Cmd::SetupCudaBuild(a) => cuda_build::setup(&workspace_root(), &a),
         Cmd::Train(a) => train::train(&workspace_root(), &a),
-        Cmd::Compare(a) => train::compare(&workspace_root(), &a),
+        Cmd::Compare(a) => compare::compare(&workspace_root(), &a),
         Cmd::GpuCheck(a) => gpu_check::main(&workspace_root(), &a).map_err(|e| e.to_string()),
         Cmd::Bench {
             what:

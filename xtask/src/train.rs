@@ -1,5 +1,5 @@
-//! `cargo xtask train` and `cargo xtask compare`: build the `train-cnn` example and run it as
-//! rank processes through the launcher library.
+//! `cargo xtask train`: build the `train-cnn` example and run it as rank processes through the
+//! launcher library (`cargo xtask compare` runs it the same way).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -18,7 +18,7 @@ pub enum BackendArg {
     Cpu,
 }
 
-/// Options shared by `train` and `compare`.
+/// Options of `cargo xtask train`.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
     /// Ranks on CUDA GPUs, one per device (builds the example with Burn's CUDA backend).
@@ -41,8 +41,7 @@ pub struct TrainArgs {
     /// parameters only.
     #[arg(long)]
     pub shard_optimizer: bool,
-    /// Samples per batch on each rank [default: 32 for `train`, 8 for `compare`, where small
-    /// per-rank batches show what per-rank BatchNorm statistics cost].
+    /// Samples per batch on each rank [default: 32].
     #[arg(long)]
     pub batch_size: Option<usize>,
     /// Epochs.
@@ -57,7 +56,7 @@ pub struct TrainArgs {
     /// `synthetic` (embedded, generated; the default) or `mnist:DIR` (IDX files).
     #[arg(long, default_value = "synthetic")]
     pub data: String,
-    /// Output directory [default: runs/train for `train`, runs/compare for `compare`].
+    /// Output directory [default: runs/train].
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue from `OUT/checkpoint.bin`.
@@ -71,8 +70,7 @@ pub struct TrainArgs {
     /// DIR/trace.json (open it in https://ui.perfetto.dev or chrome://tracing).
     #[arg(long, value_name = "DIR")]
     pub trace: Option<PathBuf>,
-    /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation). `compare`
-    /// adds the SyncBatchNorm run with this wire format beside the uncompressed one.
+    /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation).
     #[arg(long, value_name = "none|bf16|fp16")]
     pub compression: Option<String>,
     /// Run this `train-cnn` binary instead of building one in release (e.g. a debug build).
@@ -105,7 +103,7 @@ impl TrainArgs {
 
 /// Fails with a clear message when `gpus` CUDA ranks cannot run here (the same check every
 /// rank makes in `burn_ddp::init`, made once before the build).
-fn check_cuda(gpus: usize) -> Result<(), String> {
+pub(crate) fn check_cuda(gpus: usize) -> Result<(), String> {
     let visible = ddp_comm::nccl::visible_cuda_devices().map_err(|e| {
         format!(
             "--gpus {gpus}: {e}. Run on CPU ranks with `cargo xtask train --cpus N`, or on a \
@@ -121,12 +119,16 @@ fn check_cuda(gpus: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Builds `train-cnn` for `backend` in release and returns its path, or returns the
-/// `--program` given instead.
-fn build_example(root: &Path, a: &TrainArgs, backend: BackendArg) -> Result<PathBuf, String> {
-    if let Some(p) = &a.program {
+/// Builds `train-cnn` for `backend` in release and returns its path, or returns `program`
+/// (a `--program` given) instead.
+pub(crate) fn build_example(
+    root: &Path,
+    program: Option<&Path>,
+    backend: BackendArg,
+) -> Result<PathBuf, String> {
+    if let Some(p) = program {
         return if p.is_file() {
-            Ok(p.clone())
+            Ok(p.to_path_buf())
         } else {
             Err(format!("--program {}: no such file", p.display()))
         };
@@ -153,7 +155,7 @@ fn build_example(root: &Path, a: &TrainArgs, backend: BackendArg) -> Result<Path
     Ok(crate::target_dir(root).join("release").join("train-cnn"))
 }
 
-fn backend_name(b: BackendArg) -> &'static str {
+pub(crate) fn backend_name(b: BackendArg) -> &'static str {
     match b {
         BackendArg::Cuda => "cuda",
         BackendArg::Wgpu => "wgpu",
@@ -207,7 +209,7 @@ fn example_args(
 }
 
 /// Launches `ranks` processes of `program`; returns an error naming the failed rank.
-fn launch_ranks(
+pub(crate) fn launch_ranks(
     ranks: usize,
     max_restarts: usize,
     trace: Option<&Path>,
@@ -247,7 +249,7 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
     if a.gpus.is_some() && backend == BackendArg::Cuda {
         check_cuda(ranks)?;
     }
-    let program = build_example(root, a, backend)?;
+    let program = build_example(root, a.program.as_deref(), backend)?;
     let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/train")));
     let batch = a.batch_size.unwrap_or(32);
     eprintln!(
@@ -276,19 +278,8 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
     launch_ranks(ranks, a.max_restarts, a.trace.as_deref(), &program, &args)
 }
 
-/// The last epoch's metrics of a run.
-#[derive(Debug, serde::Serialize)]
-struct RunSummary {
-    name: String,
-    ranks: usize,
-    batch_per_rank: usize,
-    train_loss: f64,
-    train_accuracy: f64,
-    eval_loss: f64,
-    eval_accuracy: f64,
-}
-
-fn last_epoch(dir: &Path) -> Result<serde_json::Value, String> {
+/// The last epoch's metrics of a run (its `metrics.json`).
+pub(crate) fn last_epoch(dir: &Path) -> Result<serde_json::Value, String> {
     let path = dir.join("metrics.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
@@ -301,95 +292,4 @@ fn last_epoch(dir: &Path) -> Result<serde_json::Value, String> {
     rows.last()
         .cloned()
         .ok_or_else(|| format!("{}: no epochs", path.display()))
-}
-
-/// `cargo xtask compare`: one process × batch B, N ranks × B/N with per-rank BatchNorm, and
-/// N ranks × B/N with SyncBatchNorm — same seed, data and steps.
-pub fn compare(root: &Path, a: &TrainArgs) -> Result<(), String> {
-    let (ranks, backend) = a.ranks_and_backend()?;
-    if ranks < 2 {
-        return Err("compare needs at least 2 ranks (--cpus N or --gpus N)".into());
-    }
-    if a.resume {
-        return Err("compare always trains from scratch; drop --resume".into());
-    }
-    if a.gpus.is_some() && backend == BackendArg::Cuda {
-        check_cuda(ranks)?;
-    }
-    let per_rank = a.batch_size.unwrap_or(8);
-    let global = per_rank * ranks;
-    let program = build_example(root, a, backend)?;
-    let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
-    let mut runs: Vec<(String, usize, usize, bool, Option<&str>)> = vec![
-        ("1 process, BatchNorm".into(), 1, global, false, None),
-        (
-            "N ranks, per-rank BatchNorm".into(),
-            ranks,
-            per_rank,
-            false,
-            None,
-        ),
-        ("N ranks, SyncBatchNorm".into(), ranks, per_rank, true, None),
-    ];
-    // `--compression`: the SyncBatchNorm run once more with that wire format, beside the
-    // uncompressed one.
-    let wire = a.compression.as_deref().filter(|c| *c != "none");
-    if let Some(c) = wire {
-        let name = format!("N ranks, SyncBatchNorm, {c} wire");
-        runs.push((name, ranks, per_rank, true, Some(c)));
-    }
-    let mut results = Vec::new();
-    for (i, (name, n, batch, sync, compression)) in runs.into_iter().enumerate() {
-        let dir = out.join(format!("run{}", i + 1));
-        eprintln!("xtask compare: {name}: {n} rank(s) × batch {batch}");
-        let args = example_args(a, backend, batch, sync, compression, &dir);
-        launch_ranks(n, a.max_restarts, a.trace.as_deref(), &program, &args)?;
-        let m = last_epoch(&dir)?;
-        let f = |k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-        results.push(RunSummary {
-            name,
-            ranks: n,
-            batch_per_rank: batch,
-            train_loss: f("train_loss"),
-            train_accuracy: f("train_accuracy"),
-            eval_loss: f("eval_loss"),
-            eval_accuracy: f("eval_accuracy"),
-        });
-    }
-    let mut table = String::from(
-        "| run | ranks | batch/rank | global batch | train loss | train acc | eval loss | eval acc |\n\
-         |---|---|---|---|---|---|---|---|\n",
-    );
-    for r in &results {
-        table.push_str(&format!(
-            "| {} | {} | {} | {} | {:.4} | {:.2}% | {:.4} | {:.2}% |\n",
-            r.name,
-            r.ranks,
-            r.batch_per_rank,
-            r.ranks * r.batch_per_rank,
-            r.train_loss,
-            pct(r.train_accuracy),
-            r.eval_loss,
-            pct(r.eval_accuracy)
-        ));
-    }
-    if let (Some(c), [.., plain, wired]) = (wire, &results[..]) {
-        table.push_str(&format!(
-            "\n{c} wire vs uncompressed (SyncBatchNorm): eval accuracy {:+.2} points, eval loss {:+.4}\n",
-            pct(wired.eval_accuracy) - pct(plain.eval_accuracy),
-            wired.eval_loss - plain.eval_loss
-        ));
-    }
-    println!("\n{table}");
-    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
-    std::fs::write(out.join("compare.md"), &table).map_err(|e| e.to_string())?;
-    let json = serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?;
-    std::fs::write(out.join("compare.json"), json).map_err(|e| e.to_string())?;
-    println!("compare: table in {}", out.join("compare.md").display());
-    Ok(())
-}
-
-/// Accuracy as a percentage, whether stored as a fraction or already in percent.
-fn pct(x: f64) -> f64 {
-    if x <= 1.0 { x * 100.0 } else { x }
 }

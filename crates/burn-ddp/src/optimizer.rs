@@ -80,11 +80,17 @@ impl DdpOptimizer {
     /// # Ok(()) }
     /// ```
     pub fn sharded(ddp: &Ddp, optim: impl Into<ModuleOptimizer>) -> Self {
-        let sync = ddp.gradient_synchronizer();
-        let sharding = Sharding::new(sync.group().clone(), sync.bucket_cap_bytes());
+        Self::new(ddp, optim).into_sharded()
+    }
+
+    /// The same optimizer with its state sharded across the ranks, as [`Self::sharded`] makes
+    /// it, keeping this one's synchroniser (e.g. one built by [`Self::with_synchronizer`]).
+    /// Call it before the first step: a state the optimizer already holds is not cut down.
+    pub fn into_sharded(self) -> Self {
+        let sharding = Sharding::new(self.sync.group().clone(), self.sync.bucket_cap_bytes());
         DdpOptimizer {
-            optim: optim.into(),
-            sync,
+            optim: self.optim,
+            sync: self.sync,
             sharding: Some(sharding),
         }
     }

@@ -79,6 +79,9 @@ struct Args {
     /// Never draw the progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Print nothing but errors (metrics, plot and checkpoint are still written).
+    #[arg(long)]
+    quiet: bool,
 }
 
 fn main() -> ExitCode {
@@ -154,7 +157,8 @@ fn run(args: Args) -> Result<(), TrainError> {
         resume: args.resume,
         checkpoint_every_steps: args.checkpoint_every_steps,
         resume_if_present: restarted(),
-        progress: !args.no_progress,
+        progress: !args.no_progress && !args.quiet,
+        quiet: args.quiet,
     };
     let mut cluster = DdpCluster::from_env(args.backend, args.compression)?
         .with_sharded_optimizer(args.shard_optimizer);
@@ -170,7 +174,7 @@ fn run_with<N: NormLayer, C: Cluster>(
     cfg: &TrainConfig,
 ) -> Result<(), TrainError> {
     let trained = train::train::<N, C>(cluster, cfg)?;
-    if cluster.is_main() {
+    if cluster.is_main() && !cfg.quiet {
         let p = &trained.paths;
         println!(
             "done: {} epochs; metrics {} and {}, plot {}, checkpoint {}",

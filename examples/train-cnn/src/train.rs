@@ -54,6 +54,9 @@ pub struct TrainConfig {
     pub resume_if_present: bool,
     /// Show the progress bar (rank 0 only, and only on a terminal).
     pub progress: bool,
+    /// Print nothing on stdout (the metrics files, plot and checkpoint are still written):
+    /// for programs that run many trainings, such as `cargo xtask compare`.
+    pub quiet: bool,
 }
 
 impl TrainConfig {
@@ -73,6 +76,7 @@ impl TrainConfig {
             checkpoint_every_steps: 0,
             resume_if_present: false,
             progress: true,
+            quiet: false,
         }
     }
 }
@@ -338,7 +342,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         cluster.is_main() && cfg.progress,
         per_epoch_global * remaining as u64,
     );
-    if cluster.is_main() {
+    if cluster.is_main() && !cfg.quiet {
         say(
             &bar,
             format!(
@@ -489,11 +493,13 @@ pub fn train<N: NormLayer, C: Cluster>(
             let table = metrics::table(&history);
             let mut lines = table.lines();
             let header = lines.next().unwrap_or_default();
-            if !header_printed {
-                say(&bar, header);
-                header_printed = true;
+            if !cfg.quiet {
+                if !header_printed {
+                    say(&bar, header);
+                    header_printed = true;
+                }
+                say(&bar, lines.last().unwrap_or_default());
             }
-            say(&bar, lines.last().unwrap_or_default());
             write_outputs(&paths, &history)?;
         }
         let progress = Progress {

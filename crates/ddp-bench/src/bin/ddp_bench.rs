@@ -27,6 +27,13 @@
 //!   the first format's sync time over this one's, in the same run (above 1: faster).
 //!
 //! All times are medians over the timed steps, in milliseconds.
+//!
+//! A second table compares the **sharded optimizer state** (ZeRO stage 1) with the unsharded
+//! one on each model, with Adam (`--optimizers`, default `unsharded,sharded`): `step ms`, a
+//! whole training step (forward, backward, [`DdpOptimizer::try_step`], between barriers),
+//! `vs unsharded` (this step time over the unsharded one of the same run), and the optimizer
+//! state each rank holds (the largest over ranks), with its ratio to the unsharded state.
+//! Peak memory per rank needs one process per mode: `cargo xtask bench zero`.
 
 use std::time::{Duration, Instant};
 
@@ -34,9 +41,10 @@ use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d, Relu};
+use burn::optim::AdamConfig;
 use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use burn_ddp::{Ddp, GradientSynchronizer};
+use burn_ddp::{Ddp, DdpOptimizer, GradientSynchronizer};
 use clap::{Parser, ValueEnum};
 use ddp_comm::{Compression, ReduceOp};
 
@@ -71,6 +79,13 @@ struct Args {
     /// `vs first` column, measured in the same run.
     #[arg(long, value_delimiter = ',', default_values = ["none"])]
     compression: Vec<Compression>,
+    /// Optimizer-state modes of the second table (unsharded, sharded; empty: no table), with
+    /// Adam; the first is the baseline of its `vs` columns.
+    #[arg(long, value_delimiter = ',', default_values = ["unsharded", "sharded"])]
+    optimizers: Vec<String>,
+    /// Bucket cap of the second table, in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    optimizer_bucket_mib: f64,
 }
 
 #[derive(Module, Debug)]
@@ -233,6 +248,94 @@ fn bench<M: Module>(
     })
 }
 
+/// One mode of the second table: median step time and this rank's optimizer-state bytes.
+fn bench_optimizer<M: Module>(
+    ddp: &Ddp,
+    args: &Args,
+    sharded: bool,
+    mut model: M,
+    loss: impl Fn(&M) -> Tensor<1>,
+) -> Result<(f64, usize), burn_ddp::DdpError> {
+    let cap = (args.optimizer_bucket_mib * 1024.0 * 1024.0) as usize;
+    let sync = GradientSynchronizer::new(ddp.group().clone(), cap);
+    let mut optim = DdpOptimizer::with_synchronizer(AdamConfig::new().init(), sync);
+    if sharded {
+        optim = optim.into_sharded();
+    }
+    let mut steps = Vec::new();
+    for step in 0..args.warmup + args.steps {
+        ddp.barrier()?;
+        let t = Instant::now();
+        let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+        model = optim.try_step(1e-4, model, grads)?;
+        let _ = model.devices().first().map(|d| d.sync());
+        ddp.barrier()?;
+        if step >= args.warmup {
+            steps.push(t.elapsed());
+        }
+    }
+    Ok((median(steps), optim.state_size_bytes()?))
+}
+
+/// The second table: unsharded vs sharded optimizer state on each model.
+fn run_optimizers(ddp: &Ddp, args: &Args, transport: &str) -> Result<(), burn_ddp::DdpError> {
+    if args.optimizers.is_empty() {
+        return Ok(());
+    }
+    for o in &args.optimizers {
+        if o != "unsharded" && o != "sharded" {
+            return Err(burn_ddp::DdpError::InvalidSetting(format!(
+                "--optimizers: unknown mode {o:?} (unsharded or sharded)"
+            )));
+        }
+    }
+    let device = ddp.device().clone().autodiff();
+    if ddp.is_main() {
+        println!();
+        println!(
+            "| model | params | ranks | transport | optimizer (Adam) | bucket MiB | step ms | vs {first} | state MiB per rank (max) | vs {first} |",
+            first = args.optimizers[0]
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+    }
+    for &model in &args.models {
+        let mut first: Option<(f64, f64)> = None;
+        for mode in &args.optimizers {
+            let sharded = mode == "sharded";
+            device.seed(7);
+            let ((step, state), params) = match model {
+                Model::Mlp => {
+                    let m = ddp.replicate_model(Mlp::new(&device))?;
+                    let p = m.num_params();
+                    let loss = |m: &Mlp| m.loss(args.batch, &device);
+                    (bench_optimizer(ddp, args, sharded, m, loss)?, p)
+                }
+                Model::Cnn => {
+                    let m = ddp.replicate_model(Cnn::new(&device))?;
+                    let p = m.num_params();
+                    let loss = |m: &Cnn| m.loss(args.batch, &device);
+                    (bench_optimizer(ddp, args, sharded, m, loss)?, p)
+                }
+            };
+            let mut largest = [state as i64];
+            ddp.process_group()
+                .all_reduce(&mut largest, ReduceOp::Max)?;
+            let state_mib = largest[0] as f64 / (1024.0 * 1024.0);
+            let (base_step, base_state) = *first.get_or_insert((step, state_mib));
+            if ddp.is_main() {
+                println!(
+                    "| {model:?} | {params} | {} | {transport} | {mode} | {} | {step:.1} | {:.3} | {state_mib:.2} | {:.3} |",
+                    ddp.world_size(),
+                    args.optimizer_bucket_mib,
+                    step / base_step,
+                    state_mib / base_state,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     let ddp = burn_ddp::init()?;
     let device = ddp.device().clone().autodiff();
@@ -302,6 +405,7 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
             }
         }
     }
+    run_optimizers(&ddp, args, &transport)?;
     ddp.barrier()
 }
 

@@ -16,9 +16,9 @@
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use super::ReduceOp;
-pub(crate) use super::direct::OrderedReduce;
-use super::link::{Link, LinkError};
+pub(crate) use super::link::pad8;
+use super::link::{Link, LinkError, link_err, link_of, skip};
+use super::ordered::OrderedReduce;
 use crate::error::CommError;
 
 pub(crate) use super::header::{HDR, Header, Kind, op_code, op_name};
@@ -33,11 +33,6 @@ const YIELD: Duration = Duration::from_micros(300);
 const SHM_NAP: Duration = Duration::from_millis(2);
 /// Longest single `poll` on TCP before re-checking the deadline.
 const TCP_NAP: Duration = Duration::from_millis(100);
-
-/// Bytes of padding after a message of `len` bytes.
-pub(crate) fn pad8(len: usize) -> usize {
-    (8 - len % 8) % 8
-}
 
 /// A received header and its inline payload.
 #[derive(Default)]
@@ -60,9 +55,6 @@ impl Msg {
         Header::decode(&self.hdr)
     }
 }
-
-/// A reduction of raw received bytes into a byte view of a typed buffer.
-pub(crate) type ReduceFn = fn(&mut [u8], &[u8], ReduceOp);
 
 /// One transfer the engine drives.
 pub(crate) enum Op<'a> {
@@ -292,22 +284,6 @@ pub(crate) struct Waiting {
     pub spin: bool,
 }
 
-pub(super) fn link_of(links: &mut [Option<Link>], peer: usize) -> &mut Link {
-    links[peer]
-        .as_mut()
-        .expect("the engine is only given ops on connected peers")
-}
-
-pub(super) fn link_err(e: LinkError, peer: usize, what: &str) -> CommError {
-    match e {
-        LinkError::Closed => CommError::PeerClosed {
-            peer,
-            op: what.to_string(),
-        },
-        LinkError::Io(source) => CommError::io(what, Some(peer), source),
-    }
-}
-
 /// Sends the next piece of an outgoing message; returns bytes sent.
 fn send_step(
     link: &mut Link,
@@ -325,15 +301,6 @@ fn send_step(
         &ZEROS[..total - done]
     };
     link.send_some(piece)
-}
-
-/// Drops up to `n` padding bytes; returns how many.
-pub(super) fn skip(link: &mut Link, n: usize) -> Result<usize, LinkError> {
-    let k = link.readable(1, n)?;
-    if k > 0 {
-        link.consume(k);
-    }
-    Ok(k)
 }
 
 /// Makes progress on one op; returns bytes moved.

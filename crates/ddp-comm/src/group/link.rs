@@ -9,6 +9,7 @@ use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use super::shm::{Avail, ShmPair};
+use crate::error::CommError;
 
 /// Size of the TCP receive staging buffer (used when received bytes are reduced).
 const STAGE_BYTES: usize = 256 * 1024;
@@ -220,4 +221,35 @@ impl Link {
         }
         let _ = self.tcp.shutdown(Shutdown::Write);
     }
+}
+
+/// Bytes of padding after a message of `len` bytes.
+pub(crate) fn pad8(len: usize) -> usize {
+    (8 - len % 8) % 8
+}
+
+/// The link to `peer` (the engine is only given ops on connected peers).
+pub(crate) fn link_of(links: &mut [Option<Link>], peer: usize) -> &mut Link {
+    links[peer]
+        .as_mut()
+        .expect("the engine is only given ops on connected peers")
+}
+
+pub(crate) fn link_err(e: LinkError, peer: usize, what: &str) -> CommError {
+    match e {
+        LinkError::Closed => CommError::PeerClosed {
+            peer,
+            op: what.to_string(),
+        },
+        LinkError::Io(source) => CommError::io(what, Some(peer), source),
+    }
+}
+
+/// Drops up to `n` padding bytes; returns how many.
+pub(crate) fn skip(link: &mut Link, n: usize) -> Result<usize, LinkError> {
+    let k = link.readable(1, n)?;
+    if k > 0 {
+        link.consume(k);
+    }
+    Ok(k)
 }

@@ -43,6 +43,7 @@ mod engine;
 mod header;
 mod link;
 pub(crate) mod mesh;
+mod ordered;
 mod scatter;
 mod shards;
 mod shm;
