@@ -125,6 +125,33 @@ fn steps() -> Vec<Step> {
                 &[&["xtask", "ptx-check"]],
             )
         },
+        // The BatchNorm sweep in miniature with the test build's train-cnn: the files are
+        // written and their numbers finite (`compare` checks them), nothing asserted of them.
+        Step {
+            lint: Lint::Subcommand,
+            ..step(
+                "the BatchNorm sweep, tiny (cargo xtask compare: 2 seeds, 2 per-rank batches, 1 epoch of 64 images)",
+                &[&[
+                    "xtask",
+                    "compare",
+                    "--debug-build",
+                    "--ranks",
+                    "2",
+                    "--seeds",
+                    "2",
+                    "--per-rank-batch",
+                    "4,8",
+                    "--epochs",
+                    "1",
+                    "--train-size",
+                    "64",
+                    "--eval-size",
+                    "64",
+                    "--out",
+                    "target/compare-ci",
+                ]],
+            )
+        },
     ]
 }
 

@@ -69,6 +69,10 @@ pub struct CompareArgs {
     /// Run this `train-cnn` binary instead of building one in release.
     #[arg(long, value_name = "PATH")]
     pub program: Option<PathBuf>,
+    /// Run the `train-cnn` a test build left in the target directory (`debug/train-cnn`)
+    /// instead of building one in release (CI's tiny sweep).
+    #[arg(long, conflicts_with = "program")]
+    pub debug_build: bool,
     /// More arguments for `train-cnn` (after `--`).
     #[arg(last = true)]
     pub extra: Vec<String>,
@@ -165,7 +169,10 @@ pub fn compare(root: &Path, a: &CompareArgs) -> Result<(), String> {
     if a.backend == BackendArg::Cuda {
         train::check_cuda(a.ranks)?;
     }
-    let program = train::build_example(root, a.program.as_deref(), a.backend)?;
+    let debug = a
+        .debug_build
+        .then(|| crate::target_dir(root).join("debug").join("train-cnn"));
+    let program = train::build_example(root, a.program.as_deref().or(debug.as_deref()), a.backend)?;
     let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
     let wire = a.compression.clone().filter(|c| c != "none");
     let mut modes = vec![Mode::OneProcess, Mode::PerRankBn, Mode::SyncBn];
@@ -232,11 +239,42 @@ pub fn compare(root: &Path, a: &CompareArgs) -> Result<(), String> {
     };
     let report = Report::new(config, runs);
     write_report(&out, &report)?;
-    if !report.all_finite() {
-        return Err(format!(
-            "the sweep produced non-finite numbers (a diverged run?): see {}",
-            out.join("compare.md").display()
-        ));
+    check_outputs(&out)
+}
+
+/// Reads the three files back: they exist, `compare.json` parses and every mean and sd in its
+/// cells is a finite number (JSON writes NaN and ∞ as null), `compare.svg` is an SVG image.
+fn check_outputs(out: &Path) -> Result<(), String> {
+    let read = |name: &str| {
+        let path = out.join(name);
+        std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let md = read("compare.md")?;
+    if !md.contains("Verdicts") {
+        return Err(format!("{}: no verdicts", out.join("compare.md").display()));
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&read("compare.json")?).map_err(|e| format!("compare.json: {e}"))?;
+    let cells = json
+        .get("cells")
+        .and_then(|c| c.as_array())
+        .filter(|c| !c.is_empty())
+        .ok_or("compare.json: no cells")?;
+    for cell in cells {
+        for key in ["train_loss", "eval_loss", "eval_accuracy", "step_ms"] {
+            for part in ["mean", "sd"] {
+                let v = cell.get(key).and_then(|m| m.get(part));
+                if !v.and_then(|v| v.as_f64()).is_some_and(f64::is_finite) {
+                    return Err(format!(
+                        "compare.json: {key}.{part} of a cell is not a finite number (a diverged \
+                         run?): {cell}"
+                    ));
+                }
+            }
+        }
+    }
+    if !read("compare.svg")?.contains("<svg") {
+        return Err("compare.svg is not an SVG image".into());
     }
     Ok(())
 }
@@ -390,6 +428,7 @@ mod tests {
             compression: Some("bf16".into()),
             out: None,
             program: None,
+            debug_build: false,
             extra: vec!["--channels".into(), "4,4,4".into()],
         };
         let dir = Path::new("/tmp/x");

@@ -49,11 +49,14 @@ pub struct PairedDiff {
     /// Half-width of the 95 % confidence interval of the mean difference:
     /// `t(0.975, n − 1) · sd / √n` (infinite below two seeds: nothing can be concluded).
     pub ci95: f64,
+    /// The smallest difference that counts at all (e.g. one eval image): seeds that agree
+    /// exactly would otherwise make a rounding-level difference "significant".
+    pub floor: f64,
 }
 
 impl PairedDiff {
-    /// Of the per-seed differences `d`.
-    pub fn of(d: &[f64]) -> Self {
+    /// Of the per-seed differences `d`; differences up to `floor` in magnitude never count.
+    pub fn of(d: &[f64], floor: f64) -> Self {
         let m = MeanSd::of(d);
         let ci95 = if m.n < 2 {
             f64::INFINITY
@@ -65,17 +68,19 @@ impl PairedDiff {
             sd: m.sd,
             n: m.n,
             ci95,
+            floor,
         }
     }
 
-    /// Whether the difference is above 0 beyond its error bars (its 95 % interval excludes 0).
+    /// Whether the difference is above 0 beyond its error bars (its 95 % interval excludes 0)
+    /// and above the floor.
     pub fn above_zero(&self) -> bool {
-        self.mean - self.ci95 > 0.0
+        self.mean - self.ci95 > 0.0 && self.mean > self.floor
     }
 
-    /// Whether the difference is below 0 beyond its error bars.
+    /// Whether the difference is below 0 beyond its error bars and the floor.
     pub fn below_zero(&self) -> bool {
-        self.mean + self.ci95 < 0.0
+        self.mean + self.ci95 < 0.0 && -self.mean > self.floor
     }
 }
 
@@ -120,15 +125,19 @@ mod tests {
     #[test]
     fn a_paired_difference_is_beyond_its_error_bars_only_when_its_interval_excludes_zero() {
         // Five seeds, every one 1.0 ± 0.1 lower: clearly below zero.
-        let d = PairedDiff::of(&[-1.0, -0.9, -1.1, -1.0, -0.95]);
+        let d = PairedDiff::of(&[-1.0, -0.9, -1.1, -1.0, -0.95], 0.0);
         assert!(d.below_zero() && !d.above_zero(), "{d:?}");
         assert!((d.ci95 - 2.776 * d.sd / 5f64.sqrt()).abs() < 1e-12);
         // Noise around zero: neither.
-        let d = PairedDiff::of(&[0.3, -0.4, 0.1, -0.2, 0.15]);
+        let d = PairedDiff::of(&[0.3, -0.4, 0.1, -0.2, 0.15], 0.0);
         assert!(!d.below_zero() && !d.above_zero(), "{d:?}");
         // One seed proves nothing, however large the difference.
-        let d = PairedDiff::of(&[-10.0]);
+        let d = PairedDiff::of(&[-10.0], 0.0);
         assert!(!d.below_zero() && d.ci95.is_infinite());
+        // Seeds that agree to the last bit on a rounding-level difference: below the floor.
+        let d = PairedDiff::of(&[1e-6, 1e-6, 1e-6], 0.1);
+        assert!(!d.above_zero(), "{d:?}");
+        assert!(PairedDiff::of(&[0.5, 0.5, 0.5], 0.1).above_zero());
     }
 
     #[test]
