@@ -82,6 +82,9 @@ struct Args {
     /// Print nothing but errors (metrics, plot and checkpoint are still written).
     #[arg(long)]
     quiet: bool,
+    /// Evaluate after the last epoch only (earlier epochs show no eval numbers).
+    #[arg(long)]
+    eval_last_only: bool,
 }
 
 fn main() -> ExitCode {
@@ -159,6 +162,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         resume_if_present: restarted(),
         progress: !args.no_progress && !args.quiet,
         quiet: args.quiet,
+        eval_last_only: args.eval_last_only,
     };
     let mut cluster = DdpCluster::from_env(args.backend, args.compression)?
         .with_sharded_optimizer(args.shard_optimizer);

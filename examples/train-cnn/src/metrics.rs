@@ -14,9 +14,12 @@ pub struct EpochMetrics {
     pub train_loss: f64,
     /// Training accuracy over the epoch (measured in training mode, on the fly).
     pub train_accuracy: f64,
-    /// Mean loss on the eval split (eval mode: running BatchNorm statistics).
+    /// Mean loss on the eval split (eval mode: running BatchNorm statistics); NaN (`null` in
+    /// JSON) for an epoch that was not evaluated (`--eval-last-only`).
+    #[serde(deserialize_with = "f64_or_nan")]
     pub eval_loss: f64,
-    /// Accuracy on the eval split.
+    /// Accuracy on the eval split (NaN when not evaluated, as [`Self::eval_loss`]).
+    #[serde(deserialize_with = "f64_or_nan")]
     pub eval_accuracy: f64,
     /// Training samples processed per second, all ranks together.
     pub samples_per_sec: f64,
@@ -30,6 +33,11 @@ pub struct EpochMetrics {
     /// presence exchange, which absorbs the slower ranks' compute), mean over ranks.
     #[serde(default)]
     pub wait_seconds: f64,
+}
+
+/// A number, or `null` (how JSON writes NaN) read back as NaN.
+fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 const HEADER: [&str; 9] = [
@@ -148,6 +156,20 @@ mod tests {
         // No temporary file is left behind.
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 2);
+    }
+
+    #[test]
+    fn an_epoch_not_evaluated_round_trips_through_json_as_nan() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = sample();
+        h[0].eval_loss = f64::NAN;
+        h[0].eval_accuracy = f64::NAN;
+        let path = dir.path().join("m.json");
+        write_json(&path, &h).unwrap();
+        assert!(std::fs::read_to_string(&path).unwrap().contains("null"));
+        let back = read_json(&path).unwrap();
+        assert!(back[0].eval_loss.is_nan() && back[0].eval_accuracy.is_nan());
+        assert_eq!(back[1..], h[1..]);
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub struct TrainConfig {
     /// Print nothing on stdout (the metrics files, plot and checkpoint are still written):
     /// for programs that run many trainings, such as `cargo xtask compare`.
     pub quiet: bool,
+    /// Evaluate after the last epoch only (the others' eval columns are NaN): a large eval
+    /// split then costs one pass, not one per epoch.
+    pub eval_last_only: bool,
 }
 
 impl TrainConfig {
@@ -77,6 +80,7 @@ impl TrainConfig {
             resume_if_present: false,
             progress: true,
             quiet: false,
+            eval_last_only: false,
         }
     }
 }
@@ -476,7 +480,11 @@ pub fn train<N: NormLayer, C: Cluster>(
         // Mean over ranks of this epoch's time in gradient sync and in waiting for the others.
         let mut comm = [sync_time.as_secs_f64(), wait_time.as_secs_f64()];
         cluster.all_reduce_sum(&mut comm)?;
-        let (eval_loss, eval_accuracy) = evaluate(cluster, &model, &splits, &batcher, &device)?;
+        let (eval_loss, eval_accuracy) = if cfg.eval_last_only && epoch + 1 < cfg.epochs {
+            (f64::NAN, f64::NAN)
+        } else {
+            evaluate(cluster, &model, &splits, &batcher, &device)?
+        };
         let m = EpochMetrics {
             epoch: epoch + 1,
             train_loss: sums[0] / sums[2],

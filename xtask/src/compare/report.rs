@@ -119,8 +119,8 @@ impl Report {
         );
         s += &format!(
             "{} ranks ({}), per-rank batches {}, seeds {}, {} epoch(s) of {} training images \
-             (`{}`), eval on {} images, SGD with momentum 0.9, learning rate {} × global batch \
-             / 32 with a cosine decay. Machine: {}. Wall time of the sweep: {:.1} min.\n\n",
+             (`{}`), eval on {} images after the last epoch, SGD with momentum 0.9, learning \
+             rate {} × √(global batch / 32) with a cosine decay. Machine: {}. Wall time of the sweep: {:.1} min.\n\n",
             c.ranks,
             c.backend,
             list(&c.per_rank_batches),
