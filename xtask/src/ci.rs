@@ -62,6 +62,17 @@ pub const CUDA_BUILD_ARGS: &[&[&str]] = &[
     &["--features", FEATURES],
 ];
 
+/// [`CUDA_BUILD_ARGS`] with the CUDA kernels compiled by cubecl-cuda's CUDA C++ backend
+/// through NVRTC (burn-ddp's `cuda-nvrtc`) instead of LLVM: `cargo xtask gpu-check build
+/// --nvrtc`, the fallback bundle. Never CI's: the feature flips every binary the command
+/// builds, and only the crates above cubecl-cuda compile again.
+pub const CUDA_NVRTC_BUILD_ARGS: &[&[&str]] = &[
+    &["test", "--no-run", "--workspace"],
+    &CUDA_TARGETS,
+    &["--features", FEATURES],
+    &["--features", "burn-ddp/cuda-nvrtc"],
+];
+
 /// Burn's default device for the tests: `Device::default()` (and what Burn makes on it, such as
 /// the optimizer state a record loads) picks CUDA first in a build with the `cuda` feature and
 /// panics where there is no driver; `BURN_DEVICE=wgpu` keeps the device of a build without

@@ -42,6 +42,11 @@ pub struct PtxCheckArgs {
     /// Skip the CUDA SyncBatchNorm tests (train-cnn only).
     #[arg(long)]
     pub no_tests: bool,
+    /// The fallback build (`gpu-check build --nvrtc`): the kernels compiled by cubecl-cuda's
+    /// CUDA C++ backend through NVRTC (burn-ddp's `cuda-nvrtc`), found as burn-ddp finds it
+    /// (`ddp_comm::nvrtc_files`). Builds the crates above cubecl-cuda once more: not CI's.
+    #[arg(long)]
+    pub nvrtc: bool,
 }
 
 /// The CUDA binaries the check runs, from CI's CUDA build.
@@ -219,6 +224,17 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
     let ptxas_version = ptxas_version(&ptxas);
     let libdevice = ddp_comm::cuda_toolkit::find_libdevice().map_err(|e| e.to_string())?;
     let llvm = crate::cuda_build::llvm_version(root).unwrap_or_else(|| "?".into());
+    let compiler = if a.nvrtc {
+        let nvrtc = ddp_comm::nvrtc_files::find_nvrtc().map_err(|e| e.to_string())?;
+        let version = ddp_comm::nvrtc_files::builtins_beside(&nvrtc)
+            .as_deref()
+            .and_then(ddp_comm::nvrtc_files::version_of_builtins)
+            .map_or_else(|| "?".into(), |(a, b)| format!("{a}.{b}"));
+        println!("ptx-check: NVRTC {version} ({})", nvrtc.display());
+        format!("NVRTC {version}")
+    } else {
+        format!("LLVM {llvm}")
+    };
     println!(
         "ptx-check: under the CUDA driver STAND-IN (no GPU: kernels are assembled and never run; \
          results are meaningless and not asserted)\nptx-check: ptxas {ptxas_version} ({}), \
@@ -228,7 +244,7 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
     );
 
     let standin = build_standin(root)?;
-    let bins = cuda_binaries(root)?;
+    let bins = cuda_binaries(root, a.nvrtc)?;
     let work = crate::target_dir(root).join("ptx-check");
     if work.exists() {
         std::fs::remove_dir_all(&work)
@@ -238,6 +254,11 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
     std::fs::create_dir_all(&lib).map_err(|e| format!("cannot create {}: {e}", lib.display()))?;
     std::os::unix::fs::symlink(&standin, lib.join("libcuda.so"))
         .map_err(|e| format!("cannot link libcuda.so in {}: {e}", lib.display()))?;
+    if a.nvrtc {
+        // The links burn-ddp asks for (its own check fails without them, naming them).
+        let nvrtc = ddp_comm::nvrtc_files::find_nvrtc().map_err(|e| e.to_string())?;
+        ddp_comm::nvrtc_files::link_nvrtc(&nvrtc, &lib).map_err(|e| e.to_string())?;
+    }
     let record = work.join("standin.log");
     let ld_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let env: Vec<(String, String)> = vec![
@@ -309,7 +330,7 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
     let tally = Tally::of(&records);
     let versions: Vec<&str> = tally.versions.iter().map(String::as_str).collect();
     println!(
-        "ptx-check: {} kernels compiled by LLVM {llvm}, {} assembled by ptxas {ptxas_version} for \
+        "ptx-check: {} kernels compiled by {compiler}, {} assembled by ptxas {ptxas_version} for \
          sm_90a, {} failed ({} entry functions; {}; {} link libdevice; {} kernels launched within \
          an H200's limits, {} launches refused)",
         tally.compiled(),
@@ -339,7 +360,8 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
     if tally.compiled() == 0 {
         problems.push("no PTX module reached the stand-in".into());
     }
-    if tally.libdevice_modules == 0 {
+    // NVRTC inlines libdevice's functions: its modules carry none to count.
+    if tally.libdevice_modules == 0 && !a.nvrtc {
         problems.push("no module linked libdevice (cross-entropy's exp/log should)".into());
     }
     if problems.is_empty() {
@@ -480,15 +502,25 @@ fn build_standin(root: &Path) -> Result<PathBuf, String> {
 }
 
 /// The CUDA binaries of CI's build (its features and packages: after `cargo xtask ci` it builds
-/// nothing and only names them).
-fn cuda_binaries(root: &Path) -> Result<BTreeMap<&'static str, PathBuf>, String> {
+/// nothing and only names them), or with `nvrtc` of the fallback build.
+fn cuda_binaries(root: &Path, nvrtc: bool) -> Result<BTreeMap<&'static str, PathBuf>, String> {
+    let args = if nvrtc {
+        crate::ci::CUDA_NVRTC_BUILD_ARGS.concat()
+    } else {
+        build::CUDA_BUILD_ARGS.concat()
+    };
     eprintln!(
-        "==> ptx-check: the CUDA binaries of CI's build: cargo {}",
-        build::CUDA_BUILD_ARGS.concat().join(" ")
+        "==> ptx-check: the CUDA binaries of {}: cargo {}",
+        if nvrtc {
+            "the NVRTC build"
+        } else {
+            "CI's build"
+        },
+        args.join(" ")
     );
     let out = crate::cargo()
         .current_dir(root)
-        .args(build::CUDA_BUILD_ARGS.concat())
+        .args(&args)
         .arg("--message-format=json")
         .stderr(Stdio::inherit())
         .output()

@@ -379,7 +379,41 @@ fn prepare_libdevice() -> Result<()> {
         cuda_path = %found.cuda_path.display(),
         "libdevice found for the CUDA kernels"
     );
+    #[cfg(feature = "cuda-nvrtc")]
+    prepare_nvrtc(&found.cuda_path)?;
     Ok(())
+}
+
+/// With the CUDA C++ backend (`cuda-nvrtc`): NVRTC must load under a name cudarc tries, and
+/// `CUDA_PATH/include` must hold the CUDA headers (linked there from a toolkit or pip's
+/// `nvidia-cuda-runtime` when `CUDA_PATH` is burn-ddp's own link folder), or the first kernel
+/// would panic inside cubecl. See [`ddp_comm::nvrtc_files`].
+#[cfg(feature = "cuda-nvrtc")]
+fn prepare_nvrtc(cuda_path: &std::path::Path) -> Result<()> {
+    use ddp_comm::cuda_toolkit::ToolkitError;
+    use ddp_comm::nvrtc_files;
+    let device_err = |e: ToolkitError| DdpError::Device(e.into());
+    // SAFETY: only dlopen/dlclose of the names cudarc tries.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        let file = nvrtc_files::find_nvrtc().map_err(device_err)?;
+        return Err(device_err(ToolkitError::NvrtcNotLinked { file }));
+    }
+    match nvrtc_files::find_headers() {
+        Ok(headers) => {
+            nvrtc_files::link_headers(cuda_path, &headers).map_err(device_err)?;
+            tracing::info!(headers = %headers.display(), "CUDA headers for NVRTC");
+            Ok(())
+        }
+        Err(_)
+            if cuda_path
+                .join("include")
+                .join(nvrtc_files::PROBE_HEADER)
+                .is_file() =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(device_err(e)),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

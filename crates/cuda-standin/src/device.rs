@@ -7,6 +7,11 @@
 /// version from it (PTX 9.0), so the ptxas used must accept that version.
 pub const DRIVER_VERSION: i32 = 13000;
 
+/// The newest PTX ISA version a CUDA 13.0 driver loads (9.0): a module of a newer version fails
+/// `cuModuleLoadData` as it would on the device (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`), e.g. the
+/// PTX 9.5 of NVRTC 13.5.
+pub const MAX_PTX_VERSION: (u32, u32) = (9, 0);
+
 /// The device name reported by `cuDeviceGetName`.
 pub const NAME: &str = "NVIDIA H200 (cuda-standin: no GPU, kernels never run)";
 

@@ -822,13 +822,16 @@ fn load_ptx(ptx: &str) -> Result<Module, CuResult> {
     let result = match cached {
         Some(r) => r,
         None => {
-            let r = Arc::new(match ptxas::ptxas_path() {
-                None => Assembled::Failed(
+            let (version, target) = ptxas::version_and_target(ptx);
+            let refused = ptxas::too_new(&version, device::MAX_PTX_VERSION);
+            let r = Arc::new(match (refused, ptxas::ptxas_path()) {
+                (Some(why), _) => Assembled::Failed(why),
+                (None, None) => Assembled::Failed(
                     "no ptxas: set CUDA_STANDIN_PTXAS or put ptxas on PATH (pip install \
                      nvidia-cuda-nvcc; `cargo xtask ptx-check` finds it)"
                         .into(),
                 ),
-                Some(ptxas) => {
+                (None, Some(ptxas)) => {
                     let scratch =
                         std::env::temp_dir().join(format!("cuda-standin-{}", std::process::id()));
                     let tag = format!("{hash}-{}", SCRATCH.fetch_add(1, Ordering::SeqCst));
@@ -837,7 +840,6 @@ fn load_ptx(ptx: &str) -> Result<Module, CuResult> {
                     r
                 }
             });
-            let (version, target) = ptxas::version_and_target(ptx);
             let libdevice = if ptxas::links_libdevice(ptx) {
                 "libdevice"
             } else {

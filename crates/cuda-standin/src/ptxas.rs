@@ -119,6 +119,20 @@ pub fn version_and_target(ptx: &str) -> (String, String) {
     (field(".version"), field(".target"))
 }
 
+/// Why a driver that loads PTX up to `max` refuses a module of PTX version `version` (`"9.5"`),
+/// or `None` when it takes it (an unreadable version is left to ptxas).
+pub fn too_new(version: &str, max: (u32, u32)) -> Option<String> {
+    let mut parts = version.split('.');
+    let v: (u32, u32) = (parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
+    (v > max).then(|| {
+        format!(
+            "PTX version {version} is newer than the driver loads ({}.{}): \
+             CUDA_ERROR_UNSUPPORTED_PTX_VERSION on the device (a compiler newer than the driver)",
+            max.0, max.1
+        )
+    })
+}
+
 /// Whether the module carries functions linked from libdevice (`__nv_expf`, `__nv_logf`, …).
 pub fn links_libdevice(ptx: &str) -> bool {
     ptx.lines()
@@ -128,6 +142,18 @@ pub fn links_libdevice(ptx: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ptx_version_newer_than_the_driver_is_refused() {
+        assert!(too_new("9.0", (9, 0)).is_none());
+        assert!(too_new("8.7", (9, 0)).is_none());
+        assert!(
+            too_new("9.5", (9, 0))
+                .unwrap()
+                .contains("newer than the driver")
+        );
+        assert!(too_new("?", (9, 0)).is_none());
+    }
 
     #[test]
     fn verbose_output_is_read_per_entry() {

@@ -57,10 +57,45 @@ pub enum ToolkitError {
         /// Every file looked for, in order.
         tried: Vec<PathBuf>,
     },
+    /// No NVRTC library in any folder tried (cubecl-cuda's `cpp` backend, see
+    /// [`crate::nvrtc_files`]).
+    #[error(
+        "NVRTC (libnvrtc.so.13 or .12) not found: the CUDA C++ backend (`cuda-nvrtc`) compiles \
+         every kernel with it. Tried {}. `pip install nvidia-cuda-nvrtc` (PyTorch's CUDA wheels \
+         depend on it) or install a CUDA toolkit",
+        list(tried)
+    )]
+    NvrtcNotFound {
+        /// Every file looked for, in order.
+        tried: Vec<PathBuf>,
+    },
+    /// NVRTC is on disk but does not load under the names cudarc tries.
+    #[error(
+        "this build compiles CUDA kernels with NVRTC (feature cuda-nvrtc), but no libnvrtc.so / \
+         libnvrtc.so.12 loads; {} is there: link it as libnvrtc.so, with the \
+         libnvrtc-builtins.so.* beside it, into a folder on LD_LIBRARY_PATH before the program \
+         starts (see ddp_comm::nvrtc_files)",
+        file.display()
+    )]
+    NvrtcNotLinked {
+        /// The NVRTC library found.
+        file: PathBuf,
+    },
+    /// No folder with the CUDA headers (`cuda_fp16.h`).
+    #[error(
+        "the CUDA headers (cuda_fp16.h) were not found: the CUDA C++ backend's kernels include \
+         them. Tried {}. `pip install nvidia-cuda-runtime` (PyTorch's CUDA wheels depend on it) \
+         or install a CUDA toolkit",
+        list(tried)
+    )]
+    HeadersNotFound {
+        /// Every folder looked for, in order.
+        tried: Vec<PathBuf>,
+    },
     /// The folder that makes libdevice visible to cubecl-llvm could not be made.
     #[error("cannot link {} into {}: {source}", file.display(), dir.display())]
     Link {
-        /// The libdevice found.
+        /// The file being linked (libdevice, NVRTC, the headers).
         file: PathBuf,
         /// The folder being made.
         dir: PathBuf,
@@ -159,7 +194,7 @@ fn python_site_packages() -> Vec<PathBuf> {
 
 /// Toolkit roots, in the order tried: `CUDA_PATH`, `CUDA_HOME`, `/usr/local/cuda`, every
 /// `/usr/local/cuda-*` (newest name first), `/opt/cuda`, `/usr/lib/cuda`.
-fn toolkit_roots() -> Vec<PathBuf> {
+pub(crate) fn toolkit_roots() -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = ["CUDA_PATH", "CUDA_HOME"]
         .iter()
         .filter_map(|k| std::env::var_os(k).filter(|v| !v.is_empty()))

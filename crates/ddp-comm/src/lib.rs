@@ -7,6 +7,7 @@
 //! - [`launcher`]: starts, watches and stops rank processes (the library behind the `ddprun`
 //!   binary, which is its own crate, `crates/ddprun`).
 //! - [`cuda_toolkit`]: the CUDA toolkit files Burn's CUDA backend needs at run time
+//! - [`nvrtc_files`]: NVRTC and the CUDA headers its second compiler (`cpp`, NVRTC) needs
 //!   (libdevice) found without a toolkit install, in pip's wheels.
 //! - [`log`]: whether log lines may be coloured (a terminal at the end, no `NO_COLOR`).
 //! - [`trace`]: per-rank timelines of the collectives and of spans the program marks
@@ -31,6 +32,7 @@ pub mod log;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod net;
+pub mod nvrtc_files;
 pub mod store;
 pub mod trace;
 mod wire;

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::train::{self, BackendArg};
 use report::Report;
@@ -74,13 +74,17 @@ pub struct CompareArgs {
     /// instead of building one in release (CI's tiny sweep).
     #[arg(long, conflicts_with = "program")]
     pub debug_build: bool,
+    /// Train nothing: read the runs of `OUT/compare.json` and write the tables, verdicts and
+    /// plot again (after a change to how they are drawn or judged).
+    #[arg(long)]
+    pub rewrite_report: bool,
     /// More arguments for `train-cnn` (after `--`).
     #[arg(last = true)]
     pub extra: Vec<String>,
 }
 
 /// One training of the sweep.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// One process × `N·b`, BatchNorm.
@@ -126,7 +130,7 @@ impl Mode {
 }
 
 /// What the sweep ran (the head of `compare.json`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SweepConfig {
     pub ranks: usize,
     pub backend: String,
@@ -145,7 +149,7 @@ pub struct SweepConfig {
 }
 
 /// The final epoch of one training.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunResult {
     pub per_rank_batch: usize,
     pub seed: u64,
@@ -161,6 +165,10 @@ pub struct RunResult {
 
 /// `cargo xtask compare`.
 pub fn compare(root: &Path, a: &CompareArgs) -> Result<(), String> {
+    let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
+    if a.rewrite_report {
+        return rewrite_report(&out);
+    }
     if a.ranks < 2 {
         return Err("compare needs at least 2 ranks (--ranks N)".into());
     }
@@ -174,7 +182,6 @@ pub fn compare(root: &Path, a: &CompareArgs) -> Result<(), String> {
         .debug_build
         .then(|| crate::target_dir(root).join("debug").join("train-cnn"));
     let program = train::build_example(root, a.program.as_deref().or(debug.as_deref()), a.backend)?;
-    let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/compare")));
     let wire = a.compression.clone().filter(|c| c != "none");
     let mut modes = vec![Mode::OneProcess, Mode::PerRankBn, Mode::SyncBn];
     if wire.is_some() {
@@ -278,6 +285,21 @@ fn check_outputs(out: &Path) -> Result<(), String> {
         return Err("compare.svg is not an SVG image".into());
     }
     Ok(())
+}
+
+/// `--rewrite-report`: the report of the runs in `out/compare.json`, written again.
+fn rewrite_report(out: &Path) -> Result<(), String> {
+    #[derive(Deserialize)]
+    struct Saved {
+        config: SweepConfig,
+        runs: Vec<RunResult>,
+    }
+    let path = out.join("compare.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let saved: Saved =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    write_report(out, &Report::new(saved.config, saved.runs))?;
+    check_outputs(out)
 }
 
 /// Writes `compare.md`, `compare.json` and `compare.svg` into `out` and prints the tables.
@@ -415,6 +437,48 @@ mod tests {
     }
 
     #[test]
+    fn a_written_report_is_read_back_and_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let modes = vec![Mode::OneProcess, Mode::PerRankBn, Mode::SyncBn];
+        let config = SweepConfig {
+            ranks: 2,
+            backend: "cpu".into(),
+            per_rank_batches: vec![4],
+            seeds: vec![1, 2],
+            epochs: 1,
+            train_size: 64,
+            eval_size: 64,
+            lr: 0.02,
+            data: "synthetic".into(),
+            modes: modes.clone(),
+            wire: None,
+            machine: "test".into(),
+            wall_seconds: 1.0,
+        };
+        let runs: Vec<RunResult> = [1u64, 2]
+            .iter()
+            .flat_map(|&seed| {
+                modes.iter().map(move |&mode| RunResult {
+                    per_rank_batch: 4,
+                    seed,
+                    mode,
+                    ranks: mode.ranks(2),
+                    train_loss: 1.0 + seed as f64 / 10.0,
+                    eval_loss: 1.1,
+                    eval_accuracy: 0.5,
+                    step_ms: 3.0,
+                })
+            })
+            .collect();
+        write_report(dir.path(), &Report::new(config, runs)).unwrap();
+        std::fs::remove_file(dir.path().join("compare.svg")).unwrap();
+        rewrite_report(dir.path()).unwrap();
+        assert!(dir.path().join("compare.svg").is_file());
+        let e = rewrite_report(&dir.path().join("nowhere")).unwrap_err();
+        assert!(e.contains("compare.json"), "{e}");
+    }
+
+    #[test]
     fn each_mode_gets_its_batch_norm_and_wire() {
         let a = CompareArgs {
             ranks: 4,
@@ -431,6 +495,7 @@ mod tests {
             out: None,
             program: None,
             debug_build: false,
+            rewrite_report: false,
             extra: vec!["--channels".into(), "4,4,4".into()],
         };
         let dir = Path::new("/tmp/x");

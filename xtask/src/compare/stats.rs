@@ -32,11 +32,6 @@ impl MeanSd {
         };
         MeanSd { mean, sd, n }
     }
-
-    /// Whether mean and standard deviation are finite numbers.
-    pub fn is_finite(&self) -> bool {
-        self.mean.is_finite() && self.sd.is_finite()
-    }
 }
 
 /// The difference `a − b` of two modes over the seeds they share: per seed, then mean ± sd,
@@ -119,7 +114,6 @@ mod tests {
         assert!((m.sd - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
         assert_eq!(MeanSd::of(&[3.0]).sd, 0.0);
         assert!(MeanSd::of(&[]).mean.is_nan());
-        assert!(!MeanSd::of(&[]).is_finite());
     }
 
     #[test]

@@ -121,6 +121,34 @@ pub struct BuildArgs {
     /// programs not built.
     #[arg(long, value_name = "FILE")]
     pub add: Vec<PathBuf>,
+    /// The fallback bundle: the same binaries with the CUDA kernels compiled by cubecl-cuda's
+    /// CUDA C++ backend through NVRTC (burn-ddp's `cuda-nvrtc`) instead of LLVM, for a driver
+    /// that refuses LLVM's PTX [default folder: .gpu-bin-nvrtc]. It needs libnvrtc (pip's
+    /// nvidia-cuda-nvrtc, no newer than the driver's CUDA) on the GPU machine.
+    #[arg(long)]
+    pub nvrtc: bool,
+}
+
+/// The name of the bundle file that says which compiler made its CUDA kernels.
+pub const COMPILER_FILE: &str = "compiler.txt";
+
+/// Which compiler made a bundle's CUDA kernels, as `COMPILER_FILE` says it.
+pub fn compiler_name(nvrtc: bool) -> &'static str {
+    if nvrtc {
+        "NVRTC (cubecl-cuda's CUDA C++ backend, feature cuda-nvrtc)"
+    } else {
+        "LLVM (cubecl-cuda's default PTX backend)"
+    }
+}
+
+/// The cargo arguments of build `b`: the CUDA build with `--nvrtc` takes
+/// [`crate::ci::CUDA_NVRTC_BUILD_ARGS`] instead of CI's.
+fn args_of(b: &CargoBuild, nvrtc: bool) -> Vec<&'static str> {
+    if nvrtc && std::ptr::eq(b.args, CUDA_BUILD_ARGS) {
+        crate::ci::CUDA_NVRTC_BUILD_ARGS.concat()
+    } else {
+        b.args.concat()
+    }
 }
 
 /// The executable of the last artifact of `pick` in cargo's JSON messages `json`.
@@ -182,7 +210,12 @@ fn mib(bytes: u64) -> f64 {
 
 /// Runs `cargo xtask gpu-check build`.
 pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
-    let out = a.out.clone().unwrap_or_else(|| root.join(".gpu-bin"));
+    let default_out = if a.nvrtc {
+        ".gpu-bin-nvrtc"
+    } else {
+        ".gpu-bin"
+    };
+    let out = a.out.clone().unwrap_or_else(|| root.join(default_out));
     if out.exists() {
         std::fs::remove_dir_all(&out).map_err(|e| GpuCheckError::io("cannot remove", &out, e))?;
     }
@@ -196,14 +229,11 @@ pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
         copy_stripped(&me, &out.join(XTASK))?;
     } else {
         for b in CARGO_BUILDS {
-            eprintln!(
-                "==> gpu-check build: {}: cargo {}",
-                b.what,
-                b.args.concat().join(" ")
-            );
+            let args = args_of(b, a.nvrtc);
+            eprintln!("==> gpu-check build: {}: cargo {}", b.what, args.join(" "));
             let output = crate::cargo()
                 .current_dir(root)
-                .args(b.args.concat())
+                .args(&args)
                 .arg("--message-format=json")
                 .stderr(Stdio::inherit())
                 .output()
@@ -233,6 +263,13 @@ pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
             }
         }
     }
+    let marker = stage.join(COMPILER_FILE);
+    std::fs::write(&marker, compiler_name(a.nvrtc))
+        .map_err(|e| GpuCheckError::io("cannot write", &marker, e))?;
+    packed.push(Entry {
+        name: COMPILER_FILE.into(),
+        source: marker,
+    });
     for (path, name) in REPO_FILES {
         packed.push(Entry {
             name: (*name).into(),

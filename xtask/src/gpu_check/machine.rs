@@ -291,10 +291,14 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
                 file.display(),
                 cuda_path.display()
             ));
+            prepare_nvrtc(&mut m, bin_dir, Some(&cuda_path));
             m.env
                 .push(("CUDA_PATH".into(), cuda_path.display().to_string()));
         }
-        Err(e) => m.header.push(format!("libdevice: NOT FOUND — {e}")),
+        Err(e) => {
+            m.header.push(format!("libdevice: NOT FOUND — {e}"));
+            prepare_nvrtc(&mut m, bin_dir, None);
+        }
     }
 
     // ddp-comm's checks, in a process that sees the rows' environment.
@@ -395,6 +399,67 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
     ));
     ldd_notes(bin_dir, &m.env, &scratch, &mut m.notes);
     m
+}
+
+/// NVRTC and the CUDA headers for a bundle whose kernels the CUDA C++ backend compiles
+/// (`gpu-check build --nvrtc`; harmless for the other): `libnvrtc.so` and its builtins linked
+/// into `bin_dir/lib` (already on the rows' `LD_LIBRARY_PATH` when another library was linked
+/// there; else added), the headers linked into `CUDA_PATH/include` when that is a link folder of
+/// ours, and a warning when NVRTC is newer than the driver (its PTX would be refused).
+fn prepare_nvrtc(m: &mut Machine, bin_dir: &Path, cuda_path: Option<&Path>) {
+    use ddp_comm::nvrtc_files;
+    let nvrtc = match nvrtc_files::find_nvrtc() {
+        Ok(f) => f,
+        Err(e) => {
+            m.header.push(format!(
+                "NVRTC (the --nvrtc bundle's compiler): not found — {e}"
+            ));
+            return;
+        }
+    };
+    let lib = bin_dir.join("lib");
+    if let Err(e) = nvrtc_files::link_nvrtc(&nvrtc, &lib) {
+        m.notes.push(format!("--- cannot link NVRTC: {e}"));
+        return;
+    }
+    let lib = lib.display().to_string();
+    match m.env.iter_mut().find(|(k, _)| k == "LD_LIBRARY_PATH") {
+        Some((_, v)) => *v = prepend_path(&lib, v),
+        None => m.env.push(("LD_LIBRARY_PATH".into(), lib)),
+    }
+    let version = nvrtc_files::builtins_beside(&nvrtc)
+        .as_deref()
+        .and_then(nvrtc_files::version_of_builtins);
+    let driver = cuda_present()
+        .then(driver_cuda_version)
+        .flatten()
+        .and_then(|v| {
+            let mut p = v.split('.');
+            Some((
+                p.next()?.parse::<u32>().ok()?,
+                p.next()?.parse::<u32>().ok()?,
+            ))
+        });
+    let shown = version.map_or_else(|| "version unknown".into(), |(a, b)| format!("{a}.{b}"));
+    m.header
+        .push(format!("NVRTC: {} ({shown})", nvrtc.display()));
+    if let (Some(n), Some(d)) = (version, driver)
+        && nvrtc_files::ptx_too_new_for(n, d)
+    {
+        m.header.push(format!(
+            "WARNING: NVRTC {}.{} is newer than the driver's CUDA {}.{}: the --nvrtc bundle's PTX \
+             will be refused (install nvidia-cuda-nvrtc {}.{}.*)",
+            n.0, n.1, d.0, d.1, d.0, d.1
+        ));
+    }
+    if let Some(cp) = cuda_path.filter(|cp| cp.starts_with(bin_dir)) {
+        match nvrtc_files::find_headers()
+            .and_then(|h| nvrtc_files::link_headers(cp, &h).map(|()| h))
+        {
+            Ok(h) => m.header.push(format!("CUDA headers: {}", h.display())),
+            Err(e) => m.header.push(format!("CUDA headers: {e}")),
+        }
+    }
 }
 
 /// Links `bin_dir/lib/NAME` (a name cudarc loads) to `file`; returns the link's folder.

@@ -246,8 +246,12 @@ fn run(a: &RunArgs) -> Result<(), GpuCheckError> {
         start,
         budget: Duration::from_secs(a.budget_secs),
     };
+    let compiler = std::fs::read_to_string(a.bin_dir.join(build::COMPILER_FILE))
+        .unwrap_or_else(|_| "not recorded (an older bundle: LLVM)".into());
+    let mut header = vec![format!("CUDA kernels compiled by: {}", compiler.trim())];
+    header.extend(m.header.iter().cloned());
     let mut report = report::Report {
-        header: m.header.clone(),
+        header,
         notes: m.notes.clone(),
         ..report::Report::default()
     };
