@@ -43,7 +43,7 @@ pub(crate) fn all_gather_params<M: Module>(
         plan,
         stepped,
         index: 0,
-        bytes: vec![None; plan.params.len()],
+        bytes: (0..plan.params.len()).map(|_| None).collect(),
     };
     module.visit(&mut mine);
     let mut mine = mine.bytes;
@@ -68,7 +68,8 @@ pub(crate) fn all_gather_params<M: Module>(
         let mut buf = vec![0u8; counts.iter().sum()];
         let mut at = starts[plan.rank];
         for &i in bucket.iter().filter(|&&i| plan.owns(i)) {
-            let bytes = mine[i].take().unwrap_or_default();
+            let data = mine[i].take();
+            let bytes = data.as_ref().map_or(&[][..], |d| d.as_bytes());
             if bytes.len() != plan.params[i].bytes {
                 return Err(ShardingError::GatherSize {
                     rank: plan.rank,
@@ -77,7 +78,7 @@ pub(crate) fn all_gather_params<M: Module>(
                 }
                 .into());
             }
-            buf[at..at + bytes.len()].copy_from_slice(&bytes);
+            buf[at..at + bytes.len()].copy_from_slice(bytes);
             at += bytes.len();
         }
         comm::lock(group).all_gather_into::<u8>(&mut buf, &counts)?;
@@ -123,12 +124,12 @@ fn buckets<'a>(
     })
 }
 
-/// Reads the bytes of the parameters this rank owns and stepped.
+/// Reads the values of the parameters this rank owns and stepped.
 struct ReadOwned<'a> {
     plan: &'a ShardPlan,
     stepped: &'a [bool],
     index: usize,
-    bytes: Vec<Option<Vec<u8>>>,
+    bytes: Vec<Option<TensorData>>,
 }
 
 impl ModuleVisitor for ReadOwned<'_> {
@@ -139,7 +140,7 @@ impl ModuleVisitor for ReadOwned<'_> {
         let i = self.index;
         self.index += 1;
         if i < self.stepped.len() && self.stepped[i] && self.plan.owns(i) {
-            self.bytes[i] = Some(param.val().into_data().as_bytes().to_vec());
+            self.bytes[i] = Some(param.val().into_data());
         }
     }
 }
