@@ -144,7 +144,7 @@ pub fn compiler_name(nvrtc: bool) -> &'static str {
 /// The cargo arguments of build `b`: the CUDA build with `--nvrtc` takes
 /// [`crate::ci::CUDA_NVRTC_BUILD_ARGS`] instead of CI's.
 fn args_of(b: &CargoBuild, nvrtc: bool) -> Vec<&'static str> {
-    if nvrtc && std::ptr::eq(b.args, CUDA_BUILD_ARGS) {
+    if nvrtc && b.args == CUDA_BUILD_ARGS {
         crate::ci::CUDA_NVRTC_BUILD_ARGS.concat()
     } else {
         b.args.concat()
@@ -390,6 +390,24 @@ mod tests {
         let features = args.iter().position(|a| *a == "--features").unwrap();
         assert_eq!(args[features + 1], crate::ci::FEATURES);
         assert_eq!(args.len(), features + 2, "{args:?}");
+    }
+
+    #[test]
+    fn the_nvrtc_bundle_is_ci_s_cuda_build_and_one_feature() {
+        let mut want = CARGO_BUILDS[0].args.concat();
+        want.extend(["--features", "burn-ddp/cuda-nvrtc"]);
+        assert_eq!(args_of(&CARGO_BUILDS[0], true), want);
+        assert_eq!(
+            args_of(&CARGO_BUILDS[0], false),
+            CARGO_BUILDS[0].args.concat()
+        );
+        // The other builds do not change, and CI never compiles with NVRTC.
+        assert_eq!(
+            args_of(&CARGO_BUILDS[1], true),
+            CARGO_BUILDS[1].args.concat()
+        );
+        assert!(!crate::ci::FEATURES.contains("nvrtc"));
+        assert!(compiler_name(true).contains("NVRTC") && compiler_name(false).contains("LLVM"));
     }
 
     #[test]
