@@ -308,14 +308,15 @@ impl NcclGroup {
     /// Runs one NCCL call on the group's stream and waits for it under the watchdog. Any
     /// failure aborts the communicator and breaks the group. With tracing on (`DDP_TRACE`,
     /// see [`crate::trace`]) the call is a `collective` span, from its enqueueing to its
-    /// completion on the device, with args `call` (`what`), `transport` (`nccl`), `world`
-    /// and `device`.
+    /// completion on the device, named `op` (`all_reduce`, `broadcast`, …), with args `call`
+    /// (`what`), `transport` (`nccl`), `world` and `device`.
     fn collective(
         &mut self,
+        op: &'static str,
         what: &str,
         call: impl FnOnce(CommPtr, StreamPtr) -> std::result::Result<Progress, NcclError>,
     ) -> Result<()> {
-        let _span = crate::trace::span(span_name(what), "collective")
+        let _span = crate::trace::span(op, "collective")
             .arg_with("call", || what.to_string())
             .arg("transport", "nccl")
             .arg("world", self.world_size)
@@ -365,13 +366,14 @@ impl NcclGroup {
     /// memory of this group's device, valid and untouched by other work until this returns.
     unsafe fn run_all_reduce<T: NcclElement>(
         &mut self,
+        op_name: &'static str,
         what: &str,
         src: CUdeviceptr,
         dst: CUdeviceptr,
         len: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        self.collective(what, |comm, s| {
+        self.collective(op_name, what, |comm, s| {
             // SAFETY: per this function's contract.
             unsafe {
                 result::all_reduce(
@@ -398,7 +400,7 @@ impl NcclGroup {
         len: usize,
         root: usize,
     ) -> Result<()> {
-        self.collective(what, |comm, s| {
+        self.collective("broadcast", what, |comm, s| {
             // SAFETY: per this function's contract.
             unsafe {
                 result::broadcast(
@@ -426,7 +428,7 @@ impl NcclGroup {
         len: usize,
         dst: CUdeviceptr,
     ) -> Result<()> {
-        self.collective(what, |comm, s| {
+        self.collective("all_gather", what, |comm, s| {
             // SAFETY: per this function's contract.
             unsafe {
                 result::all_gather(
@@ -454,7 +456,7 @@ impl NcclGroup {
         let what = format!("all_reduce({op:?}, {len} x {})", T::NAME);
         // SAFETY: `ptr` holds `len` elements of T on this group's device; the buffer is
         // borrowed mutably until the call completed (the collective waits).
-        unsafe { self.run_all_reduce::<T>(&what, ptr, ptr, len, op) }
+        unsafe { self.run_all_reduce::<T>("all_reduce", &what, ptr, ptr, len, op) }
     }
 
     /// Reduces `input` across ranks into `output` (same length), leaving `input` unchanged.
@@ -478,7 +480,7 @@ impl NcclGroup {
         let (dst, _write) = output.device_ptr_mut(&stream);
         let what = format!("all_reduce({op:?}, {len} x {})", T::NAME);
         // SAFETY: both pointers hold `len` elements on this device, borrowed for the call.
-        unsafe { self.run_all_reduce::<T>(&what, src, dst, len, op) }
+        unsafe { self.run_all_reduce::<T>("all_reduce", &what, src, dst, len, op) }
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (lengths must match on every rank).
@@ -534,7 +536,7 @@ impl NcclGroup {
             ptr
         };
         // SAFETY: the group's own one-element scratch buffer on this device.
-        unsafe { self.run_all_reduce::<f32>("barrier", ptr, ptr, 1, ReduceOp::Sum) }
+        unsafe { self.run_all_reduce::<f32>("barrier", "barrier", ptr, ptr, 1, ReduceOp::Sum) }
     }
 
     /// Makes the group's stream wait for the work queued so far on `other` (a stream of
@@ -556,22 +558,6 @@ impl NcclGroup {
             .wait(&event)
             .map_err(|e| cuda_error("waiting for the foreign stream", e))
     }
-}
-
-/// The span name of an NCCL call described as `what` (`all_reduce(…)`, `broadcast(…)`, …).
-fn span_name(what: &str) -> &'static str {
-    // Longer names first: `all_gather_into(…)` also starts with `all_gather`.
-    const OPS: [&str; 6] = [
-        "all_reduce",
-        "broadcast",
-        "all_gather_into",
-        "all_gather",
-        "reduce_scatter",
-        "barrier",
-    ];
-    OPS.into_iter()
-        .find(|op| what.starts_with(op))
-        .unwrap_or("nccl")
 }
 
 #[cfg(test)]

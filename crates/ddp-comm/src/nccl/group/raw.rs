@@ -25,7 +25,7 @@ impl NcclGroup {
     ) -> Result<()> {
         let what = format!("all_reduce({op:?}, {len} x {} raw)", T::NAME);
         // SAFETY: per this function's contract.
-        unsafe { self.run_all_reduce::<T>(&what, ptr, ptr, len, op) }
+        unsafe { self.run_all_reduce::<T>("all_reduce", &what, ptr, ptr, len, op) }
     }
 
     /// [`NcclGroup::all_reduce_raw`] over several buffers at once: one NCCL group call
@@ -50,7 +50,7 @@ impl NcclGroup {
             buffers.len(),
             T::NAME
         );
-        self.collective(&what, |comm, s| {
+        self.collective("all_reduce", &what, |comm, s| {
             result::group_start()?;
             // Every call between start and end is deferred to `ncclGroupEnd`, which is always
             // reached once the group started.

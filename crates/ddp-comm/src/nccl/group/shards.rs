@@ -62,7 +62,7 @@ impl NcclGroup {
             counts.len()
         );
         let size = std::mem::size_of::<T>() as CUdeviceptr;
-        self.collective(&what, |comm, s| {
+        self.collective("reduce_scatter", &what, |comm, s| {
             grouped(counts, |p, count| {
                 let at = (ptr + starts[p] as CUdeviceptr * size) as *mut std::ffi::c_void;
                 // SAFETY: shard `p` lies inside the buffer (checked above), per this
@@ -119,7 +119,7 @@ impl NcclGroup {
             counts.len()
         );
         let size = std::mem::size_of::<T>() as CUdeviceptr;
-        self.collective(&what, |comm, s| {
+        self.collective("all_gather_into", &what, |comm, s| {
             grouped(counts, |p, count| {
                 let at = (ptr + starts[p] as CUdeviceptr * size) as *mut std::ffi::c_void;
                 // SAFETY: as in `reduce_scatter_raw`.
