@@ -159,17 +159,7 @@ fn fill_bucket(slots: &mut [Slot], bucket: &Bucket) -> Result<Vec<Part>> {
                     buf: std::mem::take(&mut buf),
                 });
             }
-            let data = match slot.grad.take() {
-                None => TensorData::new(vec![0f32; slot.numel], [slot.numel]),
-                Some(g) => {
-                    let data = g.into_data();
-                    if data.dtype() == DType::F32 {
-                        data
-                    } else {
-                        data.convert::<f32>()
-                    }
-                }
-            };
+            let data = slot.take_host_f32();
             parts.push(Part::Own { slot: i, data });
             continue;
         }

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use ddp_comm::ReduceOp;
 
 use super::buckets::plan_buckets;
@@ -247,7 +247,7 @@ impl OwnerPlan {
             let pieces: Vec<_> = self.overlaps(p, &part, slots).collect();
             for (i, range, _) in pieces {
                 if host[i].is_none() {
-                    host[i] = Some(read_host(&mut slots[i])?);
+                    host[i] = Some(slots[i].take_host_f32());
                 }
                 let data = host[i].as_ref().expect("just read");
                 let values = data.as_slice::<f32>().map_err(|e| DdpError::TensorData {
@@ -291,24 +291,10 @@ impl OwnerPlan {
     }
 }
 
-/// A slot's gradient on the host as f32 (zeros when this rank has none).
-fn read_host(slot: &mut Slot) -> Result<TensorData> {
-    Ok(match slot.grad.take() {
-        None => TensorData::new(vec![0f32; slot.numel], [slot.numel]),
-        Some(g) => {
-            let data = g.into_data();
-            if data.dtype() == DType::F32 {
-                data
-            } else {
-                data.convert::<f32>()
-            }
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::DType;
 
     fn slots(sizes: &[usize]) -> Vec<Slot> {
         let device = burn::tensor::Device::flex();

@@ -3,7 +3,7 @@
 
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Shape, Tensor};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 
 /// One trainable float parameter in visit order.
 pub(super) struct Slot {
@@ -17,6 +17,24 @@ pub(super) struct Slot {
     /// The averaged gradient (flat, f32, possibly a view into its bucket's tensor), once its
     /// bucket came back.
     pub(super) reduced: Option<Tensor<1>>,
+}
+
+impl Slot {
+    /// Takes this rank's gradient to the host as f32 (zeros when this rank has none): the
+    /// host buffer a host-side reduction reads and writes in place.
+    pub(super) fn take_host_f32(&mut self) -> TensorData {
+        match self.grad.take() {
+            None => TensorData::new(vec![0f32; self.numel], [self.numel]),
+            Some(g) => {
+                let data = g.into_data();
+                if data.dtype() == DType::F32 {
+                    data
+                } else {
+                    data.convert::<f32>()
+                }
+            }
+        }
+    }
 }
 
 /// Visits trainable float params and takes their gradients out.
