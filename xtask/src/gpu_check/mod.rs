@@ -127,6 +127,14 @@ pub enum GpuCheckError {
         /// Its kind.
         kind: &'static str,
     },
+    /// The workspace manifest could not be read as TOML.
+    #[error("{path}: not a readable Cargo manifest: {source}")]
+    Manifest {
+        /// The manifest.
+        path: PathBuf,
+        /// The parse error.
+        source: toml::de::Error,
+    },
     /// The bundle folder has no archive.
     #[error(
         "{0} missing: run `cargo xtask gpu-check build` on the build machine and carry its folder"
