@@ -90,6 +90,7 @@ pub mod learner;
 pub mod nccl;
 mod optimizer;
 mod replicate;
+mod running_state;
 pub mod sharding;
 pub mod sync_batch_norm;
 

@@ -196,6 +196,9 @@ impl Ddp {
         if self.world_size() == 1 {
             return Ok(model);
         }
+        // Rank 0 sends its newest running statistics; the others' pending updates must not
+        // overwrite what they receive.
+        crate::running_state::commit_running_states(&model);
         let lines = describe(&model);
         let fp = fingerprint(&lines);
         let group = self.group().clone();

@@ -25,7 +25,10 @@ impl ModuleVisitor for Flatten {
     }
 }
 
-/// Every float parameter of `m` in visit order, as f32.
+/// Every float parameter of `m` in visit order, as f32. BatchNorm's running statistics are
+/// read as any visit reads them, without committing Burn's pending `RunningState` update (the
+/// value one update older): committing here, after every step, would hide a checkpoint that
+/// saves the older value.
 pub fn flatten<M: Module>(m: &M) -> Vec<f32> {
     let mut f = Flatten::default();
     m.visit(&mut f);

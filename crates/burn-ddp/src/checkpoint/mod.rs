@@ -123,6 +123,8 @@ impl<T> Checkpoint<T> {
         world_size: usize,
         metadata: T,
     ) -> Result<Self, CheckpointError> {
+        // The newest running statistics, not the ones before the last step's update.
+        crate::running_state::commit_running_states(model);
         let model = model
             .clone()
             .into_record()
@@ -150,6 +152,9 @@ impl<T> Checkpoint<T> {
         };
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(self.model.clone()))
             .map_err(|e| misfit(format!("the model record: {e}")))?;
+        // A pending update of the model's own would overwrite the loaded running statistics
+        // at the next forward.
+        crate::running_state::commit_running_states(&model);
         model
             .try_load_record(record)
             .map_err(|e| misfit(format!("the model record does not fit the model: {e}")))
