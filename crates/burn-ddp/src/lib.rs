@@ -69,6 +69,9 @@
 //!   atomically and resumes every rank from it (after a restart by `ddprun --max-restarts`).
 //! - [`Ddp::average_scalar`] / [`Ddp::average_tensor`] average metrics; [`Ddp::barrier`] and
 //!   [`Ddp::run_on_main`] order work across ranks.
+//! - A collective inside Burn's forward or backward (SyncBatchNorm) can only fail by
+//!   panicking; [`report_panics_as_errors`] at the start of `main` turns that panic into one
+//!   `PROGRAM: error: …` line.
 
 // docs.rs: label feature-gated items with the feature they need.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -89,6 +92,7 @@ pub mod learner;
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod nccl;
 mod optimizer;
+mod panic_report;
 mod replicate;
 mod running_state;
 pub mod sharding;
@@ -105,6 +109,7 @@ pub use learner::{DdpModel, SilentRenderer};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclPolicy;
 pub use optimizer::DdpOptimizer;
+pub use panic_report::report_panics_as_errors;
 
 // The README's Rust snippets compile as doctests (the adoption example above all).
 #[cfg(doctest)]

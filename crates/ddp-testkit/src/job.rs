@@ -423,6 +423,31 @@ impl JobResult {
         self.ranks.iter().all(RankResult::success)
     }
 
+    /// Checks that every rank but `victim` exited within `limit` of `killed_at` (when the test
+    /// killed `victim`), printing each one's delay and error output for the test log.
+    ///
+    /// # Panics
+    /// When a rank did not exit, or exited later, with [`Self::report`].
+    pub fn assert_others_exited_within(&self, victim: usize, killed_at: Instant, limit: Duration) {
+        for r in self.ranks.iter().filter(|r| r.rank != victim) {
+            let exited = r
+                .exited_at
+                .unwrap_or_else(|| panic!("rank {} did not exit:\n{}", r.rank, self.report()));
+            let after = exited.saturating_duration_since(killed_at);
+            eprintln!(
+                "rank {} exited {after:?} after rank {victim} was killed: {}",
+                r.rank,
+                r.stderr.trim()
+            );
+            assert!(
+                after < limit,
+                "rank {} took {after:?} after the kill to exit:\n{}",
+                r.rank,
+                self.report()
+            );
+        }
+    }
+
     /// Every rank's status and output, for failure messages.
     pub fn report(&self) -> String {
         let mut s = String::new();

@@ -96,7 +96,9 @@ fn main() -> ExitCode {
         .with_ansi(ddp_comm::log::colour_wanted())
         .with_writer(std::io::stderr)
         .init();
-    install_panic_message();
+    // Collectives inside Burn's forward and backward passes (SyncBatchNorm) can only fail by
+    // panicking, e.g. when another rank died: one `train-cnn: error: …` line, no backtrace.
+    burn_ddp::report_panics_as_errors("train-cnn");
     let args = Args::parse();
     if let Some(dir) = &args.trace {
         // SAFETY: no other thread runs yet; the tracer reads the variable on first use.
@@ -109,30 +111,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Prints a panic as one `train-cnn: error: …` line (the backtrace only with `RUST_BACKTRACE`).
-/// Collectives inside Burn's forward and backward passes (SyncBatchNorm) can only fail by
-/// panicking, e.g. when another rank died; the user should read why, not a backtrace.
-fn install_panic_message() {
-    let backtrace = std::env::var("RUST_BACKTRACE").is_ok_and(|v| v != "0");
-    std::panic::set_hook(Box::new(move |info| {
-        let payload = info.payload();
-        let msg = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a thread panicked".to_string());
-        let thread = std::thread::current();
-        let place = match thread.name() {
-            Some("main") | None => String::new(),
-            Some(name) => format!(" (in thread {name})"),
-        };
-        eprintln!("train-cnn: error{place}: {msg}");
-        if backtrace {
-            eprintln!("{}", std::backtrace::Backtrace::force_capture());
-        }
-    }));
 }
 
 /// Whether a launcher restarted this job after a failure (`ddprun --max-restarts`, torchrun's

@@ -380,6 +380,7 @@ fn run(args: &Args) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    burn_ddp::report_panics_as_errors("ddp_worker");
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

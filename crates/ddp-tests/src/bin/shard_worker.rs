@@ -7,6 +7,9 @@
 //! ones alone, without SyncBatchNorm's running statistics, to `OUT/trainable{r}.f32`) and prints
 //! `STATE rank={r} bytes={n}`, the size of the optimizer state the rank holds.
 //!
+//! `--report-steps` prints `STEP K` after each step (the test that kills a rank mid-training
+//! waits for it); panics are reported as one `shard_worker: error: …` line.
+//!
 //! Checkpoints: `--save-at K` saves after step K into `OUT/ckpt.bin`, then throws the model
 //! and the optimizer away, builds new ones (other random weights, sharded or not as
 //! `--resume-unsharded` says) and resumes from the file. `--resume-from FILE` starts from a
@@ -64,6 +67,9 @@ struct Args {
     /// Start from this checkpoint.
     #[arg(long)]
     resume_from: Option<PathBuf>,
+    /// Print `STEP K` after each step (a test waits for it before killing a rank).
+    #[arg(long)]
+    report_steps: bool,
     #[arg(long)]
     out: PathBuf,
 }
@@ -194,6 +200,9 @@ fn run(args: &Args) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         step += 1;
         check_identical(&ddp, &model, step as usize)?;
+        if args.report_steps {
+            println!("STEP {step}");
+        }
         if args.save_at == Some(step) {
             ckpt.save(
                 &ddp,
@@ -222,6 +231,10 @@ fn run(args: &Args) -> Result<(), String> {
             s.owned_params, s.params, s.owned_bytes, s.total_bytes
         );
     }
+    // The running statistics of the last step: Burn keeps its last update pending, and a visit
+    // reads the one before (only here: the per-step check must not commit, or it would hide a
+    // checkpoint that saves the older value).
+    let _committed = model.valid();
     write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
         .map_err(|e| e.to_string())?;
     write_f32(
@@ -233,6 +246,7 @@ fn run(args: &Args) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    burn_ddp::report_panics_as_errors("shard_worker");
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

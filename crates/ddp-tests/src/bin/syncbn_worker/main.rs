@@ -135,6 +135,7 @@ fn train_step<const D: usize>(
 }
 
 fn main() -> ExitCode {
+    burn_ddp::report_panics_as_errors("syncbn_worker");
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 3 {
         eprintln!("usage: syncbn_worker CASE.json OUT_DIR");
