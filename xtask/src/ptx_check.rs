@@ -4,7 +4,8 @@
 //! It runs CI's CUDA binaries under the CUDA driver stand-in (`crates/cuda-standin`, loaded as
 //! `libcuda.so`): `train-cnn --backend cuda --sync-bn` for a few steps (forward, backward, SGD,
 //! SyncBatchNorm's CubeCL kernels, evaluation, a checkpoint) and the CUDA SyncBatchNorm tests
-//! (f32, f16, bf16; host-staged and one-rank NCCL). Every PTX module the programs load is
+//! (f32, f16, bf16; two ranks host-staged — the NCCL ones are left to the GPU check: NCCL needs
+//! the CUDA runtime, which the stand-in does not serve). Every PTX module the programs load is
 //! handed to ptxas for `sm_90a` and every launch is checked against an H200's limits; nothing
 //! runs, so **whatever the programs compute here is meaningless and is not asserted** — the
 //! tests' own assertions fail or pass by chance and are ignored. What is checked:

@@ -165,6 +165,47 @@ pub fn wheel_lib_dirs(site_packages: &[PathBuf]) -> Vec<PathBuf> {
     dirs
 }
 
+/// The CUDA major version of the pip wheel (`nvidia-nccl-cu12`, `nvidia-nccl-cu13`) that
+/// installed the NCCL library `nccl`: the `nvidia_nccl_cuNN-….dist-info` beside its `nvidia`
+/// folder whose `RECORD` lists the file. `None` for a library that no wheel installed.
+pub fn nccl_wheel_cuda_major(nccl: &Path) -> Option<u32> {
+    let file = std::fs::canonicalize(nccl).unwrap_or_else(|_| nccl.to_path_buf());
+    let nvidia = file
+        .ancestors()
+        .find(|a| a.file_name() == Some("nvidia".as_ref()))?;
+    let site = nvidia.parent()?;
+    let relative = file.strip_prefix(site).ok()?.to_string_lossy().into_owned();
+    std::fs::read_dir(site).ok()?.flatten().find_map(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let major: u32 = name
+            .strip_prefix("nvidia_nccl_cu")?
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()?;
+        let record = std::fs::read_to_string(e.path().join("RECORD")).ok()?;
+        record
+            .lines()
+            .any(|l| l.split(',').next() == Some(relative.as_str()))
+            .then_some(major)
+    })
+}
+
+/// A warning when NCCL was built for a newer CUDA major version than the driver's (`12.8`):
+/// every NCCL initialisation would then fail with a driver-version error that looks like a bug
+/// of the code under test.
+pub fn nccl_driver_warning(wheel_major: Option<u32>, driver_cuda: Option<&str>) -> Option<String> {
+    let wheel = wheel_major?;
+    let driver: u32 = driver_cuda?.split('.').next()?.parse().ok()?;
+    (wheel > driver).then(|| {
+        format!(
+            "WARNING: NCCL comes from the CUDA {wheel} wheel (nvidia-nccl-cu{wheel}) but the \
+             driver supports CUDA {driver}: NCCL will fail to initialise; install \
+             nvidia-nccl-cu{driver} and put its nvidia/nccl/lib first on LD_LIBRARY_PATH"
+        )
+    })
+}
+
 /// The path of `soname` in `ldconfig -p`'s output.
 pub fn ldconfig_path(listing: &str, soname: &str) -> Option<PathBuf> {
     listing.lines().find_map(|l| {
@@ -367,12 +408,26 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
                     Err(_) if p.nccl_present => "loads, check failed".to_string(),
                     Err(_) => "NOT FOUND".to_string(),
                 },
-                nccl_file.map_or(loaded("libnccl"), |f| format!("{} linked", f.display())),
+                nccl_file
+                    .as_ref()
+                    .map_or(loaded("libnccl"), |f| format!("{} linked", f.display())),
                 match &p.libraries {
                     Err(e) => format!("\nlibraries: {e}"),
                     Ok(_) => String::new(),
                 }
             ));
+            let nccl_in_use = nccl_file.clone().or_else(|| {
+                p.loaded
+                    .iter()
+                    .find(|f| f.contains("libnccl"))
+                    .map(PathBuf::from)
+            });
+            if let Some(w) = nccl_driver_warning(
+                nccl_in_use.as_deref().and_then(nccl_wheel_cuda_major),
+                p.driver_cuda.as_deref(),
+            ) {
+                m.header.push(w);
+            }
         }
         None => {
             m.cuda_error = None;
@@ -495,8 +550,8 @@ fn real_driver(scratch: &Path) -> Option<PathBuf> {
         .find(|f| f.exists() && !f.components().any(|c| c.as_os_str() == "stubs"))
 }
 
-/// `dpkg -x` of every `.deb` in `gl` into `/`, then `ldconfig` (the device README's recipe
-/// for the Vulkan loader).
+/// `dpkg -x` of every `.deb` in `gl` into `/`, then `ldconfig` (how the Vulkan loader is
+/// installed without apt on a machine that has no network).
 fn unpack_debs(gl: &Path, scratch: &Path, notes: &mut Vec<String>) {
     let Ok(rd) = std::fs::read_dir(gl) else {
         return;
@@ -607,6 +662,38 @@ mod tests {
         assert_eq!(PathBuf::from(link_dir), bin.join("lib"));
         // Linking again replaces the link.
         assert!(link_as(&lib.join(NCCL_SONAME), &bin, "libnccl.so").is_ok());
+    }
+
+    #[test]
+    fn an_nccl_wheel_newer_than_the_driver_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let site = dir.path().join("site-packages");
+        let lib = site.join("nvidia").join("nccl").join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join(NCCL_SONAME), b"").unwrap();
+        let info = site.join("nvidia_nccl_cu13-2.28.9.dist-info");
+        std::fs::create_dir_all(&info).unwrap();
+        std::fs::write(
+            info.join("RECORD"),
+            "nvidia/nccl/include/nccl.h,sha256=x,1\nnvidia/nccl/lib/libnccl.so.2,sha256=y,2\n",
+        )
+        .unwrap();
+        // Another wheel's RECORD does not claim the file.
+        let other = site.join("nvidia_nccl_cu12-2.27.3.dist-info");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("RECORD"), "nvidia/cu12/lib/libnccl.so.2,,\n").unwrap();
+        assert_eq!(nccl_wheel_cuda_major(&lib.join(NCCL_SONAME)), Some(13));
+        assert_eq!(
+            nccl_wheel_cuda_major(Path::new("/usr/lib/libnccl.so.2")),
+            None
+        );
+
+        let w = nccl_driver_warning(Some(13), Some("12.8")).unwrap();
+        assert!(w.contains("nvidia-nccl-cu12"), "{w}");
+        assert_eq!(nccl_driver_warning(Some(13), Some("13.0")), None);
+        assert_eq!(nccl_driver_warning(Some(12), Some("13.0")), None);
+        assert_eq!(nccl_driver_warning(None, Some("12.8")), None);
+        assert_eq!(nccl_driver_warning(Some(13), None), None);
     }
 
     #[test]
