@@ -99,7 +99,7 @@ pub const GL_PACKAGES: &[&str] = &["libvulkan1"];
 /// What may be copied to the GPU machine: the GPU check's machine takes at most 64 MiB of
 /// files (the bundle folder and `.gl` together); `build` refuses a bundle above this, leaving
 /// 4 MiB for the rest of the working tree that is copied with it.
-pub const CARRY_LIMIT_BYTES: u64 = 60 << 20;
+pub const COPY_LIMIT_BYTES: u64 = 60 << 20;
 
 const fn pick(target: &'static str, kind: &'static str, file: &'static str) -> Pick {
     Pick { target, kind, file }
@@ -128,6 +128,12 @@ pub struct BuildArgs {
     #[arg(long)]
     pub nvrtc: bool,
 }
+
+/// The bundle folder in the workspace.
+pub const BUNDLE_DIR: &str = ".gpu-bin";
+
+/// The NVRTC (fallback) bundle folder in the workspace, beside [`BUNDLE_DIR`].
+pub const NVRTC_BUNDLE_DIR: &str = ".gpu-bin-nvrtc";
 
 /// The name of the bundle file that says which compiler made its CUDA kernels.
 pub const COMPILER_FILE: &str = "compiler.txt";
@@ -263,9 +269,9 @@ fn mib(bytes: u64) -> f64 {
 /// Runs `cargo xtask gpu-check build`.
 pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
     let default_out = if a.nvrtc {
-        ".gpu-bin-nvrtc"
+        NVRTC_BUNDLE_DIR
     } else {
-        ".gpu-bin"
+        BUNDLE_DIR
     };
     let out = a.out.clone().unwrap_or_else(|| root.join(default_out));
     if out.exists() {
@@ -379,18 +385,26 @@ pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
         mib(bundle_bytes),
         mib(gl_bytes),
         mib(bundle_bytes + gl_bytes),
-        CARRY_LIMIT_BYTES >> 20,
+        COPY_LIMIT_BYTES >> 20,
     );
-    if bundle_bytes + gl_bytes > CARRY_LIMIT_BYTES {
-        return Err(GpuCheckError::TooBig {
-            bytes: bundle_bytes + gl_bytes,
-            limit: CARRY_LIMIT_BYTES,
-        });
-    }
+    within_copy_limit(bundle_bytes, gl_bytes)?;
     println!(
         "gpu-check: on the GPU machine, from the repository root: {}/{XTASK} gpu-check run",
         out.strip_prefix(root).unwrap_or(&out).display()
     );
+    Ok(())
+}
+
+/// Refuses a bundle folder and `.gl` that together exceed [`COPY_LIMIT_BYTES`]: the GPU
+/// machine could not receive them.
+pub fn within_copy_limit(bundle_bytes: u64, gl_bytes: u64) -> Result<(), GpuCheckError> {
+    let bytes = bundle_bytes + gl_bytes;
+    if bytes > COPY_LIMIT_BYTES {
+        return Err(GpuCheckError::TooBig {
+            bytes,
+            limit: COPY_LIMIT_BYTES,
+        });
+    }
     Ok(())
 }
 
@@ -440,6 +454,19 @@ fn download_gl(root: &Path) {
 mod tests {
     use super::*;
     use crate::gpu_check::rows::{CHECKS, Kind};
+
+    #[test]
+    fn a_bundle_over_the_copy_limit_is_refused_with_its_size() {
+        assert!(within_copy_limit(COPY_LIMIT_BYTES - (1 << 20), 1 << 20).is_ok());
+        let e = within_copy_limit(COPY_LIMIT_BYTES, 1).unwrap_err();
+        assert!(matches!(e, GpuCheckError::TooBig { bytes, limit }
+            if bytes == COPY_LIMIT_BYTES + 1 && limit == COPY_LIMIT_BYTES));
+        let e = within_copy_limit(70 << 20, 0).unwrap_err().to_string();
+        assert!(
+            e.starts_with("the bundle and .gl are 70.0 MiB, over the 60 MiB"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn the_cuda_build_is_the_one_ci_links() {

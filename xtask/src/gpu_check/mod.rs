@@ -14,7 +14,7 @@
 //!
 //! The GPU machine it is made for: an NVIDIA GPU with its driver (Python and PyTorch's wheels
 //! for NCCL and libdevice), no network and no cargo; `.gpu-bin/` and `.gl/` are copied to it
-//! (at most 64 MiB in all, see [`build::CARRY_LIMIT_BYTES`]), and the run has minutes: the
+//! (at most 64 MiB in all, see [`build::COPY_LIMIT_BYTES`]), and the run has minutes: the
 //! default budget is 450 s of a 540 s command. On it, from the repository root:
 //!
 //! ```text
@@ -67,7 +67,7 @@ pub struct RunArgs {
     /// ./.gpu-bin].
     #[arg(long, value_name = "DIR")]
     pub bundle: Option<PathBuf>,
-    /// Where the binaries are unpacked (they don't fit the carry limit unpacked).
+    /// Where the binaries are unpacked (unpacked, they are far over what may be copied to the GPU machine).
     #[arg(
         long,
         value_name = "DIR",
@@ -79,7 +79,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR", default_value = "/tmp/gpu-check-logs")]
     pub log_dir: PathBuf,
     /// Seconds for the whole run, unpacking included; rows that no longer fit are skipped. The
-    /// default leaves a 540 s device command time to start and to return the files.
+    /// default is for a GPU machine whose commands may run 540 s: it leaves time to start and to
+    /// return the files.
     #[arg(long, env = "GPU_CHECK_BUDGET", default_value_t = 450)]
     pub budget_secs: u64,
     /// Also write the table to DIR/gpu-check-summary.md and every row's log to
@@ -93,6 +94,11 @@ pub struct RunArgs {
     /// Run only the checks whose label contains TEXT (case-insensitive; repeatable).
     #[arg(long, value_name = "TEXT")]
     pub only: Vec<String>,
+    /// The NVRTC bundle (`gpu-check build --nvrtc`) to fall back to when this machine's driver
+    /// refuses LLVM's PTX in the smoke row: its CUDA rows then replace this bundle's [default:
+    /// .gpu-bin-nvrtc beside the bundle folder, when it holds bins.tar.xz].
+    #[arg(long, value_name = "DIR")]
+    pub fallback_bundle: Option<PathBuf>,
 }
 
 /// An error that stops `gpu-check` before or instead of its table.
@@ -137,7 +143,7 @@ pub enum GpuCheckError {
     },
     /// The bundle folder has no archive.
     #[error(
-        "{0} missing: run `cargo xtask gpu-check build` on the build machine and carry its folder"
+        "{0} missing: run `cargo xtask gpu-check build` on the build machine and copy its folder here"
     )]
     NoBundle(PathBuf),
     /// The bundle is larger than what may be copied to the GPU machine.
@@ -151,7 +157,7 @@ pub enum GpuCheckError {
     TooBig {
         /// Bundle folder plus `.gl`.
         bytes: u64,
-        /// [`build::CARRY_LIMIT_BYTES`].
+        /// [`build::COPY_LIMIT_BYTES`].
         limit: u64,
     },
     /// The checks ran and some failed (the table says which).
@@ -191,7 +197,7 @@ fn default_bundle() -> PathBuf {
         .ok()
         .and_then(|exe| exe.parent().map(Path::to_path_buf))
         .filter(|dir| dir.join(bundle::ARCHIVE).is_file())
-        .unwrap_or_else(|| PathBuf::from(".gpu-bin"))
+        .unwrap_or_else(|| PathBuf::from(build::BUNDLE_DIR))
 }
 
 /// The checks `--only` selects (all without it).
@@ -296,7 +302,16 @@ fn run(a: &RunArgs) -> Result<(), GpuCheckError> {
             write_report_dir(dir, &text, &a.log_dir);
         }
     };
-    rows::run_all(&ctx, &checks, &mut report, &mut on_row);
+    let fallback_dir = compiler
+        .trim_start()
+        .starts_with("LLVM")
+        .then(|| fallback_bundle(a, &bundle_dir))
+        .flatten();
+    let prepare_fallback = |dir: &Path| fallback_ctx(a, dir, &ctx, &ctx.xtask);
+    let fallback = fallback_dir
+        .as_deref()
+        .map(|d| (d, &prepare_fallback as &PrepareFallback<'_>));
+    run_checks(&ctx, &checks, fallback, &mut report, &mut on_row);
 
     let text = report.render(&title(None), &format!("logs in {}", a.log_dir.display()));
     print!("{text}");
@@ -311,6 +326,131 @@ fn run(a: &RunArgs) -> Result<(), GpuCheckError> {
     }
 }
 
+/// Prepares the rows' context for the fallback bundle in a folder (see [`fallback_ctx`]).
+type PrepareFallback<'a> = dyn Fn(&Path) -> Result<(rows::Ctx, Vec<String>), GpuCheckError> + 'a;
+
+/// Runs `checks` into `report`: the smoke row first, and when it fails because the driver
+/// refused LLVM's PTX, the CUDA rows from the fallback (NVRTC) bundle — `fallback`, its folder
+/// and how to prepare it — instead of `ctx`'s, which would all fail the same way; without one,
+/// a note names the commands that make and run it.
+fn run_checks(
+    ctx: &rows::Ctx,
+    checks: &[rows::Check],
+    fallback: Option<(&Path, &PrepareFallback<'_>)>,
+    report: &mut report::Report,
+    on_row: rows::OnRow<'_>,
+) {
+    let smoke_first = checks
+        .first()
+        .is_some_and(|c| matches!(c.kind, rows::Kind::Test(_, t, _) if t == rows::SMOKE_TEST));
+    let (smoke, rest) = checks.split_at(usize::from(smoke_first));
+    let before = report.rows.len();
+    rows::run_all(ctx, smoke, report, on_row);
+    let refusal = report
+        .rows
+        .get(before)
+        .filter(|r| smoke_first && r.status.is_failure())
+        .and_then(|_| {
+            let log = std::fs::read_to_string(rows::smoke_log(ctx)).unwrap_or_default();
+            report::ptx_refusal(&log).map(str::to_string)
+        });
+    let Some(why) = refusal else {
+        rows::run_all(ctx, rest, report, on_row);
+        return;
+    };
+    let why = report::cut(&why, 160);
+    let Some((dir, prepare)) = fallback else {
+        report.notes.push(format!(
+            "--- this driver refused LLVM's PTX in the smoke row ({why}): the fallback is the \
+             NVRTC bundle — on the build machine `cargo xtask gpu-check build --nvrtc`, here \
+             `{NVRTC}/xtask gpu-check run` (docs/gpu.md, \"A second compiler\")",
+            NVRTC = build::NVRTC_BUNDLE_DIR
+        ));
+        rows::run_all(ctx, rest, report, on_row);
+        return;
+    };
+    report.notes.push(format!(
+        "--- this driver refused LLVM's PTX in the smoke row ({why}): the CUDA rows after it \
+         ran from the NVRTC bundle {} (labels `{FALLBACK_PREFIX}…`)",
+        dir.display()
+    ));
+    let (cuda, cpu): (Vec<rows::Check>, Vec<rows::Check>) = checks
+        .iter()
+        .copied()
+        .partition(|c| c.needs == rows::Needs::Cuda);
+    match prepare(dir) {
+        Ok((fb_ctx, fb_header)) => {
+            report.notes.extend(
+                fb_header
+                    .into_iter()
+                    .map(|h| format!("    NVRTC bundle: {h}")),
+            );
+            report.label_prefix = FALLBACK_PREFIX.into();
+            rows::run_all(&fb_ctx, &cuda, report, on_row);
+            report.label_prefix.clear();
+        }
+        Err(e) => {
+            report
+                .notes
+                .push(format!("    the NVRTC bundle could not be used: {e}"));
+            rows::run_all(ctx, cuda.get(1..).unwrap_or_default(), report, on_row);
+        }
+    }
+    rows::run_all(ctx, &cpu, report, on_row);
+}
+
+/// Put before the labels of the rows that ran from the fallback bundle.
+pub const FALLBACK_PREFIX: &str = "NVRTC · ";
+
+/// The NVRTC bundle to fall back to: `--fallback-bundle`, else `.gpu-bin-nvrtc` beside the
+/// bundle folder, when it holds an archive.
+fn fallback_bundle(a: &RunArgs, bundle_dir: &Path) -> Option<PathBuf> {
+    let dir = a.fallback_bundle.clone().or_else(|| {
+        let abs = bundle_dir
+            .canonicalize()
+            .unwrap_or_else(|_| bundle_dir.to_path_buf());
+        abs.parent().map(|p| p.join(build::NVRTC_BUNDLE_DIR))
+    })?;
+    dir.join(bundle::ARCHIVE).is_file().then_some(dir)
+}
+
+/// The rows' context for the fallback bundle `dir`: unpacked beside the first bundle's binaries,
+/// its logs in a `nvrtc` folder of the first's, the machine prepared again for its binaries
+/// (NVRTC's links); with the lines its preparation reports.
+fn fallback_ctx(
+    a: &RunArgs,
+    dir: &Path,
+    ctx: &rows::Ctx,
+    self_exe: &Path,
+) -> Result<(rows::Ctx, Vec<String>), GpuCheckError> {
+    let mut name = a.bin_dir.as_os_str().to_os_string();
+    name.push("-nvrtc");
+    let bin_dir = PathBuf::from(name);
+    if bin_dir.exists() {
+        std::fs::remove_dir_all(&bin_dir)
+            .map_err(|e| GpuCheckError::io("cannot remove", &bin_dir, e))?;
+    }
+    bundle::unpack(&dir.join(bundle::ARCHIVE), &bin_dir)?;
+    let log_dir = a.log_dir.join(NVRTC_LOGS);
+    std::fs::create_dir_all(&log_dir)
+        .map_err(|e| GpuCheckError::io("cannot create", &log_dir, e))?;
+    let m = machine::prepare(self_exe, &bin_dir, &log_dir, None);
+    let fb = rows::Ctx {
+        bin_dir,
+        log_dir,
+        env: m.env,
+        gpus: m.gpus,
+        cuda_error: m.cuda_error,
+        ..ctx.clone()
+    };
+    let mut header = m.header;
+    header.extend(m.notes);
+    Ok((fb, header))
+}
+
+/// The folder of the fallback bundle's logs, inside the log folder.
+const NVRTC_LOGS: &str = "nvrtc";
+
 /// The summary and one file with every row's log (two files: what comes back from the GPU
 /// machine is a few files under `$OUT`).
 fn write_report_dir(dir: &Path, summary: &str, log_dir: &Path) {
@@ -321,21 +461,25 @@ fn write_report_dir(dir: &Path, summary: &str, log_dir: &Path) {
         eprintln!("gpu-check: cannot write {}: {e}", dir.display());
         return;
     }
-    let mut logs: Vec<PathBuf> = std::fs::read_dir(log_dir)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "log"))
-                .collect()
-        })
-        .unwrap_or_default();
+    let logs_in = |dir: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut logs = logs_in(log_dir);
+    logs.extend(logs_in(&log_dir.join(NVRTC_LOGS)));
     logs.sort();
     let mut all = String::new();
     for l in logs {
         let _ = writeln!(
             all,
             "\n===== {} =====",
-            l.file_name().unwrap_or_default().to_string_lossy()
+            l.strip_prefix(log_dir).unwrap_or(&l).display()
         );
         all.push_str(&String::from_utf8_lossy(
             &std::fs::read(&l).unwrap_or_default(),
@@ -352,6 +496,148 @@ fn write_report_dir(dir: &Path, summary: &str, log_dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A stand-in for `burn-ddp-tests`: lists the smoke test and one more, records what it
+    /// runs, and answers the smoke test with `smoke` (shell lines).
+    fn fake_tests(bin_dir: &Path, smoke: &str) {
+        std::fs::create_dir_all(bin_dir).unwrap();
+        let p = bin_dir.join(rows::SMOKE_BINARY);
+        let body = format!(
+            "#!/bin/sh\n\
+             if [ \"$1\" = --list ]; then printf '{}: test\\ndevice_buffers: test\\n'; exit 0; fi\n\
+             echo \"$2\" >> \"$(dirname \"$0\")/ran\"\n\
+             case \"$2\" in cuda_smoke::*) {smoke} ;; esac\n\
+             echo 'OUTCOME fine'; exit 0\n",
+            rows::SMOKE_TEST
+        );
+        std::fs::write(&p, body).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    const REFUSED: &str = "echo 'Unable to load the PTX: DriverError(CUDA_ERROR_INVALID_PTX, \"a PTX JIT compilation failed\")'; exit 101";
+
+    fn fake_ctx(dir: &Path, name: &str, smoke: &str) -> rows::Ctx {
+        let bin_dir = dir.join(name);
+        let log_dir = dir.join(format!("{name}-logs"));
+        std::fs::create_dir_all(&log_dir).unwrap();
+        fake_tests(&bin_dir, smoke);
+        rows::Ctx {
+            bin_dir,
+            log_dir,
+            xtask: PathBuf::from("/nonexistent/xtask"),
+            env: Vec::new(),
+            gpus: 1,
+            cuda_error: None,
+            start: Instant::now(),
+            budget: Duration::from_secs(300),
+        }
+    }
+
+    /// The smoke check, the burn-ddp libtest check, and a CPU check whose binary is absent.
+    fn checks() -> Vec<rows::Check> {
+        let cpu = *rows::CHECKS
+            .iter()
+            .find(|c| c.needs == rows::Needs::Cpu)
+            .unwrap();
+        vec![rows::CHECKS[0], rows::CHECKS[2], cpu]
+    }
+
+    fn ran(ctx: &rows::Ctx) -> String {
+        std::fs::read_to_string(ctx.bin_dir.join("ran")).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_refused_ptx_runs_the_cuda_rows_from_the_nvrtc_bundle() {
+        let dir = tempfile::tempdir().unwrap();
+        let llvm = fake_ctx(dir.path(), "llvm", REFUSED);
+        let nvrtc = fake_ctx(dir.path(), "nvrtc", "echo 'OUTCOME smoke ok'; exit 0");
+        let prepare = |_: &Path| -> Result<(rows::Ctx, Vec<String>), GpuCheckError> {
+            Ok((nvrtc.clone(), vec!["NVRTC: x".into()]))
+        };
+        let mut r = report::Report::default();
+        let mut labels = Vec::new();
+        run_checks(
+            &llvm,
+            &checks(),
+            Some((Path::new("/b/.gpu-bin-nvrtc"), &prepare)),
+            &mut r,
+            &mut |_, row| labels.push(row.label.clone()),
+        );
+        let got: Vec<(String, report::Status)> =
+            r.rows.iter().map(|r| (r.label.clone(), r.status)).collect();
+        let c = checks();
+        assert_eq!(
+            got,
+            [
+                (c[0].label.to_string(), report::Status::Fail),
+                (
+                    format!("{FALLBACK_PREFIX}{}", c[0].label),
+                    report::Status::Pass
+                ),
+                (
+                    format!("{FALLBACK_PREFIX}{}::device_buffers", c[1].label),
+                    report::Status::Pass
+                ),
+                (c[2].label.to_string(), report::Status::Missing),
+            ]
+        );
+        assert_eq!(labels.len(), 4, "every row announced");
+        assert_eq!(ran(&llvm), format!("{}\n", rows::SMOKE_TEST));
+        assert_eq!(
+            ran(&nvrtc),
+            format!("{}\ndevice_buffers\n", rows::SMOKE_TEST)
+        );
+        assert!(
+            r.notes.iter().any(|n| n.contains("refused LLVM's PTX")
+                && n.contains("CUDA_ERROR_INVALID_PTX")
+                && n.contains(".gpu-bin-nvrtc")),
+            "{:?}",
+            r.notes
+        );
+        assert!(r.notes.contains(&"    NVRTC bundle: NVRTC: x".to_string()));
+    }
+
+    #[test]
+    fn without_the_nvrtc_bundle_a_refused_ptx_names_the_commands_and_the_rows_go_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let llvm = fake_ctx(dir.path(), "llvm", REFUSED);
+        let mut r = report::Report::default();
+        run_checks(&llvm, &checks(), None, &mut r, &mut |_, _| {});
+        assert_eq!(r.rows.len(), 3);
+        assert_eq!(r.rows[1].status, report::Status::Pass);
+        assert!(!r.rows[1].label.starts_with(FALLBACK_PREFIX));
+        assert!(
+            r.notes
+                .iter()
+                .any(|n| n.contains("cargo xtask gpu-check build --nvrtc")),
+            "{:?}",
+            r.notes
+        );
+    }
+
+    #[test]
+    fn a_smoke_failure_that_is_no_ptx_refusal_keeps_the_bundle() {
+        let dir = tempfile::tempdir().unwrap();
+        let llvm = fake_ctx(dir.path(), "llvm", "echo 'wrong sum'; exit 101");
+        let used = std::cell::Cell::new(false);
+        let prepare = |_: &Path| -> Result<(rows::Ctx, Vec<String>), GpuCheckError> {
+            used.set(true);
+            Err(GpuCheckError::RowsFailed(0))
+        };
+        let mut r = report::Report::default();
+        run_checks(
+            &llvm,
+            &checks(),
+            Some((Path::new("/b/.gpu-bin-nvrtc"), &prepare)),
+            &mut r,
+            &mut |_, _| {},
+        );
+        assert!(!used.get());
+        assert_eq!(r.rows.len(), 3);
+        assert_eq!(r.rows[0].status, report::Status::Fail);
+        assert!(!r.notes.iter().any(|n| n.contains("refused LLVM's PTX")));
+    }
 
     #[test]
     fn only_selects_by_label() {

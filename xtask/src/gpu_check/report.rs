@@ -6,6 +6,22 @@
 use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// What a CUDA driver answers when it cannot load a PTX module, as the programs print it
+/// (cubecl-cuda: `Unable to load the PTX: DriverError(CUDA_ERROR_INVALID_PTX, …)`).
+const PTX_REFUSALS: [&str; 4] = [
+    "CUDA_ERROR_INVALID_PTX",
+    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
+    "Unable to load the PTX",
+];
+
+/// The line of a check's log that says the driver refused a PTX module, if one does.
+pub fn ptx_refusal(log: &str) -> Option<&str> {
+    log.lines()
+        .find(|l| PTX_REFUSALS.iter().any(|r| l.contains(r)))
+        .map(str::trim)
+}
+
 /// The result of one row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
@@ -63,6 +79,8 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// Lines below the table: BENCH/OUTCOME lines, ldd problems, failure excerpts.
     pub notes: Vec<String>,
+    /// Put before the label of every row added from now on (the fallback bundle's rows).
+    pub label_prefix: String,
 }
 
 impl Report {
@@ -272,6 +290,7 @@ mod tests {
                 ),
             ],
             notes: vec!["BENCH | x | 1 |".into()],
+            ..Report::default()
         };
         assert!(!report.failed());
         let text = report.render("burn-ddp GPU check", "logs in /tmp/x");

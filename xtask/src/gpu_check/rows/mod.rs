@@ -98,13 +98,16 @@ pub struct Check {
 /// The smoke row's test in `burn-ddp-tests`.
 pub const SMOKE_TEST: &str = "cuda_smoke::cuda_smoke_kernels_match_the_cpu";
 
+/// The smoke row's test binary.
+pub const SMOKE_BINARY: &str = "burn-ddp-tests";
+
 /// The checks, in order of what they prove: that Burn's kernels compute on this GPU at all
 /// (smoke, 20 s), then SyncBatchNorm's kernels, the NCCL device path, whole training runs,
 /// DDP equivalence, timings, and last what needs no GPU.
 pub const CHECKS: &[Check] = &[
     Check {
         label: "CUDA smoke: element-wise, sum, exp/log, f16/bf16 vs CPU",
-        kind: Kind::Test("burn-ddp-tests", SMOKE_TEST, 60),
+        kind: Kind::Test(SMOKE_BINARY, SMOKE_TEST, 60),
         needs: Needs::Cuda,
         binaries: &["burn-ddp-tests"],
     },
@@ -232,7 +235,10 @@ pub fn listed_tests(listing: &str) -> Vec<String> {
 pub type OnRow<'a> = &'a mut dyn FnMut(&Report, &Row);
 
 /// Adds `row` to `report` and tells `on_row`.
-fn push(report: &mut Report, row: Row, on_row: &mut dyn FnMut(&Report, &Row)) {
+fn push(report: &mut Report, mut row: Row, on_row: &mut dyn FnMut(&Report, &Row)) {
+    if !report.label_prefix.is_empty() {
+        row.label = format!("{}{}", report.label_prefix, row.label);
+    }
     report.rows.push(row);
     let last = report.rows.last().expect("just pushed").clone();
     on_row(report, &last);
@@ -354,9 +360,20 @@ fn skipped(label: &str, why: &str) -> Row {
     }
 }
 
-/// The (removed, fresh) log of the row `label`: its name with everything but `[A-Za-z0-9_.-]`
-/// as `_`.
+/// The (removed, fresh) log of the row `label` (see [`log_file`]).
 fn log_path(ctx: &Ctx, label: &str) -> PathBuf {
+    let path = log_file(ctx, label);
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+/// The log of the smoke row, once it has run.
+pub fn smoke_log(ctx: &Ctx) -> PathBuf {
+    log_file(ctx, &format!("{SMOKE_BINARY}__{SMOKE_TEST}"))
+}
+
+/// The log file of the row `label`: its name with everything but `[A-Za-z0-9_.-]` as `_`.
+fn log_file(ctx: &Ctx, label: &str) -> PathBuf {
     let name: String = label
         .chars()
         .map(|c| {
@@ -367,9 +384,7 @@ fn log_path(ctx: &Ctx, label: &str) -> PathBuf {
             }
         })
         .collect();
-    let path = ctx.log_dir.join(format!("{name}.log"));
-    let _ = std::fs::remove_file(&path);
-    path
+    ctx.log_dir.join(format!("{name}.log"))
 }
 
 /// Adds a finished row's BENCH/OUTCOME lines and, for a failure, an excerpt of its log.
