@@ -34,7 +34,8 @@ mod shards;
 pub struct NcclGroup {
     // Field order is drop order: the communicator goes before the memory and the stream.
     comm: RawComm,
-    scratch: CudaSlice<f32>,
+    /// The barrier's one-element buffer (`None` only while a barrier uses it).
+    scratch: Option<CudaSlice<f32>>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     rank: usize,
@@ -211,7 +212,7 @@ impl NcclGroup {
         );
         Ok(NcclGroup {
             comm,
-            scratch,
+            scratch: Some(scratch),
             stream,
             ctx,
             rank,
@@ -531,12 +532,20 @@ impl NcclGroup {
     /// Returns once every rank has called it (a one-element all-reduce on the device).
     pub fn barrier(&mut self) -> Result<()> {
         let stream = Arc::clone(&self.stream);
-        let ptr = {
-            let (ptr, _record) = self.scratch.device_ptr_mut(&stream);
-            ptr
+        // Taken out for the call, so that its write record lives until the collective is done,
+        // as in the other collectives.
+        let mut scratch = self
+            .scratch
+            .take()
+            .expect("the barrier buffer is only taken during a barrier");
+        let result = {
+            let (ptr, _record) = scratch.device_ptr_mut(&stream);
+            // SAFETY: the group's own one-element scratch buffer on this device, borrowed
+            // mutably until the collective completed.
+            unsafe { self.run_all_reduce::<f32>("barrier", "barrier", ptr, ptr, 1, ReduceOp::Sum) }
         };
-        // SAFETY: the group's own one-element scratch buffer on this device.
-        unsafe { self.run_all_reduce::<f32>("barrier", "barrier", ptr, ptr, 1, ReduceOp::Sum) }
+        self.scratch = Some(scratch);
+        result
     }
 
     /// Makes the group's stream wait for the work queued so far on `other` (a stream of
