@@ -54,6 +54,17 @@ pub struct DdpOptimizer {
     sharding: Option<Sharding>,
 }
 
+/// The state `optim` holds, serialised, when it holds any (an optimizer that has not stepped
+/// holds none). A state that cannot be serialised is left where it is: the next checkpoint
+/// save reports that error.
+fn held_state(optim: &ModuleOptimizer) -> Option<Vec<u8>> {
+    let bytes = optim.into_bytes().ok()?.to_vec();
+    crate::sharding::state::ids_in(&bytes)
+        .ok()
+        .filter(|ids| !ids.is_empty())
+        .map(|_| bytes)
+}
+
 impl DdpOptimizer {
     /// Wraps `optim` (any Burn optimizer, e.g. `AdamConfig::new().init()` or
     /// `SgdConfig::new().init()`) with the bucket cap configured on `ddp`.
@@ -85,9 +96,17 @@ impl DdpOptimizer {
 
     /// The same optimizer with its state sharded across the ranks, as [`Self::sharded`] makes
     /// it, keeping this one's synchroniser (e.g. one built by [`Self::with_synchronizer`]).
-    /// Call it before the first step: a state the optimizer already holds is not cut down.
+    /// A state the optimizer already holds (it has stepped, or loaded a checkpoint) is kept
+    /// whole until the next step, then cut down to the parameters this rank owns, as a
+    /// checkpoint's is.
     pub fn into_sharded(self) -> Self {
-        let sharding = Sharding::new(self.sync.group().clone(), self.sync.bucket_cap_bytes());
+        if self.sharding.is_some() {
+            return self;
+        }
+        let mut sharding = Sharding::new(self.sync.group().clone(), self.sync.bucket_cap_bytes());
+        if let Some(whole) = held_state(&self.optim) {
+            sharding.load_whole(whole);
+        }
         DdpOptimizer {
             optim: self.optim,
             sync: self.sync,

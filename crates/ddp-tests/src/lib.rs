@@ -11,14 +11,10 @@ use burn_ddp::Ddp;
 #[derive(Default)]
 struct Flatten {
     values: Vec<f32>,
-    trainable_only: bool,
 }
 
 impl ModuleVisitor for Flatten {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.trainable_only && !param.is_require_grad() {
-            return;
-        }
         let data = param.val().into_data().convert::<f32>();
         self.values
             .extend(data.as_slice::<f32>().expect("f32 after convert"));
@@ -31,17 +27,6 @@ impl ModuleVisitor for Flatten {
 /// saves the older value.
 pub fn flatten<M: Module>(m: &M) -> Vec<f32> {
     let mut f = Flatten::default();
-    m.visit(&mut f);
-    f.values
-}
-
-/// The trainable float parameters of `m` in visit order, as f32 (not BatchNorm's running
-/// statistics).
-pub fn flatten_trainable<M: Module>(m: &M) -> Vec<f32> {
-    let mut f = Flatten {
-        trainable_only: true,
-        ..Flatten::default()
-    };
     m.visit(&mut f);
     f.values
 }

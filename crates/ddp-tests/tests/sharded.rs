@@ -67,16 +67,25 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 
 /// Runs `world` ranks of the worker with `args` (and `--out` a fresh folder, or `dir`).
 fn launch_in(world: usize, dir: &Path, args: &[&str]) -> Run {
+    launch_job(world, dir, args, |job| job)
+}
+
+/// [`launch_in`] with the job set up further by `setup` (variables for some ranks).
+fn launch_job(
+    world: usize,
+    dir: &Path,
+    args: &[&str],
+    setup: impl FnOnce(RankJob) -> RankJob,
+) -> Run {
     std::fs::create_dir_all(dir).expect("temp dir");
-    let result = RankJob::new(env!("CARGO_BIN_EXE_shard_worker"), world)
+    let job = RankJob::new(env!("CARGO_BIN_EXE_shard_worker"), world)
         .args(args)
         .arg("--out")
         .arg(dir)
         .env("DDP_TIMEOUT_SECS", "60")
         .env("RAYON_NUM_THREADS", "1")
-        .deadline(DEADLINE)
-        .run()
-        .expect("spawn shard_worker");
+        .deadline(DEADLINE);
+    let result = setup(job).run().expect("spawn shard_worker");
     Run {
         result,
         dir: dir.to_path_buf(),
@@ -136,6 +145,32 @@ fn sharded_equals_unsharded_with(world: usize, optim: &str, more: &[&str]) {
     );
 }
 
+/// An optimizer that has stepped unsharded and is then sharded (`into_sharded`) keeps its
+/// state whole until its next step, then each rank keeps its own part: the training is still
+/// bitwise the unsharded one, and every rank ends with less state.
+#[test]
+fn an_optimizer_sharded_after_it_stepped_keeps_its_state() {
+    let world = 3;
+    let args = ["--optim", "adam", "--steps", "6"];
+    let plain = launch(world, "late-plain", &args);
+    let late = launch(
+        world,
+        "late-sharded",
+        &[&args[..], &["--shard-after", "2"]].concat(),
+    );
+    assert!(
+        same_bits(&late.params(world), &plain.params(world)),
+        "sharded after step 2: the training differs from the unsharded one"
+    );
+    let whole = *plain.state_bytes().iter().min().unwrap();
+    for (r, b) in late.state_bytes().into_iter().enumerate() {
+        assert!(
+            b < whole,
+            "rank {r} holds {b} bytes of state, unsharded {whole}"
+        );
+    }
+}
+
 /// Gradients and parameters over 64 KiB: the collectives' direct reduce-scatter and ring
 /// all-gather, not the inline path. Three ranks: one bucket whose shards take two 4 MiB
 /// rounds; four ranks: 6 MB buckets that split parameters between them.
@@ -184,9 +219,15 @@ fn four_ranks_sharded_adam_is_bitwise_unsharded() {
 /// mean and variance were up to 0.06 off while the parameters matched.)
 #[test]
 fn a_sharded_checkpoint_resumes_bitwise_sharded_or_unsharded_and_back() {
-    for world in [2, 3] {
-        let args = ["--optim", "adam", "--steps", "6"];
-        let plain = launch(world, &format!("ck-plain-{world}"), &args).params(world);
+    for (world, optim) in [
+        (2, "adam"),
+        (3, "adam"),
+        (4, "adam"),
+        (2, "sgd"),
+        (4, "sgd"),
+    ] {
+        let args = ["--optim", optim, "--steps", "6"];
+        let plain = launch(world, &format!("ck-plain-{world}-{optim}"), &args).params(world);
         let cases: [(&str, &[&str]); 3] = [
             ("sharded to sharded", &["--shard", "--save-at", "3"]),
             (
@@ -199,54 +240,100 @@ fn a_sharded_checkpoint_resumes_bitwise_sharded_or_unsharded_and_back() {
             ),
         ];
         for (what, more) in cases {
-            let run = launch(world, &format!("ck-{world}"), &[&args[..], more].concat());
+            let run = launch(
+                world,
+                &format!("ck-{world}-{optim}"),
+                &[&args[..], more].concat(),
+            );
             assert!(
                 same_bits(&run.params(world), &plain),
-                "{world} ranks, {what}: the resumed run differs from the uninterrupted one"
+                "{world} ranks, {optim}, {what}: the resumed run differs from the uninterrupted one"
             );
         }
     }
 }
 
-/// A sharded checkpoint written by 3 ranks resumed by 2 sharded ranks equals the same
-/// checkpoint resumed by 2 unsharded ranks: the state is cut anew for the new world size.
+/// A sharded checkpoint written by 3 ranks and resumed by 2 (fewer ranks, each owning more),
+/// and one written by 2 and resumed by 4 (more ranks, some owning parameters no rank of the
+/// saving job held alone): the sharded resume equals the same checkpoint resumed unsharded at
+/// the new world size, so the state is cut anew for it and nothing is lost or mixed up.
 #[test]
 fn a_sharded_checkpoint_resumes_at_another_world_size() {
-    let first = launch(
-        3,
-        "resize-first",
-        &["--optim", "adam", "--steps", "3", "--shard"],
-    );
-    // The job that saved: its step-3 checkpoint is the last file it wrote.
-    let saved = launch_in(
-        3,
-        &fresh_dir("resize-saved"),
-        &[
-            "--optim",
-            "adam",
-            "--steps",
-            "3",
-            "--shard",
-            "--save-at",
-            "3",
-        ],
-    );
-    assert!(same_bits(&saved.params(3), &first.params(3)));
-    let ckpt = saved.dir.join("ckpt.bin");
-    let ckpt = ckpt.to_str().unwrap();
-    let resume = |shard: bool, name: &str| {
-        let mut args = vec!["--optim", "adam", "--steps", "6", "--resume-from", ckpt];
-        if shard {
-            args.push("--shard");
-        }
-        launch(2, name, &args)
-    };
-    let sharded = resume(true, "resize-sharded");
-    let plain = resume(false, "resize-plain");
-    assert!(
-        same_bits(&sharded.params(2), &plain.params(2)),
-        "3 → 2 ranks: the sharded resume differs from the unsharded one"
-    );
+    for (saved_by, resumed_by) in [(3, 2), (2, 4)] {
+        let tag = format!("{saved_by}-{resumed_by}");
+        let first = launch(
+            saved_by,
+            &format!("resize-first-{tag}"),
+            &["--optim", "adam", "--steps", "3", "--shard"],
+        );
+        // The job that saved: its step-3 checkpoint is the last file it wrote.
+        let saved = launch(
+            saved_by,
+            &format!("resize-saved-{tag}"),
+            &[
+                "--optim",
+                "adam",
+                "--steps",
+                "3",
+                "--shard",
+                "--save-at",
+                "3",
+            ],
+        );
+        assert!(same_bits(&saved.params(saved_by), &first.params(saved_by)));
+        let ckpt = saved.dir.join("ckpt.bin");
+        let ckpt = ckpt.to_str().unwrap();
+        let resume = |shard: bool, name: &str| {
+            let mut args = vec!["--optim", "adam", "--steps", "6", "--resume-from", ckpt];
+            if shard {
+                args.push("--shard");
+            }
+            launch(resumed_by, &format!("{name}-{tag}"), &args)
+        };
+        let sharded = resume(true, "resize-sharded");
+        let plain = resume(false, "resize-plain");
+        assert!(
+            same_bits(&sharded.params(resumed_by), &plain.params(resumed_by)),
+            "{saved_by} → {resumed_by} ranks: the sharded resume differs from the unsharded one"
+        );
+    }
+}
+
+/// Every rank on a host of its own (`DDP_HOST_ID`), so the group runs over TCP, with the
+/// gradients sent as bf16 (`DDP_COMPRESSION`, which shared memory never uses): the sharded
+/// optimizer's compressed reduce-scatter rounds every contribution as the unsharded
+/// all-reduce does, so the training is still bitwise the unsharded one. The bf16 run differs
+/// from the f32 one, so the compression was on.
+#[test]
+fn over_tcp_with_bf16_gradients_sharded_is_bitwise_unsharded() {
+    let world = 3;
+    for optim in ["adam", "sgd"] {
+        let run = |shard: bool, compression: &str| {
+            let mut args = vec!["--optim", optim, "--steps", "6", "--hidden", "600"];
+            if shard {
+                args.push("--shard");
+            }
+            let name = format!("tcp-{optim}-{shard}-{compression}");
+            launch_job(world, &fresh_dir(&name), &args, |mut job| {
+                job = job.env("DDP_COMPRESSION", compression);
+                for r in 0..world {
+                    job = job.rank_env(r, "DDP_HOST_ID", format!("host-{r}"));
+                }
+                job
+            })
+        };
+        let sharded = run(true, "bf16").params(world);
+        let plain = run(false, "bf16").params(world);
+        assert!(
+            same_bits(&sharded, &plain),
+            "{optim} over TCP with bf16 gradients: sharded differs from unsharded"
+        );
+        let f32_run = run(true, "none").params(world);
+        assert!(
+            !same_bits(&sharded, &f32_run),
+            "{optim}: the bf16 run equals the f32 one: the gradients were not compressed"
+        );
+    }
 }
 
 /// A rank SIGKILLed in the middle of sharded Adam training with SyncBatchNorm (wherever the

@@ -1,13 +1,14 @@
-//! Rank program for the sharded-optimizer tests (`tests/ddp.rs`, `sharded_*`).
+//! Rank program for the sharded-optimizer tests (`tests/sharded.rs`).
 //!
 //! Trains a small network with SyncBatchNorm, a branch only rank 1's samples use and a layer
 //! no sample uses, on deterministic synthetic data, with [`DdpOptimizer::sharded`] (`--shard`)
 //! or [`DdpOptimizer::new`]; after every step all ranks check that their parameters are
-//! bitwise identical. Writes this rank's final parameters to `OUT/rank{r}.f32` (the trainable
-//! ones alone, without SyncBatchNorm's running statistics, to `OUT/trainable{r}.f32`) and prints
+//! bitwise identical. Writes this rank's final parameters, SyncBatchNorm's running statistics
+//! among them, to `OUT/rank{r}.f32` and prints
 //! `STATE rank={r} bytes={n}`, the size of the optimizer state the rank holds.
 //!
-//! `--report-steps` prints `STEP K` after each step (the test that kills a rank mid-training
+//! `--shard-after K` starts unsharded and turns the optimizer, its state built, into a sharded
+//! one after step K. `--report-steps` prints `STEP K` after each step (the test that kills a rank mid-training
 //! waits for it); panics are reported as one `shard_worker: error: …` line.
 //!
 //! Checkpoints: `--save-at K` saves after step K into `OUT/ckpt.bin`, then throws the model
@@ -28,7 +29,7 @@ use burn_ddp::checkpoint::{Checkpointer, Progress};
 use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn_ddp::{Ddp, DdpOptimizer};
 use clap::{Parser, ValueEnum};
-use ddp_tests::{check_identical, flatten, flatten_trainable, write_f32};
+use ddp_tests::{check_identical, flatten, write_f32};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Optim {
@@ -67,6 +68,10 @@ struct Args {
     /// Start from this checkpoint.
     #[arg(long)]
     resume_from: Option<PathBuf>,
+    /// Start unsharded and shard the optimizer (`DdpOptimizer::into_sharded`, its state
+    /// already built) after this step.
+    #[arg(long)]
+    shard_after: Option<u64>,
     /// Print `STEP K` after each step (a test waits for it before killing a rank).
     #[arg(long)]
     report_steps: bool,
@@ -199,6 +204,9 @@ fn run(args: &Args) -> Result<(), String> {
             .try_step(LR, model, grads)
             .map_err(|e| e.to_string())?;
         step += 1;
+        if args.shard_after == Some(step) {
+            optim = optim.into_sharded();
+        }
         check_identical(&ddp, &model, step as usize)?;
         if args.report_steps {
             println!("STEP {step}");
@@ -237,11 +245,6 @@ fn run(args: &Args) -> Result<(), String> {
     let _committed = model.valid();
     write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
         .map_err(|e| e.to_string())?;
-    write_f32(
-        &args.out.join(format!("trainable{rank}.f32")),
-        &flatten_trainable(&model),
-    )
-    .map_err(|e| e.to_string())?;
     ddp.barrier().map_err(|e| e.to_string())
 }
 
