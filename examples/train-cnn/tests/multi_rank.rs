@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use ddp_testkit::{JobResult, RankJob};
 
-use train_cnn::checkpoint::Checkpoint;
+use train_cnn::checkpoint::{Checkpoint, parameter_values};
 use train_cnn::metrics::read_json;
 
 const DEADLINE: Duration = Duration::from_secs(300);
@@ -56,6 +56,44 @@ fn two_ranks_train_and_only_rank_zero_reports() {
     let ck = Checkpoint::read(&out.join("checkpoint.bin")).unwrap();
     assert_eq!(ck.world_size, 2);
     assert_eq!(ck.progress.epochs_done, 2);
+}
+
+/// `--shard-optimizer` (ZeRO stage 1): two ranks with the optimizer state sharded end with
+/// bitwise the parameters of the unsharded run, and their timelines (`DDP_TRACE`) show the
+/// sharded step's collectives: the gradients reduce-scattered to their owners, the updated
+/// parameters all-gathered from them.
+#[test]
+fn two_ranks_with_the_optimizer_state_sharded_train_as_unsharded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, sharded, trace) = (
+        dir.path().join("plain"),
+        dir.path().join("sharded"),
+        dir.path().join("trace"),
+    );
+    run(job(2, &args(&plain, 2))).assert_success();
+    let mut sharded_args = args(&sharded, 2);
+    sharded_args.push("--shard-optimizer".into());
+    run(job(2, &sharded_args).env("DDP_TRACE", trace.display().to_string())).assert_success();
+    let values = |out: &Path| {
+        parameter_values(&Checkpoint::read(&out.join("checkpoint.bin")).unwrap()).unwrap()
+    };
+    let (p, s) = (values(&plain), values(&sharded));
+    assert_eq!(p.len(), s.len());
+    assert!(
+        p.iter().zip(&s).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the sharded run's parameters differ from the unsharded run's"
+    );
+    for r in 0..2 {
+        let file = trace.join(format!("rank-{r}.trace.json"));
+        let text =
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        for span in ["reduce_scatter", "all_gather_into"] {
+            assert!(
+                text.contains(&format!("\"name\":\"{span}\"")),
+                "rank {r}'s timeline has no {span} span"
+            );
+        }
+    }
 }
 
 /// Rank 0 cannot write its checkpoint (the path is a directory): both ranks stop with an error
