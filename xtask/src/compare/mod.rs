@@ -25,12 +25,12 @@ use serde::{Deserialize, Serialize};
 use crate::train::{self, BackendArg};
 use report::Report;
 
-/// Options of `cargo xtask compare`.
 /// The default eval set: the standard error of one run's accuracy, `√(p (1 − p) / n)`, is
 /// largest at p = ½, where 28 000 images put it at 0.299 points, below the 0.3 asked of the
 /// sweep (20 000 gave up to 0.35, and 0.31 at the first sweep's lowest mean accuracy).
 pub const DEFAULT_EVAL_SIZE: usize = 28_000;
 
+/// Options of `cargo xtask compare`.
 #[derive(Debug, Args)]
 pub struct CompareArgs {
     /// Ranks of the distributed runs (`N`).

@@ -430,6 +430,58 @@ mod tests {
         assert!((g.sync_bn_step_cost_pct.mean - 12.5).abs() < 0.5);
     }
 
+    /// Gaps whose train-loss differences are the given per-seed values (eval accuracy and
+    /// step time unchanged).
+    fn gaps(per_rank: &[f64], sync: &[f64], sync_over_per_rank: &[f64]) -> Gaps {
+        let d = |v: &[f64]| PairedDiff::of(v, 0.1);
+        let none = d(&[0.0, 0.0, 0.0]);
+        Gaps {
+            per_rank_batch: 8,
+            per_rank_bn_train_loss_pct: d(per_rank),
+            sync_bn_train_loss_pct: d(sync),
+            per_rank_bn_eval_accuracy_pts: none,
+            sync_bn_eval_accuracy_pts: none,
+            sync_over_per_rank_eval_accuracy_pts: none,
+            sync_over_per_rank_train_loss_pct: d(sync_over_per_rank),
+            sync_bn_step_cost_pct: none,
+        }
+    }
+
+    #[test]
+    fn every_verdict_is_reached_by_its_numbers() {
+        const WORSE: [f64; 3] = [10.0, 11.0, 12.0];
+        const SLIGHTLY_WORSE: [f64; 3] = [3.0, 3.2, 3.4];
+        const SAME: [f64; 3] = [-1.0, 0.5, 0.4];
+        const BETTER: [f64; 3] = [-6.0, -6.5, -7.0];
+        type Case<'a> = (&'a [f64], &'a [f64], &'a [f64], &'a str);
+        let cases: [Case; 5] = [
+            (&WORSE, &SAME, &BETTER, "SyncBatchNorm closes the gap"),
+            (
+                &WORSE,
+                &SLIGHTLY_WORSE,
+                &BETTER,
+                "narrows the gap but stays worse",
+            ),
+            (&WORSE, &WORSE, &SAME, "SyncBatchNorm does not close it"),
+            (&SAME, &SAME, &SAME, "SyncBatchNorm buys nothing here"),
+            (&SAME, &WORSE, &SAME, "%), SyncBatchNorm is ("),
+        ];
+        for (per_rank, sync, over, want) in cases {
+            let v = verdict(8, &gaps(per_rank, sync, over));
+            assert!(v.text.contains(want), "{want:?} not in {:?}", v.text);
+            assert_eq!(v.per_rank_bn_worse, per_rank == WORSE, "{}", v.text);
+        }
+        let one_seed = Gaps {
+            per_rank_bn_eval_accuracy_pts: PairedDiff::of(&[-2.0], 0.1),
+            ..gaps(&[10.0], &[0.0], &[-10.0])
+        };
+        assert!(
+            verdict(8, &one_seed)
+                .text
+                .starts_with("one seed: no verdict")
+        );
+    }
+
     #[test]
     fn the_markdown_has_every_cell_and_verdict() {
         let r = Report::new(config(&[1, 2, 3, 4, 5], &[4, 64]), runs());
