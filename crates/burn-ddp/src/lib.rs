@@ -77,6 +77,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod checkpoint;
+pub mod clip;
 pub mod comm;
 mod context;
 #[cfg(all(test, feature = "cuda"))]

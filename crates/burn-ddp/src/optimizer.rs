@@ -4,6 +4,10 @@ use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 
+use ddp_comm::ReduceOp;
+
+use crate::clip;
+use crate::comm;
 use crate::context::Ddp;
 use crate::error::Result;
 use crate::grad_sync::{GradientSynchronizer, SyncStats};
@@ -52,6 +56,10 @@ pub struct DdpOptimizer {
     optim: ModuleOptimizer,
     sync: GradientSynchronizer,
     sharding: Option<Sharding>,
+    /// Clip the averaged gradients to this global norm ([`Self::with_grad_norm_clipping`]).
+    max_grad_norm: Option<f64>,
+    /// The global norm of the last step's averaged gradients, before clipping.
+    last_grad_norm: Option<f64>,
 }
 
 /// The state `optim` holds, serialised, when it holds any (an optimizer that has not stepped
@@ -65,6 +73,22 @@ fn held_state(optim: &ModuleOptimizer) -> Option<Vec<u8>> {
         .map(|_| bytes)
 }
 
+/// `grads` clipped to the global norm `max_norm` given their per-parameter sums of squares
+/// `squared` (visit order), and the norm before clipping.
+fn clip_to<M: Module>(
+    module: &M,
+    grads: GradientsParams,
+    squared: &[f64],
+    max_norm: f64,
+) -> (GradientsParams, f64) {
+    let (norm, factor) = clip::clip_factor(squared, max_norm);
+    let grads = match factor {
+        Some(f) => clip::scale_gradients(module, grads, f),
+        None => grads,
+    };
+    (grads, norm)
+}
+
 impl DdpOptimizer {
     /// Wraps `optim` (any Burn optimizer, e.g. `AdamConfig::new().init()` or
     /// `SgdConfig::new().init()`) with the bucket cap configured on `ddp`.
@@ -73,6 +97,8 @@ impl DdpOptimizer {
             optim: optim.into(),
             sync: ddp.gradient_synchronizer(),
             sharding: None,
+            max_grad_norm: None,
+            last_grad_norm: None,
         }
     }
 
@@ -108,10 +134,38 @@ impl DdpOptimizer {
             sharding.load_whole(whole);
         }
         DdpOptimizer {
-            optim: self.optim,
-            sync: self.sync,
             sharding: Some(sharding),
+            ..self
         }
+    }
+
+    /// Clips the averaged gradients by their global norm before every step: PyTorch's
+    /// `clip_grad_norm_(model.parameters(), max_norm)` after DDP's all-reduce. When the norm
+    /// of all trainable parameters' gradients together exceeds `max_norm`, every gradient is
+    /// scaled by `max_norm / (norm + 1e-6)`. Sharded or not, the clipped training is bitwise
+    /// the same (see [`crate::clip`]); [`Self::last_grad_norm`] gives the norm before clipping.
+    /// `max_norm` must be finite and above 0: a step fails with
+    /// [`crate::DdpError::InvalidSetting`] otherwise.
+    ///
+    /// ```no_run
+    /// # use burn::optim::AdamConfig;
+    /// # fn main() -> Result<(), burn_ddp::DdpError> {
+    /// let ddp = burn_ddp::init()?;
+    /// let optim = burn_ddp::DdpOptimizer::sharded(&ddp, AdamConfig::new().init())
+    ///     .with_grad_norm_clipping(1.0);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_grad_norm_clipping(self, max_norm: f64) -> Self {
+        DdpOptimizer {
+            max_grad_norm: Some(max_norm),
+            ..self
+        }
+    }
+
+    /// The global norm of the last step's averaged gradients before clipping (what PyTorch's
+    /// `clip_grad_norm_` returns); `None` without [`Self::with_grad_norm_clipping`].
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_grad_norm
     }
 
     /// Whether the optimizer state is sharded ([`Self::sharded`]).
@@ -147,6 +201,8 @@ impl DdpOptimizer {
             optim: optim.into(),
             sync,
             sharding: None,
+            max_grad_norm: None,
+            last_grad_norm: None,
         }
     }
 
@@ -182,14 +238,35 @@ impl DdpOptimizer {
         module: M,
         grads: GradientsParams,
     ) -> Result<M> {
+        if let Some(max_norm) = self.max_grad_norm {
+            clip::check_max_norm(max_norm)?;
+        }
         match &mut self.sharding {
             Some(sharding) => {
                 let owners = sharding.prepare(&module, &mut self.optim)?;
-                let owned = self.sync.sync_to_owners(&module, grads, owners)?;
+                let mut owned = self.sync.sync_to_owners(&module, grads, owners)?;
+                if let Some(max_norm) = self.max_grad_norm {
+                    // Each owner's sums; the others add exact zeros.
+                    let mut squared = clip::squared_norms(&module, &owned.grads)?;
+                    let mut group = comm::lock(self.sync.group());
+                    if group.world_size() > 1 {
+                        group.all_reduce(&mut squared, ReduceOp::Sum)?;
+                    }
+                    drop(group);
+                    let (grads, norm) = clip_to(&module, owned.grads, &squared, max_norm);
+                    owned.grads = grads;
+                    self.last_grad_norm = Some(norm);
+                }
                 sharding.step(&mut self.optim, lr.into(), module, owned)
             }
             None => {
-                let grads = self.sync.sync(&module, grads)?;
+                let mut grads = self.sync.sync(&module, grads)?;
+                if let Some(max_norm) = self.max_grad_norm {
+                    let squared = clip::squared_norms(&module, &grads)?;
+                    let (clipped, norm) = clip_to(&module, grads, &squared, max_norm);
+                    grads = clipped;
+                    self.last_grad_norm = Some(norm);
+                }
                 Ok(self.optim.step(lr, module, grads))
             }
         }

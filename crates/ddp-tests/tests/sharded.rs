@@ -145,6 +145,63 @@ fn sharded_equals_unsharded_with(world: usize, optim: &str, more: &[&str]) {
     );
 }
 
+/// Gradients clipped by their global norm (`with_grad_norm_clipping`, PyTorch's
+/// `clip_grad_norm_`): the sharded optimizer, whose owners each hold a part of the gradients,
+/// computes the same norm as the unsharded one (every rank prints the same bits), the
+/// clipping is active (the norm exceeds the threshold, and the training differs from an
+/// unclipped one), and the training stays bitwise the unsharded one.
+#[test]
+fn gradients_clipped_by_the_global_norm_sharded_are_bitwise_unsharded() {
+    for (world, optim) in [(2, "adam"), (3, "sgd")] {
+        let args = ["--optim", optim, "--steps", "6", "--clip-norm", "0.05"];
+        let plain = launch(world, &format!("clip-plain-{world}"), &args);
+        let sharded = launch(
+            world,
+            &format!("clip-sharded-{world}"),
+            &[&args[..], &["--shard"]].concat(),
+        );
+        let norms = |run: &Run| -> Vec<String> {
+            run.result
+                .ranks
+                .iter()
+                .flat_map(|r| {
+                    r.stdout
+                        .lines()
+                        .filter_map(|l| l.strip_prefix(&format!("GRADNORM rank={} ", r.rank)))
+                        .map(str::to_string)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let (p, s) = (norms(&plain), norms(&sharded));
+        assert_eq!(p.len(), 6 * world, "{p:?}");
+        assert_eq!(p, s, "{world} ranks: the sharded norms differ");
+        for r in 1..world {
+            assert_eq!(
+                p[..6],
+                p[6 * r..6 * (r + 1)],
+                "rank {r}'s norms differ from rank 0's"
+            );
+        }
+        let first: f64 = p[0]
+            .rsplit("norm=")
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        assert!(first > 0.05, "the norm {first} never needed clipping");
+        assert!(
+            same_bits(&sharded.params(world), &plain.params(world)),
+            "{world} ranks, {optim}: clipped sharded training differs from unsharded"
+        );
+        let unclipped = launch(
+            world,
+            &format!("clip-none-{world}"),
+            &["--optim", optim, "--steps", "6", "--shard"],
+        );
+        assert!(!same_bits(&unclipped.params(world), &plain.params(world)));
+    }
+}
+
 /// An optimizer that has stepped unsharded and is then sharded (`into_sharded`) keeps its
 /// state whole until its next step, then each rank keeps its own part: the training is still
 /// bitwise the unsharded one, and every rank ends with less state.

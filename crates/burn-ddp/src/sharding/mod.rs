@@ -22,9 +22,12 @@
 //! AdamW, …) the arithmetic of each parameter is the unsharded one, run on its owner: the
 //! training is bitwise the same as with [`crate::DdpOptimizer::new`]. Burn's gradient clipping
 //! (`with_grad_clipping`) clips each parameter's gradient by its own value or norm and is
-//! therefore exact too. What needs all parameters at once does not fit: clipping by the
-//! *global* norm, or an optimizer whose update mixes parameters (Muon's orthogonalisation,
-//! L-BFGS) — use the unsharded optimizer for those.
+//! therefore exact too. Clipping by the *global* norm of all gradients
+//! ([`crate::DdpOptimizer::with_grad_norm_clipping`], PyTorch's `clip_grad_norm_`) needs one
+//! more all-reduce, of each owner's per-parameter sums of squares, and is bitwise the unsharded
+//! clipping too ([`crate::clip`]). What does not fit is an optimizer whose update mixes
+//! parameters (Muon's orthogonalisation, L-BFGS): it needs every parameter's state on one rank
+//! — use the unsharded optimizer for those.
 //!
 //! What is not sharded: the parameters and the gradients stay whole on every rank (that is
 //! ZeRO stages 2 and 3). The traffic is a reduce-scatter of the gradients plus an all-gather

@@ -7,7 +7,8 @@
 //! among them, to `OUT/rank{r}.f32` and prints
 //! `STATE rank={r} bytes={n}`, the size of the optimizer state the rank holds.
 //!
-//! `--shard-after K` starts unsharded and turns the optimizer, its state built, into a sharded
+//! `--clip-norm X` clips the averaged gradients to the global norm X and prints `GRADNORM
+//! rank={r} step={k} norm={n}` (the norm before clipping) after each step. `--shard-after K` starts unsharded and turns the optimizer, its state built, into a sharded
 //! one after step K. `--report-steps` prints `STEP K` after each step (the test that kills a rank mid-training
 //! waits for it); panics are reported as one `shard_worker: error: …` line.
 //!
@@ -68,6 +69,9 @@ struct Args {
     /// Start from this checkpoint.
     #[arg(long)]
     resume_from: Option<PathBuf>,
+    /// Clip the averaged gradients to this global norm (`with_grad_norm_clipping`).
+    #[arg(long)]
+    clip_norm: Option<f64>,
     /// Start unsharded and shard the optimizer (`DdpOptimizer::into_sharded`, its state
     /// already built) after this step.
     #[arg(long)]
@@ -133,7 +137,15 @@ fn batch(
     ddp_tests::batch::<IN, OUT>(start..start + b, device)
 }
 
-fn optimizer(ddp: &Ddp, o: Optim, shard: bool) -> DdpOptimizer {
+fn optimizer(ddp: &Ddp, args: &Args, shard: bool) -> DdpOptimizer {
+    let optim = optimizer_of(ddp, args.optim, shard);
+    match args.clip_norm {
+        Some(max) => optim.with_grad_norm_clipping(max),
+        None => optim,
+    }
+}
+
+fn optimizer_of(ddp: &Ddp, o: Optim, shard: bool) -> DdpOptimizer {
     let inner: ModuleOptimizer = match o {
         Optim::Sgd => SgdConfig::new()
             .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
@@ -162,7 +174,7 @@ fn resume(
     let model = ddp
         .replicate_model(Net::new(args.hidden, &device))
         .map_err(|e| e.to_string())?;
-    let mut optim = optimizer(ddp, args.optim, shard);
+    let mut optim = optimizer(ddp, args, shard);
     let (model, resumed) = ckpt
         .load::<_, ()>(ddp, model, &mut optim)
         .map_err(|e| e.to_string())?;
@@ -192,7 +204,7 @@ fn run(args: &Args) -> Result<(), String> {
             let model = ddp
                 .replicate_model(Net::new(args.hidden, &device))
                 .map_err(|e| e.to_string())?;
-            (model, optimizer(&ddp, args.optim, args.shard), 0)
+            (model, optimizer(&ddp, args, args.shard), 0)
         }
     };
     let ckpt = Checkpointer::at(args.out.join("ckpt.bin"));
@@ -210,6 +222,9 @@ fn run(args: &Args) -> Result<(), String> {
         check_identical(&ddp, &model, step as usize)?;
         if args.report_steps {
             println!("STEP {step}");
+        }
+        if let Some(norm) = optim.last_grad_norm() {
+            println!("GRADNORM rank={rank} step={step} norm={norm:e}");
         }
         if args.save_at == Some(step) {
             ckpt.save(
