@@ -93,6 +93,7 @@ pub mod learner;
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod nccl;
 mod optimizer;
+mod owner_streams;
 mod panic_report;
 mod replicate;
 mod running_state;

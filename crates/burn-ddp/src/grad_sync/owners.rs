@@ -22,6 +22,7 @@ use super::slots::{Slot, SlotCollector, SlotWriter};
 use super::{GradientSynchronizer, SyncStats, host_wire};
 use crate::comm;
 use crate::error::{DdpError, Result};
+use crate::owner_streams::OwnerStreams;
 
 /// What [`GradientSynchronizer::sync_to_owners`] returns.
 pub(crate) struct OwnedGradients {
@@ -107,17 +108,21 @@ impl GradientSynchronizer {
                 self.last_on_device = false;
             }
             let wire = host_wire(self.compression, presence.any_tcp);
-            let plan = OwnerPlan::new(&slots, &present, owners, self.world_size);
+            let sizes: Vec<usize> = slots.iter().map(|s| s.numel).collect();
+            let plan = OwnerStreams::new(&sizes, &present, owners, self.world_size);
             let buckets = plan.buckets(self.bucket_cap_elems);
             let mut host: Vec<Option<TensorData>> = (0..slots.len()).map(|_| None).collect();
             let mut kept: Vec<Option<Vec<f32>>> = slots
                 .iter()
                 .enumerate()
-                .map(|(i, s)| (present[i] && owners[i] == rank).then(|| vec![0f32; s.numel]))
+                .map(|(i, s)| {
+                    (present[i] && owners[i] == rank).then(|| Vec::with_capacity(s.numel))
+                })
                 .collect();
             for k in 0..buckets {
                 let t = Instant::now();
-                let (mut buf, counts) = plan.fill(&mut slots, &mut host, buckets, k)?;
+                let counts = plan.counts(buckets, k);
+                let mut buf = fill(&plan, &mut slots, &mut host, buckets, k)?;
                 stats.fill += t.elapsed();
                 let t = Instant::now();
                 comm::lock(&self.group).reduce_scatter_compressed(
@@ -129,7 +134,14 @@ impl GradientSynchronizer {
                 stats.all_reduce += t.elapsed();
                 let t = Instant::now();
                 let at: usize = counts[..rank].iter().sum();
-                plan.keep(rank, buckets, k, &buf[at..at + counts[rank]], &mut kept);
+                keep(
+                    &plan,
+                    rank,
+                    buckets,
+                    k,
+                    &buf[at..at + counts[rank]],
+                    &mut kept,
+                );
                 stats.write_back += t.elapsed();
             }
             for (slot, values) in slots.iter_mut().zip(kept) {
@@ -142,7 +154,7 @@ impl GradientSynchronizer {
                 }
             }
             stats.buckets = buckets;
-            stats.elements = plan.totals.iter().sum();
+            stats.elements = plan.total();
         }
         let t = Instant::now();
         write_back(module, &mut grads, &mut slots);
@@ -162,131 +174,53 @@ fn write_back<M: Module>(module: &M, grads: &mut GradientsParams, slots: &mut [S
     module.visit(&mut writer);
 }
 
-/// The present slots of each owner in visit order (its stream), and where each starts.
-struct OwnerPlan {
-    /// Per owner: `(slot, first element of the slot in the owner's stream)`.
-    streams: Vec<Vec<(usize, usize)>>,
-    /// Elements of each owner's stream.
-    totals: Vec<usize>,
+/// Bucket `k`'s buffer of `buckets`: every owner's part in rank order, this rank's
+/// gradients (zeros where it has none). A slot's host copy is read at its first use and
+/// dropped after its last.
+fn fill(
+    plan: &OwnerStreams,
+    slots: &mut [Slot],
+    host: &mut [Option<TensorData>],
+    buckets: usize,
+    k: usize,
+) -> Result<Vec<f32>> {
+    let _span = ddp_comm::trace::span("bucket_fill", "ddp").arg("bucket", k);
+    let counts = plan.counts(buckets, k);
+    let mut buf = Vec::with_capacity(counts.iter().sum());
+    for p in 0..counts.len() {
+        let part = plan.part(p, buckets, k);
+        for (i, range, _) in plan.overlaps(p, &part) {
+            if host[i].is_none() {
+                host[i] = Some(slots[i].take_host_f32());
+            }
+            let data = host[i].as_ref().expect("just read");
+            let values = data.as_slice::<f32>().map_err(|e| DdpError::TensorData {
+                what: format!("gradient of parameter {}", slots[i].id),
+                msg: format!("{e:?}"),
+            })?;
+            buf.extend_from_slice(&values[range.clone()]);
+            if range.end == slots[i].numel {
+                host[i] = None;
+            }
+        }
+    }
+    Ok(buf)
 }
 
-impl OwnerPlan {
-    fn new(slots: &[Slot], present: &[bool], owners: &[usize], world: usize) -> Self {
-        let mut streams = vec![Vec::new(); world];
-        let mut totals = vec![0usize; world];
-        for (i, slot) in slots.iter().enumerate() {
-            if present[i] {
-                let o = owners[i];
-                streams[o].push((i, totals[o]));
-                totals[o] += slot.numel;
-            }
-        }
-        OwnerPlan { streams, totals }
-    }
-
-    /// Buckets for a cap of `cap` values: each holds about `cap / world` values of every
-    /// owner's stream (0 when nothing is present).
-    fn buckets(&self, cap: usize) -> usize {
-        let per_owner = (cap / self.totals.len()).max(1);
-        self.totals
-            .iter()
-            .map(|t| t.div_ceil(per_owner))
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Owner `p`'s stream elements in bucket `k` of `buckets`.
-    fn part(&self, p: usize, buckets: usize, k: usize) -> std::ops::Range<usize> {
-        let at = |k: usize| ((self.totals[p] as u128 * k as u128) / buckets as u128) as usize;
-        at(k)..at(k + 1)
-    }
-
-    /// The slots of owner `p` that overlap stream range `part`, with the overlap as
-    /// `(slot, range inside the slot, offset inside part)`.
-    fn overlaps(
-        &self,
-        p: usize,
-        part: &std::ops::Range<usize>,
-        slots: &[Slot],
-    ) -> impl Iterator<Item = (usize, std::ops::Range<usize>, usize)> + '_ {
-        let part = part.clone();
-        // The first slot that ends after the part starts.
-        let stream = &self.streams[p];
-        let first = stream.partition_point(|&(i, at)| at + slots[i].numel <= part.start);
-        let numel: Vec<usize> = stream[first..]
-            .iter()
-            .map(|&(i, _)| slots[i].numel)
-            .collect();
-        stream[first..]
-            .iter()
-            .zip(numel)
-            .take_while(move |&(&(_, at), _)| at < part.end)
-            .map(move |(&(i, at), n)| {
-                let from = part.start.max(at);
-                let to = part.end.min(at + n);
-                (i, from - at..to - at, from - part.start)
-            })
-    }
-
-    /// Bucket `k`'s buffer (every owner's part in rank order: this rank's gradients, zeros
-    /// where it has none) and the parts' sizes. A slot's host copy is read at its first use
-    /// and dropped after its last.
-    fn fill(
-        &self,
-        slots: &mut [Slot],
-        host: &mut [Option<TensorData>],
-        buckets: usize,
-        k: usize,
-    ) -> Result<(Vec<f32>, Vec<usize>)> {
-        let _span = ddp_comm::trace::span("bucket_fill", "ddp").arg("bucket", k);
-        let world = self.totals.len();
-        let counts: Vec<usize> = (0..world).map(|p| self.part(p, buckets, k).len()).collect();
-        let mut buf = Vec::with_capacity(counts.iter().sum());
-        for p in 0..world {
-            let part = self.part(p, buckets, k);
-            let pieces: Vec<_> = self.overlaps(p, &part, slots).collect();
-            for (i, range, _) in pieces {
-                if host[i].is_none() {
-                    host[i] = Some(slots[i].take_host_f32());
-                }
-                let data = host[i].as_ref().expect("just read");
-                let values = data.as_slice::<f32>().map_err(|e| DdpError::TensorData {
-                    what: format!("gradient of parameter {}", slots[i].id),
-                    msg: format!("{e:?}"),
-                })?;
-                buf.extend_from_slice(&values[range.clone()]);
-                if range.end == slots[i].numel {
-                    host[i] = None;
-                }
-            }
-        }
-        Ok((buf, counts))
-    }
-
-    /// Copies this rank's reduced part of bucket `k` into its parameters' gradients.
-    fn keep(
-        &self,
-        rank: usize,
-        buckets: usize,
-        k: usize,
-        reduced: &[f32],
-        kept: &mut [Option<Vec<f32>>],
-    ) {
-        let part = self.part(rank, buckets, k);
-        let slots_numel: Vec<usize> = (0..kept.len())
-            .map(|i| kept[i].as_ref().map_or(0, Vec::len))
-            .collect();
-        let stream = &self.streams[rank];
-        let first = stream.partition_point(|&(i, at)| at + slots_numel[i] <= part.start);
-        for &(i, at) in &stream[first..] {
-            if at >= part.end {
-                break;
-            }
-            let from = part.start.max(at);
-            let to = part.end.min(at + slots_numel[i]);
-            if let Some(v) = kept[i].as_mut() {
-                v[from - at..to - at].copy_from_slice(&reduced[from - part.start..to - part.start]);
-            }
+/// Appends this rank's reduced part of bucket `k` to its parameters' gradients (each
+/// gradient's pieces come in order over the buckets).
+fn keep(
+    plan: &OwnerStreams,
+    rank: usize,
+    buckets: usize,
+    k: usize,
+    reduced: &[f32],
+    kept: &mut [Option<Vec<f32>>],
+) {
+    let part = plan.part(rank, buckets, k);
+    for (i, range, off) in plan.overlaps(rank, &part) {
+        if let Some(v) = kept[i].as_mut() {
+            v.extend_from_slice(&reduced[off..off + range.len()]);
         }
     }
 }
@@ -294,56 +228,17 @@ impl OwnerPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::DType;
-
-    fn slots(sizes: &[usize]) -> Vec<Slot> {
-        let device = burn::tensor::Device::flex();
-        sizes
-            .iter()
-            .map(|&n| Slot {
-                id: burn::module::ParamId::new(),
-                shape: burn::tensor::Shape::new([n]),
-                numel: n,
-                dtype: DType::F32,
-                device: device.clone(),
-                grad: None,
-                reduced: None,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn every_owner_stream_is_cut_into_the_buckets_in_order() {
-        let s = slots(&[10, 3, 7, 5, 1]);
-        let present = [true, true, false, true, true];
-        let owners = [0, 1, 0, 1, 0];
-        let plan = OwnerPlan::new(&s, &present, &owners, 2);
-        assert_eq!(plan.totals, [11, 8]);
-        assert_eq!(plan.buckets(8), 3, "4 values per owner per bucket");
-        assert_eq!(plan.buckets(1000), 1);
-        // Every element of owner 0's stream lands in exactly one bucket, in order.
-        let mut seen = Vec::new();
-        for k in 0..3 {
-            let part = plan.part(0, 3, k);
-            for (i, range, off) in plan.overlaps(0, &part, &s) {
-                assert!(off + range.len() <= part.len());
-                seen.extend(range.map(|e| (i, e)));
-            }
-        }
-        let want: Vec<(usize, usize)> = (0..10).map(|e| (0, e)).chain([(4, 0)]).collect();
-        assert_eq!(seen, want);
-    }
 
     #[test]
     fn a_rank_keeps_its_reduced_parts() {
-        let s = slots(&[4, 2, 3]);
+        let sizes = [4, 2, 3];
         let present = [true, true, true];
         let owners = [1, 0, 1];
-        let plan = OwnerPlan::new(&s, &present, &owners, 2);
-        let mut kept: Vec<Option<Vec<f32>>> = vec![Some(vec![0.0; 4]), None, Some(vec![0.0; 3])];
+        let plan = OwnerStreams::new(&sizes, &present, &owners, 2);
+        let mut kept: Vec<Option<Vec<f32>>> = vec![Some(Vec::new()), None, Some(Vec::new())];
         // Owner 1's stream is slot 0 then slot 2: 7 values in 2 buckets (3 + 4).
-        plan.keep(1, 2, 0, &[1.0, 2.0, 3.0], &mut kept);
-        plan.keep(1, 2, 1, &[4.0, 5.0, 6.0, 7.0], &mut kept);
+        keep(&plan, 1, 2, 0, &[1.0, 2.0, 3.0], &mut kept);
+        keep(&plan, 1, 2, 1, &[4.0, 5.0, 6.0, 7.0], &mut kept);
         assert_eq!(kept[0].as_deref(), Some(&[1.0, 2.0, 3.0, 4.0][..]));
         assert_eq!(kept[2].as_deref(), Some(&[5.0, 6.0, 7.0][..]));
     }

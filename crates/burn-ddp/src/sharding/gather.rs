@@ -8,6 +8,7 @@ use super::error::ShardingError;
 use super::plan::ShardPlan;
 use crate::comm::{self, SharedGroup};
 use crate::error::Result;
+use crate::owner_streams::OwnerStreams;
 
 /// Bytes moved by one [`all_gather_params`] call and how it went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -21,9 +22,11 @@ pub(crate) struct GatherStats {
 }
 
 /// Every rank's `module` with the values that the owners of the `stepped` parameters (visit
-/// order; the same on every rank) computed. Buckets of at most `cap_bytes` (a larger parameter
-/// travels alone) keep the host copies bounded; the parameters go as they are, in their own
-/// dtype, so the copies are bitwise the owner's.
+/// order; the same on every rank) computed. The parameters travel as raw bytes in their own
+/// dtype, so the copies are bitwise the owner's, laid out owner by owner
+/// ([`OwnerStreams`]): each all-gather call of at most about `cap_bytes` carries a part of
+/// every owner's parameters, so every rank sends and receives at once, and the host copies
+/// stay bounded by the bucket.
 ///
 /// # Errors
 /// A collective failed, or a rank's contribution has another size than the plan says.
@@ -46,17 +49,30 @@ pub(crate) fn all_gather_params<M: Module>(
         bytes: (0..plan.params.len()).map(|_| None).collect(),
     };
     module.visit(&mut mine);
-    let mut mine = mine.bytes;
-
-    let mut incoming: Vec<Option<Vec<u8>>> = vec![None; plan.params.len()];
-    let chosen: Vec<usize> = (0..plan.params.len()).filter(|&i| stepped[i]).collect();
-    let world = plan.world_size;
-    for bucket in buckets(&chosen, plan, cap_bytes) {
-        // Every owner's parameters of the bucket side by side, owners in rank order.
-        let mut counts = vec![0usize; world];
-        for &i in bucket {
-            counts[plan.owners[i]] += plan.params[i].bytes;
+    let mine = mine.bytes;
+    for (i, data) in mine.iter().enumerate() {
+        if let Some(d) = data
+            && d.as_bytes().len() != plan.params[i].bytes
+        {
+            return Err(ShardingError::GatherSize {
+                rank: plan.rank,
+                got: d.as_bytes().len(),
+                expected: plan.params[i].bytes,
+            }
+            .into());
         }
+    }
+
+    let sizes: Vec<usize> = plan.params.iter().map(|p| p.bytes).collect();
+    let streams = OwnerStreams::new(&sizes, stepped, &plan.owners, plan.world_size);
+    let buckets = streams.buckets(cap_bytes);
+    // The others' parameters, filled piece by piece (in order) as the buckets come in.
+    let mut incoming: Vec<Option<Vec<u8>>> = (0..plan.params.len())
+        .map(|i| (stepped[i] && !plan.owns(i)).then(|| Vec::with_capacity(sizes[i])))
+        .collect();
+    let mut buf = Vec::new();
+    for k in 0..buckets {
+        let counts = streams.counts(buckets, k);
         let starts: Vec<usize> = counts
             .iter()
             .scan(0, |acc, &c| {
@@ -65,63 +81,36 @@ pub(crate) fn all_gather_params<M: Module>(
                 Some(at)
             })
             .collect();
-        let mut buf = vec![0u8; counts.iter().sum()];
-        let mut at = starts[plan.rank];
-        for &i in bucket.iter().filter(|&&i| plan.owns(i)) {
-            let data = mine[i].take();
-            let bytes = data.as_ref().map_or(&[][..], |d| d.as_bytes());
-            if bytes.len() != plan.params[i].bytes {
-                return Err(ShardingError::GatherSize {
-                    rank: plan.rank,
-                    got: bytes.len(),
-                    expected: plan.params[i].bytes,
-                }
-                .into());
-            }
-            buf[at..at + bytes.len()].copy_from_slice(bytes);
-            at += bytes.len();
+        // Reused from bucket to bucket: the others' parts are overwritten by the all-gather,
+        // so only the first bucket's buffer is zeroed.
+        let total: usize = counts.iter().sum();
+        if buf.len() < total {
+            buf.resize(total, 0u8);
+        } else {
+            buf.truncate(total);
+        }
+        let own = streams.part(plan.rank, buckets, k);
+        for (i, range, off) in streams.overlaps(plan.rank, &own) {
+            let bytes = mine[i].as_ref().map_or(&[][..], |d| d.as_bytes());
+            let at = starts[plan.rank] + off;
+            buf[at..at + range.len()].copy_from_slice(&bytes[range]);
         }
         comm::lock(group).all_gather_into::<u8>(&mut buf, &counts)?;
         stats.buckets += 1;
         stats.sent += counts[plan.rank];
-        let mut cursor = starts;
-        for &i in bucket {
-            let owner = plan.owners[i];
-            let n = plan.params[i].bytes;
-            if owner != plan.rank {
-                let at = cursor[owner];
-                incoming[i] = Some(buf[at..at + n].to_vec());
-                stats.received += n;
+        for p in (0..plan.world_size).filter(|&p| p != plan.rank) {
+            let part = streams.part(p, buckets, k);
+            for (i, range, off) in streams.overlaps(p, &part) {
+                if let Some(v) = incoming[i].as_mut() {
+                    let at = starts[p] + off;
+                    v.extend_from_slice(&buf[at..at + range.len()]);
+                }
             }
-            cursor[owner] += n;
+            stats.received += counts[p];
         }
     }
     let mut replace = ReplaceOthers { incoming, index: 0 };
     Ok((module.map(&mut replace), stats))
-}
-
-/// Consecutive runs of `chosen` of at most `cap_bytes` (at least one parameter each).
-fn buckets<'a>(
-    chosen: &'a [usize],
-    plan: &ShardPlan,
-    cap_bytes: usize,
-) -> impl Iterator<Item = &'a [usize]> {
-    let mut start = 0;
-    let sizes: Vec<usize> = chosen.iter().map(|&i| plan.params[i].bytes).collect();
-    std::iter::from_fn(move || {
-        if start >= chosen.len() {
-            return None;
-        }
-        let mut end = start;
-        let mut total = 0;
-        while end < chosen.len() && (end == start || total + sizes[end] <= cap_bytes) {
-            total += sizes[end];
-            end += 1;
-        }
-        let run = &chosen[start..end];
-        start = end;
-        Some(run)
-    })
 }
 
 /// Reads the values of the parameters this rank owns and stepped.
@@ -165,40 +154,5 @@ impl ModuleMapper for ReplaceOthers {
         let data = TensorData::from_bytes_vec(bytes, tensor.shape(), tensor.dtype());
         let value = Tensor::<D>::from_data(data, &tensor.device()).require_grad();
         Param::from_mapped_value(id, value, mapper)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::sharding::plan::ParamInfo;
-
-    fn plan(sizes: &[usize]) -> ShardPlan {
-        ShardPlan {
-            rank: 0,
-            world_size: 2,
-            params: sizes
-                .iter()
-                .map(|&b| ParamInfo {
-                    id: burn::module::ParamId::new(),
-                    shape: vec![b / 4],
-                    bytes: b,
-                })
-                .collect(),
-            root_ids: vec![],
-            owners: vec![0; sizes.len()],
-            fingerprint: 0,
-        }
-    }
-
-    #[test]
-    fn buckets_hold_at_most_the_cap_and_a_large_parameter_alone() {
-        let p = plan(&[40, 40, 40, 200, 8]);
-        let chosen = [0, 1, 2, 3, 4];
-        let runs: Vec<&[usize]> = buckets(&chosen, &p, 100).collect();
-        assert_eq!(runs, [&[0, 1][..], &[2][..], &[3][..], &[4][..]]);
-        let runs: Vec<&[usize]> = buckets(&[1, 4], &p, 100).collect();
-        assert_eq!(runs, [&[1, 4][..]]);
-        assert_eq!(buckets(&[], &p, 100).count(), 0);
     }
 }
