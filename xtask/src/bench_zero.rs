@@ -14,6 +14,15 @@ struct Measured {
     params: usize,
     batch: usize,
     step_ms: f64,
+    /// Rank 0's median times of the step's parts (absent from an older rank program).
+    #[serde(default)]
+    backward_ms: f64,
+    #[serde(default)]
+    sync_ms: f64,
+    #[serde(default)]
+    optimizer_ms: f64,
+    #[serde(default)]
+    gather_ms: f64,
     state_bytes: Vec<u64>,
     peak_rss_bytes: Vec<u64>,
 }
@@ -116,6 +125,15 @@ fn table(rows: &[Measured]) -> String {
             ),
         );
     }
+    s += "\nWhere rank 0's step goes (medians, ms):\n\n";
+    s += "| ranks | optimizer | backward | gradient sync | optimizer step | parameter all-gather |\n";
+    s += "|---|---|---|---|---|---|\n";
+    for r in rows {
+        s += &format!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+            r.ranks, r.mode, r.backward_ms, r.sync_ms, r.optimizer_ms, r.gather_ms
+        );
+    }
     s
 }
 
@@ -140,5 +158,12 @@ mod tests {
             "{t}"
         );
         assert!(parse("nothing").is_err());
+    }
+
+    #[test]
+    fn the_step_s_parts_get_a_table_of_their_own() {
+        let out = "ZERO {\"mode\":\"sharded\",\"ranks\":4,\"params\":10,\"batch\":8,\"step_ms\":9.0,\"backward_ms\":1.0,\"sync_ms\":2.0,\"optimizer_ms\":3.5,\"gather_ms\":2.25,\"state_bytes\":[1],\"peak_rss_bytes\":[1]}";
+        let t = table(&[parse(out).unwrap()]);
+        assert!(t.contains("| 4 | sharded | 1.0 | 2.0 | 3.5 | 2.2 |"), "{t}");
     }
 }

@@ -86,6 +86,10 @@ pub struct ShardStats {
     pub gather_sent: usize,
     /// See [`Self::gather_sent`].
     pub gather_received: usize,
+    /// Time the wrapped optimizer took to step this rank's parameters.
+    pub optimizer_step: std::time::Duration,
+    /// Time the parameter all-gather took (copies included).
+    pub gather: std::time::Duration,
 }
 
 impl Sharding {
@@ -119,9 +123,13 @@ impl Sharding {
             .as_ref()
             .expect("prepared before the gradient sync");
         let stepped = owned.present;
+        let t = std::time::Instant::now();
         let module = optim.step(lr, module, owned.grads);
+        let optimizer_step = t.elapsed();
+        let t = std::time::Instant::now();
         let (module, g) =
             gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?;
+        let gather = t.elapsed();
         let owned: Vec<usize> = (0..plan.params.len()).filter(|&i| plan.owns(i)).collect();
         self.last = ShardStats {
             params: plan.params.len(),
@@ -131,6 +139,8 @@ impl Sharding {
             gather_buckets: g.buckets,
             gather_sent: g.sent,
             gather_received: g.received,
+            optimizer_step,
+            gather,
         };
         Ok(module)
     }

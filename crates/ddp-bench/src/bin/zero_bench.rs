@@ -5,7 +5,8 @@
 //! parameters) with Adam through [`DdpOptimizer::new`] or, with `--shard`,
 //! [`DdpOptimizer::sharded`], `--warmup` untimed steps then `--steps` timed ones (a barrier
 //! before each, so a step is every rank's). Rank 0 prints one line
-//! `ZERO {json}` with the median step time, every rank's optimizer-state bytes and every
+//! `ZERO {json}` with the median step time and its parts on rank 0 (backward, gradient sync,
+//! optimizer step, parameter all-gather), every rank's optimizer-state bytes and every
 //! rank's peak resident memory (`VmHWM`). A process measures one mode: the peak memory of a
 //! process is its own high-water mark.
 
@@ -94,15 +95,34 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
         DdpOptimizer::new(&ddp, AdamConfig::new().init())
     };
     let mut times = Vec::new();
+    // Where rank 0's step goes: backward, gradient sync, optimizer step, parameter gather.
+    let (mut backward, mut sync, mut stepping, mut gather) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..args.warmup + args.steps {
         let x = Tensor::<2>::random([args.batch, args.width], Distribution::Default, &device);
         ddp.barrier()?;
         let t = Instant::now();
         let grads = GradientsParams::from_grads(model.loss(x).backward(), &model);
+        let backward_time = t.elapsed();
+        let t_step = Instant::now();
         model = optim.try_step(1e-4, model, grads)?;
+        let step_time = t_step.elapsed();
         ddp.barrier()?;
         if step >= args.warmup {
             times.push(t.elapsed());
+            backward.push(backward_time);
+            let synced = optim.last_sync_stats().total;
+            sync.push(synced);
+            match optim.last_shard_stats() {
+                Some(s) => {
+                    stepping.push(s.optimizer_step);
+                    gather.push(s.gather);
+                }
+                None => {
+                    stepping.push(step_time.saturating_sub(synced));
+                    gather.push(Duration::ZERO);
+                }
+            }
         }
     }
     let state = optim.state_size_bytes()? as i64;
@@ -115,10 +135,15 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
         let list = |v: &[i64]| v.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
         let line = format!(
             "{{\"mode\":\"{}\",\"ranks\":{world},\"params\":{params},\"batch\":{},\
-             \"step_ms\":{:.3},\"state_bytes\":[{}],\"peak_rss_bytes\":[{}]}}",
+             \"step_ms\":{:.3},\"backward_ms\":{:.3},\"sync_ms\":{:.3},\"optimizer_ms\":{:.3},\
+             \"gather_ms\":{:.3},\"state_bytes\":[{}],\"peak_rss_bytes\":[{}]}}",
             if args.shard { "sharded" } else { "unsharded" },
             args.batch,
             median_ms(times),
+            median_ms(backward),
+            median_ms(sync),
+            median_ms(stepping),
+            median_ms(gather),
             list(&states),
             list(&rsss),
         );
