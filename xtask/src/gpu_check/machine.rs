@@ -67,6 +67,20 @@ pub struct Probe {
     /// stub was loaded instead of the driver).
     #[serde(default)]
     pub cu_init: Option<i32>,
+    /// Device 0's name (`cuDeviceGetName`), when a device is visible.
+    #[serde(default)]
+    pub device_name: Option<String>,
+}
+
+/// The header line of a run whose libcuda is the project's test-only driver stand-in
+/// (`crates/cuda-standin`, whose device name says so): every CUDA row then fails by design.
+pub fn standin_line(device_name: Option<&str>) -> Option<String> {
+    device_name.filter(|n| n.contains("cuda-standin")).map(|n| {
+        format!(
+            "DRY RUN: the CUDA driver is the test-only STAND-IN ({n}): kernels are assembled by \
+             ptxas and never run, so every CUDA row fails and no number below means anything"
+        )
+    })
 }
 
 /// `CUDA_ERROR_STUB_LIBRARY`: what a CUDA toolkit's stub `libcuda.so` answers to `cuInit`.
@@ -82,6 +96,12 @@ pub fn probe_here() -> Probe {
     let driver_cuda = cuda.then(driver_cuda_version).flatten();
     // SAFETY: only when cudarc can load libcuda, so its lazy loader does not panic.
     let cu_init = cuda.then(|| unsafe { ddp_comm::nccl::cudarc::driver::sys::cuInit(0) } as i32);
+    let device_name = matches!(devices, Ok(n) if n > 0)
+        .then(|| {
+            use ddp_comm::nccl::cudarc::driver::result::device;
+            device::get(0).and_then(device::get_name).ok()
+        })
+        .flatten();
     let loaded = std::fs::read_to_string("/proc/self/maps")
         .unwrap_or_default()
         .lines()
@@ -101,6 +121,7 @@ pub fn probe_here() -> Probe {
         driver_cuda,
         loaded,
         cu_init,
+        device_name,
     }
 }
 
@@ -387,6 +408,9 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
                 )),
                 Ok(_) => None,
             };
+            if let Some(line) = standin_line(p.device_name.as_deref()) {
+                m.header.push(line);
+            }
             m.header.push(format!(
                 "GPU: {gpu_line}; {} CUDA device(s) visible; driver CUDA {}",
                 m.gpus,
@@ -662,6 +686,19 @@ mod tests {
         assert_eq!(PathBuf::from(link_dir), bin.join("lib"));
         // Linking again replaces the link.
         assert!(link_as(&lib.join(NCCL_SONAME), &bin, "libnccl.so").is_ok());
+    }
+
+    #[test]
+    fn a_run_under_the_driver_stand_in_says_so() {
+        let line = standin_line(Some(
+            "NVIDIA H200 (cuda-standin: no GPU, kernels never run)",
+        ));
+        assert!(
+            line.unwrap()
+                .starts_with("DRY RUN: the CUDA driver is the test-only STAND-IN")
+        );
+        assert_eq!(standin_line(Some("NVIDIA H200")), None);
+        assert_eq!(standin_line(None), None);
     }
 
     #[test]
