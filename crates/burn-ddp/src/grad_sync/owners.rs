@@ -122,7 +122,7 @@ impl GradientSynchronizer {
             for k in 0..buckets {
                 let t = Instant::now();
                 let counts = plan.counts(buckets, k);
-                let mut buf = fill(&plan, &mut slots, &mut host, buckets, k)?;
+                let mut buf = fill(&plan, &mut slots, &mut host, buckets, k, &counts)?;
                 stats.fill += t.elapsed();
                 let t = Instant::now();
                 comm::lock(&self.group).reduce_scatter_compressed(
@@ -174,18 +174,18 @@ fn write_back<M: Module>(module: &M, grads: &mut GradientsParams, slots: &mut [S
     module.visit(&mut writer);
 }
 
-/// Bucket `k`'s buffer of `buckets`: every owner's part in rank order, this rank's
-/// gradients (zeros where it has none). A slot's host copy is read at its first use and
-/// dropped after its last.
+/// Bucket `k`'s buffer of `buckets`, whose owners' parts have `counts` values: every owner's
+/// part in rank order, this rank's gradients (zeros where it has none). A slot's host copy is
+/// read at its first use and dropped after its last.
 fn fill(
     plan: &OwnerStreams,
     slots: &mut [Slot],
     host: &mut [Option<TensorData>],
     buckets: usize,
     k: usize,
+    counts: &[usize],
 ) -> Result<Vec<f32>> {
     let _span = ddp_comm::trace::span("bucket_fill", "ddp").arg("bucket", k);
-    let counts = plan.counts(buckets, k);
     let mut buf = Vec::with_capacity(counts.iter().sum());
     for p in 0..counts.len() {
         let part = plan.part(p, buckets, k);
