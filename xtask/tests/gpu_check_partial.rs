@@ -87,6 +87,27 @@ fn table_rows(summary: &str) -> Vec<&str> {
         .collect()
 }
 
+/// Kills the run and the CPU row's hanging program (whose pid the script wrote) however the
+/// test ends, so that a failing assertion leaves no process behind.
+struct Reap<'a> {
+    child: &'a mut Child,
+    pid_file: &'a Path,
+}
+
+impl Drop for Reap<'_> {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(pid) = std::fs::read_to_string(self.pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // SAFETY: kill(2) on the pid the script wrote (its `exec`ed sleep), nothing else.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
 #[test]
 fn a_run_killed_in_the_middle_of_a_row_leaves_the_rows_it_finished() {
     let tmp = tempfile::tempdir().unwrap();
@@ -103,6 +124,10 @@ fn a_run_killed_in_the_middle_of_a_row_leaves_the_rows_it_finished() {
     let b = bundle(tmp.path(), &[ddprun, bench]);
     let out = tmp.path().join("out");
     let (mut child, rx) = run(tmp.path(), &b, &out, 60);
+    let reap = Reap {
+        child: &mut child,
+        pid_file: &pid_file,
+    };
 
     let start = Instant::now();
     let mut lines = Vec::new();
@@ -111,7 +136,7 @@ fn a_run_killed_in_the_middle_of_a_row_leaves_the_rows_it_finished() {
             start.elapsed() < DEADLINE,
             "the CPU row never started: {lines:#?}"
         );
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = reap.child.try_wait().unwrap() {
             panic!("gpu-check run ended ({status}) before the CPU row: {lines:#?}");
         }
         lines.extend(rx.try_iter());
@@ -119,11 +144,7 @@ fn a_run_killed_in_the_middle_of_a_row_leaves_the_rows_it_finished() {
     }
     // Mid-row: every earlier row has ended and was printed; now the machine's limit strikes.
     std::thread::sleep(Duration::from_millis(300));
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let sleeper = std::fs::read_to_string(&pid_file).unwrap();
-    // SAFETY: kill(2) on the pid the script wrote (its `exec`ed sleep), nothing else.
-    unsafe { libc::kill(sleeper.trim().parse().unwrap(), libc::SIGKILL) };
+    drop(reap);
     lines.extend(rx.iter().take_while(|_| start.elapsed() < DEADLINE));
 
     let printed = progress(&lines);
