@@ -7,7 +7,7 @@ use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use super::message::{Reply, Request, VERSION};
-use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME, Store};
+use super::{CompareSet, DEFAULT_IO_TIMEOUT, MAX_FRAME, Store};
 use crate::error::{CommError, Result};
 use crate::wire::{read_frame, write_frame};
 
@@ -179,6 +179,12 @@ impl StoreClient {
 
     /// Whether the connection still works: `false` after an I/O error (a key that did not
     /// appear in time is not one), when every later request fails at once.
+    /// This end's address of the connection: the address this host reaches the store from
+    /// (one the store's host can reach back, as a rule).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.stream.local_addr()
+    }
+
     pub fn is_usable(&self) -> bool {
         self.broken.is_none()
     }
@@ -353,6 +359,44 @@ impl StoreClient {
     }
 }
 
+impl StoreClient {
+    /// Sets `key` to `desired` if it holds `expected` now (`None`: if it does not exist), in
+    /// one step on the server; otherwise returns what it holds.
+    pub fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<CompareSet> {
+        let what = format!("compare-and-set of key {key:?}");
+        let req = Request::CompareSet {
+            key: key.to_string(),
+            expected: expected.map(<[u8]>::to_vec),
+            desired: desired.to_vec(),
+        };
+        match self.request(&req, &what, self.io_timeout)? {
+            Reply::Ok => Ok(CompareSet::Swapped),
+            Reply::Value(v) => Ok(CompareSet::Current(Some(v))),
+            Reply::Missing => Ok(CompareSet::Current(None)),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+
+    /// Asks the server to add 1 to the counter at `key` when this connection ends, however
+    /// it ends (closed, reset, this process killed): how the other side learns at once that
+    /// this one is gone. At most a few keys per connection.
+    pub fn add_on_close(&mut self, key: &str) -> Result<()> {
+        let what = format!("registering key {key:?} for the connection's end");
+        let req = Request::OnClose {
+            key: key.to_string(),
+        };
+        match self.request(&req, &what, self.io_timeout)? {
+            Reply::Ok => Ok(()),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+}
+
 impl Store for StoreClient {
     fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         StoreClient::set(self, key, value)
@@ -368,5 +412,13 @@ impl Store for StoreClient {
     }
     fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
         StoreClient::wait(self, keys, timeout)
+    }
+    fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<CompareSet> {
+        StoreClient::compare_set(self, key, expected, desired)
     }
 }

@@ -12,12 +12,10 @@
 //! - Trace clock synchronisation ([`TRACE`], `ddp/trace`, only with `DDP_TRACE` set):
 //!   `ping/{rank}/{round}`, set by a rank, and `pong/{rank}/{round}`, rank 0's clock in answer.
 //! - The launchers' rendezvous ([`LAUNCHERS`], `ddp/launchers`, in the store the rendezvous
-//!   host's launcher serves, not rank 0's): `spec/{id}` (a launcher's configuration),
-//!   `hb/{id}` (its heartbeat counter), `open` (the round taking joins), `join/{r}` and
-//!   `joiner/{r}/{i}` (who joined round `r`, in order), `round/{r}` (the round as the host
-//!   closed it, or its refusal), `end/{r}` and `end_claim/{r}` (how it ended, first claim
-//!   wins), `done/{r}` (nodes whose ranks all exited 0), `bye/{r}` (launchers that read the
-//!   job's end).
+//!   host's launcher serves, not rank 0's): `state` (the whole rendezvous, changed only by
+//!   compare-and-set), `hb/{id}` (a launcher's heartbeat counter), `conn/{id}` and `gone/{id}`
+//!   (its heartbeat connections opened and ended: gone once they are equal), `hb-coordinator`
+//!   (the host's coordinator's heartbeat).
 
 /// The process group's namespace.
 pub(crate) const PROCESS_GROUP: &str = "ddp/pg";
@@ -61,50 +59,28 @@ pub(crate) fn nccl_unique_id(generation: i64) -> String {
 /// The launchers' rendezvous namespace (in the rendezvous host's store).
 pub(crate) const LAUNCHERS: &str = "ddp/launchers";
 
-/// Launcher `id`'s configuration (in [`LAUNCHERS`]).
-pub(crate) fn launcher_spec(id: &str) -> String {
-    format!("spec/{id}")
-}
-
 /// Launcher `id`'s heartbeat counter (in [`LAUNCHERS`]).
 pub(crate) fn launcher_heartbeat(id: &str) -> String {
     format!("hb/{id}")
 }
 
-/// The number of the round that takes joins now (in [`LAUNCHERS`]).
-pub(crate) const OPEN_ROUND: &str = "open";
-
-/// The counter of launchers that joined round `round` (in [`LAUNCHERS`]).
-pub(crate) fn round_joins(round: u64) -> String {
-    format!("join/{round}")
+/// The launchers' whole rendezvous state, one value changed only by compare-and-set (full
+/// key: the namespace is part of it).
+pub(crate) fn launchers_state() -> String {
+    format!("{LAUNCHERS}/state")
 }
 
-/// The id of the `index`-th launcher (from 1) to join round `round` (in [`LAUNCHERS`]).
-pub(crate) fn round_joiner(round: u64, index: i64) -> String {
-    format!("joiner/{round}/{index}")
+/// The counter of heartbeat connections launcher `id` opened (in [`LAUNCHERS`]).
+pub(crate) fn launcher_connections(id: &str) -> String {
+    format!("conn/{id}")
 }
 
-/// Round `round` as the host closed it (in [`LAUNCHERS`]).
-pub(crate) fn round_info(round: u64) -> String {
-    format!("round/{round}")
+/// The counter the store adds to when one of launcher `id`'s heartbeat connections ends (in
+/// [`LAUNCHERS`]): the launcher is gone once it reaches [`launcher_connections`].
+pub(crate) fn launcher_gone(id: &str) -> String {
+    format!("gone/{id}")
 }
 
-/// How round `round` ended (in [`LAUNCHERS`]).
-pub(crate) fn round_end(round: u64) -> String {
-    format!("end/{round}")
-}
-
-/// The claim counter of [`round_end`]: the claim that makes it 1 writes the end.
-pub(crate) fn round_end_claim(round: u64) -> String {
-    format!("end_claim/{round}")
-}
-
-/// The counter of nodes of round `round` whose ranks all exited 0 (in [`LAUNCHERS`]).
-pub(crate) fn round_done(round: u64) -> String {
-    format!("done/{round}")
-}
-
-/// The counter of launchers that have read the job's end in round `round` (in [`LAUNCHERS`]).
-pub(crate) fn round_bye(round: u64) -> String {
-    format!("bye/{round}")
-}
+/// The coordinator's own heartbeat counter (in [`LAUNCHERS`]): members see a host whose
+/// coordinator stopped.
+pub(crate) const COORDINATOR_BEAT: &str = "hb-coordinator";

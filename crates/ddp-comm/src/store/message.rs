@@ -11,7 +11,7 @@ use crate::wire::{Malformed, Parsed, Reader, Writer};
 /// Magic at the start of every handshake ("DDPS").
 pub(crate) const MAGIC: [u8; 4] = *b"DDPS";
 /// Protocol version; bumped on incompatible changes.
-pub(crate) const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 2;
 
 /// A request from a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +31,14 @@ pub(crate) enum Request {
         keys: Vec<String>,
         timeout: Duration,
     },
+    /// Set `key` to `desired` if its value is `expected` now (`None`: if it does not exist).
+    CompareSet {
+        key: String,
+        expected: Option<Vec<u8>>,
+        desired: Vec<u8>,
+    },
+    /// When this connection ends, however it ends, add 1 to the counter at `key`.
+    OnClose { key: String },
 }
 
 /// A reply from the server.
@@ -58,6 +66,8 @@ const GET: u8 = 3;
 const TRY_GET: u8 = 4;
 const ADD: u8 = 5;
 const WAIT: u8 = 6;
+const COMPARE_SET: u8 = 7;
+const ON_CLOSE: u8 = 8;
 
 const OK: u8 = 0x80;
 const VALUE: u8 = 0x81;
@@ -93,6 +103,17 @@ impl Request {
                 }
                 w
             }
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => w
+                .u8(COMPARE_SET)
+                .bytes(key.as_bytes())
+                .u8(expected.is_some() as u8)
+                .bytes(expected.as_deref().unwrap_or_default())
+                .bytes(desired),
+            Request::OnClose { key } => w.u8(ON_CLOSE).bytes(key.as_bytes()),
         }
         .finish()
     }
@@ -138,6 +159,21 @@ impl Request {
                 }
                 Request::Wait { keys, timeout }
             }
+            COMPARE_SET => {
+                let key = r.string()?;
+                let has_expected = r.u8()?;
+                let expected = r.bytes()?.to_vec();
+                Request::CompareSet {
+                    key,
+                    expected: match has_expected {
+                        0 => None,
+                        1 => Some(expected),
+                        _ => return Err(Malformed),
+                    },
+                    desired: r.bytes()?.to_vec(),
+                }
+            }
+            ON_CLOSE => Request::OnClose { key: r.string()? },
             _ => return Err(Malformed),
         };
         r.end()?;
@@ -225,6 +261,17 @@ mod tests {
                 keys: vec!["a".into(), "b".into()],
                 timeout: t,
             },
+            Request::CompareSet {
+                key: "s".into(),
+                expected: None,
+                desired: vec![4],
+            },
+            Request::CompareSet {
+                key: "s".into(),
+                expected: Some(vec![]),
+                desired: vec![5, 6],
+            },
+            Request::OnClose { key: "gone".into() },
         ];
         for req in requests {
             assert_eq!(Request::decode(&req.encode()), Ok(req));

@@ -2,7 +2,10 @@
 //!
 //! Rank 0 serves it at `MASTER_ADDR:MASTER_PORT` ([`StoreServer`]); every rank (rank 0 too)
 //! talks to it through a [`StoreClient`]. Keys map to byte values; `get` and `wait` block until
-//! the key appears or the timeout passes; `add` is an atomic counter. A connection must present
+//! the key appears or the timeout passes; `add` is an atomic counter; `compare_set` replaces a
+//! value only if it is still the one the caller read (how the launchers' rendezvous changes its
+//! one state key); and a connection can ask for a counter to be added to when it ends,
+//! however it ends ([`StoreClient::add_on_close`]: how a killed launcher is seen at once). A connection must present
 //! the job token first; connections without it are refused and logged.
 //!
 //! Code that uses the store goes through the [`Store`] trait, and names its keys inside a
@@ -68,6 +71,23 @@ pub trait Store {
     fn add(&mut self, key: &str, delta: i64) -> Result<i64>;
     /// Waits up to `timeout` until all `keys` exist.
     fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// Atomically sets `key` to `desired` if its value is `expected` now (`None`: if `key`
+    /// does not exist); otherwise leaves it and returns what it holds.
+    fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<CompareSet>;
+}
+
+/// The answer to [`Store::compare_set`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompareSet {
+    /// The key held the expected value (or was absent, as expected) and now holds the new one.
+    Swapped,
+    /// The key held something else, left as it is: this (`None`: it does not exist).
+    Current(Option<Vec<u8>>),
 }
 
 impl<S: Store + ?Sized> Store for &mut S {
@@ -85,6 +105,14 @@ impl<S: Store + ?Sized> Store for &mut S {
     }
     fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
         (**self).wait(keys, timeout)
+    }
+    fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<CompareSet> {
+        (**self).compare_set(key, expected, desired)
     }
 }
 
@@ -151,6 +179,15 @@ impl<S: Store + ?Sized> Store for PrefixStore<'_, S> {
         let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
         let refs: Vec<&str> = full.iter().map(String::as_str).collect();
         self.store.wait(&refs, timeout)
+    }
+    fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<CompareSet> {
+        let key = self.key(key);
+        self.store.compare_set(&key, expected, desired)
     }
 }
 

@@ -29,6 +29,8 @@ pub(super) const HANDSHAKE_TIMEOUT: Duration = if cfg!(test) {
 const MAX_UNAUTHENTICATED: usize = 64;
 /// The longest a `get`/`wait` waits on the server, whatever timeout it asked for.
 const MAX_WAIT: Duration = Duration::from_secs(3600);
+/// Most keys one connection may ask to be counted when it ends.
+const MAX_ON_CLOSE: usize = 4;
 /// How often the accept loop checks for shutdown (it wakes at once for new connections).
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
@@ -327,6 +329,8 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     // unblocks the read by closing the socket.
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(Some(DEFAULT_IO_TIMEOUT));
+    // Counters to add 1 to when this connection ends, however it ends.
+    let mut on_close: Vec<String> = Vec::new();
     loop {
         let frame = match read_frame(&mut stream, MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -344,6 +348,13 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                 let _ = send(&mut stream, &Reply::Error("malformed request".into()));
                 break;
             }
+            Ok(Request::OnClose { key }) if on_close.len() < MAX_ON_CLOSE => {
+                on_close.push(key);
+                Reply::Ok
+            }
+            Ok(Request::OnClose { .. }) => Reply::Error(format!(
+                "at most {MAX_ON_CLOSE} keys per connection may be counted at its end"
+            )),
             Ok(request) => handle_request(request, shared),
         };
         if send(&mut stream, &reply).is_err() {
@@ -351,6 +362,9 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         }
     }
     let _ = stream.shutdown(Shutdown::Both);
+    for key in on_close {
+        let _ = handle_request(Request::Add { key, delta: 1 }, shared);
+    }
 }
 
 fn handle_request(request: Request, shared: &Shared) -> Reply {
@@ -394,7 +408,25 @@ fn handle_request(request: Request, shared: &Shared) -> Reply {
             Ok(_) => Reply::Ok,
             Err(reply) => reply,
         },
-        Request::Hello { .. } => Reply::Error("malformed request".into()),
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            let mut st = shared.lock();
+            let current = st.map.get(&key);
+            if current.map(Vec::as_slice) != expected.as_deref() {
+                return match current {
+                    Some(v) => Reply::Value(v.clone()),
+                    None => Reply::Missing,
+                };
+            }
+            st.map.insert(key, desired);
+            drop(st);
+            shared.changed.notify_all();
+            Reply::Ok
+        }
+        Request::Hello { .. } | Request::OnClose { .. } => Reply::Error("malformed request".into()),
     }
 }
 

@@ -261,3 +261,75 @@ fn a_trickling_handshake_is_cut_at_its_deadline() {
         "closed too early: {after:?}"
     );
 }
+
+/// Compare-and-set: one winner among racing writers, the loser told what is there, absence
+/// as an expectation, and a swap wakes a waiter.
+#[test]
+fn compare_set_has_one_winner_and_tells_the_losers_what_is_there() {
+    let (_s, ep) = server(Some("tok"));
+    let mut a = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    assert_eq!(
+        a.compare_set("s", Some(b"x"), b"y").unwrap(),
+        CompareSet::Current(None)
+    );
+    assert_eq!(
+        a.compare_set("s", None, b"v0").unwrap(),
+        CompareSet::Swapped
+    );
+    assert_eq!(
+        a.compare_set("s", None, b"other").unwrap(),
+        CompareSet::Current(Some(b"v0".to_vec()))
+    );
+    // Eight threads race to move v0 on: exactly one wins.
+    let start = Arc::new(Barrier::new(8));
+    let handles: Vec<_> = (0..8u8)
+        .map(|i| {
+            let (ep, start) = (ep.clone(), Arc::clone(&start));
+            std::thread::spawn(move || {
+                let mut c = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+                start.wait();
+                c.compare_set("s", Some(b"v0"), &[i]).unwrap() == CompareSet::Swapped
+            })
+        })
+        .collect();
+    let wins = handles
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .filter(|w| *w)
+        .count();
+    assert_eq!(wins, 1);
+    let mut prefixed = PrefixStore::new(&mut a, "ns");
+    assert_eq!(
+        prefixed.compare_set("k", None, b"1").unwrap(),
+        CompareSet::Swapped
+    );
+    assert_eq!(a.try_get("ns/k").unwrap().as_deref(), Some(&b"1"[..]));
+}
+
+/// A connection's end-of-connection counters are added to when it closes, and when its
+/// process would be killed (the socket dropped without a word).
+#[test]
+fn counters_registered_for_a_connections_end_are_added_when_it_ends() {
+    let (_s, ep) = server(Some("tok"));
+    let mut watcher = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    let mut c = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    c.add_on_close("gone/a").unwrap();
+    c.add_on_close("gone/b").unwrap();
+    assert_eq!(watcher.add("gone/a", 0).unwrap(), 0);
+    drop(c);
+    let deadline = Instant::now() + T;
+    while watcher.add("gone/b", 0).unwrap() != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the connection's end was not counted"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(watcher.add("gone/a", 0).unwrap(), 1);
+    let mut greedy = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    for i in 0..4 {
+        greedy.add_on_close(&format!("k{i}")).unwrap();
+    }
+    let err = greedy.add_on_close("k4").unwrap_err();
+    assert!(err.to_string().contains("at most 4"), "{err}");
+}

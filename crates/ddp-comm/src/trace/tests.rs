@@ -307,6 +307,14 @@ impl<S: crate::store::Store> crate::store::Store for Far<S> {
     fn wait(&mut self, keys: &[&str], timeout: Duration) -> crate::Result<()> {
         self.inner.wait(keys, timeout)
     }
+    fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> crate::Result<crate::store::CompareSet> {
+        self.inner.compare_set(key, expected, desired)
+    }
 }
 
 /// A known offset behind a 40 ms one-way latency is recovered well inside half that latency.
