@@ -41,8 +41,10 @@ struct Args {
     /// --rdzv-last-call has passed; a node that joins later is admitted by restarting the group.
     #[arg(long, default_value = "1", value_parser = parse_nnodes, value_name = "N|MIN:MAX")]
     nnodes: (u32, u32),
-    /// This node's index, 0..nnodes. Node 0 hosts the launchers' rendezvous; the others are
-    /// ordered by it (a round assigns GROUP_RANK: node 0 first, then these, then by arrival).
+    /// This node's index. Node 0 hosts the launchers' rendezvous; a round ranks its nodes by
+    /// it, then by arrival (GROUP_RANK). Any number from 1 on for the others (0..nnodes on a
+    /// job of fixed size), so that a replacement or an extra node of an elastic job has a
+    /// place of its own.
     #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
     node_rank: u32,
     /// The launchers' rendezvous on several nodes, HOST:PORT, served by node 0's ddprun
@@ -53,6 +55,10 @@ struct Args {
         value_name = "HOST:PORT"
     )]
     rdzv_endpoint: Option<String>,
+    /// This node's address as the other nodes reach it (where its rank 0 serves when it is
+    /// node 0 of a round) [default: the address its connection to the rendezvous comes from].
+    #[arg(long = "local-addr", visible_alias = "local_addr", value_name = "ADDR")]
+    local_addr: Option<String>,
     /// With --nnodes MIN:MAX: how long a round with at least MIN nodes waits for more.
     #[arg(long = "rdzv-last-call", visible_alias = "rdzv_last_call", default_value_t = 10.0,
           value_parser = parse_secs, value_name = "SECS")]
@@ -91,7 +97,9 @@ struct Args {
     no_prefix: bool,
     /// Start the whole group again after a rank failed, up to this many times (torchrun's
     /// --max-restarts). Each attempt gets a fresh rendezvous and TORCHELASTIC_RESTART_COUNT /
-    /// DDP_RESTART_COUNT set to its number; the exit code is the last attempt's.
+    /// DDP_RESTART_COUNT set to the failed attempts before it (torchrun's meaning; on several
+    /// nodes DDP_ROUND counts every round, scale-ups included); the exit code is the last
+    /// attempt's.
     #[arg(
         long = "max-restarts",
         visible_alias = "max_restarts",
@@ -178,6 +186,7 @@ fn main() -> ExitCode {
         master_addr: args.master_addr,
         master_port: args.master_port,
         rdzv_endpoint: args.rdzv_endpoint,
+        local_addr: args.local_addr,
         rdzv_last_call: Duration::from_secs_f64(args.rdzv_last_call),
         rdzv_heartbeat: Duration::from_secs_f64(args.rdzv_heartbeat_secs),
         rdzv_join_timeout: Duration::from_secs_f64(args.rdzv_join_timeout),
@@ -215,8 +224,15 @@ fn main() -> ExitCode {
             ExitCode::from((report.exit_code() & 0xff) as u8)
         }
         Err(e) => {
-            eprintln!("ddprun: error: {e}");
+            // The rendezvous' own lines already start with `ddprun: `.
+            let text = e.to_string();
+            if text.starts_with("ddprun: ") {
+                eprintln!("{text}");
+            } else {
+                eprintln!("ddprun: error: {text}");
+            }
             let code = match &e {
+                LaunchError::Rendezvous(r) => r.exit_code(),
                 // The shell's conventions for a command that cannot run.
                 LaunchError::Spawn { source, .. }
                     if source.kind() == std::io::ErrorKind::NotFound =>
@@ -226,7 +242,7 @@ fn main() -> ExitCode {
                 LaunchError::Spawn { .. } => 126,
                 _ => 1,
             };
-            ExitCode::from(code)
+            ExitCode::from((code & 0xff) as u8)
         }
     }
 }

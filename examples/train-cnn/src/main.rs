@@ -50,7 +50,8 @@ struct Args {
     #[arg(long, default_value = "runs/train-cnn")]
     out: PathBuf,
     /// Continue from `OUT/checkpoint.bin` (automatic after a launcher's restart:
-    /// TORCHELASTIC_RESTART_COUNT or DDP_RESTART_COUNT above 0 and a checkpoint there).
+    /// TORCHELASTIC_RESTART_COUNT, DDP_RESTART_COUNT or DDP_ROUND above 0 and a checkpoint
+    /// there).
     #[arg(long)]
     resume: bool,
     /// Also save a checkpoint every N optimizer steps (0: only after each epoch); a resumed
@@ -113,10 +114,14 @@ fn main() -> ExitCode {
     }
 }
 
-/// Whether a launcher restarted this job after a failure (`ddprun --max-restarts`, torchrun's
-/// `--max-restarts`): then a checkpoint the failed attempt left is resumed without `--resume`.
+/// Whether a launcher started this job again (`ddprun --max-restarts`, torchrun's
+/// `--max-restarts`, or a round of a multi-node job after a scale-up, `DDP_ROUND`): then a
+/// checkpoint the earlier attempt left is resumed without `--resume`.
 fn restarted() -> bool {
-    ddp_comm::launcher::RESTART_COUNT_VARS.iter().any(|var| {
+    let vars = ddp_comm::launcher::RESTART_COUNT_VARS
+        .iter()
+        .chain([&ddp_comm::launcher::ROUND_VAR]);
+    vars.into_iter().any(|var| {
         std::env::var(var)
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())

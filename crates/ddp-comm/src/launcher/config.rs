@@ -18,9 +18,9 @@ pub struct LaunchConfig {
     pub nnodes: usize,
     /// The fewest nodes a round may start with. `None`: [`Self::nnodes`] (a fixed size).
     pub min_nodes: Option<usize>,
-    /// This node's index, `0..nnodes`. Node 0 hosts the launchers' rendezvous; on several
-    /// nodes the node rank a round gives (`GROUP_RANK`) puts the host first and the others
-    /// in this order, then by arrival.
+    /// This node's index, `0..nnodes` (any number from 1 on for the other nodes of an elastic
+    /// job, `min_nodes < nnodes`). Node 0 hosts the launchers' rendezvous; on several nodes the
+    /// node rank a round gives (`GROUP_RANK`) follows this order, then arrival.
     pub node_rank: usize,
     /// Host of the rendezvous store (`MASTER_ADDR`): rank 0's on one node, the launchers' on
     /// several (node 0's; rank 0 of every round serves the ranks' store on that host too).
@@ -28,6 +28,10 @@ pub struct LaunchConfig {
     /// Port of the rendezvous store. `None`: a free port on one node, 29500 on several (where
     /// it is the launchers' rendezvous; each round's ranks get a fresh port of their own).
     pub master_port: Option<u16>,
+    /// This node's address as the other nodes reach it, on several nodes (torchrun's
+    /// `--local-addr`): where its rank 0 serves the ranks' store in a round whose node 0 it
+    /// is. `None`: the address its connection to the rendezvous comes from.
+    pub local_addr: Option<String>,
     /// The launchers' rendezvous endpoint `HOST:PORT` on several nodes (torchrun's
     /// `--rdzv-endpoint`). `None`: `master_addr:master_port`.
     pub rdzv_endpoint: Option<String>,
@@ -81,6 +85,7 @@ impl Default for LaunchConfig {
             master_addr: "127.0.0.1".to_string(),
             master_port: None,
             rdzv_endpoint: None,
+            local_addr: None,
             rdzv_last_call: Duration::from_secs(10),
             rdzv_heartbeat: Duration::from_secs(10),
             rdzv_join_timeout: Duration::from_secs(300),
@@ -125,7 +130,10 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
             "the rendezvous heartbeat timeout must be above 0".into(),
         ));
     }
-    if cfg.node_rank >= cfg.nnodes {
+    // An elastic job's extra or replacement nodes may take any rank from 1 (rounds order by
+    // it); a fixed-size job's are 0..nnodes.
+    let elastic = cfg.min_nodes.is_some_and(|min| min < cfg.nnodes);
+    if cfg.node_rank >= cfg.nnodes && !elastic {
         return Err(LaunchError::InvalidConfig(format!(
             "node_rank {} is out of range for nnodes = {} (must be 0..{})",
             cfg.node_rank, cfg.nnodes, cfg.nnodes

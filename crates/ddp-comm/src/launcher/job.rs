@@ -5,17 +5,29 @@
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use super::config::RESTART_COUNT_VARS;
 use super::rendezvous::host::Host;
-use super::rendezvous::member::{Member, RoundWatch, Seen};
+use super::rendezvous::member::{Joined, Member, RoundWatch, Seen};
 use super::rendezvous::messages::{
-    After, EndKind, NodeSpec, RoundEnd, RoundInfo, RoundOutcome, after, is_failure,
+    After, EndKind, NodeSpec, RoundEnd, RoundInfo, after, is_failure,
 };
 use super::rendezvous::{RendezvousError, Timing};
-use super::signals::{SignalForwarding, signal_name};
+use super::report::{Failure, RankExit};
+use super::signals::{SignalForwarding, caught, signal_name};
 use super::{AttemptEnd, JobStop, LaunchConfig, LaunchError, LaunchReport, RoundHooks};
 use crate::env::TOKEN_VAR;
+
+/// The variable that carries the rendezvous round (scale-ups included) to the ranks;
+/// `TORCHELASTIC_RESTART_COUNT` counts failed rounds only.
+pub const ROUND_VAR: &str = "DDP_ROUND";
+
+/// How long a rank failure with an exit code waits before it is written as the round's cause:
+/// a rank that exits with an error because a peer was killed, or because another node's
+/// launcher died, fails within milliseconds of it, and the cause (the killed rank, the lost
+/// node) should win. A rank killed by a signal is written at once.
+const CAUSE_SETTLE: Duration = Duration::from_millis(500);
 
 /// Runs this node's part of a job of several nodes (`cfg.nnodes > 1`); `env` is what
 /// [`super::config::common_env`] worked out.
@@ -32,15 +44,16 @@ pub(super) fn launch_nodes(
         .rdzv_endpoint
         .clone()
         .unwrap_or_else(|| format!("{}:{}", env["MASTER_ADDR"], env["MASTER_PORT"]));
-    let Some((master_addr, _)) = endpoint.rsplit_once(':') else {
+    if endpoint.rsplit_once(':').is_none() {
         return Err(LaunchError::InvalidConfig(format!(
             "the rendezvous endpoint {endpoint:?} is not HOST:PORT"
         )));
-    };
+    }
     let timing = Timing {
         heartbeat: cfg.rdzv_heartbeat,
         last_call: cfg.rdzv_last_call,
         join_timeout: cfg.rdzv_join_timeout,
+        grace: cfg.grace,
     };
     let spec = NodeSpec {
         id: format!("{:016x}", rand::random::<u64>()),
@@ -56,122 +69,243 @@ pub(super) fn launch_nodes(
         min_nodes: cfg.min_nodes.unwrap_or(cfg.nnodes),
         max_nodes: cfg.nnodes,
     };
-    let label = spec.label();
     let host = match cfg.node_rank {
-        0 => Some(Host::start(
-            &endpoint,
-            &token,
-            spec.clone(),
-            timing,
-            master_addr.trim_matches(['[', ']']),
-        )?),
+        0 => Some(Host::start(&endpoint, &token, spec.clone(), timing)?),
         _ => None,
     };
-    let mut member = Member::connect(&endpoint, &token, spec, timing)?;
-    let mut round = member.open_round()?;
-    let mut restarts = Vec::new();
-    loop {
-        let info = match member.join(round)? {
-            RoundOutcome::Started(info) => info,
-            RoundOutcome::Refused { line } => {
-                member.bye(round);
-                drop(member);
-                if let Some(h) = host {
-                    h.finish();
+    let node = Node {
+        cfg,
+        env,
+        program,
+        trace_dir,
+        forwarding,
+        is_host: host.is_some(),
+        label: spec.label(),
+    };
+    // Where this node's rank 0 serves when it is a round's node 0: as given; else, on the
+    // host, the rendezvous endpoint's host (the others reach it there already); elsewhere,
+    // the address its connection to the rendezvous comes from.
+    let endpoint_host = endpoint
+        .rsplit_once(':')
+        .map(|(h, _)| h.trim_matches(['[', ']']).to_string());
+    let local_addr = cfg
+        .local_addr
+        .clone()
+        .or_else(|| host.as_ref().and(endpoint_host));
+    let member = Member::connect(
+        &endpoint,
+        &token,
+        spec,
+        timing,
+        forwarding.is_some(),
+        local_addr.as_deref(),
+        host.as_ref().map(Host::failure_cell),
+    );
+    let result = member
+        .map_err(LaunchError::from)
+        .and_then(|m| node.run_rounds(m, &endpoint, &token, args));
+    if let Some(h) = host {
+        // Interrupted, the host leaves at once (the others have read the end by then, or see
+        // the host gone: they stop either way).
+        let quick = match &result {
+            Ok(r) => r.interrupted.is_some(),
+            Err(LaunchError::Rendezvous(RendezvousError::Interrupted { .. })) => true,
+            Err(_) => false,
+        };
+        h.finish(quick);
+    }
+    result
+}
+
+/// This node's part of the job.
+struct Node<'a> {
+    cfg: &'a LaunchConfig,
+    env: &'a BTreeMap<String, String>,
+    program: &'a OsStr,
+    trace_dir: Option<PathBuf>,
+    forwarding: Option<&'a SignalForwarding>,
+    is_host: bool,
+    label: String,
+}
+
+impl Node<'_> {
+    /// Rounds until the job's end.
+    fn run_rounds(
+        &self,
+        mut member: Member,
+        endpoint: &str,
+        token: &str,
+        args: &[impl AsRef<OsStr>],
+    ) -> Result<LaunchReport, LaunchError> {
+        let cfg = self.cfg;
+        let mut restarts = Vec::new();
+        loop {
+            let info = match member.join()? {
+                Joined::Started(info) => info,
+                Joined::Finished(end) => {
+                    member.ack();
+                    return Ok(self.ended_without_a_round(end, restarts));
                 }
-                return Err(RendezvousError::Refused { line }.into());
+                Joined::Missed(info, end) => {
+                    // The round ended before this node started its ranks: the same rule.
+                    if let After::Finish(code) = after(&end, &info, cfg.max_restarts) {
+                        member.ack();
+                        let mut report = self.ended_without_a_round(end, restarts);
+                        report.job_stop = report.job_stop.map(|s| JobStop {
+                            exit_code: code,
+                            ..s
+                        });
+                        return Ok(report);
+                    }
+                    self.say_restart(&end, &info);
+                    restarts.push(AttemptEnd {
+                        attempt: info.round as usize,
+                        summary: end.line,
+                        exit_code: end.exit_code,
+                    });
+                    continue;
+                }
+            };
+            let node_rank = info
+                .node_rank(&member.spec().id)
+                .expect("a round this launcher joined has it");
+            let first_rank = node_rank * cfg.nproc_per_node;
+            let local_ranks = first_rank..first_rank + cfg.nproc_per_node;
+            let mut round_env = round_env(self.env, &info, node_rank, token);
+            if let Some(dir) = &self.trace_dir {
+                super::trace::prepare(
+                    dir,
+                    info.round as usize,
+                    local_ranks.clone(),
+                    &mut round_env,
+                )?;
             }
-        };
-        let Some(node_rank) = info.node_rank(&member.spec().id) else {
-            eprintln!(
-                "ddprun: round {} started with {} node(s) without {label}; it joins the next round",
-                info.round,
-                info.nodes.len()
+            tracing::info!(
+                round = info.round,
+                node_rank,
+                nodes = info.nodes.len(),
+                master = format!("{}:{}", info.master_addr, info.master_port),
+                "round started"
             );
-            round = info.round + 1;
-            continue;
-        };
-        let first_rank = node_rank * cfg.nproc_per_node;
-        let local_ranks = first_rank..first_rank + cfg.nproc_per_node;
-        let mut round_env = round_env(env, &info, node_rank, &token);
-        if let Some(dir) = &trace_dir {
-            super::trace::prepare(
-                dir,
-                info.round as usize,
-                local_ranks.clone(),
-                &mut round_env,
+            let mut hooks = Hooks {
+                watch: member.watch(info.round)?,
+                member: &mut member,
+                round: info.round,
+                label: self.label.clone(),
+                held: None,
+                seen: None,
+                claim_error: None,
+            };
+            let mut report = super::launch_once(
+                cfg,
+                &round_env,
+                first_rank,
+                self.program,
+                args,
+                self.forwarding,
+                &mut hooks,
             )?;
-        }
-        tracing::info!(
-            round = info.round,
-            node_rank,
-            nodes = info.nodes.len(),
-            "round started"
-        );
-        let mut hooks = Hooks {
-            watch: member.watch(info.round)?,
-            member: &mut member,
-            round: info.round,
-            label: label.clone(),
-            host_gone: None,
-            claim_error: None,
-        };
-        let mut report = super::launch_once(
-            cfg, &round_env, first_rank, program, args, forwarding, &mut hooks,
-        )?;
-        report.attempt = info.round as usize;
-        if report.interrupted.is_none()
-            && let Some((sig, _)) = forwarding.and_then(SignalForwarding::received)
-        {
-            report.interrupted = Some((sig, 0));
-        }
-        let (host_gone, claim_error) = (hooks.host_gone.take(), hooks.claim_error.take());
-        drop(hooks);
-        if let Some(e) = claim_error {
-            return Err(e.into());
-        }
-        if let Some(detail) = host_gone.or_else(|| member.host_gone()) {
-            return Err(RendezvousError::HostGone { endpoint, detail }.into());
-        }
-        let end = round_end(&mut member, &info, &report, &label)?;
-        match after(&end, &info, cfg.max_restarts) {
-            After::Finish(code) => {
-                member.bye(info.round);
+            report.attempt = info.round as usize;
+            if report.interrupted.is_none()
+                && let Some((sig, _)) = self.forwarding.and_then(SignalForwarding::received)
+            {
+                report.interrupted = Some((sig, 0));
+            }
+            let end = hooks.round_end(&info, &report, self.is_host);
+            drop(hooks);
+            let end = end.map_err(|e| match e {
+                RendezvousError::HostGone { detail, .. } => RendezvousError::HostGone {
+                    endpoint: endpoint.to_string(),
+                    detail,
+                },
+                e => e,
+            })?;
+            // This node was interrupted: it leaves with 128 + the signal, whatever the others
+            // do (the host's interruption ended the job for all).
+            let finish = match (report.interrupted, after(&end, &info, cfg.max_restarts)) {
+                (Some((sig, _)), _) => Some(128 + sig),
+                (None, After::Finish(code)) => Some(code),
+                (None, After::NextRound) => None,
+            };
+            if let Some(code) = finish {
+                member.ack();
                 drop(member);
-                if let Some(h) = host {
-                    h.finish();
-                }
-                if let Some(dir) = &trace_dir {
+                if let Some(dir) = &self.trace_dir {
                     super::trace::merge(dir, Some(node_rank), local_ranks);
                 }
                 report.restarts = restarts;
-                report.job_stop = (end.kind != EndKind::Done
-                    && report.first_failure.is_none()
-                    && report.interrupted.is_none())
-                .then_some(JobStop {
-                    line: end.line,
-                    exit_code: code,
-                });
-                return Ok(report);
-            }
-            After::NextRound => {
-                if is_failure(&end) {
-                    eprintln!(
-                        "{}; restarting the group (restart {} of {})",
-                        end.line,
-                        info.failures_before + 1,
-                        cfg.max_restarts
-                    );
-                } else {
+                if report.interrupted.is_none() {
+                    // One outcome for all: every node prints the round's end and exits with
+                    // its code, whichever node's rank failed.
+                    report.first_failure = None;
+                    report.job_stop = (end.kind != EndKind::Done).then_some(JobStop {
+                        line: end.line,
+                        exit_code: code,
+                    });
+                } else if end.kind != EndKind::Left {
                     eprintln!("{}", end.line);
                 }
-                restarts.push(AttemptEnd {
-                    attempt: info.round as usize,
-                    summary: end.line,
-                    exit_code: end.exit_code,
-                });
-                round = info.round + 1;
+                return Ok(report);
             }
+            self.say_restart(&end, &info);
+            restarts.push(AttemptEnd {
+                attempt: info.round as usize,
+                summary: end.line,
+                exit_code: end.exit_code,
+            });
+            if self.forwarding.is_some()
+                && let Some((sig, _)) = caught()
+            {
+                member.leave();
+                return Err(RendezvousError::Interrupted {
+                    signal: sig,
+                    line: format!(
+                        "ddprun: {} received {} between rounds; it leaves the job",
+                        self.label,
+                        signal_name(sig)
+                    ),
+                }
+                .into());
+            }
+        }
+    }
+
+    /// The line every node prints when a round ends and the next one starts.
+    fn say_restart(&self, end: &RoundEnd, info: &RoundInfo) {
+        if is_failure(end) {
+            eprintln!(
+                "{}; restarting the group (restart {} of {})",
+                end.line,
+                info.failures_before + 1,
+                self.cfg.max_restarts
+            );
+        } else {
+            eprintln!("{}", end.line);
+        }
+    }
+
+    /// The report of a launcher that got no round before the job ended (it came late, or
+    /// waited for room in a full job): the job's line, and its exit code.
+    fn ended_without_a_round(&self, end: RoundEnd, restarts: Vec<AttemptEnd>) -> LaunchReport {
+        let line = format!(
+            "ddprun: {}: the job ended before this node got a round: {}",
+            self.label, end.line
+        );
+        if end.exit_code == 0 {
+            eprintln!("{line}");
+        }
+        LaunchReport {
+            exits: Vec::new(),
+            first_rank: 0,
+            first_failure: None,
+            interrupted: None,
+            elapsed: Duration::ZERO,
+            attempt: 0,
+            restarts,
+            job_stop: (end.exit_code != 0).then_some(JobStop {
+                line,
+                exit_code: end.exit_code,
+            }),
         }
     }
 }
@@ -193,36 +327,12 @@ fn round_env(
         r => format!("{token}.restart{r}"),
     };
     env.insert(TOKEN_VAR.into(), token);
+    // torchrun's meaning: failed rounds only; the round itself (scale-ups too) apart.
     for var in RESTART_COUNT_VARS {
-        env.insert(var.into(), info.round.to_string());
+        env.insert(var.into(), info.failures_before.to_string());
     }
+    env.insert(ROUND_VAR.into(), info.round.to_string());
     env
-}
-
-/// How the round ended, after this node's ranks have: this node's own end claimed (a failure
-/// was claimed as it happened), then the round's end as the first claim made it.
-fn round_end(
-    member: &mut Member,
-    info: &RoundInfo,
-    report: &LaunchReport,
-    label: &str,
-) -> Result<RoundEnd, RendezvousError> {
-    if report.first_failure.is_some() || report.job_stop.is_some() {
-        // Claimed when it happened, or ended elsewhere.
-    } else if let Some((sig, _)) = report.interrupted {
-        let end = RoundEnd {
-            kind: EndKind::Interrupted,
-            line: format!(
-                "ddprun: {label} received {}; the job stops",
-                signal_name(sig)
-            ),
-            exit_code: 128 + sig,
-        };
-        member.claim(info.round, &end)?;
-    } else {
-        member.mark_done(info.round, info.nodes.len())?;
-    }
-    member.wait_end(info.round)
 }
 
 /// The watch loop's link to the rendezvous during one round.
@@ -231,35 +341,150 @@ struct Hooks<'a> {
     watch: RoundWatch,
     round: u64,
     label: String,
-    host_gone: Option<String>,
+    /// This node's failure, not written yet, and when it is due (see [`CAUSE_SETTLE`]).
+    held: Option<(RoundEnd, Instant)>,
+    /// What the watch saw.
+    seen: Option<Seen>,
     claim_error: Option<RendezvousError>,
 }
 
-impl RoundHooks for Hooks<'_> {
-    fn local_failure(&mut self, what: &str, exit_code: i32) {
-        let end = RoundEnd {
-            kind: EndKind::Failed,
-            line: format!("ddprun: {}: {what} (round {})", self.label, self.round),
-            exit_code,
-        };
+impl Hooks<'_> {
+    fn look(&mut self) -> Option<Seen> {
+        if self.seen.is_none() {
+            self.seen = self.watch.seen();
+        }
+        self.seen.clone()
+    }
+
+    /// Writes the held failure once it is due (unless the round ended meanwhile).
+    fn claim_if_due(&mut self) {
+        let due = self
+            .held
+            .as_ref()
+            .is_some_and(|(_, at)| Instant::now() >= *at);
+        if !due {
+            return;
+        }
+        let (end, _) = self.held.take().expect("checked above");
         if let Err(e) = self.member.claim(self.round, &end) {
             self.claim_error = Some(e);
         }
     }
 
+    /// How the round ended, after this node's ranks have: what the watch saw, or this node's
+    /// own end written now (its failure, its interruption, or its ranks all done), then the
+    /// round's end as the first written made it.
+    fn round_end(
+        &mut self,
+        info: &RoundInfo,
+        report: &LaunchReport,
+        is_host: bool,
+    ) -> Result<RoundEnd, RendezvousError> {
+        let round = info.round;
+        if let Some((sig, _)) = report.interrupted {
+            let end = if is_host {
+                let end = RoundEnd {
+                    kind: EndKind::Interrupted,
+                    line: format!(
+                        "ddprun: {} (the rendezvous host) received {}; the job stops (round {round})",
+                        self.label,
+                        signal_name(sig)
+                    ),
+                    exit_code: 128 + sig,
+                };
+                self.member.finish_job(&end)?;
+                end
+            } else {
+                let end = RoundEnd {
+                    kind: EndKind::Left,
+                    line: format!(
+                        "ddprun: {} received {} and left the job (round {round})",
+                        self.label,
+                        signal_name(sig)
+                    ),
+                    exit_code: 128 + sig,
+                };
+                self.member.claim(round, &end)?
+            };
+            eprintln!("{}", end.line);
+            return Ok(end);
+        }
+        // A failure held back: wait for it to be due, or for the round to end first.
+        while self.held.is_some() {
+            if let Some(Seen::Ended(_)) = self.look() {
+                self.held = None;
+                break;
+            }
+            if self.member.host_gone().is_some() {
+                break;
+            }
+            self.claim_if_due();
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Some(e) = self.claim_error.take() {
+            return Err(e);
+        }
+        match self.look() {
+            Some(Seen::Ended(end)) => return Ok(end),
+            Some(Seen::HostGone(detail)) => {
+                return Err(RendezvousError::HostGone {
+                    endpoint: String::new(),
+                    detail: self.member.host_gone().unwrap_or(detail),
+                });
+            }
+            None => {}
+        }
+        if report.first_failure.is_none() && report.job_stop.is_none() {
+            self.member.mark_done(round)?;
+        }
+        self.member.wait_end(round)
+    }
+}
+
+impl RoundHooks for Hooks<'_> {
+    fn local_failure(&mut self, failure: &Failure) {
+        let end = RoundEnd {
+            kind: EndKind::Failed,
+            line: format!(
+                "ddprun: {}: {} (round {})",
+                self.label,
+                failure.what_happened(),
+                self.round
+            ),
+            exit_code: failure.exit.shell_code(),
+        };
+        let wait = match failure.exit {
+            RankExit::Signal(_) => Duration::ZERO,
+            _ => CAUSE_SETTLE,
+        };
+        self.held = Some((end, Instant::now() + wait));
+        self.claim_if_due();
+    }
+
     fn stop_requested(&mut self) -> Option<JobStop> {
-        let gone = match self.watch.seen() {
+        match self.look() {
             Some(Seen::Ended(end)) => {
+                self.held = None;
                 return Some(JobStop {
                     line: end.line,
                     exit_code: end.exit_code,
                 });
             }
-            Some(Seen::HostGone(detail)) => Some(detail),
-            None => self.member.host_gone(),
-        }?;
-        let line = format!("ddprun: lost the launchers' rendezvous host ({gone})");
-        self.host_gone = Some(gone);
-        Some(JobStop { line, exit_code: 1 })
+            Some(Seen::HostGone(detail)) => {
+                let gone = self.member.host_gone().unwrap_or(detail);
+                return Some(JobStop {
+                    line: format!("ddprun: lost the launchers' rendezvous host ({gone})"),
+                    exit_code: 1,
+                });
+            }
+            None => {}
+        }
+        self.claim_if_due();
+        let gone = self.member.host_gone()?;
+        self.seen = Some(Seen::HostGone(gone.clone()));
+        Some(JobStop {
+            line: format!("ddprun: lost the launchers' rendezvous host ({gone})"),
+            exit_code: 1,
+        })
     }
 }

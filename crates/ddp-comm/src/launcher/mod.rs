@@ -41,6 +41,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub use config::{LaunchConfig, RESTART_COUNT_VARS};
+pub use job::ROUND_VAR;
 pub use rendezvous::RendezvousError;
 pub use report::{AttemptEnd, Failure, JobStop, LaunchError, LaunchReport, RankExit};
 pub use signals::signal_name;
@@ -159,8 +160,8 @@ pub fn launch(
 
 /// What a job over several nodes adds to the watch loop of one attempt.
 trait RoundHooks {
-    /// Called once, when the first local rank fails (with the line naming it and its code).
-    fn local_failure(&mut self, what: &str, exit_code: i32);
+    /// Called once, when the first local rank fails.
+    fn local_failure(&mut self, failure: &Failure);
     /// Polled while the ranks run: `Some` stops them (SIGTERM, grace, SIGKILL).
     fn stop_requested(&mut self) -> Option<JobStop>;
 }
@@ -169,7 +170,7 @@ trait RoundHooks {
 struct NoHooks;
 
 impl RoundHooks for NoHooks {
-    fn local_failure(&mut self, _: &str, _: i32) {}
+    fn local_failure(&mut self, _: &Failure) {}
     fn stop_requested(&mut self) -> Option<JobStop> {
         None
     }
@@ -382,7 +383,7 @@ fn watch(
                 elapsed: start.elapsed(),
                 stopped: running,
             };
-            hooks.local_failure(&failure.what_happened(), exit.shell_code());
+            hooks.local_failure(&failure);
             first_failure = Some(failure);
             if running > 0 {
                 tracing::info!(rank, %exit, "rank failed; stopping the other {running} rank(s)");

@@ -53,6 +53,14 @@ extern "C" fn on_signal(sig: libc::c_int) {
     RECEIVED_COUNT.fetch_add(1, Ordering::SeqCst);
 }
 
+/// The last termination signal caught while forwarding is installed, and how many arrived.
+pub(crate) fn caught() -> Option<(i32, u32)> {
+    match RECEIVED.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some((sig, RECEIVED_COUNT.load(Ordering::SeqCst))),
+    }
+}
+
 /// While alive, SIGINT and SIGTERM are caught (not acted on by the default handler) and
 /// recorded for the launcher's watch loop; dropping it restores the previous handlers.
 pub(crate) struct SignalForwarding {
@@ -88,10 +96,7 @@ impl SignalForwarding {
 
     /// The last signal received and how many arrived so far.
     pub(crate) fn received(&self) -> Option<(i32, u32)> {
-        match RECEIVED.load(Ordering::SeqCst) {
-            0 => None,
-            sig => Some((sig, RECEIVED_COUNT.load(Ordering::SeqCst))),
-        }
+        caught()
     }
 }
 

@@ -1,5 +1,5 @@
-//! What the launchers write into their rendezvous store: a launcher's configuration
-//! ([`NodeSpec`]), a round as the host closed it ([`RoundOutcome`]), how a round ended
+//! The parts of the launchers' rendezvous state ([`super::state::State`]): a launcher's
+//! configuration ([`NodeSpec`]), a round as it was closed ([`RoundInfo`]), how a round ended
 //! ([`RoundEnd`]), and the one rule every launcher applies to an end ([`after`]).
 
 use serde::{Deserialize, Serialize};
@@ -85,7 +85,7 @@ pub(crate) struct RoundInfo {
     pub labels: Vec<String>,
     /// Ranks per node.
     pub nproc_per_node: usize,
-    /// Where the round's rank 0 serves its store (on the host's node).
+    /// Where the round's rank 0 serves its store: the address of the round's node 0.
     pub master_addr: String,
     /// Its port, fresh for every round.
     pub master_port: u16,
@@ -105,18 +105,6 @@ impl RoundInfo {
     }
 }
 
-/// What the host wrote for a round: it started, or the job cannot go on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum RoundOutcome {
-    /// The round's members and rendezvous.
-    Started(RoundInfo),
-    /// The job ends before this round: too few nodes, or a node whose configuration differs.
-    Refused {
-        /// One line saying why, naming the nodes concerned.
-        line: String,
-    },
-}
-
 /// Why a round ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum EndKind {
@@ -124,14 +112,18 @@ pub(crate) enum EndKind {
     Done,
     /// A rank failed (counts against `--max-restarts`).
     Failed,
-    /// A launcher stopped sending heartbeats (counts against `--max-restarts`).
+    /// A launcher was lost: killed, stopped or cut off (counts against `--max-restarts`).
     Lost,
-    /// A launcher got SIGINT or SIGTERM: the job ends.
+    /// A launcher got SIGINT or SIGTERM and left the job (counts against `--max-restarts`;
+    /// the others go on without it while the budget and `MIN` allow).
+    Left,
+    /// The rendezvous host's launcher got SIGINT or SIGTERM: the job ends.
     Interrupted,
     /// A launcher is waiting to join and the round has room: the group restarts to admit it
     /// (does not count against `--max-restarts`).
     ScaleUp,
-    /// A launcher whose configuration differs joined: the job ends.
+    /// The job could not go on: too few nodes within the join timeout, or the coordinator
+    /// failed.
     Refused,
 }
 
@@ -156,21 +148,23 @@ pub(crate) enum After {
 }
 
 /// The rule: `Done` finishes with 0; `Interrupted` and `Refused` finish with the end's code; a
-/// failure or a lost node restarts while fewer than `max_restarts` failures came before; a
-/// scale-up always restarts.
+/// failure, a lost node or a node that left restarts while fewer than `max_restarts` failures
+/// came before; a scale-up always restarts.
 pub(crate) fn after(end: &RoundEnd, info: &RoundInfo, max_restarts: usize) -> After {
     match end.kind {
         EndKind::Done => After::Finish(0),
         EndKind::Interrupted | EndKind::Refused => After::Finish(end.exit_code),
         EndKind::ScaleUp => After::NextRound,
-        EndKind::Failed | EndKind::Lost if info.failures_before < max_restarts => After::NextRound,
-        EndKind::Failed | EndKind::Lost => After::Finish(end.exit_code),
+        EndKind::Failed | EndKind::Lost | EndKind::Left if info.failures_before < max_restarts => {
+            After::NextRound
+        }
+        EndKind::Failed | EndKind::Lost | EndKind::Left => After::Finish(end.exit_code),
     }
 }
 
 /// Whether `end` counts against `--max-restarts`.
 pub(crate) fn is_failure(end: &RoundEnd) -> bool {
-    matches!(end.kind, EndKind::Failed | EndKind::Lost)
+    matches!(end.kind, EndKind::Failed | EndKind::Lost | EndKind::Left)
 }
 
 /// Encodes a message for the store.
@@ -283,14 +277,16 @@ mod tests {
             After::Finish(137)
         );
         assert!(is_failure(&end(EndKind::Lost)) && !is_failure(&end(EndKind::ScaleUp)));
+        assert!(is_failure(&end(EndKind::Left)));
+        assert_eq!(after(&end(EndKind::Left), &info(0), 1), After::NextRound);
     }
 
     #[test]
     fn messages_round_trip_and_garbage_is_a_clear_error() {
-        let started = RoundOutcome::Started(info(1));
+        let started = info(1);
         let bytes = encode(&started);
         assert_eq!(
-            decode::<RoundOutcome>("h:1", "round/3", &bytes).unwrap(),
+            decode::<RoundInfo>("h:1", "round/3", &bytes).unwrap(),
             started
         );
         assert_eq!(info(0).node_rank("id1"), Some(1));

@@ -7,35 +7,46 @@
 //! **member** ([`member`]): it connects with the job token, publishes its configuration,
 //! heartbeats, and joins rounds.
 //!
-//! A **round** is one start of the whole group. The host closes round `r` when `MAX` launchers
-//! have joined, or when at least `MIN` have and the last call (`--rdzv-last-call`) has passed
-//! since the `MIN`-th; it assigns node ranks (the host first, then by `--node-rank`, then by
-//! arrival), picks a fresh port for the round's rank 0 and writes the round. Each round's ranks
-//! get `DDP_RESTART_COUNT = TORCHELASTIC_RESTART_COUNT = r` and a job token of the round's own,
-//! so a rank or launcher left over from an earlier round can never join.
+//! The whole rendezvous is **one state** ([`state::State`]) under one store key: the job's
+//! configuration, the round, who waits, the running round and which of its nodes are done,
+//! how the latest rounds ended and, at the end, the job's outcome and who has read it. Every
+//! change is one compare-and-set of the whole state ([`change`]), by the host's coordinator or
+//! by any launcher: a launcher that dies at any moment leaves the old state or the new one.
 //!
-//! A round **ends** once, by the first claim: a rank failed on some node (its launcher claims
-//! it the moment it sees the exit), a launcher stopped heartbeating for `--rdzv-heartbeat-secs`
-//! (the host claims it: a SIGKILLed or SIGSTOPped ddprun, a node cut off), a launcher got
-//! SIGINT/SIGTERM, a launcher is waiting and the round has room (scale-up: torchrun's policy,
-//! the group restarts to admit it), or every node's ranks exited 0. Every launcher watches the
-//! end, stops its ranks (SIGTERM, grace, SIGKILL) and applies one rule ([`messages::after`]):
-//! failures and lost nodes restart while `--max-restarts` allows (counted for the whole job),
-//! scale-ups always restart, the rest ends the job with the end's exit code on every node.
+//! A **round** is one start of the whole group. The coordinator closes round `r` when `MAX`
+//! launchers wait, or when at least `MIN` do and the last call (`--rdzv-last-call`) has passed
+//! since the `MIN`-th arrived; node ranks follow `--node-rank`, then arrival. The round's
+//! node 0 is whichever launcher comes first, and the round's `MASTER_ADDR:MASTER_PORT` is its
+//! own address and a port it found free on it: a round never points at a launcher outside it.
+//! Each round's ranks get a job token of the round's own, so a rank or launcher left over
+//! from an earlier round can never join, and `TORCHELASTIC_RESTART_COUNT` = the failed rounds
+//! before it (torchrun's meaning: scale-ups do not count).
+//!
+//! A round **ends** once, by the first end written: a rank failed on some node, a launcher
+//! is lost (its connection to the host closed — killed — or its heartbeat stopped for
+//! `--rdzv-heartbeat-secs` — stopped, cut off), a launcher left (SIGINT/SIGTERM), a launcher
+//! waits and the round has room (a scale-up), or every node's ranks exited 0. Every launcher
+//! stops its ranks and applies one rule ([`messages::after`]): failures restart while
+//! `--max-restarts` allows, scale-ups always do, the rest finishes the job with the end's
+//! line and exit code on every node. The host keeps its store until every launcher has read
+//! the job's end or is gone.
 //!
 //! When the host's launcher itself dies, the other members' heartbeats fail (at once for a
 //! closed connection, within the heartbeat timeout for a stopped host) and every node exits 1
 //! with one line naming the host.
 
+mod fault;
 pub(super) mod host;
 pub(super) mod member;
 pub(crate) mod messages;
+pub(crate) mod state;
 
 use std::time::Duration;
 
 use crate::error::{CommError, Result};
-use crate::store::{PrefixStore, Store, keys};
-use messages::{RoundEnd, encode};
+use crate::store::{CompareSet, StoreClient, keys};
+use messages::{decode, encode};
+use state::State;
 
 /// The launchers' rendezvous timings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -47,6 +58,9 @@ pub(crate) struct Timing {
     pub last_call: Duration,
     /// How long a round may take to gather `MIN` launchers before the job fails.
     pub join_timeout: Duration,
+    /// How long stopped ranks get between SIGTERM and SIGKILL (the host waits that long, and
+    /// more, for the others to read the job's end).
+    pub grace: Duration,
 }
 
 impl Timing {
@@ -98,25 +112,89 @@ pub enum RendezvousError {
         /// The host's line.
         line: String,
     },
-    /// No round admitted this launcher in time.
+    /// The rendezvous stopped moving while this launcher waited in it.
     #[error(
-        "no round of the job admitted this node within {after:.0?} (the job was full: --nnodes MAX launchers were running)"
+        "the launchers' rendezvous at {endpoint} did not move for {after:.0?} while this node waited for round {round}"
     )]
-    NotAdmitted {
-        /// How long it waited.
+    Stalled {
+        /// The endpoint.
+        endpoint: String,
+        /// The round waited for.
+        round: u64,
+        /// How long nothing changed.
         after: Duration,
+    },
+    /// This launcher got SIGINT or SIGTERM while it had no ranks running: it left the job.
+    #[error("{line}")]
+    Interrupted {
+        /// The signal.
+        signal: i32,
+        /// The line naming this node and what it was waiting for.
+        line: String,
     },
 }
 
-/// Writes `end` as the end of `round` unless another launcher claimed it first; returns
-/// whether this claim won.
-pub(crate) fn claim_end(store: &mut impl Store, round: u64, end: &RoundEnd) -> Result<bool> {
-    let mut ns = PrefixStore::new(store, keys::LAUNCHERS);
-    if ns.add(&keys::round_end_claim(round), 1)? != 1 {
-        return Ok(false);
+impl RendezvousError {
+    /// The exit code a launcher ends with for this error: 128 + the signal for an
+    /// interruption, else 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RendezvousError::Interrupted { signal, .. } => 128 + signal,
+            _ => 1,
+        }
     }
-    ns.set(&keys::round_end(round), &encode(end))?;
-    Ok(true)
+}
+
+/// The state as the store holds it now, with its bytes (what a compare-and-set expects).
+pub(crate) fn read_state(client: &mut StoreClient) -> Result<Option<(Vec<u8>, State)>> {
+    let key = keys::launchers_state();
+    let Some(bytes) = client.try_get(&key)? else {
+        return Ok(None);
+    };
+    let state = decode(client.endpoint(), &key, &bytes)?;
+    Ok(Some((bytes, state)))
+}
+
+/// Changes the state by `f` in one compare-and-set: reads it, lets `f` change a copy (`None`:
+/// nothing to change, nothing written), writes it if nobody changed it meanwhile, else reads
+/// again and retries. Returns what `f` returned and the state as it is now. `step` names the
+/// change for the test-only fault knob ([`fault`]).
+pub(crate) fn change<T>(
+    client: &mut StoreClient,
+    step: &'static str,
+    mut f: impl FnMut(&mut State) -> Option<T>,
+) -> Result<(Option<T>, State)> {
+    let key = keys::launchers_state();
+    let Some((mut bytes, mut current)) = read_state(client)? else {
+        return Err(CommError::Store {
+            addr: client.endpoint().to_string(),
+            msg: "the launchers' rendezvous state is missing".into(),
+        });
+    };
+    loop {
+        let mut next = current.clone();
+        let Some(out) = f(&mut next) else {
+            return Ok((None, current));
+        };
+        next.seq = current.seq + 1;
+        let encoded = encode(&next);
+        match client.compare_set(&key, Some(&bytes), &encoded)? {
+            CompareSet::Swapped => {
+                fault::after(step);
+                return Ok((Some(out), next));
+            }
+            CompareSet::Current(Some(now)) => {
+                current = decode(client.endpoint(), &key, &now)?;
+                bytes = now;
+            }
+            CompareSet::Current(None) => {
+                return Err(CommError::Store {
+                    addr: client.endpoint().to_string(),
+                    msg: "the launchers' rendezvous state vanished".into(),
+                });
+            }
+        }
+    }
 }
 
 #[cfg(test)]

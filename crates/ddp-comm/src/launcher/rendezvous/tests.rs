@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use super::host::Host;
-use super::member::Member;
-use super::messages::{EndKind, NodeSpec, RoundEnd, RoundOutcome};
+use super::member::{Joined, Member};
+use super::messages::{EndKind, NodeSpec, RoundEnd};
 use super::{RendezvousError, Timing};
 
 fn timing() -> Timing {
@@ -12,6 +12,7 @@ fn timing() -> Timing {
         heartbeat: Duration::from_secs(2),
         last_call: Duration::from_millis(300),
         join_timeout: Duration::from_secs(5),
+        grace: Duration::from_secs(1),
     }
 }
 
@@ -38,22 +39,28 @@ fn endpoint() -> String {
     format!("127.0.0.1:{port}")
 }
 
-/// Three launchers joining in the order 0, 2, 1 get node ranks 0, 1, 2 (host first, then by
-/// `--node-rank`), one rank-0 port, and the end one of them claims.
+fn member(ep: &str, node: usize, min: usize, max: usize) -> Member {
+    Member::connect(ep, "tok", spec(node, min, max), timing(), false, None, None).unwrap()
+}
+
+/// Three launchers joining in the order 0, 2, 1 get node ranks 0, 1, 2 (by `--node-rank`),
+/// one rank-0 address, and the end written first.
 #[test]
 fn a_round_orders_the_nodes_and_every_member_sees_one_end() {
     let ep = endpoint();
-    let host = Host::start(&ep, "tok", spec(0, 3, 3), timing(), "127.0.0.1").unwrap();
+    let host = Host::start(&ep, "tok", spec(0, 3, 3), timing()).unwrap();
     let members: Vec<_> = [0, 2, 1]
         .into_iter()
         .map(|n| {
             let ep = ep.clone();
             std::thread::sleep(Duration::from_millis(50));
             std::thread::spawn(move || {
-                let mut m = Member::connect(&ep, "tok", spec(n, 3, 3), timing()).unwrap();
-                let round = m.open_round().unwrap();
-                let RoundOutcome::Started(info) = m.join(round).unwrap() else {
-                    panic!("refused")
+                let mut m = member(&ep, n, 3, 3);
+                let info = match m.join().unwrap() {
+                    Joined::Started(info) => info,
+                    // Node 2 may end the round before this one looked.
+                    Joined::Missed(info, end) => return (n, info, end),
+                    Joined::Finished(end) => panic!("the job ended: {end:?}"),
                 };
                 if n == 2 {
                     let end = RoundEnd {
@@ -61,21 +68,15 @@ fn a_round_orders_the_nodes_and_every_member_sees_one_end() {
                         line: "node 2 failed".into(),
                         exit_code: 9,
                     };
-                    assert!(m.claim(round, &end).unwrap());
-                    // A second claim loses.
-                    assert!(
-                        !m.claim(
-                            round,
-                            &RoundEnd {
-                                exit_code: 1,
-                                ..end
-                            }
-                        )
-                        .unwrap()
-                    );
+                    assert_eq!(m.claim(info.round, &end).unwrap(), end);
+                    // A second end loses: the first stands.
+                    let later = RoundEnd {
+                        exit_code: 1,
+                        ..end.clone()
+                    };
+                    assert_eq!(m.claim(info.round, &later).unwrap(), end);
                 }
-                let end = m.wait_end(round).unwrap();
-                m.bye(round);
+                let end = m.wait_end(info.round).unwrap();
                 (n, info, end)
             })
         })
@@ -89,7 +90,10 @@ fn a_round_orders_the_nodes_and_every_member_sees_one_end() {
             "node {n}"
         );
         assert_eq!(info.world_size(), 6);
-        assert_eq!(info.master_port, seen[0].1.master_port);
+        assert_eq!(
+            (&info.master_addr, info.master_port),
+            (&seen[0].1.master_addr, seen[0].1.master_port)
+        );
         assert_eq!((end.kind, end.exit_code), (EndKind::Failed, 9));
     }
     drop(host);
@@ -104,9 +108,38 @@ fn a_member_without_a_host_fails_naming_the_endpoint() {
         join_timeout: Duration::from_millis(500),
         ..timing()
     };
-    let err = Member::connect(&ep, "tok", spec(1, 2, 2), t)
+    let err = Member::connect(&ep, "tok", spec(1, 2, 2), t, false, None, None)
         .err()
         .expect("no host");
     assert!(matches!(err, RendezvousError::Unreachable { .. }), "{err}");
     assert!(err.to_string().contains(&ep), "{err}");
+}
+
+/// A member whose configuration differs is refused with the difference named, and the job
+/// goes on: the others still get their round.
+#[test]
+fn a_member_that_differs_is_refused_and_the_job_goes_on() {
+    let ep = endpoint();
+    let host = Host::start(&ep, "tok", spec(0, 2, 2), timing()).unwrap();
+    let other = NodeSpec {
+        nproc_per_node: 4,
+        ..spec(2, 2, 2)
+    };
+    let err = Member::connect(&ep, "tok", other, timing(), false, None, None)
+        .err()
+        .expect("refused");
+    assert!(
+        err.to_string()
+            .contains("--nproc-per-node 4 (node 0 has 2)"),
+        "{err}"
+    );
+    let ep1 = ep.clone();
+    let node1 = std::thread::spawn(move || member(&ep1, 1, 2, 2).join().unwrap());
+    let mut m0 = member(&ep, 0, 2, 2);
+    let Joined::Started(info) = m0.join().unwrap() else {
+        panic!("the job ended")
+    };
+    assert_eq!(info.nodes, ["launcher-0", "launcher-1"]);
+    assert!(matches!(node1.join().unwrap(), Joined::Started(_)));
+    drop(host);
 }

@@ -1,0 +1,438 @@
+//! The whole rendezvous in one value ([`State`]) under one store key, and every change to it
+//! as a pure function: read the state, apply one change, write it back with one
+//! compare-and-set ([`Shared::change`]). A launcher that dies at any point leaves the old
+//! state or the new one, never half of one (torchrun's dynamic rendezvous keeps its
+//! `_RendezvousState` the same way).
+
+use serde::{Deserialize, Serialize};
+
+use super::messages::{After, EndKind, NodeSpec, RoundEnd, RoundInfo, after, is_failure};
+
+/// How many round ends the state remembers, so that a launcher slow to look still learns how
+/// its round ended after the next rounds moved on.
+const ENDS_KEPT: usize = 16;
+/// How many refusal lines the state keeps for the host to log.
+const REFUSALS_KEPT: usize = 8;
+
+/// A launcher waiting to take part in the next round that closes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Joiner {
+    /// Its [`NodeSpec::id`].
+    pub id: String,
+    /// Its [`NodeSpec::label`].
+    pub label: String,
+    /// `--node-rank` as given: rounds order their nodes by it, then by arrival.
+    pub requested_node_rank: usize,
+    /// The state's `seq` when it joined (its place in the arrival order).
+    pub arrival: u64,
+    /// Where its rank 0 serves the ranks' store if it is node 0 of the round: its own
+    /// address, as the host sees it.
+    pub master_addr: String,
+    /// A port free on that address when it joined.
+    pub master_port: u16,
+}
+
+/// What the job is doing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Phase {
+    /// Gathering launchers for round [`State::round`] (those in [`State::waiting`]).
+    Gathering,
+    /// Round [`State::round`] runs.
+    Running {
+        /// The round as it was closed.
+        info: RoundInfo,
+        /// The ids of its launchers whose ranks all exited 0.
+        done: Vec<String>,
+    },
+    /// The job is over: every launcher exits with `end.exit_code` after printing `end.line`.
+    Finished {
+        /// How it ended.
+        end: RoundEnd,
+        /// The launchers that must read it before the host closes the store.
+        members: Vec<String>,
+        /// Those that have.
+        acked: Vec<String>,
+    },
+}
+
+/// The launchers' rendezvous, whole.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct State {
+    /// Bumped by every change.
+    pub seq: u64,
+    /// The job's configuration: the rendezvous host's. A launcher that differs is refused.
+    pub job: NodeSpec,
+    /// The round gathered or running now.
+    pub round: u64,
+    /// Rounds that ended in a failure (a rank failed, a node was lost or left): what
+    /// `--max-restarts` counts, and `TORCHELASTIC_RESTART_COUNT`.
+    pub failures: usize,
+    /// What the job is doing.
+    pub phase: Phase,
+    /// Launchers waiting for the next round to close, in arrival order.
+    pub waiting: Vec<Joiner>,
+    /// The latest rounds and how they ended, oldest first (the last [`ENDS_KEPT`]).
+    pub ends: Vec<(RoundInfo, RoundEnd)>,
+    /// Launchers refused at the door (`seq`, line), for the host to log.
+    pub refusals: Vec<(u64, String)>,
+}
+
+impl State {
+    /// The state the rendezvous host starts with: gathering round 0, nobody there yet.
+    pub fn new(job: NodeSpec) -> Self {
+        State {
+            seq: 0,
+            job,
+            round: 0,
+            failures: 0,
+            phase: Phase::Gathering,
+            waiting: Vec::new(),
+            ends: Vec::new(),
+            refusals: Vec::new(),
+        }
+    }
+
+    /// How round `round` ended, if it has.
+    pub fn end_of(&self, round: u64) -> Option<&RoundEnd> {
+        if let Phase::Finished { end, .. } = &self.phase
+            && self.round == round
+        {
+            return Some(end);
+        }
+        self.ends
+            .iter()
+            .find(|(i, _)| i.round == round)
+            .map(|(_, e)| e)
+    }
+
+    /// The first round from `round` on that had `id` in it and has ended, with its end: a
+    /// launcher slow to look may miss a whole round that ended at once.
+    pub fn ended_with(&self, id: &str, round: u64) -> Option<(&RoundInfo, &RoundEnd)> {
+        self.ends
+            .iter()
+            .find(|(i, _)| i.round >= round && i.node_rank(id).is_some())
+            .map(|(i, e)| (i, e))
+    }
+
+    /// The running round, if one runs.
+    pub fn running(&self) -> Option<&RoundInfo> {
+        match &self.phase {
+            Phase::Running { info, .. } => Some(info),
+            _ => None,
+        }
+    }
+
+    /// Whether `id` waits for a round.
+    pub fn is_waiting(&self, id: &str) -> bool {
+        self.waiting.iter().any(|j| j.id == id)
+    }
+
+    /// `joiner` waits for the next round (again, if it was already waiting: its new address
+    /// and port replace the old). `false` once the job is over.
+    pub fn join(&mut self, mut joiner: Joiner) -> bool {
+        if matches!(self.phase, Phase::Finished { .. }) {
+            return false;
+        }
+        joiner.arrival = self.seq;
+        match self.waiting.iter_mut().find(|j| j.id == joiner.id) {
+            Some(j) => {
+                joiner.arrival = j.arrival;
+                *j = joiner;
+            }
+            None => self.waiting.push(joiner),
+        }
+        true
+    }
+
+    /// `id` no longer waits (it left, or it was lost). `false` if it was not waiting.
+    pub fn leave(&mut self, id: &str) -> bool {
+        let before = self.waiting.len();
+        self.waiting.retain(|j| j.id != id);
+        self.waiting.len() != before
+    }
+
+    /// Records a launcher refused at the door, for the host to log.
+    pub fn refuse(&mut self, line: String) {
+        self.refusals.push((self.seq, line));
+        let extra = self.refusals.len().saturating_sub(REFUSALS_KEPT);
+        self.refusals.drain(..extra);
+    }
+
+    /// The waiting launchers in the order a round ranks them: by `--node-rank`, then by
+    /// arrival.
+    pub fn ordered_waiting(&self) -> Vec<Joiner> {
+        let mut w = self.waiting.clone();
+        w.sort_by_key(|j| (j.requested_node_rank, j.arrival));
+        w
+    }
+
+    /// Closes the round being gathered with the first `max` waiting launchers (in
+    /// [`Self::ordered_waiting`] order); the first of them is the round's node 0 and its
+    /// rank 0 serves the ranks' store. `None` unless gathering with someone waiting.
+    pub fn close(&mut self) -> Option<RoundInfo> {
+        if self.phase != Phase::Gathering || self.waiting.is_empty() {
+            return None;
+        }
+        let nodes: Vec<Joiner> = self
+            .ordered_waiting()
+            .into_iter()
+            .take(self.job.max_nodes)
+            .collect();
+        let master = &nodes[0];
+        let info = RoundInfo {
+            round: self.round,
+            nodes: nodes.iter().map(|j| j.id.clone()).collect(),
+            labels: nodes.iter().map(|j| j.label.clone()).collect(),
+            nproc_per_node: self.job.nproc_per_node,
+            master_addr: master.master_addr.clone(),
+            master_port: master.master_port,
+            failures_before: self.failures,
+        };
+        self.waiting.retain(|j| !info.nodes.contains(&j.id));
+        self.phase = Phase::Running {
+            info: info.clone(),
+            done: Vec::new(),
+        };
+        Some(info)
+    }
+
+    /// Ends round `round` with `end` if it is still running (the first end wins): the job
+    /// finishes, or the next round starts gathering, by the one rule of
+    /// [`messages::after`](super::messages::after). `false` if the round had already ended.
+    pub fn end_round(&mut self, round: u64, end: RoundEnd) -> bool {
+        let Phase::Running { info, .. } = &self.phase else {
+            return false;
+        };
+        if info.round != round {
+            return false;
+        }
+        let info = info.clone();
+        self.ends.push((info.clone(), end.clone()));
+        let extra = self.ends.len().saturating_sub(ENDS_KEPT);
+        self.ends.drain(..extra);
+        match after(&end, &info, self.job.max_restarts) {
+            After::Finish(code) => {
+                let mut members = info.nodes.clone();
+                members.extend(self.waiting.iter().map(|j| j.id.clone()));
+                self.phase = Phase::Finished {
+                    end: RoundEnd {
+                        exit_code: code,
+                        ..end
+                    },
+                    members,
+                    acked: Vec::new(),
+                };
+            }
+            After::NextRound => {
+                self.failures += usize::from(is_failure(&end));
+                self.round += 1;
+                self.phase = Phase::Gathering;
+            }
+        }
+        true
+    }
+
+    /// Counts `id`'s ranks of round `round` as all exited 0; the last node of the round to do
+    /// so ends it as done. `false` if the round is not running (it ended first).
+    pub fn mark_done(&mut self, round: u64, id: &str) -> bool {
+        let Phase::Running { info, done } = &mut self.phase else {
+            return false;
+        };
+        if info.round != round {
+            return false;
+        }
+        if !done.iter().any(|d| d == id) {
+            done.push(id.to_string());
+        }
+        if info.nodes.iter().all(|n| done.contains(n)) {
+            let nodes = info.nodes.len();
+            return self.end_round(
+                round,
+                RoundEnd {
+                    kind: EndKind::Done,
+                    line: format!("ddprun: every rank of all {nodes} nodes exited 0"),
+                    exit_code: 0,
+                },
+            );
+        }
+        true
+    }
+
+    /// Ends the job whatever it is doing (the gathering failed, the host was interrupted or
+    /// broke). `false` if it was already over.
+    pub fn finish(&mut self, end: RoundEnd) -> bool {
+        if matches!(self.phase, Phase::Finished { .. }) {
+            return false;
+        }
+        let mut members: Vec<String> = self.running().map(|i| i.nodes.clone()).unwrap_or_default();
+        members.extend(self.waiting.iter().map(|j| j.id.clone()));
+        self.phase = Phase::Finished {
+            end,
+            members,
+            acked: Vec::new(),
+        };
+        true
+    }
+
+    /// `id` has read the job's end. `false` if there was nothing to acknowledge.
+    pub fn ack(&mut self, id: &str) -> bool {
+        match &mut self.phase {
+            Phase::Finished { acked, .. } if !acked.iter().any(|a| a == id) => {
+                acked.push(id.to_string());
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The members that have not read the job's end yet (empty unless the job is over).
+    pub fn unacked(&self) -> Vec<String> {
+        match &self.phase {
+            Phase::Finished { members, acked, .. } => members
+                .iter()
+                .filter(|m| !acked.contains(m))
+                .cloned()
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(min: usize, max: usize, restarts: usize) -> NodeSpec {
+        NodeSpec {
+            id: "host".into(),
+            host: "h0".into(),
+            pid: 1,
+            requested_node_rank: 0,
+            nproc_per_node: 2,
+            command: vec!["train".into()],
+            max_restarts: restarts,
+            min_nodes: min,
+            max_nodes: max,
+        }
+    }
+
+    fn joiner(id: &str, node_rank: usize, port: u16) -> Joiner {
+        Joiner {
+            id: id.into(),
+            label: format!("node {node_rank}"),
+            requested_node_rank: node_rank,
+            arrival: 0,
+            master_addr: format!("10.0.0.{node_rank}"),
+            master_port: port,
+        }
+    }
+
+    fn failed(code: i32) -> RoundEnd {
+        RoundEnd {
+            kind: EndKind::Failed,
+            line: "rank 1 failed".into(),
+            exit_code: code,
+        }
+    }
+
+    /// A round is ranked by `--node-rank` then arrival, and its master is its own node 0 —
+    /// the host's launcher when it takes part, another node when it does not.
+    #[test]
+    fn a_rounds_master_is_its_own_node_0() {
+        let mut s = State::new(spec(1, 3, 1));
+        for (seq, j) in [joiner("b", 2, 22), joiner("a", 1, 11)]
+            .into_iter()
+            .enumerate()
+        {
+            s.seq = seq as u64;
+            assert!(s.join(j));
+        }
+        let info = s.close().unwrap();
+        assert_eq!(info.nodes, ["a", "b"]);
+        assert_eq!(
+            (info.master_addr.as_str(), info.master_port),
+            ("10.0.0.1", 11)
+        );
+        assert!(s.waiting.is_empty() && s.close().is_none());
+        // Rejoining replaces the address but keeps the place in line.
+        s.seq = 7;
+        assert!(s.join(joiner("z", 0, 1)));
+        assert!(s.join(joiner("z", 0, 2)));
+        assert_eq!(
+            (
+                s.waiting.len(),
+                s.waiting[0].arrival,
+                s.waiting[0].master_port
+            ),
+            (1, 7, 2)
+        );
+        assert!(s.leave("z") && !s.leave("z"));
+    }
+
+    /// The first end wins; a failure restarts while the budget lasts, then finishes with its
+    /// code; every member but the acked ones is owed the end.
+    #[test]
+    fn the_first_end_wins_and_failures_spend_the_budget() {
+        let mut s = State::new(spec(2, 2, 1));
+        s.join(joiner("host", 0, 1));
+        s.join(joiner("n1", 1, 2));
+        s.close().unwrap();
+        assert!(s.end_round(0, failed(137)));
+        assert!(
+            !s.end_round(0, failed(1)),
+            "a second end of the same round loses"
+        );
+        assert_eq!((s.round, s.failures, &s.phase), (1, 1, &Phase::Gathering));
+        assert_eq!(s.end_of(0).unwrap().exit_code, 137);
+        s.join(joiner("n1", 1, 3));
+        s.join(joiner("host", 0, 4));
+        let info = s.close().unwrap();
+        assert_eq!(info.failures_before, 1);
+        assert!(s.mark_done(1, "host"));
+        assert!(s.end_round(1, failed(3)));
+        assert_eq!(s.end_of(1).unwrap().exit_code, 3);
+        assert!(matches!(s.phase, Phase::Finished { .. }));
+        assert!(!s.join(joiner("late", 2, 5)), "nobody joins a finished job");
+        assert_eq!(s.unacked(), ["host", "n1"]);
+        assert!(s.ack("n1") && !s.ack("n1"));
+        assert_eq!(s.unacked(), ["host"]);
+        assert!(!s.finish(failed(9)), "a finished job stays finished");
+    }
+
+    /// Every node done ends the round as done, once; scale-ups do not spend the budget.
+    #[test]
+    fn the_last_node_done_ends_the_round_and_scale_ups_are_free() {
+        let mut s = State::new(spec(1, 2, 0));
+        s.join(joiner("host", 0, 1));
+        s.close().unwrap();
+        let scale_up = RoundEnd {
+            kind: EndKind::ScaleUp,
+            line: "n1 waits".into(),
+            exit_code: 1,
+        };
+        assert!(s.end_round(0, scale_up));
+        assert_eq!((s.round, s.failures), (1, 0));
+        s.join(joiner("host", 0, 1));
+        s.join(joiner("n1", 1, 2));
+        s.close().unwrap();
+        assert!(s.mark_done(1, "n1") && s.running().is_some());
+        assert!(s.mark_done(1, "host"));
+        let Phase::Finished { end, .. } = &s.phase else {
+            panic!("{:?}", s.phase)
+        };
+        assert_eq!((end.kind, end.exit_code), (EndKind::Done, 0));
+        assert!(!s.mark_done(1, "host"));
+    }
+
+    /// The state survives its encoding (what the store holds).
+    #[test]
+    fn the_state_round_trips_through_its_encoding() {
+        let mut s = State::new(spec(1, 2, 0));
+        s.join(joiner("host", 0, 1));
+        s.refuse("a line".into());
+        s.close();
+        let bytes = super::super::messages::encode(&s);
+        let back: State = super::super::messages::decode("h:1", "state", &bytes).unwrap();
+        assert_eq!(back, s);
+    }
+}

@@ -1,0 +1,154 @@
+//! The harness of the multi-node tests: `ddprun` launchers ("nodes") on loopback, each an
+//! emulated host (`DDP_HOST_ID`), with a deadline; every launcher still running when a test
+//! ends is SIGKILLed (its ranks die with it through PDEATHSIG).
+
+#![allow(dead_code)] // each test file uses its part
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const DDPRUN: &str = env!("CARGO_BIN_EXE_ddprun");
+pub const DEADLINE: Duration = Duration::from_secs(60);
+/// Heartbeat timeout of the tests' launchers: short enough for the tests, long enough for a
+/// loaded 2-core CI machine (beats every 400 ms).
+pub const HEARTBEAT: &str = "2";
+
+/// One launcher ("node") of a test job.
+pub struct Node {
+    child: Option<Child>,
+    stdout: Option<JoinHandle<String>>,
+    stderr: Option<JoinHandle<String>>,
+    started: Instant,
+}
+
+/// How a node ended.
+#[derive(Debug)]
+pub struct Ended {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub after: Duration,
+}
+
+impl Ended {
+    /// The stdout lines of global rank `rank`, without the prefix.
+    pub fn rank_lines(&self, rank: usize) -> Vec<&str> {
+        let prefix = format!("[rank {rank}] ");
+        self.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix(prefix.as_str()))
+            .collect()
+    }
+}
+
+pub fn collect(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = r.read_to_string(&mut s);
+        s
+    })
+}
+
+/// A free port for a job's rendezvous.
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+impl Node {
+    /// Starts `ddprun --node-rank N --master-port PORT OPTS -- sh -c SCRIPT` as host `host-N`.
+    pub fn start(node: usize, port: &str, token: &str, opts: &[&str], script: &str) -> Node {
+        Self::start_with(node, port, token, opts, script, &[])
+    }
+
+    /// [`Node::start`] with more variables for ddprun (and so its ranks).
+    pub fn start_with(
+        node: usize,
+        port: &str,
+        token: &str,
+        opts: &[&str],
+        script: &str,
+        vars: &[(&str, &str)],
+    ) -> Node {
+        let mut cmd = Command::new(DDPRUN);
+        cmd.args(["--node-rank", &node.to_string(), "--master-port", port])
+            .args(["--rdzv-heartbeat-secs", HEARTBEAT])
+            .args(opts)
+            .args(["--", "sh", "-c", script])
+            .env("DDP_JOB_TOKEN", token)
+            .env("DDP_HOST_ID", format!("host-{node}"))
+            .env_remove("RUST_LOG")
+            .env_remove("OMP_NUM_THREADS")
+            .env_remove("RAYON_NUM_THREADS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .envs(vars.iter().copied());
+        let mut child = cmd.spawn().expect("start ddprun");
+        Node {
+            stdout: Some(collect(child.stdout.take().unwrap())),
+            stderr: Some(collect(child.stderr.take().unwrap())),
+            child: Some(child),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    /// Waits for the launcher with the test deadline (SIGKILLed past it).
+    pub fn wait(mut self) -> Ended {
+        let mut child = self.child.take().unwrap();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if self.started.elapsed() > DEADLINE {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "ddprun ran past the {DEADLINE:?} deadline: {}",
+                    self.stderr.take().unwrap().join().unwrap()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        Ended {
+            code: status.code(),
+            after: self.started.elapsed(),
+            stdout: self.stdout.take().unwrap().join().unwrap(),
+            stderr: self.stderr.take().unwrap().join().unwrap(),
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Prints the rank's view of the round; fails rank `$FAIL_RANK` in round 0 as `$HOW` says.
+pub const REPORT: &str = r#"echo "R=$RANK W=$WORLD_SIZE G=$GROUP_RANK L=$LOCAL_RANK P=$MASTER_PORT C=$DDP_RESTART_COUNT N=$DDP_ROUND A=$MASTER_ADDR T=$DDP_JOB_TOKEN""#;
+
+/// The `key=value` fields of a rank's line.
+pub fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+}
