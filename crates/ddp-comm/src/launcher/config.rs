@@ -227,6 +227,8 @@ pub(super) fn attempt_env(
     for var in RESTART_COUNT_VARS {
         env.insert(var.into(), attempt.to_string());
     }
+    // On one node every attempt after the first is a restart: the round is the attempt.
+    env.insert(super::ROUND_VAR.into(), attempt.to_string());
     if attempt > 0 {
         if cfg.master_port.is_none() && cfg.nnodes == 1 {
             env.insert(

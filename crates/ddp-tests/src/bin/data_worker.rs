@@ -9,7 +9,7 @@
 //!
 //! With `STATE_FILE` set it is an elastic job's rank instead (`tests/data.rs` runs it under
 //! two `ddprun` of `--nnodes 1:2`): it joins the process group (`burn_ddp::init`), resumes the
-//! loader from `STATE_FILE` when it is a restart (`DDP_RESTART_COUNT` > 0), and after each
+//! loader from `STATE_FILE` when it is a restart (`DDP_ROUND` > 0), and after each
 //! batch prints `{"attempt":…,"world":…,"epoch":…,"before":…,"ids":[…]}` (`before`: the
 //! epoch's global sample position before the batch), waits for every rank (a barrier: a lost
 //! peer fails it) and has rank 0 commit the loader's position to `STATE_FILE` (written to a
@@ -113,7 +113,12 @@ fn elastic(
         .device(Device::flex())
         .init()
         .map_err(|e| e.to_string())?;
-    let attempt: u64 = var("DDP_RESTART_COUNT", Some(0))?;
+    // The round (scale-ups included) where ddprun sets it: every round after the first
+    // resumes; elsewhere (torchrun) the restart count.
+    let attempt: u64 = match std::env::var_os("DDP_ROUND") {
+        Some(_) => var("DDP_ROUND", Some(0))?,
+        None => var("DDP_RESTART_COUNT", Some(0))?,
+    };
     let pause = std::time::Duration::from_millis(var("BATCH_SLEEP_MS", Some(0))?);
     if attempt > 0 {
         match std::fs::read(state_file) {
