@@ -140,6 +140,23 @@ fn signals_end_a_waiting_launcher_at_once() {
     );
 }
 
+/// SIGTERM to the rendezvous host while nodes wait for the fewest the job needs: the job ends
+/// on every node at once, all with 143 and the host's line.
+#[test]
+fn the_hosts_interruption_ends_the_job_on_every_waiting_node() {
+    let port = free_port();
+    let opts = ["--nnodes", "3", "--rdzv-join-timeout", "20"];
+    let node0 = Node::start(0, &port, "tok", &opts, REPORT);
+    let node1 = Node::start(1, &port, "tok", &opts, REPORT);
+    std::thread::sleep(Duration::from_millis(1000));
+    let sent = Instant::now();
+    node0.signal(libc::SIGTERM);
+    let (a, b) = (node0.wait(), node1.wait());
+    assert!(sent.elapsed() < Duration::from_secs(3), "{:?}", sent.elapsed());
+    same_end(&[&a, &b], 143, "node 0 (ddprun pid");
+    assert!(b.stderr.contains("received SIGTERM"), "{}", b.stderr);
+}
+
 /// A launcher that arrives while a full job runs and waits for room learns of the job's end
 /// when it comes: one line, and the job's exit code (0).
 #[test]

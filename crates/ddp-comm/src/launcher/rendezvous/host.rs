@@ -262,16 +262,17 @@ impl Coordinator {
                     self.logged_refusals = seq + 1;
                 }
             }
-            self.drop_dead_waiters(&state)?;
             match &state.phase {
+                // Decide on the state as it is once the dead are out of the queue.
+                _ if self.drop_dead_waiters(&state)? => {}
                 Phase::Gathering => self.gather(&state)?,
                 Phase::Running { info, .. } => {
                     self.gathering = None;
                     self.monitor(&state, info)?;
                 }
                 // The job is over: the host's launcher closes the store once the members
-                // have read it.
-                Phase::Finished { .. } => return Ok(()),
+                // have read it; until then the coordinator keeps beating.
+                Phase::Finished { .. } => {}
             }
             std::thread::sleep(TICK);
         }
@@ -286,15 +287,20 @@ impl Coordinator {
             .lost(&mut self.store, id, self.timing.heartbeat)
     }
 
-    /// Removes waiting launchers that are gone.
-    fn drop_dead_waiters(&mut self, state: &State) -> Result<()> {
+    /// Removes waiting launchers that are gone; whether it removed any.
+    fn drop_dead_waiters(&mut self, state: &State) -> Result<bool> {
+        if matches!(state.phase, Phase::Finished { .. }) {
+            return Ok(false);
+        }
+        let mut dropped = false;
         for j in &state.waiting {
             if let Some(why) = self.lost(&j.id)? {
                 tracing::warn!("ddprun: {} left the queue of the job: {why}", j.label);
                 change(&mut self.store, "drop", |s| s.leave(&j.id).then_some(()))?;
+                dropped = true;
             }
         }
-        Ok(())
+        Ok(dropped)
     }
 
     /// Closes the round being gathered when it is full, or when `MIN` wait and the last call
@@ -321,7 +327,14 @@ impl Coordinator {
         let last_call_over =
             min_since.is_some_and(|t| t.elapsed() >= self.timing.last_call) && !stopping;
         if waiting >= max || last_call_over {
-            if let (Some(info), _) = change(&mut self.store, "close", State::close)? {
+            // On the state as it is now: enough still wait, the round is still this one.
+            let enough = |s: &State| {
+                s.phase == Phase::Gathering && s.round == round && s.waiting.len() >= min.min(max)
+            };
+            let closed = change(&mut self.store, "close", |s| {
+                if enough(s) { s.close() } else { None }
+            })?;
+            if let (Some(info), _) = closed {
                 tracing::info!(
                     round = info.round,
                     nodes = ?info.labels,

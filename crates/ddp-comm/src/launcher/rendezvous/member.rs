@@ -256,9 +256,8 @@ impl Member {
             }
             let what = format!("waiting for round {}", state.round);
             if let Some(e) = self.interrupted(&what) {
-                if matches!(e, RendezvousError::Interrupted { .. }) {
-                    let id = self.spec.id.clone();
-                    let _ = self.change("leave", |s| s.leave(&id).then_some(()));
+                if let RendezvousError::Interrupted { signal, line } = &e {
+                    self.leave_after_signal(None, *signal, line);
                 }
                 return Err(e);
             }
@@ -310,16 +309,33 @@ impl Member {
             }
             if let Some(e) = self.interrupted(&format!("waiting for the end of round {round}")) {
                 if let RendezvousError::Interrupted { signal, line } = &e {
-                    let end = RoundEnd {
-                        kind: EndKind::Left,
-                        line: line.clone(),
-                        exit_code: 128 + signal,
-                    };
-                    let _ = self.claim(round, &end);
+                    self.leave_after_signal(Some(round), *signal, line);
                 }
                 return Err(e);
             }
             std::thread::sleep(POLL);
+        }
+    }
+
+    /// After a signal: this launcher leaves — the round it is in ends (its end, if the first),
+    /// or it leaves the queue; the host's launcher ends the whole job instead (without it there
+    /// is no rendezvous). Errors are ignored: it is leaving.
+    fn leave_after_signal(&mut self, round: Option<u64>, signal: i32, line: &str) {
+        let end = RoundEnd {
+            kind: if self.coordinator.is_some() {
+                EndKind::Interrupted
+            } else {
+                EndKind::Left
+            },
+            line: line.to_string(),
+            exit_code: 128 + signal,
+        };
+        if self.coordinator.is_some() {
+            let _ = self.finish_job(&end);
+        } else if let Some(round) = round {
+            let _ = self.claim(round, &end);
+        } else {
+            self.leave();
         }
     }
 
