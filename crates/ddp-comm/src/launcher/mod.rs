@@ -54,7 +54,7 @@ use signals::{SignalForwarding, kill_group};
 /// How often the watch loop checks the ranks.
 const POLL: Duration = Duration::from_millis(5);
 /// How long to wait for a rank's output to drain after all ranks exited.
-const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+pub(crate) const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
 
 /// A running rank.
 struct Rank {

@@ -113,32 +113,38 @@ impl Host {
         Arc::clone(&self.failure)
     }
 
-    /// After the job's end: waits until every member owed the end has read it or is gone
-    /// (at most the grace period, the ranks' stop and the heartbeat timeout; `quick`: one
-    /// second), then stops the coordinator and the store.
+    /// After the job's end: waits until every member owed the end has read it or is gone (at
+    /// most the longest any of them takes to stop its ranks, the heartbeat timeout and a
+    /// margin; `quick`: one second), then stops the coordinator and the store.
     pub fn finish(mut self, quick: bool) {
-        let limit = if quick {
-            Duration::from_secs(1)
-        } else {
-            self.timing.grace + STOP_SLACK + self.timing.heartbeat
-        };
-        self.wait_for_acks(limit);
+        self.wait_for_acks(quick);
         self.shut_down();
     }
 
-    fn wait_for_acks(&self, limit: Duration) {
+    fn wait_for_acks(&self, quick: bool) {
         let Ok(mut client) =
             StoreClient::connect(&self.endpoint, Some(&self.token), Duration::from_secs(1))
         else {
             return;
         };
         client.set_io_timeout(Duration::from_secs(1));
-        let until = Instant::now() + limit;
+        let started = Instant::now();
         let mut watch = Liveness::default();
-        while Instant::now() < until {
+        loop {
             let Ok(Some((_, state))) = read_state(&mut client) else {
                 return;
             };
+            let limit = if quick {
+                Duration::from_secs(1)
+            } else {
+                state.stop_within().max(self.timing.grace) + STOP_SLACK + self.timing.heartbeat
+            };
+            if started.elapsed() > limit {
+                tracing::warn!(
+                    "not every node read the job's end within {limit:?}; closing the rendezvous"
+                );
+                return;
+            }
             let mut owed = false;
             for id in state.unacked() {
                 match watch.lost(&mut client, &id, self.timing.heartbeat) {
@@ -152,9 +158,6 @@ impl Host {
             }
             std::thread::sleep(TICK);
         }
-        tracing::warn!(
-            "not every node read the job's end within {limit:?}; closing the rendezvous"
-        );
     }
 
     fn shut_down(&mut self) {

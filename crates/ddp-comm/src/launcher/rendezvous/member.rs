@@ -246,6 +246,10 @@ impl Member {
                     arrival: 0,
                     master_addr: self.addr.clone(),
                     master_port: port,
+                    stop_within_ms: u64::try_from(
+                        (self.timing.grace + crate::launcher::OUTPUT_DRAIN).as_millis(),
+                    )
+                    .unwrap_or(u64::MAX),
                 };
                 let (done, now) = self.change("join", |s| s.join(joiner.clone()).then_some(()))?;
                 if done.is_some() {

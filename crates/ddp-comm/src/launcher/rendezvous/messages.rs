@@ -89,6 +89,9 @@ pub(crate) struct RoundInfo {
     pub master_addr: String,
     /// Its port, fresh for every round.
     pub master_port: u16,
+    /// The longest any of its launchers takes to stop its ranks (grace period and output
+    /// drain), in milliseconds: how long the host waits for them to read the job's end.
+    pub stop_within_ms: u64,
     /// Rounds that ended in a failure before this one (they count against `--max-restarts`).
     pub failures_before: usize,
 }
@@ -212,6 +215,7 @@ mod tests {
             nproc_per_node: 2,
             master_addr: "127.0.0.1".into(),
             master_port: 1234,
+            stop_within_ms: 0,
             failures_before,
         }
     }

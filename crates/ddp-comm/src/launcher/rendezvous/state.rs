@@ -30,6 +30,8 @@ pub(crate) struct Joiner {
     pub master_addr: String,
     /// A port free on that address when it joined.
     pub master_port: u16,
+    /// How long it takes to stop its ranks (its grace period and output drain), in ms.
+    pub stop_within_ms: u64,
 }
 
 /// What the job is doing.
@@ -186,6 +188,7 @@ impl State {
             nproc_per_node: self.job.nproc_per_node,
             master_addr: master.master_addr.clone(),
             master_port: master.master_port,
+            stop_within_ms: nodes.iter().map(|j| j.stop_within_ms).max().unwrap_or(0),
             failures_before: self.failures,
         };
         self.waiting.retain(|j| !info.nodes.contains(&j.id));
@@ -285,6 +288,15 @@ impl State {
         }
     }
 
+    /// How long the launchers of the latest round take to stop their ranks.
+    pub fn stop_within(&self) -> std::time::Duration {
+        let ms = match &self.phase {
+            Phase::Running { info, .. } => info.stop_within_ms,
+            _ => self.ends.last().map_or(0, |(i, _)| i.stop_within_ms),
+        };
+        std::time::Duration::from_millis(ms)
+    }
+
     /// The members that have not read the job's end yet (empty unless the job is over).
     pub fn unacked(&self) -> Vec<String> {
         match &self.phase {
@@ -324,6 +336,7 @@ mod tests {
             arrival: 0,
             master_addr: format!("10.0.0.{node_rank}"),
             master_port: port,
+            stop_within_ms: 0,
         }
     }
 
