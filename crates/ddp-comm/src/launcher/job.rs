@@ -157,12 +157,7 @@ impl Node<'_> {
                         });
                         return Ok(report);
                     }
-                    self.say_restart(&end, &info);
-                    restarts.push(AttemptEnd {
-                        attempt: info.round as usize,
-                        summary: end.line,
-                        exit_code: end.exit_code,
-                    });
+                    restarts.push(self.next_round(end, &info));
                     continue;
                 }
             };
@@ -247,12 +242,7 @@ impl Node<'_> {
                 }
                 return Ok(report);
             }
-            self.say_restart(&end, &info);
-            restarts.push(AttemptEnd {
-                attempt: info.round as usize,
-                summary: end.line,
-                exit_code: end.exit_code,
-            });
+            restarts.push(self.next_round(end, &info));
             if self.forwarding.is_some()
                 && let Some((sig, _)) = caught()
             {
@@ -270,9 +260,10 @@ impl Node<'_> {
         }
     }
 
-    /// The line every node prints when a round ends and the next one starts.
-    fn say_restart(&self, end: &RoundEnd, info: &RoundInfo) {
-        if is_failure(end) {
+    /// A round ended and the next one starts: prints the line every node prints, and returns
+    /// what the report keeps of the round.
+    fn next_round(&self, end: RoundEnd, info: &RoundInfo) -> AttemptEnd {
+        if is_failure(&end) {
             eprintln!(
                 "{}; restarting the group (restart {} of {})",
                 end.line,
@@ -281,6 +272,11 @@ impl Node<'_> {
             );
         } else {
             eprintln!("{}", end.line);
+        }
+        AttemptEnd {
+            attempt: info.round as usize,
+            summary: end.line,
+            exit_code: end.exit_code,
         }
     }
 
