@@ -270,6 +270,9 @@ pub fn train<N: NormLayer, C: Cluster>(
         })?;
     }
 
+    // Every rank starts from rank 0's model; a resume then gives every rank the checkpoint's
+    // parameters and its own buffers (per-rank BatchNorm statistics).
+    let mut model = cluster.broadcast_model(model)?;
     let ckpt = Checkpointer::new(&cfg.out).every_steps(cfg.checkpoint_every_steps);
     let mut history = Vec::new();
     let mut seed = cfg.seed;
@@ -337,7 +340,6 @@ pub fn train<N: NormLayer, C: Cluster>(
         );
     }
     let resumed_after = resumed_at.map(|p| p.epochs_done as usize);
-    let mut model = cluster.broadcast_model(model)?;
 
     let start = history.len();
     let remaining = cfg.epochs.saturating_sub(start);

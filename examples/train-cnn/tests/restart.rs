@@ -232,6 +232,55 @@ fn a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one() {
     );
 }
 
+/// Plain BatchNorm (no `--sync-bn`): every rank's running statistics differ. Rank 1 killed
+/// in epoch 2, after the first checkpoint, and the group restarted: the run ends with the
+/// uninterrupted run's parameters and its train *and* eval metrics to every digit — the
+/// checkpoint keeps every rank's statistics and each rank resumes with its own.
+#[test]
+fn a_restart_with_per_rank_batch_norm_ends_as_an_uninterrupted_one() {
+    let without_sync_bn = |out: &Path| -> Vec<String> {
+        train_args(out, 3, "")
+            .into_iter()
+            .filter(|a| a != "--sync-bn")
+            .collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    let marks = dir.path().join("marks");
+    let cfg = config(0, &marks, &straight.join(FILE_NAME));
+    let report = launch_with_deadline(
+        cfg,
+        env!("CARGO_BIN_EXE_train-cnn").into(),
+        without_sync_bn(&straight),
+    );
+    assert!(report.success(), "uninterrupted run failed: {report:?}");
+    let restarted = dir.path().join("restarted");
+    let cfg = config(1, &marks, &restarted.join(FILE_NAME));
+    let report = run_under(
+        cfg,
+        KILL_RANK_1_IN_EPOCH_2,
+        without_sync_bn(&restarted),
+        &marks,
+    );
+    assert!(report.success(), "the restarted run failed: {report:?}");
+    assert_eq!(report.attempt, 1, "no restart happened: {report:?}");
+    let (_, ha, hb) = same_end(&straight, &restarted);
+    assert_eq!(ha.len(), 3);
+    assert_eq!(ha.len(), hb.len());
+    for (x, y) in ha.iter().zip(&hb) {
+        assert_eq!(
+            (x.train_loss, x.train_accuracy, x.eval_loss, x.eval_accuracy),
+            (y.train_loss, y.train_accuracy, y.eval_loss, y.eval_accuracy),
+            "epoch {}",
+            x.epoch
+        );
+    }
+    // The checkpoint holds both ranks' statistics, and they differ.
+    let ck = Checkpoint::read(&restarted.join(FILE_NAME)).unwrap();
+    assert_eq!(ck.rank_buffers.len(), 2);
+    assert_ne!(ck.rank_buffers[0], ck.rank_buffers[1]);
+}
+
 #[test]
 fn without_restarts_the_killed_rank_fails_the_job_with_137() {
     let dir = tempfile::tempdir().unwrap();

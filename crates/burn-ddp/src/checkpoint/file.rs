@@ -2,8 +2,8 @@
 //!
 //! Layout (little-endian): magic `BURNDDPC`, format version `u32`, the lengths of the three
 //! sections as `u64`, the CRC-32 of the sections, then the sections: the header (JSON:
-//! progress, world size, the user's metadata), the model record (burnpack), the optimizer
-//! state (burnpack).
+//! progress, world size, the user's metadata, and every rank's buffers when they differ), the
+//! model record (burnpack), the optimizer state (burnpack).
 
 use std::path::Path;
 use std::time::Duration;
@@ -28,6 +28,9 @@ struct Header<T> {
     progress: super::Progress,
     world_size: usize,
     metadata: T,
+    /// Every rank's buffers when they differ (absent in files of earlier versions).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    rank_buffers: Vec<Vec<u8>>,
 }
 
 impl<T: Serialize> Checkpoint<T> {
@@ -40,6 +43,7 @@ impl<T: Serialize> Checkpoint<T> {
             progress: self.progress,
             world_size: self.world_size,
             metadata: &self.metadata,
+            rank_buffers: self.rank_buffers.clone(),
         })
         .map_err(|e| CheckpointError::Encode(format!("metadata: {e}")))?;
         let sections = [&header[..], &self.model, &self.optimizer];
@@ -127,6 +131,8 @@ impl<T: DeserializeOwned> Checkpoint<T> {
             metadata: header.metadata,
             model: model.to_vec(),
             optimizer: optimizer.to_vec(),
+            rank_buffers: header.rank_buffers,
+            reader: None,
         })
     }
 
@@ -187,6 +193,8 @@ mod tests {
             metadata: vec!["lr 0.1".into()],
             model: (0..=255).collect(),
             optimizer: vec![7; 100],
+            rank_buffers: vec![vec![1, 2], vec![3, 4], vec![5, 6], vec![7, 8]],
+            reader: None,
         }
     }
 
@@ -197,6 +205,13 @@ mod tests {
         let c = sample();
         c.write(&p).unwrap();
         assert_eq!(Checkpoint::read(&p).unwrap(), c);
+        // A checkpoint of equal buffers on every rank writes none (and reads as none).
+        let same = Checkpoint {
+            rank_buffers: Vec::new(),
+            ..sample()
+        };
+        same.write(&p).unwrap();
+        assert_eq!(Checkpoint::read(&p).unwrap(), same);
         let mut c2 = sample();
         c2.progress.step = 300;
         c2.write(&p).unwrap();

@@ -44,6 +44,7 @@
 //! [`Checkpointer::exists`] at the same points (they are collectives).
 
 mod atomic;
+mod buffers;
 pub(crate) mod error;
 mod file;
 
@@ -58,6 +59,7 @@ use burn::tensor::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub use buffers::restore_buffers;
 pub use error::CheckpointError;
 pub use file::{WRITE_PAUSE_VAR, write_atomic};
 
@@ -94,6 +96,13 @@ pub struct Checkpoint<T> {
     pub model: Vec<u8>,
     /// The optimizer state (burnpack bytes, [`OptimizerState::state_bytes`]).
     pub optimizer: Vec<u8>,
+    /// Every rank's buffers (float tensors without gradient, in visit order, as bytes) when
+    /// they differ between ranks — per-rank BatchNorm's running statistics; empty when every
+    /// rank's equal rank 0's, which [`Self::model`] holds (SyncBatchNorm, one rank).
+    pub rank_buffers: Vec<Vec<u8>>,
+    /// The rank and world size of the process that read it ([`Checkpointer::read`]): whose
+    /// buffers [`Checkpointer::restore`] takes from [`Self::rank_buffers`].
+    reader: Option<(usize, usize)>,
 }
 
 impl<T> Checkpoint<T> {
@@ -137,7 +146,18 @@ impl<T> Checkpoint<T> {
             metadata,
             model,
             optimizer,
+            rank_buffers: Vec::new(),
+            reader: None,
         })
+    }
+
+    /// The buffers [`Checkpointer::restore`] gives the rank that read this checkpoint: its
+    /// own, when the checkpoint holds every rank's and the job has the world size that wrote
+    /// it; `None` otherwise (every rank then has rank 0's, from the model record).
+    pub fn own_buffers(&self) -> Option<&[u8]> {
+        let (rank, world) = self.reader?;
+        (self.rank_buffers.len() == world && world == self.world_size)
+            .then(|| self.rank_buffers[rank].as_slice())
     }
 
     /// `model` with the checkpoint's parameters and buffers; `origin` names the checkpoint in
@@ -441,6 +461,17 @@ impl Checkpointer {
         };
         // Every rank: a sharded optimizer gathers its state to rank 0 here.
         let state = optim.gather_state_bytes(rank);
+        // Every rank: its buffers to all (per-rank BatchNorm's running statistics differ).
+        let rank_buffers = if world_size > 1 {
+            let all = comm::lock(g).all_gather_varlen(&buffers::pack(model))?;
+            if all.iter().all(|b| *b == all[0]) {
+                Vec::new()
+            } else {
+                all
+            }
+        } else {
+            Vec::new()
+        };
         let outcome: Result<()> = match state {
             Ok(state) if rank == 0 => state
                 .ok_or_else(|| {
@@ -449,7 +480,7 @@ impl Checkpointer {
                 .and_then(|state| {
                     Checkpoint::capture_with_state(model, state, progress, world_size, metadata)
                 })
-                .and_then(|ck| ck.write(&self.path))
+                .and_then(|ck| Checkpoint { rank_buffers, ..ck }.write(&self.path))
                 .map_err(DdpError::from),
             Ok(_) => Ok(()),
             // A failed collective broke the group: nothing more to wait for.
@@ -518,7 +549,11 @@ impl Checkpointer {
         group: &impl GroupHandle,
     ) -> Result<Option<Checkpoint<T>>> {
         let g = group.process_group();
-        let is_main = comm::lock(g).rank() == 0;
+        let (rank, world) = {
+            let pg = comm::lock(g);
+            (pg.rank(), pg.world_size())
+        };
+        let is_main = rank == 0;
         let mut local_err = None;
         let mut bytes = if !is_main {
             Vec::new()
@@ -551,7 +586,11 @@ impl Checkpointer {
         };
         match tag {
             NONE => Ok(None),
-            FOUND => Ok(Some(Checkpoint::<T>::from_bytes(body, &self.path)?)),
+            FOUND => {
+                let mut ck = Checkpoint::<T>::from_bytes(body, &self.path)?;
+                ck.reader = Some((rank, world));
+                Ok(Some(ck))
+            }
             _ => Err(CheckpointError::OnRankZero(String::from_utf8_lossy(body).into()).into()),
         }
     }
@@ -568,7 +607,18 @@ impl Checkpointer {
         model: M,
         optim: &mut impl OptimizerState,
     ) -> Result<(M, Resumed<T>)> {
-        let model = ck.restore_model(model, &self.path)?;
+        let mut model = ck.restore_model(model, &self.path)?;
+        match ck.own_buffers() {
+            Some(own) => {
+                model = restore_buffers(model, own).map_err(|e| self.located(e))?;
+            }
+            None if !ck.rank_buffers.is_empty() => tracing::warn!(
+                "{} holds every rank's buffers (per-rank BatchNorm statistics) of a {}-rank run; with another world size every rank resumes with rank 0's",
+                self.path.display(),
+                ck.world_size
+            ),
+            None => {}
+        }
         optim
             .load_state_bytes(ck.optimizer)
             .map_err(|e| self.located(e))?;
