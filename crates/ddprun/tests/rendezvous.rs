@@ -97,6 +97,72 @@ fn a_launcher_killed_after_any_rendezvous_step_leaves_no_half_state() {
     }
 }
 
+/// The rarer steps, each in the scenario that takes it: the host killed right after it ended
+/// a round for a scale-up, and right after it ended a job that could not gather; a refused
+/// launcher killed right after its refusal was written. No node hangs; the survivors agree.
+#[test]
+fn a_launcher_killed_after_the_rarer_rendezvous_steps_leaves_no_half_state() {
+    let fault = |step: &str| format!("exit-after:{step}");
+    // Scale-up: node 0 alone in round 0 (1:2), node 1 arrives, the host ends the round and dies.
+    let port = free_port();
+    let opts = [
+        "--nnodes",
+        "1:2",
+        "--rdzv-last-call",
+        "0.3",
+        "--grace-secs",
+        "1",
+    ];
+    let s = format!("{REPORT}; sleep 20");
+    let f = fault("scale-up");
+    let node0 = Node::start_with(0, &port, "tok", &opts, &s, &[("DDP_RDZV_FAULT", &f)]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let node1 = Node::start(1, &port, "tok", &opts, &s);
+    let (a, b) = (node0.wait(), node1.wait());
+    assert_eq!(a.code, None, "the knob killed the host: {}", a.stderr);
+    assert_eq!(b.code, Some(1), "{}", b.stderr);
+    assert!(b.after < Duration::from_secs(15), "{:?}", b.after);
+
+    // Finish: 2 of 3 nodes within a 2 s join timeout; the host writes the job's end, dies.
+    let port = free_port();
+    let opts = ["--nnodes", "3", "--rdzv-join-timeout", "2"];
+    let f = fault("finish");
+    let node0 = Node::start_with(0, &port, "tok", &opts, REPORT, &[("DDP_RDZV_FAULT", &f)]);
+    let node1 = Node::start(1, &port, "tok", &opts, REPORT);
+    let (a, b) = (node0.wait(), node1.wait());
+    assert_eq!(a.code, None, "the knob killed the host: {}", a.stderr);
+    assert_eq!(b.code, Some(1), "{}", b.stderr);
+    assert!(b.after < Duration::from_secs(15), "{:?}", b.after);
+
+    // Refuse: a launcher that differs is killed right after its refusal is written; the job
+    // goes on and ends 0.
+    let port = free_port();
+    let opts = ["--nnodes", "2"];
+    let s = format!("{REPORT}; sleep 2");
+    let node0 = Node::start(0, &port, "tok", &opts, &s);
+    let node1 = Node::start(1, &port, "tok", &opts, &s);
+    std::thread::sleep(Duration::from_millis(500));
+    let f = fault("refuse");
+    let odd = Node::start_with(
+        1,
+        &port,
+        "tok",
+        &["--nnodes", "2", "--nproc-per-node", "2"],
+        &s,
+        &[("DDP_RDZV_FAULT", &f)],
+    );
+    let c = odd.wait();
+    assert_eq!(c.code, None, "the knob killed it: {}", c.stderr);
+    let (a, b) = (node0.wait(), node1.wait());
+    assert_eq!(
+        (a.code, b.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        a.stderr,
+        b.stderr
+    );
+}
+
 /// Ctrl-C and SIGTERM end a launcher at once whatever it waits for: for the fewest nodes, for
 /// room in a full job. The job it was waiting for goes on.
 #[test]
@@ -284,12 +350,12 @@ fn ranks_slow_to_stop_still_get_the_jobs_exit_code() {
 }
 
 /// Rank 1 SIGKILLed while rank 0 (on the other node) fails with exit code 1 the moment its
-/// peer is gone — as a training rank does on the closed connection — ten times: every time,
+/// peer is gone — as a training rank does on the closed connection — twenty times: every time,
 /// both nodes exit 137 with the killed rank named.
 #[test]
 fn the_same_kill_gets_the_same_cause_on_every_node_every_time() {
     let dir = tempfile::tempdir().unwrap();
-    for batch in 0..2 {
+    for batch in 0..4 {
         let runs: Vec<_> = (batch * 5..batch * 5 + 5)
             .map(|i| {
                 let pidfile = dir.path().join(format!("rank1.{i}.pid"));

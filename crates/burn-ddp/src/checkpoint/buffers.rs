@@ -85,15 +85,25 @@ pub fn restore_buffers<M: Module>(model: M, bytes: &[u8]) -> Result<M, Checkpoin
 
 #[cfg(test)]
 mod tests {
-    use burn::module::Module;
     use burn::nn::{BatchNorm, BatchNormConfig};
     use burn::tensor::{Device, Tensor};
 
     use super::*;
 
     fn values(bn: &BatchNorm) -> Vec<f32> {
-        let mut v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
-        v.extend(bn.running_var.value().into_data().to_vec::<f32>().unwrap());
+        let mut v = bn
+            .running_mean
+            .value()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        v.extend(
+            bn.running_var
+                .value()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap(),
+        );
         v
     }
 
