@@ -111,7 +111,8 @@ mod tests {
     /// bytes and come back into another BatchNorm; parameters stay; a wrong size is an error.
     #[test]
     fn running_statistics_round_trip_and_parameters_stay() {
-        let device = Device::flex();
+        // A training model: its parameters take gradients, its running statistics do not.
+        let device = Device::flex().autodiff();
         let trained: BatchNorm = BatchNormConfig::new(3).init(&device);
         let x = Tensor::<4>::random(
             [4, 3, 2, 2],

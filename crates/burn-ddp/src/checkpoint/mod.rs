@@ -23,9 +23,9 @@
 //! let ckpt = Checkpointer::new("runs/my-job").every_steps(500);
 //!
 //! // On start (and after a restart): resume when rank 0 finds a checkpoint.
-//! let (model, resumed) = ckpt.load::<_, String>(&ddp, model, &mut optim)?;
+//! let model = ddp.replicate_model(model)?;
+//! let (mut model, resumed) = ckpt.load::<_, String>(&ddp, model, &mut optim)?;
 //! let mut step = resumed.map_or(0, |r| r.progress.step);
-//! let mut model = ddp.replicate_model(model)?;
 //! # let batches: Vec<(Tensor<2>, Tensor<2>)> = vec![];
 //! for (x, y) in batches {
 //!     let loss = (model.forward(x) - y).powi_scalar(2).mean();
@@ -42,6 +42,11 @@
 //!
 //! Every rank must call [`Checkpointer::save`], [`Checkpointer::load`] and
 //! [`Checkpointer::exists`] at the same points (they are collectives).
+//!
+//! Buffers that differ between ranks — per-rank BatchNorm's running statistics — are saved
+//! for every rank, and a resume at the same world size gives each rank its own
+//! ([`Checkpoint::own_buffers`]). `Ddp::replicate_model` copies rank 0's buffers to every rank:
+//! call it before [`Checkpointer::load`], as above, not after.
 
 mod atomic;
 mod buffers;
