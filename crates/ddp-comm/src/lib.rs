@@ -23,6 +23,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod auth;
 pub mod cuda_toolkit;
 pub mod env;
 pub mod error;

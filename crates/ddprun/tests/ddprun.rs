@@ -239,7 +239,7 @@ fn launch_env_reaches_every_rank_for_one_to_four_ranks() {
 #[test]
 fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
     let script = r#"echo "R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE G=$GROUP_RANK A=$MASTER_ADDR P=$MASTER_PORT T=$DDP_JOB_TOKEN O=$OMP_NUM_THREADS Y=$RAYON_NUM_THREADS""#;
-    // The user's OMP_NUM_THREADS and token are kept.
+    // The user's OMP_NUM_THREADS is kept; the token is the launcher's.
     let r = run(
         ddprun_cmd(&["--nproc-per-node", "2", "--", "sh", "-c", script])
             .env("OMP_NUM_THREADS", "3")
@@ -249,7 +249,11 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
     for rank in 0..2 {
         let line = r.rank_lines(rank)[0];
         assert!(line.contains(" O=3 "), "{line}");
-        assert!(line.contains(" T=shared-secret "), "{line}");
+        // The ranks' token is derived from the launcher's, which they never see.
+        let derived = ddp_comm::auth::Key::from_token("shared-secret")
+            .derive("ranks/attempt/0")
+            .to_token();
+        assert!(line.contains(&format!(" T={derived} ")), "{line}");
     }
     // Both nodes of two (two ddprun: node 1 waits for node 0's rendezvous), torchrun's
     // underscore spellings, explicit port and threads. The port is the launchers'
@@ -291,17 +295,20 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
             .to_string()
     };
     let rank0_port = port(r0.rank_lines(0)[0]);
+    let round_token = ddp_comm::auth::Key::from_token("node-token")
+        .derive("ranks/round/0")
+        .to_token();
     assert_ne!(rank0_port, "23456");
     assert_eq!(
         r.rank_lines(2),
         [format!(
-            "R=2 L=0 W=4 G=1 A=localhost P={rank0_port} T=node-token O=5 Y=5"
+            "R=2 L=0 W=4 G=1 A=localhost P={rank0_port} T={round_token} O=5 Y=5"
         )]
     );
     assert_eq!(
         r.rank_lines(3),
         [format!(
-            "R=3 L=1 W=4 G=1 A=localhost P={rank0_port} T=node-token O=5 Y=5"
+            "R=3 L=1 W=4 G=1 A=localhost P={rank0_port} T={round_token} O=5 Y=5"
         )]
     );
 }

@@ -295,9 +295,13 @@ fn a_coordinator_that_cannot_read_the_state_ends_the_job_with_one_line() {
     let node0 = Node::start(0, &port, "tok", &opts, REPORT);
     let node1 = Node::start(1, &port, "tok", &opts, REPORT);
     std::thread::sleep(Duration::from_millis(1000));
+    // The launchers' key (derived from the job token): only a launcher holds it.
+    let launchers = ddp_comm::auth::Key::from_token("tok")
+        .derive("launchers")
+        .to_token();
     let mut client = StoreClient::connect(
         &format!("127.0.0.1:{port}"),
-        Some("tok"),
+        Some(&launchers),
         Duration::from_secs(5),
     )
     .unwrap();
@@ -493,4 +497,37 @@ fn a_rounds_master_is_its_own_node_0() {
             .insert(field(line, "A"));
     }
     assert!(by_round.values().all(|a| a.len() == 1), "{by_round:?}");
+}
+
+/// The ranks' token cannot reach the launchers' rendezvous (it is derived from the job token
+/// for that round, and the launchers' key for them), so no rank can write a round's end or
+/// the job's; nor can the job token itself, presented as it is.
+#[test]
+fn a_ranks_token_cannot_reach_the_launchers_rendezvous() {
+    use ddp_comm::store::StoreClient;
+    let port = free_port();
+    let opts = ["--nnodes", "2"];
+    let s = format!("{REPORT}; sleep 3");
+    let node0 = Node::start(0, &port, "tok", &opts, &s);
+    let node1 = Node::start(1, &port, "tok", &opts, &s);
+    std::thread::sleep(Duration::from_millis(1000));
+    let round0 = ddp_comm::auth::Key::from_token("tok")
+        .derive("ranks/round/0")
+        .to_token();
+    let endpoint = format!("127.0.0.1:{port}");
+    for token in [round0.as_str(), "tok"] {
+        let err = StoreClient::connect(&endpoint, Some(token), Duration::from_secs(3))
+            .expect_err("refused");
+        assert!(err.to_string().contains("job's token"), "{err}");
+    }
+    let (a, b) = (node0.wait(), node1.wait());
+    assert_eq!(
+        (a.code, b.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        a.stderr,
+        b.stderr
+    );
+    // The ranks saw their round's token, not the launchers'.
+    assert_eq!(field(a.rank_lines(0)[0], "T"), round0);
 }

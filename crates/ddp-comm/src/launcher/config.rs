@@ -229,6 +229,12 @@ pub(super) fn attempt_env(
     }
     // On one node every attempt after the first is a restart: the round is the attempt.
     env.insert(super::ROUND_VAR.into(), attempt.to_string());
+    // A token of the attempt's own, derived from the launcher's: a rank left over from an
+    // earlier attempt can never join, and no rank holds the launcher's.
+    env.insert(
+        TOKEN_VAR.into(),
+        super::job::ranks_token(&first[TOKEN_VAR], "attempt", attempt as u64),
+    );
     if attempt > 0 {
         if cfg.master_port.is_none() && cfg.nnodes == 1 {
             env.insert(
@@ -236,8 +242,6 @@ pub(super) fn attempt_env(
                 free_port(&cfg.master_addr)?.to_string(),
             );
         }
-        let token = format!("{}.restart{attempt}", first[TOKEN_VAR]);
-        env.insert(TOKEN_VAR.into(), token);
         // The ranks write into pipes; whether colour reaches a terminal is the launcher's to know.
         let colour = crate::log::colour_wanted();
         env.insert(

@@ -17,6 +17,7 @@ use super::rendezvous::{RendezvousError, Timing};
 use super::report::{Failure, RankExit};
 use super::signals::{SignalForwarding, caught, signal_name};
 use super::{AttemptEnd, JobStop, LaunchConfig, LaunchError, LaunchReport, RoundHooks};
+use crate::auth::Key;
 use crate::env::TOKEN_VAR;
 
 /// The variable that carries the rendezvous round (scale-ups included) to the ranks;
@@ -39,7 +40,11 @@ pub(super) fn launch_nodes(
     forwarding: Option<&SignalForwarding>,
     trace_dir: Option<PathBuf>,
 ) -> Result<LaunchReport, LaunchError> {
+    // The launchers hold the job token; their rendezvous uses a key derived for them, and each
+    // round's ranks get a token derived for that round: a rank can neither reach the
+    // launchers' rendezvous nor work out another round's token.
     let token = env[TOKEN_VAR].clone();
+    let launchers_token = Key::from_token(&token).derive("launchers").to_token();
     let endpoint = cfg
         .rdzv_endpoint
         .clone()
@@ -70,7 +75,12 @@ pub(super) fn launch_nodes(
         max_nodes: cfg.nnodes,
     };
     let host = match cfg.node_rank {
-        0 => Some(Host::start(&endpoint, &token, spec.clone(), timing)?),
+        0 => Some(Host::start(
+            &endpoint,
+            &launchers_token,
+            spec.clone(),
+            timing,
+        )?),
         _ => None,
     };
     let node = Node {
@@ -94,7 +104,7 @@ pub(super) fn launch_nodes(
         .or_else(|| host.as_ref().and(endpoint_host));
     let member = Member::connect(
         &endpoint,
-        &token,
+        &launchers_token,
         spec,
         timing,
         forwarding.is_some(),
@@ -306,6 +316,15 @@ impl Node<'_> {
     }
 }
 
+/// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
+/// the launchers' job token, so that the ranks never hold the launchers' secret and one
+/// round's token reveals no other's.
+pub(super) fn ranks_token(job_token: &str, what: &str, n: u64) -> String {
+    Key::from_token(job_token)
+        .derive(&format!("ranks/{what}/{n}"))
+        .to_token()
+}
+
 /// The variables of this node's ranks in the round `info`.
 fn round_env(
     base: &BTreeMap<String, String>,
@@ -318,11 +337,7 @@ fn round_env(
     env.insert("GROUP_RANK".into(), node_rank.to_string());
     env.insert("MASTER_ADDR".into(), info.master_addr.clone());
     env.insert("MASTER_PORT".into(), info.master_port.to_string());
-    let token = match info.round {
-        0 => token.to_string(),
-        r => format!("{token}.restart{r}"),
-    };
-    env.insert(TOKEN_VAR.into(), token);
+    env.insert(TOKEN_VAR.into(), ranks_token(token, "round", info.round));
     // torchrun's meaning: failed rounds only; the round itself (scale-ups too) apart.
     for var in RESTART_COUNT_VARS {
         env.insert(var.into(), info.failures_before.to_string());

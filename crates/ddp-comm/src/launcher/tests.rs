@@ -356,7 +356,13 @@ fn a_failed_group_is_restarted_and_every_attempt_sees_its_counter() {
     // A fresh rendezvous every attempt: its own job token (and a new port here).
     let tokens: std::collections::BTreeSet<&str> = lines.iter().map(|l| l[3]).collect();
     assert_eq!(tokens.len(), 3, "{seen}");
-    assert!(lines[1][3].starts_with(lines[0][3]) && lines[1][3].ends_with(".restart1"));
+    // Derived from the launcher's ("tok"), which no rank holds.
+    assert!(
+        lines
+            .iter()
+            .all(|l| l[3].len() == 64 && !l[3].contains("tok")),
+        "{seen}"
+    );
 }
 
 #[test]

@@ -7,7 +7,9 @@ use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use super::message::{Reply, Request, VERSION};
+use super::server::{CLIENT_ROLE, SERVER_ROLE};
 use super::{CompareSet, DEFAULT_IO_TIMEOUT, MAX_FRAME, Store};
+use crate::auth::{self, Key};
 use crate::error::{CommError, Result};
 use crate::wire::{read_frame, write_frame};
 
@@ -127,12 +129,18 @@ impl StoreClient {
                 }
             };
             let _ = stream.set_nodelay(true);
+            let key = token.map(Key::from_token);
+            let client_nonce = auth::nonce();
             let hello = Request::Hello {
                 version: VERSION,
-                token: token.map(|t| t.as_bytes().to_vec()),
+                nonce: if key.is_some() {
+                    client_nonce.to_vec()
+                } else {
+                    Vec::new()
+                },
             };
-            // The handshake reply must come before the overall deadline (at least 1 s, so a
-            // loaded server on a short deadline is not mistaken for a dead one).
+            // The handshake's replies must come before the overall deadline (at least 1 s, so
+            // a loaded server on a short deadline is not mistaken for a dead one).
             let wait = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_secs(1));
@@ -142,32 +150,78 @@ impl StoreClient {
                 last = format!("{addr}: sending the handshake: {e}");
                 continue;
             }
-            match read_frame(&mut stream, MAX_FRAME) {
-                Ok(Some(reply)) => {
-                    return match Reply::decode(&reply) {
-                        Ok(Reply::Ok) => Ok(StoreClient {
-                            stream,
-                            endpoint: endpoint.to_string(),
-                            io_timeout: DEFAULT_IO_TIMEOUT,
-                            broken: None,
-                        }),
-                        Ok(Reply::Refused(why)) => Err(AttemptError::Fatal(CommError::Store {
-                            addr: endpoint.to_string(),
-                            msg: format!(
-                                "the store refused this connection: {why} (is {} the same on every rank?)",
-                                crate::env::TOKEN_VAR
-                            ),
-                        })),
-                        _ => Err(AttemptError::Fatal(CommError::Store {
-                            addr: endpoint.to_string(),
-                            msg: "unexpected handshake reply (is this a ddp-comm store?)"
-                                .to_string(),
-                        })),
-                    };
+            let fatal = |msg: String| {
+                AttemptError::Fatal(CommError::Store {
+                    addr: endpoint.to_string(),
+                    msg,
+                })
+            };
+            let refused = || {
+                fatal(format!(
+                    "the store refused this connection: is the job token ({}) the same on every rank and launcher?",
+                    crate::env::TOKEN_VAR
+                ))
+            };
+            let mut reply = match read_frame(&mut stream, MAX_FRAME) {
+                Ok(Some(reply)) => Reply::decode(&reply),
+                Ok(None) => {
+                    last = format!("{addr}: closed during the handshake");
+                    continue;
                 }
-                Ok(None) => last = format!("{addr}: closed during the handshake"),
-                Err(e) => last = format!("{addr}: during the handshake: {e}"),
+                Err(e) => {
+                    last = format!("{addr}: during the handshake: {e}");
+                    continue;
+                }
+            };
+            let challenged = matches!(reply, Ok(Reply::Challenge { .. }));
+            if let (Ok(Reply::Challenge { nonce, mac }), Some(key)) = (&reply, &key) {
+                if !key.verify(mac, SERVER_ROLE, &client_nonce, nonce, b"") {
+                    return Err(fatal(format!(
+                        "the server at {addr} could not prove it holds this job's token ({}): another job's store, or a port squatter; nothing sent",
+                        crate::env::TOKEN_VAR
+                    )));
+                }
+                let proof = Request::Proof {
+                    mac: key.prove(CLIENT_ROLE, &client_nonce, nonce, b"").to_vec(),
+                };
+                if let Err(e) = write_frame(&mut stream, &proof.encode(), MAX_FRAME) {
+                    last = format!("{addr}: sending the handshake's proof: {e}");
+                    continue;
+                }
+                reply = match read_frame(&mut stream, MAX_FRAME) {
+                    Ok(Some(reply)) => Reply::decode(&reply),
+                    Ok(None) => return Err(refused()),
+                    Err(e) => {
+                        last = format!("{addr}: during the handshake: {e}");
+                        continue;
+                    }
+                };
+                if let Ok(Reply::Challenge { .. }) = reply {
+                    return Err(fatal(
+                        "unexpected handshake reply (is this a ddp-comm store?)".into(),
+                    ));
+                }
             }
+            return match reply {
+                Ok(Reply::Ok) if key.is_some() && !challenged => Err(fatal(format!(
+                    "the server at {addr} did not prove it holds this job's token ({}): a store started without one, or a port squatter; nothing sent",
+                    crate::env::TOKEN_VAR
+                ))),
+                Ok(Reply::Ok) => Ok(StoreClient {
+                    stream,
+                    endpoint: endpoint.to_string(),
+                    io_timeout: DEFAULT_IO_TIMEOUT,
+                    broken: None,
+                }),
+                Ok(Reply::Challenge { .. }) => Err(fatal(format!(
+                    "the store requires the job token: set {}",
+                    crate::env::TOKEN_VAR
+                ))),
+                Ok(Reply::Refused(_)) => Err(refused()),
+                _ => Err(fatal(
+                    "unexpected handshake reply (is this a ddp-comm store?)".into(),
+                )),
+            };
         }
         Err(AttemptError::Retry(last))
     }

@@ -2,7 +2,10 @@
 //! client), encoded with the crate's one codec ([`crate::wire`]) and sent one per frame.
 //!
 //! The first request of every connection is [`Request::Hello`]: a magic, the protocol
-//! [`VERSION`] and the job token.
+//! [`VERSION`] and the client's nonce. A server with a key answers [`Reply::Challenge`] (its
+//! nonce and its proof of the key), the client answers [`Request::Proof`], and the server
+//! accepts with [`Reply::Ok`] or refuses. The token itself never crosses the wire
+//! ([`crate::auth`]).
 
 use std::time::Duration;
 
@@ -11,13 +14,16 @@ use crate::wire::{Malformed, Parsed, Reader, Writer};
 /// Magic at the start of every handshake ("DDPS").
 pub(crate) const MAGIC: [u8; 4] = *b"DDPS";
 /// Protocol version; bumped on incompatible changes.
-pub(crate) const VERSION: u8 = 2;
+pub(crate) const VERSION: u8 = 3;
 
 /// A request from a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
-    /// The handshake: the client's protocol version and job token.
-    Hello { version: u8, token: Option<Vec<u8>> },
+    /// The handshake: the client's protocol version and its nonce (empty: the client holds
+    /// no key).
+    Hello { version: u8, nonce: Vec<u8> },
+    /// The client's proof that it holds the key, answering [`Reply::Challenge`].
+    Proof { mac: Vec<u8> },
     /// Set `key` to `value`.
     Set { key: String, value: Vec<u8> },
     /// Wait up to `timeout` for `key` and return its value.
@@ -54,6 +60,8 @@ pub(crate) enum Reply {
     Int(i64),
     /// A wait ran past its timeout; the key still missing.
     Timeout(String),
+    /// The server's nonce and its proof that it holds the key, answering [`Request::Hello`].
+    Challenge { nonce: Vec<u8>, mac: Vec<u8> },
     /// The handshake was refused, and why.
     Refused(String),
     /// The request failed, and why.
@@ -68,6 +76,7 @@ const ADD: u8 = 5;
 const WAIT: u8 = 6;
 const COMPARE_SET: u8 = 7;
 const ON_CLOSE: u8 = 8;
+const PROOF: u8 = 9;
 
 const OK: u8 = 0x80;
 const VALUE: u8 = 0x81;
@@ -76,6 +85,7 @@ const INT: u8 = 0x83;
 const TIMEOUT: u8 = 0x84;
 const REFUSED: u8 = 0x85;
 const ERROR: u8 = 0x86;
+const CHALLENGE: u8 = 0x87;
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
@@ -86,12 +96,8 @@ impl Request {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let w = Writer::default();
         match self {
-            Request::Hello { version, token } => w
-                .u8(HELLO)
-                .raw(&MAGIC)
-                .u8(*version)
-                .u8(token.is_some() as u8)
-                .bytes(token.as_deref().unwrap_or_default()),
+            Request::Hello { version, nonce } => w.u8(HELLO).raw(&MAGIC).u8(*version).bytes(nonce),
+            Request::Proof { mac } => w.u8(PROOF).bytes(mac),
             Request::Set { key, value } => w.u8(SET).bytes(key.as_bytes()).bytes(value),
             Request::Get { key, timeout } => w.u8(GET).u64(micros(*timeout)).bytes(key.as_bytes()),
             Request::TryGet { key } => w.u8(TRY_GET).bytes(key.as_bytes()),
@@ -127,13 +133,21 @@ impl Request {
                     return Err(Malformed);
                 }
                 let version = r.u8()?;
-                let has_token = r.u8()?;
-                let token = r.bytes()?.to_vec();
+                if version != VERSION {
+                    // Another version's hello may not parse as ours: stop here.
+                    return Ok(Request::Hello {
+                        version,
+                        nonce: Vec::new(),
+                    });
+                }
                 Request::Hello {
                     version,
-                    token: (has_token == 1).then_some(token),
+                    nonce: r.bytes()?.to_vec(),
                 }
             }
+            PROOF => Request::Proof {
+                mac: r.bytes()?.to_vec(),
+            },
             SET => Request::Set {
                 key: r.string()?,
                 value: r.bytes()?.to_vec(),
@@ -191,6 +205,7 @@ impl Reply {
             Reply::Missing => w.u8(MISSING),
             Reply::Int(v) => w.u8(INT).i64(*v),
             Reply::Timeout(key) => w.u8(TIMEOUT).bytes(key.as_bytes()),
+            Reply::Challenge { nonce, mac } => w.u8(CHALLENGE).bytes(nonce).bytes(mac),
             Reply::Refused(why) => w.u8(REFUSED).bytes(why.as_bytes()),
             Reply::Error(msg) => w.u8(ERROR).bytes(msg.as_bytes()),
         }
@@ -206,6 +221,10 @@ impl Reply {
             MISSING => Reply::Missing,
             INT => Reply::Int(r.i64()?),
             TIMEOUT => Reply::Timeout(r.string()?),
+            CHALLENGE => Reply::Challenge {
+                nonce: r.bytes()?.to_vec(),
+                mac: r.bytes()?.to_vec(),
+            },
             REFUSED => Reply::Refused(r.string()?),
             ERROR => Reply::Error(r.string()?),
             _ => return Err(Malformed),
@@ -222,6 +241,7 @@ impl Reply {
             Reply::Missing => "missing",
             Reply::Int(_) => "integer",
             Reply::Timeout(_) => "timeout",
+            Reply::Challenge { .. } => "challenge",
             Reply::Refused(_) => "refused",
             Reply::Error(_) => "error",
         }
@@ -238,12 +258,13 @@ mod tests {
         let requests = [
             Request::Hello {
                 version: VERSION,
-                token: Some(b"tok".to_vec()),
+                nonce: vec![7; 32],
             },
             Request::Hello {
                 version: VERSION,
-                token: None,
+                nonce: Vec::new(),
             },
+            Request::Proof { mac: vec![1; 32] },
             Request::Set {
                 key: "k".into(),
                 value: vec![1, 2, 3],
@@ -282,7 +303,11 @@ mod tests {
             Reply::Missing,
             Reply::Int(i64::MIN),
             Reply::Timeout("k".into()),
-            Reply::Refused("wrong job token".into()),
+            Reply::Challenge {
+                nonce: vec![2; 32],
+                mac: vec![3; 32],
+            },
+            Reply::Refused("refused".into()),
             Reply::Error("boom".into()),
         ];
         for reply in replies {
@@ -299,7 +324,7 @@ mod tests {
         assert_eq!(Request::decode(&set), Err(Malformed));
         let mut hello = Request::Hello {
             version: VERSION,
-            token: None,
+            nonce: Vec::new(),
         }
         .encode();
         hello[1] = b'X';

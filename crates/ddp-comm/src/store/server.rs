@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use super::message::{Reply, Request, VERSION};
 use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME};
+use crate::auth::{self, Key};
 use crate::error::{CommError, Result};
-use crate::wire::{ReadBy, read_frame, tokens_equal, write_frame};
+use crate::wire::{ReadBy, read_frame, write_frame};
 
 /// Largest handshake frame the server reads from a connection it does not trust yet.
 const MAX_HANDSHAKE_FRAME: usize = 4096;
@@ -29,6 +30,9 @@ pub(super) const HANDSHAKE_TIMEOUT: Duration = if cfg!(test) {
 const MAX_UNAUTHENTICATED: usize = 64;
 /// The longest a `get`/`wait` waits on the server, whatever timeout it asked for.
 const MAX_WAIT: Duration = Duration::from_secs(3600);
+/// The roles in the handshake's proofs.
+pub(super) const SERVER_ROLE: &str = "ddp-store server";
+pub(super) const CLIENT_ROLE: &str = "ddp-store client";
 /// Most keys one connection may ask to be counted when it ends.
 const MAX_ON_CLOSE: usize = 4;
 /// How often the accept loop checks for shutdown (it wakes at once for new connections).
@@ -44,7 +48,8 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
-    token: Option<String>,
+    /// The key clients must prove they hold (derived from the job token), if any.
+    key: Option<Key>,
     shutdown: AtomicBool,
     /// Clones of open connections, so that shutdown can unblock their threads.
     conns: Mutex<HashMap<u64, TcpStream>>,
@@ -77,14 +82,16 @@ impl fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoreServer")
             .field("addr", &self.addr)
-            .field("token", &self.shared.token.as_ref().map(|_| "<set>"))
+            .field("key", &self.shared.key.as_ref().map(|_| "<set>"))
             .finish()
     }
 }
 
 impl StoreServer {
     /// Binds `addr` (`host:port`; port 0 picks a free one) and serves until dropped.
-    /// Only clients presenting `token` (when `Some`) are served.
+    /// Only clients that prove they hold `token`'s key (when `Some`) are served; the proof is
+    /// a challenge-response ([`crate::auth`]): the token never crosses the wire, and the
+    /// server proves it holds the key too.
     ///
     /// Exactly the given address is bound; pass `0.0.0.0:PORT` explicitly to listen on all
     /// interfaces.
@@ -100,7 +107,7 @@ impl StoreServer {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            token,
+            key: token.as_deref().map(Key::from_token),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
@@ -260,26 +267,6 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// Checks the handshake frame; returns a refusal reason on failure.
-fn check_handshake(frame: &[u8], token: Option<&str>) -> std::result::Result<(), &'static str> {
-    let Ok(Request::Hello {
-        version,
-        token: presented,
-    }) = Request::decode(frame)
-    else {
-        return Err("malformed handshake (not a ddp-comm store client?)");
-    };
-    if version != VERSION {
-        return Err("protocol version mismatch (ranks built from different ddp-comm versions?)");
-    }
-    match (token, presented) {
-        (None, _) => Ok(()),
-        (Some(expected), Some(tok)) if tokens_equal(expected.as_bytes(), &tok) => Ok(()),
-        (Some(_), Some(_)) => Err("wrong job token"),
-        (Some(_), None) => Err("missing job token"),
-    }
-}
-
 fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     let authenticated = handshake(stream, peer, shared);
     shared.unauthenticated.fetch_sub(1, Ordering::SeqCst);
@@ -303,18 +290,60 @@ fn handshake(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) -> Option
         Ok(None) => return None, // connected and closed (a port probe)
         Err(e) => {
             tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: no valid handshake ({e})");
-            let _ = send(
+            let _ = send(&mut stream, &Reply::Refused("refused".into()));
+            return None;
+        }
+    };
+    let refuse = |stream: &mut TcpStream, why: &str| {
+        tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: {why}");
+        // The peer is not trusted: it learns nothing but the refusal.
+        let _ = send(stream, &Reply::Refused("refused".into()));
+        let _ = stream.shutdown(Shutdown::Both);
+    };
+    let client_nonce = match Request::decode(&frame) {
+        Ok(Request::Hello { version, nonce }) if version == VERSION => nonce,
+        Ok(Request::Hello { .. }) => {
+            refuse(
                 &mut stream,
-                &Reply::Refused(format!("no valid handshake: {e}")),
+                "protocol version mismatch (another ddp-comm version?)",
+            );
+            return None;
+        }
+        _ => {
+            refuse(
+                &mut stream,
+                "malformed handshake (not a ddp-comm store client?)",
             );
             return None;
         }
     };
-    if let Err(why) = check_handshake(&frame, shared.token.as_deref()) {
-        tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: {why}");
-        let _ = send(&mut stream, &Reply::Refused(why.to_string()));
-        let _ = stream.shutdown(Shutdown::Both);
-        return None;
+    if let Some(key) = &shared.key {
+        if client_nonce.len() != auth::LEN {
+            refuse(&mut stream, "no proof of the job token offered");
+            return None;
+        }
+        let server_nonce = auth::nonce();
+        let challenge = Reply::Challenge {
+            nonce: server_nonce.to_vec(),
+            mac: key
+                .prove(SERVER_ROLE, &client_nonce, &server_nonce, b"")
+                .to_vec(),
+        };
+        if send(&mut stream, &challenge).is_err() {
+            return None;
+        }
+        let proven = read_frame(&mut ReadBy::new(&stream, deadline), MAX_HANDSHAKE_FRAME)
+            .ok()
+            .flatten()
+            .and_then(|f| match Request::decode(&f) {
+                Ok(Request::Proof { mac }) => Some(mac),
+                _ => None,
+            })
+            .is_some_and(|mac| key.verify(&mac, CLIENT_ROLE, &client_nonce, &server_nonce, b""));
+        if !proven {
+            refuse(&mut stream, "no valid proof of the job token");
+            return None;
+        }
     }
     if send(&mut stream, &Reply::Ok).is_err() {
         return None;
@@ -343,7 +372,7 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
             }
         };
         let reply = match Request::decode(&frame) {
-            Ok(Request::Hello { .. }) | Err(_) => {
+            Ok(Request::Hello { .. } | Request::Proof { .. }) | Err(_) => {
                 tracing::warn!(%peer, "rendezvous store: malformed request from {peer}; closing");
                 let _ = send(&mut stream, &Reply::Error("malformed request".into()));
                 break;
@@ -426,7 +455,9 @@ fn handle_request(request: Request, shared: &Shared) -> Reply {
             shared.changed.notify_all();
             Reply::Ok
         }
-        Request::Hello { .. } | Request::OnClose { .. } => Reply::Error("malformed request".into()),
+        Request::Hello { .. } | Request::Proof { .. } | Request::OnClose { .. } => {
+            Reply::Error("malformed request".into())
+        }
     }
 }
 

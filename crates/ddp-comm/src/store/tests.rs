@@ -1,6 +1,8 @@
 //! The store against real sockets: clients and servers in one process.
 
 use std::io::{Read, Write};
+
+use super::message::{Reply, Request};
 use std::net::TcpStream;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -105,7 +107,9 @@ fn wrong_or_missing_token_is_refused_and_right_one_accepted() {
     for bad in [Some("wrong"), None, Some("")] {
         let err = StoreClient::connect(&ep, bad, T).unwrap_err();
         match &err {
-            CommError::Store { msg, .. } => assert!(msg.contains("refused"), "{err}"),
+            // Without a key the server refuses; with another key the client already finds
+            // that the server cannot prove this job's: either way the token is named.
+            CommError::Store { msg, .. } => assert!(msg.contains("DDP_JOB_TOKEN"), "{err}"),
             other => panic!("expected a refusal, got {other}"),
         }
     }
@@ -332,4 +336,79 @@ fn counters_registered_for_a_connections_end_are_added_when_it_ends() {
     }
     let err = greedy.add_on_close("k4").unwrap_err();
     assert!(err.to_string().contains("at most 4"), "{err}");
+}
+
+/// One raw handshake frame out, one in.
+fn exchange(s: &mut TcpStream, request: &Request) -> Reply {
+    crate::wire::write_frame(s, &request.encode(), 4096).unwrap();
+    let frame = crate::wire::read_frame(s, 4096).unwrap().unwrap();
+    Reply::decode(&frame).unwrap()
+}
+
+/// The token never crosses the wire, and a recorded handshake replayed on a new connection is
+/// refused (the server's nonce is fresh); the refusal says nothing but "refused".
+#[test]
+fn a_replayed_handshake_is_refused() {
+    use super::message::VERSION;
+    let (_s, ep) = server(Some("tok"));
+    let key = crate::auth::Key::from_token("tok");
+    let hello = Request::Hello {
+        version: VERSION,
+        nonce: crate::auth::nonce().to_vec(),
+    };
+    let Request::Hello { nonce: client, .. } = &hello else {
+        unreachable!()
+    };
+    let mut first = TcpStream::connect(&ep).unwrap();
+    let Reply::Challenge { nonce, .. } = exchange(&mut first, &hello) else {
+        panic!("no challenge")
+    };
+    let proof = Request::Proof {
+        mac: key
+            .prove(super::server::CLIENT_ROLE, client, &nonce, b"")
+            .to_vec(),
+    };
+    assert!(!proof.encode().windows(3).any(|w| w == b"tok"));
+    assert_eq!(exchange(&mut first, &proof), Reply::Ok);
+    // The same two frames on a new connection.
+    let mut replay = TcpStream::connect(&ep).unwrap();
+    assert!(matches!(
+        exchange(&mut replay, &hello),
+        Reply::Challenge { .. }
+    ));
+    assert_eq!(
+        exchange(&mut replay, &proof),
+        Reply::Refused("refused".into())
+    );
+}
+
+/// A client does not trust whatever answers the port: a squatter that accepts at once, or
+/// that answers with a made-up proof, is refused by the client before it sends anything.
+#[test]
+fn a_port_squatter_is_refused_by_the_client() {
+    for answer in [
+        Reply::Ok,
+        Reply::Challenge {
+            nonce: vec![1; 32],
+            mac: vec![2; 32],
+        },
+    ] {
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ep = squatter.local_addr().unwrap().to_string();
+        let serve = std::thread::spawn(move || {
+            let (mut s, _) = squatter.accept().unwrap();
+            let _hello = crate::wire::read_frame(&mut s, 4096).unwrap();
+            crate::wire::write_frame(&mut s, &answer.encode(), 4096).unwrap();
+            // Whatever the client sends next (nothing, if it refused).
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+            rest
+        });
+        let err = StoreClient::connect(&ep, Some("tok"), T).unwrap_err();
+        assert!(err.to_string().contains("prove"), "{err}");
+        assert!(
+            serve.join().unwrap().is_empty(),
+            "the client sent nothing more"
+        );
+    }
 }
