@@ -7,8 +7,7 @@
 //! NCCL unique id published through the store. Messages that travel alone on a TCP stream
 //! (store requests and replies, mesh hellos and replies) are wrapped in a frame: a `u32`
 //! length, then that many bytes ([`write_frame`], [`read_frame`]).
-//!
-//! This module also holds the constant-time token comparison both handshakes use.
+//! The handshakes' proofs are [`crate::auth`]'s.
 
 use std::io::{self, Read, Write};
 
@@ -193,11 +192,6 @@ impl Read for ReadBy<'_> {
     }
 }
 
-/// Compares tokens in time independent of where they differ.
-pub(crate) fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,13 +235,5 @@ mod tests {
         let mut big = Vec::new();
         write_frame(&mut big, &[0; 8], 16).unwrap();
         assert!(read_frame(&mut &big[..], 4).is_err());
-    }
-
-    #[test]
-    fn token_compare() {
-        assert!(tokens_equal(b"abc", b"abc"));
-        assert!(!tokens_equal(b"abc", b"abd"));
-        assert!(!tokens_equal(b"abc", b"ab"));
-        assert!(tokens_equal(b"", b""));
     }
 }

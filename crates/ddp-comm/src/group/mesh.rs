@@ -2,7 +2,11 @@
 //!
 //! Rank `i` connects to every rank below it and accepts every rank above it, so there is no
 //! cycle of waits: connectors first send their hello to all lower ranks, then accept the higher
-//! ranks, then read the replies. A hello presents the job token and the rank; a wrong token,
+//! ranks, then read the replies. Every rank publishes a fresh nonce with its address; a hello
+//! carries the connector's rank, its own nonce and its proof of the job's key over both nonces
+//! and the rank ([`crate::auth`]: the token never crosses the wire, and a hello recorded in
+//! an earlier rendezvous proves nothing in this one), and the acceptor's reply carries its
+//! proof in turn (whoever squats a rank's port cannot answer). A hello without a valid proof,
 //! an out-of-range or duplicate rank is refused (and logged) and the listener keeps accepting.
 //! For a peer on the same host the connector creates a shared-memory segment and names it in
 //! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
@@ -15,11 +19,15 @@ use std::time::{Duration, Instant};
 
 use super::link::Link;
 use super::shm::ShmPair;
+use crate::auth::{self, Key};
 use crate::error::{CommError, Result};
-use crate::wire::{Malformed, ReadBy, Reader, Writer, read_frame, tokens_equal, write_frame};
+use crate::wire::{Malformed, ReadBy, Reader, Writer, read_frame, write_frame};
 
 const HELLO_MAGIC: u32 = 0x4844_4450; // "PDDH"
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
+/// The roles in the handshake's proofs.
+const HELLO_ROLE: &str = "ddp-mesh hello";
+const REPLY_ROLE: &str = "ddp-mesh reply";
 const ACCEPT_NAP: Duration = Duration::from_millis(2);
 /// Largest handshake frame read from a peer not trusted yet.
 const MAX_HELLO: usize = 4096;
@@ -36,20 +44,23 @@ pub(crate) struct PeerInfo {
     pub addr: SocketAddr,
     /// Host identity (ranks with equal identities can share memory).
     pub host: String,
+    /// A fresh nonce of this rendezvous: the hellos it accepts prove the key over it.
+    pub nonce: [u8; auth::LEN],
 }
 
 impl PeerInfo {
     pub(crate) fn encode(&self) -> Vec<u8> {
-        format!("{}\n{}", self.addr, self.host).into_bytes()
+        let mut b = format!("{}\n{}\n", self.addr, self.host).into_bytes();
+        b.extend_from_slice(&self.nonce);
+        b
     }
 
     pub(crate) fn decode(b: &[u8]) -> Option<PeerInfo> {
-        let s = std::str::from_utf8(b).ok()?;
-        let (addr, host) = s.split_once('\n')?;
-        Some(PeerInfo {
-            addr: addr.parse().ok()?,
-            host: host.to_string(),
-        })
+        let mut parts = b.splitn(3, |&c| c == b'\n');
+        let addr = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
+        let host = String::from_utf8(parts.next()?.to_vec()).ok()?;
+        let nonce = parts.next()?.try_into().ok()?;
+        Some(PeerInfo { addr, host, nonce })
     }
 }
 
@@ -93,14 +104,18 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-/// A connection to a lower rank awaiting its reply, with the segment offered to it.
-type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>);
+/// A connection to a lower rank awaiting its reply, with the segment offered to it and the
+/// hello sent.
+type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>, Hello);
 
 /// Settings for [`establish`].
 pub(crate) struct MeshConfig<'a> {
+    /// The job's key (from the job token; from "" without one).
     pub rank: usize,
     pub world: usize,
-    pub token: Option<&'a str>,
+    pub key: &'a Key,
+    /// The nonce this rank published ([`PeerInfo::nonce`]).
+    pub nonce: [u8; auth::LEN],
     pub shared_memory: bool,
     pub deadline: Instant,
     /// When the rendezvous began (for timeout messages).
@@ -112,19 +127,64 @@ pub(crate) struct MeshConfig<'a> {
 pub(crate) struct Hello {
     pub rank: usize,
     pub world: usize,
-    pub token: Vec<u8>,
+    /// The connector's nonce.
+    pub nonce: Vec<u8>,
+    /// Its proof of the key over both nonces and the fields above ([`Hello::proof`]).
+    pub mac: Vec<u8>,
     /// The shared-memory segment offered to the acceptor ("" for none).
     pub shm_path: String,
 }
 
 impl Hello {
+    /// What both sides prove the key over besides the nonces.
+    fn context(&self) -> Vec<u8> {
+        Writer::default()
+            .u32(self.rank as u32)
+            .u32(self.world as u32)
+            .bytes(self.shm_path.as_bytes())
+            .finish()
+    }
+
+    /// A hello from `rank` to the rank that published `acceptor_nonce`, with its proof.
+    pub(crate) fn new(
+        key: &Key,
+        rank: usize,
+        world: usize,
+        shm_path: String,
+        acceptor_nonce: &[u8],
+    ) -> Hello {
+        let mut h = Hello {
+            rank,
+            world,
+            nonce: auth::nonce().to_vec(),
+            mac: Vec::new(),
+            shm_path,
+        };
+        h.mac = key
+            .prove(HELLO_ROLE, &h.nonce, acceptor_nonce, &h.context())
+            .to_vec();
+        h
+    }
+
+    /// Whether the hello proves `key` to the rank whose nonce is `acceptor_nonce`.
+    fn proves(&self, key: &Key, acceptor_nonce: &[u8]) -> bool {
+        key.verify(
+            &self.mac,
+            HELLO_ROLE,
+            &self.nonce,
+            acceptor_nonce,
+            &self.context(),
+        )
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
-        Writer::with_capacity(64)
+        Writer::with_capacity(128)
             .u32(HELLO_MAGIC)
             .u16(VERSION)
             .u32(self.rank as u32)
             .u32(self.world as u32)
-            .bytes(&self.token)
+            .bytes(&self.nonce)
+            .bytes(&self.mac)
             .bytes(self.shm_path.as_bytes())
             .finish()
     }
@@ -144,7 +204,8 @@ impl Hello {
             let hello = Hello {
                 rank: r.u32()? as usize,
                 world: r.u32()? as usize,
-                token: r.bytes()?.to_vec(),
+                nonce: r.bytes()?.to_vec(),
+                mac: r.bytes()?.to_vec(),
                 shm_path: String::from_utf8_lossy(r.bytes()?).into_owned(),
             };
             r.end()?;
@@ -154,18 +215,36 @@ impl Hello {
     }
 }
 
-/// The acceptor's answer to a [`Hello`]: a code and whether it mapped the offered segment.
-pub(crate) fn encode_reply(code: u8, shm: bool) -> Vec<u8> {
-    Writer::default().u8(code).u8(shm as u8).finish()
+/// What the acceptor's proof of its answer `code` to `hello` covers besides the nonces.
+fn reply_context(hello: &Hello, code: u8, shm: bool) -> Vec<u8> {
+    [hello.context(), vec![code, shm as u8]].concat()
 }
 
-/// Parses the acceptor's answer: `(code, mapped the segment)`.
-pub(crate) fn decode_reply(frame: &[u8]) -> Option<(u8, bool)> {
+/// The acceptor's proof for its answer `code` (and whether it mapped the segment) to `hello`.
+fn reply_proof(key: &Key, hello: &Hello, acceptor_nonce: &[u8], code: u8, shm: bool) -> Vec<u8> {
+    key.prove(
+        REPLY_ROLE,
+        &hello.nonce,
+        acceptor_nonce,
+        &reply_context(hello, code, shm),
+    )
+    .to_vec()
+}
+
+/// The acceptor's answer to a [`Hello`]: a code, whether it mapped the offered segment, and
+/// its proof of the key (empty for a refusal: a refused peer learns nothing).
+pub(crate) fn encode_reply(code: u8, shm: bool, mac: &[u8]) -> Vec<u8> {
+    Writer::default().u8(code).u8(shm as u8).bytes(mac).finish()
+}
+
+/// Parses the acceptor's answer: `(code, mapped the segment, proof)`.
+pub(crate) fn decode_reply(frame: &[u8]) -> Option<(u8, bool, Vec<u8>)> {
     let mut r = Reader::new(frame);
     let code = r.u8().ok()?;
     let shm = r.u8().ok()?;
+    let mac = r.bytes().ok()?.to_vec();
     r.end().ok()?;
-    Some((code, shm == 1))
+    Some((code, shm == 1, mac))
 }
 
 /// How long an accepted connection has to send its whole hello.
@@ -193,7 +272,7 @@ pub(crate) fn establish(
 ) -> Result<Vec<Option<Link>>> {
     let (rank, world) = (cfg.rank, cfg.world);
     let my_host = &infos[rank].host;
-    let token = cfg.token.unwrap_or("").as_bytes();
+    let key = cfg.key;
 
     // 1. Hellos to every lower rank.
     let mut outgoing: Vec<Outgoing> = Vec::new();
@@ -223,15 +302,15 @@ pub(crate) fn establish(
         } else {
             None
         };
-        let hello = Hello {
+        let hello = Hello::new(
+            key,
             rank,
             world,
-            token: token.to_vec(),
-            shm_path: shm
-                .as_ref()
+            shm.as_ref()
                 .map(|(_, p)| p.to_string_lossy().into_owned())
                 .unwrap_or_default(),
-        };
+            &info.nonce,
+        );
         let sent = s
             .set_write_timeout(Some(left(cfg.deadline)))
             .and_then(|()| write_handshake(&mut s, &hello.encode()));
@@ -241,7 +320,7 @@ pub(crate) fn establish(
             }
             return Err(CommError::io(op(), Some(peer), e));
         }
-        outgoing.push((peer, s, shm));
+        outgoing.push((peer, s, shm, hello));
     }
 
     // 2. Accept every higher rank.
@@ -283,12 +362,12 @@ pub(crate) fn establish(
                 continue;
             }
         };
-        if !tokens_equal(&hello.token, token) {
+        if !hello.proves(key, &cfg.nonce) {
             tracing::warn!(
-                "rank {rank}: refused a connection from {from} claiming rank {}: wrong job token",
+                "rank {rank}: refused a connection from {from} claiming rank {}: no valid proof of the job token",
                 hello.rank
             );
-            let _ = write_handshake(&mut s, &encode_reply(BAD_TOKEN, false));
+            let _ = write_handshake(&mut s, &encode_reply(BAD_TOKEN, false, &[]));
             continue;
         }
         if hello.world != world || !pending.contains(&hello.rank) {
@@ -297,7 +376,7 @@ pub(crate) fn establish(
                 hello.rank,
                 hello.world
             );
-            let _ = write_handshake(&mut s, &encode_reply(BAD_RANK, false));
+            let _ = write_handshake(&mut s, &encode_reply(BAD_RANK, false, &[]));
             continue;
         }
         let peer = hello.rank;
@@ -315,7 +394,8 @@ pub(crate) fn establish(
                 }
             }
         };
-        write_handshake(&mut s, &encode_reply(OK, shm.is_some()))
+        let mac = reply_proof(key, &hello, &cfg.nonce, OK, shm.is_some());
+        write_handshake(&mut s, &encode_reply(OK, shm.is_some(), &mac))
             .map_err(|e| CommError::io("rendezvous: answering a peer", Some(peer), e))?;
         links[peer] = Some(
             Link::new(s, shm)
@@ -325,7 +405,7 @@ pub(crate) fn establish(
     }
 
     // 3. Replies from the lower ranks.
-    for (peer, s, shm) in outgoing {
+    for (peer, s, shm, hello) in outgoing {
         let got = read_handshake(&mut ReadBy::new(&s, cfg.deadline));
         if let Some((_, p)) = &shm {
             ShmPair::unlink(p);
@@ -354,14 +434,34 @@ pub(crate) fn establish(
             Err(e) => return Err(CommError::io(op(), Some(peer), e)),
         };
         match reply.0 {
-            OK => {}
+            OK if key.verify(
+                &reply.2,
+                REPLY_ROLE,
+                &hello.nonce,
+                &infos[peer].nonce,
+                &reply_context(&hello, OK, reply.1),
+            ) => {}
+            OK => {
+                return Err(CommError::io(
+                    op(),
+                    Some(peer),
+                    io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        format!(
+                            "whoever answered at rank {peer}'s address could not prove it holds the job token (a port squatter?)"
+                        ),
+                    ),
+                ));
+            }
             BAD_TOKEN => {
                 return Err(CommError::io(
                     op(),
                     Some(peer),
                     io::Error::new(
                         io::ErrorKind::PermissionDenied,
-                        format!("rank {peer} refused our job token"),
+                        format!(
+                            "rank {peer} refused our proof of the job token (is DDP_JOB_TOKEN the same on every rank?)"
+                        ),
                     ),
                 ));
             }

@@ -4,7 +4,7 @@
 //! - **Rendezvous**: rank 0 serves the [`StoreServer`] at `MASTER_ADDR:MASTER_PORT` for the
 //!   group's lifetime. Every rank binds a listener on the interface that reaches the master,
 //!   publishes its address and host identity (host name + boot id) in the store, and connects
-//!   to every other rank (full mesh; the handshake presents the job token).
+//!   to every other rank (full mesh; the handshake proves the job token without sending it).
 //! - **Transports**: every pair of ranks has a TCP connection. Ranks on the same host also
 //!   share a pair of memory rings (`/dev/shm`, unlinked once mapped) that carry all their data;
 //!   TCP then only tells whether the peer is alive.
@@ -218,6 +218,7 @@ impl ProcessGroup {
                 .local_addr()
                 .map_err(|e| CommError::io("listener address", None, e))?,
             host: mesh::host_identity(),
+            nonce: crate::auth::nonce(),
         };
         let mut ns = PrefixStore::new(&mut store, keys::PROCESS_GROUP);
         ns.set(&keys::peer_addr(rank), &me.encode())?;
@@ -264,10 +265,12 @@ impl ProcessGroup {
             })?);
         }
 
+        let key = crate::auth::Key::from_token(token.unwrap_or(""));
         let cfg = MeshConfig {
             rank,
             world,
-            token,
+            key: &key,
+            nonce: me.nonce,
             shared_memory: opts.shared_memory,
             deadline,
             started,

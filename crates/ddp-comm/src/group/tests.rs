@@ -224,42 +224,57 @@ fn missing_rank_times_out_naming_it() {
     }
 }
 
+/// A hello proving another key is refused, and so is a hello recorded for another nonce
+/// (a replay from an earlier rendezvous): the token itself never crosses the wire.
 #[test]
-fn wrong_token_is_refused_by_a_peer() {
+fn a_hello_without_a_valid_proof_is_refused_by_a_peer() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
+    let nonce = crate::auth::nonce();
     let infos = vec![
         PeerInfo {
             addr,
             host: "a".into(),
+            nonce,
         },
         PeerInfo {
             addr,
             host: "b".into(),
+            nonce: crate::auth::nonce(),
         },
     ];
     let t = std::thread::spawn(move || {
         let started = Instant::now();
+        let key = crate::auth::Key::from_token("right");
         let cfg = MeshConfig {
             rank: 0,
             world: 2,
-            token: Some("right"),
+            key: &key,
+            nonce,
             shared_memory: true,
-            deadline: started + Duration::from_millis(700),
+            deadline: started + Duration::from_millis(900),
             started,
         };
         mesh::establish(&cfg, listener, &infos).err().unwrap()
     });
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let hello = mesh::Hello {
-        rank: 1,
-        world: 2,
-        token: b"wrong".to_vec(),
-        shm_path: String::new(),
-    };
-    mesh::write_handshake(&mut s, &hello.encode()).unwrap();
-    let reply = mesh::read_handshake(&mut s).unwrap();
-    assert_eq!(reply[0], 1, "refused with BAD_TOKEN");
+    let wrong = crate::auth::Key::from_token("wrong");
+    let right = crate::auth::Key::from_token("right");
+    let stale = crate::auth::nonce();
+    for hello in [
+        mesh::Hello::new(&wrong, 1, 2, String::new(), &nonce),
+        mesh::Hello::new(&right, 1, 2, String::new(), &stale),
+    ] {
+        let frame = hello.encode();
+        assert!(!frame.windows(5).any(|w| w == b"right"));
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        mesh::write_handshake(&mut s, &frame).unwrap();
+        let reply = mesh::read_handshake(&mut s).unwrap();
+        assert_eq!(
+            mesh::decode_reply(&reply),
+            Some((1, false, Vec::new())),
+            "refused with BAD_TOKEN and no proof"
+        );
+    }
     let e = t.join().unwrap();
     assert!(matches!(e, CommError::Timeout { peer: Some(1), .. }), "{e}");
 }
