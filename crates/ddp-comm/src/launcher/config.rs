@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::LaunchError;
+use crate::auth::Key;
 use crate::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
 
 /// What to launch on this node. `Default` is one rank on one node with a 5 s grace period.
@@ -100,6 +101,19 @@ impl Default for LaunchConfig {
             trace: None,
         }
     }
+}
+
+/// The variable that carries the rendezvous round (scale-ups included) to the ranks;
+/// `TORCHELASTIC_RESTART_COUNT` counts failed rounds only.
+pub const ROUND_VAR: &str = "DDP_ROUND";
+
+/// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
+/// the launchers' job token, so that the ranks never hold the launchers' secret and one
+/// round's token reveals no other's.
+pub(super) fn ranks_token(job_token: &str, what: &str, n: u64) -> String {
+    Key::from_token(job_token)
+        .derive(&format!("ranks/{what}/{n}"))
+        .to_token()
 }
 
 /// The variables that carry the attempt number to the ranks: torchrun's, and burn-ddp's alias.
@@ -228,12 +242,12 @@ pub(super) fn attempt_env(
         env.insert(var.into(), attempt.to_string());
     }
     // On one node every attempt after the first is a restart: the round is the attempt.
-    env.insert(super::ROUND_VAR.into(), attempt.to_string());
+    env.insert(ROUND_VAR.into(), attempt.to_string());
     // A token of the attempt's own, derived from the launcher's: a rank left over from an
     // earlier attempt can never join, and no rank holds the launcher's.
     env.insert(
         TOKEN_VAR.into(),
-        super::job::ranks_token(&first[TOKEN_VAR], "attempt", attempt as u64),
+        ranks_token(&first[TOKEN_VAR], "attempt", attempt as u64),
     );
     if attempt > 0 {
         if cfg.master_port.is_none() && cfg.nnodes == 1 {

@@ -7,7 +7,7 @@ use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::config::RESTART_COUNT_VARS;
+use super::config::{RESTART_COUNT_VARS, ROUND_VAR, ranks_token};
 use super::rendezvous::host::Host;
 use super::rendezvous::member::{Joined, Member, RoundWatch, Seen};
 use super::rendezvous::messages::{
@@ -19,10 +19,6 @@ use super::signals::{SignalForwarding, caught, signal_name};
 use super::{AttemptEnd, JobStop, LaunchConfig, LaunchError, LaunchReport, RoundHooks};
 use crate::auth::Key;
 use crate::env::TOKEN_VAR;
-
-/// The variable that carries the rendezvous round (scale-ups included) to the ranks;
-/// `TORCHELASTIC_RESTART_COUNT` counts failed rounds only.
-pub const ROUND_VAR: &str = "DDP_ROUND";
 
 /// How long a rank failure with an exit code waits before it is written as the round's cause:
 /// a rank that exits with an error because a peer was killed, or because another node's
@@ -314,15 +310,6 @@ impl Node<'_> {
             }),
         }
     }
-}
-
-/// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
-/// the launchers' job token, so that the ranks never hold the launchers' secret and one
-/// round's token reveals no other's.
-pub(super) fn ranks_token(job_token: &str, what: &str, n: u64) -> String {
-    Key::from_token(job_token)
-        .derive(&format!("ranks/{what}/{n}"))
-        .to_token()
 }
 
 /// The variables of this node's ranks in the round `info`.

@@ -40,8 +40,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-pub use config::{LaunchConfig, RESTART_COUNT_VARS};
-pub use job::ROUND_VAR;
+pub use config::{LaunchConfig, RESTART_COUNT_VARS, ROUND_VAR};
 pub use rendezvous::RendezvousError;
 pub use report::{AttemptEnd, Failure, JobStop, LaunchError, LaunchReport, RankExit};
 pub use signals::signal_name;
