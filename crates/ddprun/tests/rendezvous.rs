@@ -371,15 +371,32 @@ fn the_same_kill_gets_the_same_cause_on_every_node_every_time() {
                     while [ ! -s {p} ]; do sleep 0.01; done; peer=$(cat {p})
                     while kill -0 $peer 2>/dev/null; do sleep 0.002; done; exit 1"#
                     );
-                    let opts = ["--nnodes", "2", "--grace-secs", "1"];
-                    let node0 = Node::start(0, &port, "tok", &opts, &s);
-                    let node1 = Node::start(1, &port, "tok", &opts, &s);
+                    let opts = [
+                        "--nnodes",
+                        "2",
+                        "--grace-secs",
+                        "1",
+                        "--rdzv-join-timeout",
+                        "15",
+                    ];
+                    // A token of its own: a launcher can only ever join its own job.
+                    let token = format!("tok-{i}");
+                    let node0 = Node::start(0, &port, &token, &opts, &s);
+                    let node1 = Node::start(1, &port, &token, &opts, &s);
                     [node0.wait(), node1.wait()]
                 })
             })
             .collect();
         for run in runs {
             let [a, b] = run.join().unwrap();
+            assert!(
+                a.code == Some(137) && b.code == Some(137),
+                "node 0 {:?}: {}\nnode 1 {:?}: {}",
+                a.code,
+                a.stderr,
+                b.code,
+                b.stderr
+            );
             same_end(&[&a, &b], 137, "rank 1 was killed by signal 9 (SIGKILL)");
             assert!(!a.stderr.contains("rank 0 failed"), "{}", a.stderr);
         }
