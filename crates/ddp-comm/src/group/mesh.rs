@@ -433,6 +433,13 @@ pub(crate) fn establish(
             }
             Err(e) => return Err(CommError::io(op(), Some(peer), e)),
         };
+        let denied = |why: String| {
+            CommError::io(
+                op(),
+                Some(peer),
+                io::Error::new(io::ErrorKind::PermissionDenied, why),
+            )
+        };
         match reply.0 {
             OK if key.verify(
                 &reply.2,
@@ -442,38 +449,19 @@ pub(crate) fn establish(
                 &reply_context(&hello, OK, reply.1),
             ) => {}
             OK => {
-                return Err(CommError::io(
-                    op(),
-                    Some(peer),
-                    io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!(
-                            "whoever answered at rank {peer}'s address could not prove it holds the job token (a port squatter?)"
-                        ),
-                    ),
-                ));
+                return Err(denied(format!(
+                    "whoever answered at rank {peer}'s address could not prove it holds the job token (a port squatter?)"
+                )));
             }
             BAD_TOKEN => {
-                return Err(CommError::io(
-                    op(),
-                    Some(peer),
-                    io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!(
-                            "rank {peer} refused our proof of the job token (is DDP_JOB_TOKEN the same on every rank?)"
-                        ),
-                    ),
-                ));
+                return Err(denied(format!(
+                    "rank {peer} refused our proof of the job token (is DDP_JOB_TOKEN the same on every rank?)"
+                )));
             }
             code => {
-                return Err(CommError::io(
-                    op(),
-                    Some(peer),
-                    io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!("rank {peer} refused the connection (code {code})"),
-                    ),
-                ));
+                return Err(denied(format!(
+                    "rank {peer} refused the connection (code {code})"
+                )));
             }
         }
         let shm = if reply.1 { shm.map(|(p, _)| p) } else { None };
