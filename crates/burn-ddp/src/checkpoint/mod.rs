@@ -467,12 +467,20 @@ impl Checkpointer {
         // Every rank: a sharded optimizer gathers its state to rank 0 here.
         let state = optim.gather_state_bytes(rank);
         // Every rank: its buffers to all (per-rank BatchNorm's running statistics differ).
+        // Every rank: its buffers' fingerprint to all, and the buffers themselves only when
+        // they differ (per-rank BatchNorm): equal buffers — SyncBatchNorm, frozen parameters —
+        // cost one number per rank.
         let rank_buffers = if world_size > 1 {
-            let all = comm::lock(g).all_gather_varlen(&buffers::pack(model))?;
-            if all.iter().all(|b| *b == all[0]) {
+            let mine = buffers::pack(model);
+            let mut h = crate::fingerprint::Fnv::default();
+            h.write(&mine);
+            let mut all_h = vec![0i64; world_size];
+            let mut pg = comm::lock(g);
+            pg.all_gather(&[h.0 as i64], &mut all_h)?;
+            if all_h.iter().all(|x| *x == all_h[0]) {
                 Vec::new()
             } else {
-                all
+                pg.all_gather_varlen(&mine)?
             }
         } else {
             Vec::new()
