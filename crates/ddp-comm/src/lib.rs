@@ -34,6 +34,7 @@ pub mod log;
 pub mod nccl;
 mod net;
 pub mod nvrtc_files;
+mod refusals;
 pub mod store;
 pub mod trace;
 mod wire;

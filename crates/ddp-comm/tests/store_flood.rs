@@ -1,10 +1,14 @@
-//! The rendezvous store under abuse: a flood of 500 connections that never present the job
-//! token. Alone in its test binary, so the process's thread count is the store's.
+//! The rendezvous store under abuse: floods of connections that never present the job token.
+//! In a test binary of their own and run one at a time, so the process's thread count is the
+//! store's.
 
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use ddp_comm::{StoreClient, StoreServer};
+
+/// The tests count this process's threads: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Threads of this process (`Threads:` in /proc/self/status).
 fn threads() -> usize {
@@ -18,6 +22,7 @@ fn threads() -> usize {
 
 #[test]
 fn a_flood_without_the_token_is_bounded_and_clients_go_on_being_served() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let server = StoreServer::bind("127.0.0.1:0", Some("secret".into())).unwrap();
     let addr = server.local_addr();
     let endpoint = addr.to_string();
@@ -58,4 +63,63 @@ fn a_flood_without_the_token_is_bounded_and_clients_go_on_being_served() {
     let mut late =
         StoreClient::connect(&endpoint, Some("secret"), Duration::from_secs(30)).unwrap();
     assert_eq!(late.get("during", Duration::from_secs(1)).unwrap(), b"2");
+}
+
+/// Resident memory of this process, in MiB (`VmRSS:` in /proc/self/status).
+fn rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap()
+        / 1024.0
+}
+
+/// A sustained flood from one address without the token — silent connections, half frames
+/// and garbage, several hundred a second, each kept open a while — holds a share of the
+/// handshake slots only: a valid client from another address connects in well under a second
+/// every time, and threads and memory stay bounded.
+#[test]
+fn a_sustained_flood_from_one_address_delays_a_valid_client_by_under_a_second() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = StoreServer::bind("127.0.0.1:0", Some("secret".into())).unwrap();
+    let addr = server.local_addr();
+    let endpoint = addr.to_string();
+    let (threads_before, rss_before) = (threads(), rss_mib());
+    let flood = ddp_testkit::Flood::start("127.0.0.2".parse().unwrap(), addr);
+    std::thread::sleep(Duration::from_millis(500));
+    let flood_started = Instant::now();
+    let (mut slowest, mut threads_most, mut rss_most) = (Duration::ZERO, 0, 0.0f64);
+    for i in 0..20 {
+        let t = Instant::now();
+        let mut c = StoreClient::connect(&endpoint, Some("secret"), Duration::from_secs(10))
+            .expect("a valid client connects during the flood");
+        c.set(&format!("k{i}"), b"v").unwrap();
+        slowest = slowest.max(t.elapsed());
+        threads_most = threads_most.max(threads());
+        rss_most = rss_most.max(rss_mib());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (opened, rate) = (flood.opened(), flood.rate());
+    let flood_for = flood_started.elapsed() + Duration::from_millis(500);
+    drop(flood);
+    eprintln!(
+        "flood from one address: {} connections in {:.1} s ({rate:.0}/s), {} refused; a valid \
+         client's connect at most {slowest:?}; threads {threads_before} -> at most \
+         {threads_most}; RSS {rss_before:.0} -> at most {rss_most:.0} MiB",
+        opened,
+        flood_for.as_secs_f64(),
+        server.refused_connections()
+    );
+    assert!(
+        rate > 100.0,
+        "the flood was too slow to mean anything: {rate:.0}/s"
+    );
+    assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    // 16 handshakes of the flooding address, the flood's own thread, one client's.
+    assert!(
+        threads_most <= threads_before + 24,
+        "{threads_most} threads, {threads_before} before"
+    );
 }

@@ -6,7 +6,7 @@
 //! `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`, a fresh `DDP_JOB_TOKEN`), captures each
 //! rank's output, enforces a deadline and never leaves a process behind: a [`RunningJob`] kills
 //! (SIGKILL) and reaps every rank still running when it is dropped, including on panic.
-//! [`data_report`] and [`syncbn_case`] are the messages between rank programs and tests.
+//! [`Flood`] floods a port with connections for abuse tests. [`data_report`] and [`syncbn_case`] are the messages between rank programs and tests.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -23,9 +23,11 @@
 //! ```
 
 pub mod data_report;
+mod flood;
 mod job;
 pub mod syncbn_case;
 
+pub use flood::{Flood, connect_from};
 pub use job::{BIN_DIR_VAR, JobResult, RankJob, RankResult, RunningJob, free_port, job_token};
 
 /// The little-endian f32 values of the file at `path` (what the rank programs write their

@@ -43,6 +43,18 @@ impl fmt::Debug for StoreClient {
     }
 }
 
+/// What a failed read of the handshake's reply means, in words: a passed deadline says
+/// which one.
+fn handshake_failure(e: &io::Error, wait: Duration) -> String {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
+            "no answer to the handshake within {:.1} s (the connect deadline)",
+            wait.as_secs_f64()
+        ),
+        _ => format!("during the handshake: {e}"),
+    }
+}
+
 /// Why one connection attempt failed.
 enum AttemptError {
     /// Worth retrying until the deadline (refused, reset, …).
@@ -169,7 +181,7 @@ impl StoreClient {
                     continue;
                 }
                 Err(e) => {
-                    last = format!("{addr}: during the handshake: {e}");
+                    last = format!("{addr}: {}", handshake_failure(&e, wait));
                     continue;
                 }
             };
@@ -192,7 +204,7 @@ impl StoreClient {
                     Ok(Some(reply)) => Reply::decode(&reply),
                     Ok(None) => return Err(refused()),
                     Err(e) => {
-                        last = format!("{addr}: during the handshake: {e}");
+                        last = format!("{addr}: {}", handshake_failure(&e, wait));
                         continue;
                     }
                 };
@@ -217,6 +229,8 @@ impl StoreClient {
                     "the store requires the job token: set {}",
                     crate::env::TOKEN_VAR
                 ))),
+                // A client that proved the key may hear why (the store's client limit).
+                Ok(Reply::Refused(why)) if why != "refused" => Err(fatal(why)),
                 Ok(Reply::Refused(_)) => Err(refused()),
                 _ => Err(fatal(
                     "unexpected handshake reply (is this a ddp-comm store?)".into(),
@@ -231,14 +245,14 @@ impl StoreClient {
         &self.endpoint
     }
 
-    /// Whether the connection still works: `false` after an I/O error (a key that did not
-    /// appear in time is not one), when every later request fails at once.
     /// This end's address of the connection: the address this host reaches the store from
     /// (one the store's host can reach back, as a rule).
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.stream.local_addr()
     }
 
+    /// Whether the connection still works: `false` after an I/O error (a key that did not
+    /// appear in time is not one), when every later request fails at once.
     pub fn is_usable(&self) -> bool {
         self.broken.is_none()
     }
@@ -336,6 +350,21 @@ impl StoreClient {
         };
         match self.request(&req, &what, self.io_timeout)? {
             Reply::Ok => Ok(()),
+            other => Err(self.unexpected(&what, other)),
+        }
+    }
+
+    /// Sets `key` to `value` if it does not exist and makes it unchangeable; else leaves it
+    /// and returns what it holds (see [`Store::set_once`]).
+    pub fn set_once(&mut self, key: &str, value: &[u8]) -> Result<CompareSet> {
+        let what = format!("setting key {key:?} once");
+        let req = Request::SetOnce {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        match self.request(&req, &what, self.io_timeout)? {
+            Reply::Ok => Ok(CompareSet::Swapped),
+            Reply::Value(v) => Ok(CompareSet::Current(Some(v))),
             other => Err(self.unexpected(&what, other)),
         }
     }
@@ -454,6 +483,9 @@ impl StoreClient {
 impl Store for StoreClient {
     fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         StoreClient::set(self, key, value)
+    }
+    fn set_once(&mut self, key: &str, value: &[u8]) -> Result<CompareSet> {
+        StoreClient::set_once(self, key, value)
     }
     fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         StoreClient::get(self, key, timeout)

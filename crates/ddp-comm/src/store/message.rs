@@ -14,7 +14,7 @@ use crate::wire::{Malformed, Parsed, Reader, Writer};
 /// Magic at the start of every handshake ("DDPS").
 pub(crate) const MAGIC: [u8; 4] = *b"DDPS";
 /// Protocol version; bumped on incompatible changes.
-pub(crate) const VERSION: u8 = 3;
+pub(crate) const VERSION: u8 = 4;
 
 /// A request from a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +45,8 @@ pub(crate) enum Request {
     },
     /// When this connection ends, however it ends, add 1 to the counter at `key`.
     OnClose { key: String },
+    /// Set `key` to `value` if it does not exist, and never let it change afterwards.
+    SetOnce { key: String, value: Vec<u8> },
 }
 
 /// A reply from the server.
@@ -77,6 +79,7 @@ const WAIT: u8 = 6;
 const COMPARE_SET: u8 = 7;
 const ON_CLOSE: u8 = 8;
 const PROOF: u8 = 9;
+const SET_ONCE: u8 = 10;
 
 const OK: u8 = 0x80;
 const VALUE: u8 = 0x81;
@@ -120,6 +123,7 @@ impl Request {
                 .bytes(expected.as_deref().unwrap_or_default())
                 .bytes(desired),
             Request::OnClose { key } => w.u8(ON_CLOSE).bytes(key.as_bytes()),
+            Request::SetOnce { key, value } => w.u8(SET_ONCE).bytes(key.as_bytes()).bytes(value),
         }
         .finish()
     }
@@ -188,6 +192,10 @@ impl Request {
                 }
             }
             ON_CLOSE => Request::OnClose { key: r.string()? },
+            SET_ONCE => Request::SetOnce {
+                key: r.string()?,
+                value: r.bytes()?.to_vec(),
+            },
             _ => return Err(Malformed),
         };
         r.end()?;
@@ -293,6 +301,10 @@ mod tests {
                 desired: vec![5, 6],
             },
             Request::OnClose { key: "gone".into() },
+            Request::SetOnce {
+                key: "addr/1".into(),
+                value: vec![7],
+            },
         ];
         for req in requests {
             assert_eq!(Request::decode(&req.encode()), Ok(req));

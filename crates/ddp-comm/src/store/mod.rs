@@ -5,8 +5,12 @@
 //! the key appears or the timeout passes; `add` is an atomic counter; `compare_set` replaces a
 //! value only if it is still the one the caller read (how the launchers' rendezvous changes its
 //! one state key); and a connection can ask for a counter to be added to when it ends,
-//! however it ends ([`StoreClient::add_on_close`]: how a killed launcher is seen at once). A connection must present
-//! the job token first; connections without it are refused and logged.
+//! however it ends ([`StoreClient::add_on_close`]: how a killed launcher is seen at once);
+//! `set_once` publishes a value no one can replace. A connection must prove it holds the
+//! job's key first (a challenge-response: the token never crosses the wire); others are
+//! refused, and counted in a rate-limited summary. Sizes, keys, waits and connections are
+//! bounded (see the server's limits), so that even a client holding the key cannot exhaust
+//! the host.
 //!
 //! Code that uses the store goes through the [`Store`] trait, and names its keys inside a
 //! [`PrefixStore`], so that every user has a namespace of its own: the process group's
@@ -18,7 +22,8 @@
 //! Frames over TCP (`TCP_NODELAY`) in the crate's one codec (a little-endian `u32` length, then
 //! that many bytes): each carries one request or one reply, a tag byte and its fields. The
 //! first frame of every connection is a handshake carrying a magic, a protocol version and the
-//! job token; the server answers `Ok` or a refusal and closes the connection. Waiting requests
+//! client's nonce; the server answers with its nonce and its proof of the key, the client with
+//! its proof, and the server with `Ok` or a refusal (that says only "refused"). Waiting requests
 //! (`get`, `wait`) carry their timeout and are answered by the server when the keys appear (it
 //! waits on a condition variable) or when the timeout passes, so clients never poll.
 //!
@@ -44,6 +49,7 @@ mod client;
 pub(crate) mod keys;
 mod message;
 mod server;
+mod table;
 
 use std::time::Duration;
 
@@ -52,8 +58,9 @@ pub use server::StoreServer;
 
 use crate::error::Result;
 
-/// Largest frame either side accepts (keys and values are small: addresses, NCCL ids).
-const MAX_FRAME: usize = 64 << 20;
+/// Largest frame either side accepts: a value at its limit (1 MiB) with its key, or a wait
+/// for one key per rank of a very large job.
+const MAX_FRAME: usize = 2 << 20;
 /// Default deadline for a reply to a request that does not wait for keys.
 const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -61,8 +68,13 @@ const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
 ///
 /// [`StoreClient`] is the store; [`PrefixStore`] is a namespace inside another store.
 pub trait Store {
-    /// Sets `key` to `value` (overwrites).
+    /// Sets `key` to `value` (overwrites; an error for a key set by [`Store::set_once`]).
     fn set(&mut self, key: &str, value: &[u8]) -> Result<()>;
+    /// Sets `key` to `value` if it does not exist, and makes it unchangeable: later `set`,
+    /// `add` and `compare_set` of it fail. When it exists already, leaves it and returns
+    /// what it holds ([`CompareSet::Current`]). How a rank publishes what no other process
+    /// may replace (its address and identity, NCCL's unique id).
+    fn set_once(&mut self, key: &str, value: &[u8]) -> Result<CompareSet>;
     /// Waits up to `timeout` for `key` to exist and returns its value.
     fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
     /// Returns the value of `key` if it exists now, without waiting.
@@ -93,6 +105,9 @@ pub enum CompareSet {
 impl<S: Store + ?Sized> Store for &mut S {
     fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         (**self).set(key, value)
+    }
+    fn set_once(&mut self, key: &str, value: &[u8]) -> Result<CompareSet> {
+        (**self).set_once(key, value)
     }
     fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         (**self).get(key, timeout)
@@ -162,6 +177,10 @@ impl<S: Store + ?Sized> Store for PrefixStore<'_, S> {
     fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.key(key);
         self.store.set(&key, value)
+    }
+    fn set_once(&mut self, key: &str, value: &[u8]) -> Result<CompareSet> {
+        let key = self.key(key);
+        self.store.set_once(&key, value)
     }
     fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let key = self.key(key);

@@ -1,10 +1,16 @@
-//! The store's server: an accept thread and one thread per connection, a map of keys behind a
-//! mutex, and a condition variable that answers waiting requests when keys appear.
+//! The store's server: an accept thread and one thread per connection, the table of keys
+//! ([`super::table`]) behind a mutex, and a condition variable that answers waiting requests
+//! when keys appear.
+//!
+//! Before authentication a connection is held to deadlines (its first frame within 2 s, the
+//! whole handshake within 4 s) and to a share of the handshake slots (16 per address, 128
+//! in all), so that a flood delays a valid client by a handshake at most. After it, a connection
+//! is held to the table's limits, and its waits end when it closes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -12,24 +18,36 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::message::{Reply, Request, VERSION};
+use super::table::{ConnectionUse, MAX_WAIT_KEYS, MAX_WAITING_KEYS, Table};
 use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME};
 use crate::auth::{self, Key};
 use crate::error::{CommError, Result};
+use crate::refusals::RefusalLog;
 use crate::wire::{ReadBy, read_frame, write_frame};
 
 /// Largest handshake frame the server reads from a connection it does not trust yet.
 const MAX_HANDSHAKE_FRAME: usize = 4096;
-/// How long the server waits for a new connection's whole handshake (2 s in unit tests, so
-/// that the trickling-peer test is short).
-pub(super) const HANDSHAKE_TIMEOUT: Duration = if cfg!(test) {
-    Duration::from_secs(2)
-} else {
-    Duration::from_secs(10)
-};
+/// How long a new connection has to send its first frame (a client sends it at once).
+pub(super) const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a new connection has for its whole handshake.
+pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Most connections that may be in their handshake at once; more are refused at accept.
-const MAX_UNAUTHENTICATED: usize = 64;
+const MAX_HANDSHAKES: usize = 128;
+/// Most connections from one address that may be in their handshake at once: a new one
+/// from an address at the limit closes that address's oldest. A flood from one address thus
+/// holds at most this many slots, and a client from the same address that completes its
+/// handshake quickly (about a millisecond) still gets in.
+const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
+/// Authenticated connections served at once unless [`StoreServer::limit_clients`] says
+/// otherwise (each rank holds one or two; each launcher three).
+const DEFAULT_MAX_CLIENTS: usize = 256;
+/// Stack of a connection's thread (it serves one request at a time, with no recursion).
+const CONNECTION_STACK: usize = 256 << 10;
 /// The longest a `get`/`wait` waits on the server, whatever timeout it asked for.
 const MAX_WAIT: Duration = Duration::from_secs(3600);
+/// How often a waiting request checks that its connection is still open: a client that
+/// gave up and closed does not leave its wait (a thread) behind.
+const CLOSED_CHECK_EVERY: Duration = Duration::from_millis(250);
 /// The roles in the handshake's proofs.
 pub(super) const SERVER_ROLE: &str = "ddp-store server";
 pub(super) const CLIENT_ROLE: &str = "ddp-store client";
@@ -38,15 +56,45 @@ const MAX_ON_CLOSE: usize = 4;
 /// How often the accept loop checks for shutdown (it wakes at once for new connections).
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
-/// The key-value state shared by all connection threads.
+/// The connections in their handshake, oldest first, by the address they come from.
 #[derive(Default)]
-struct State {
-    map: HashMap<String, Vec<u8>>,
-    shutdown: bool,
+struct Handshakes {
+    by_source: HashMap<IpAddr, VecDeque<u64>>,
+    total: usize,
+}
+
+impl Handshakes {
+    /// Registers connection `id` from `source`; the connection to close to make room, if
+    /// its address was at its limit.
+    fn admit(&mut self, source: IpAddr, id: u64) -> Option<u64> {
+        let queue = self.by_source.entry(source).or_default();
+        let evicted = if queue.len() >= MAX_HANDSHAKES_PER_SOURCE {
+            self.total -= 1;
+            queue.pop_front()
+        } else {
+            None
+        };
+        queue.push_back(id);
+        self.total += 1;
+        evicted
+    }
+
+    /// Connection `id` from `source` ended its handshake (unless it was evicted already).
+    fn finish(&mut self, source: IpAddr, id: u64) {
+        if let Some(queue) = self.by_source.get_mut(&source) {
+            if let Some(i) = queue.iter().position(|&c| c == id) {
+                queue.remove(i);
+                self.total -= 1;
+            }
+            if queue.is_empty() {
+                self.by_source.remove(&source);
+            }
+        }
+    }
 }
 
 struct Shared {
-    state: Mutex<State>,
+    table: Mutex<Table>,
     changed: Condvar,
     /// The key clients must prove they hold (derived from the job token), if any.
     key: Option<Key>,
@@ -54,16 +102,26 @@ struct Shared {
     /// Clones of open connections, so that shutdown can unblock their threads.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
-    /// Connections that have not finished their handshake (not yet shown the token).
-    unauthenticated: AtomicUsize,
-    /// Connections refused at accept because [`MAX_UNAUTHENTICATED`] were pending.
-    refused: AtomicU64,
+    /// Connections that have not finished their handshake.
+    handshakes: Mutex<Handshakes>,
+    /// Authenticated connections open now, and the most allowed.
+    clients: AtomicUsize,
+    max_clients: AtomicUsize,
+    refusals: RefusalLog,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, Table> {
         // A panic in a connection thread must not take the store down with it.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn conns(&self) -> MutexGuard<'_, HashMap<u64, TcpStream>> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn handshakes(&self) -> MutexGuard<'_, Handshakes> {
+        self.handshakes.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -91,7 +149,8 @@ impl StoreServer {
     /// Binds `addr` (`host:port`; port 0 picks a free one) and serves until dropped.
     /// Only clients that prove they hold `token`'s key (when `Some`) are served; the proof is
     /// a challenge-response ([`crate::auth`]): the token never crosses the wire, and the
-    /// server proves it holds the key too.
+    /// server proves it holds the key too. `None` serves anyone: only for a job that opted
+    /// out of authentication.
     ///
     /// Exactly the given address is bound; pass `0.0.0.0:PORT` explicitly to listen on all
     /// interfaces.
@@ -105,14 +164,16 @@ impl StoreServer {
             .set_nonblocking(true)
             .map_err(|e| CommError::io(op(), None, e))?;
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            table: Mutex::new(Table::default()),
             changed: Condvar::new(),
             key: token.as_deref().map(Key::from_token),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
-            unauthenticated: AtomicUsize::new(0),
-            refused: AtomicU64::new(0),
+            handshakes: Mutex::new(Handshakes::default()),
+            clients: AtomicUsize::new(0),
+            max_clients: AtomicUsize::new(DEFAULT_MAX_CLIENTS),
+            refusals: RefusalLog::new(format!("rendezvous store at {local}")),
         });
         let accept = {
             let shared = Arc::clone(&shared);
@@ -134,10 +195,23 @@ impl StoreServer {
         self.addr
     }
 
-    /// Connections refused at accept because 64 others were still in their handshake (a port
-    /// scan or a flood of clients without the job token).
+    /// Serves at most `n` authenticated connections at once (256 unless set); a client past
+    /// the limit is told so and closed. Size it from the job: each rank holds one or two
+    /// connections, each launcher three.
+    pub fn limit_clients(&self, n: usize) {
+        self.shared.max_clients.store(n.max(1), Ordering::Relaxed);
+    }
+
+    /// Authenticated connections open now.
+    pub fn open_connections(&self) -> usize {
+        self.shared.clients.load(Ordering::SeqCst)
+    }
+
+    /// Connections refused so far: without a valid handshake, closed to make room for
+    /// newer ones from the same address, refused while 128 others were in their handshake,
+    /// or past the client limit.
     pub fn refused_connections(&self) -> u64 {
-        self.shared.refused.load(Ordering::Relaxed)
+        self.shared.refusals.total()
     }
 }
 
@@ -152,6 +226,7 @@ impl Drop for StoreServer {
         if let Some(handle) = self.accept.take() {
             let _ = handle.join();
         }
+        self.shared.refusals.flush(true);
         tracing::debug!(addr = %self.addr, "rendezvous store stopped");
     }
 }
@@ -170,77 +245,26 @@ fn poll_readable(listener: &TcpListener, timeout: Duration) {
     }
 }
 
+/// Whether the peer of `stream` has closed its end (or the connection broke).
+fn peer_closed(stream: &TcpStream) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is a valid pollfd for the duration of the call and nfds is 1.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut workers: Vec<JoinHandle<()>> = Vec::new();
     while !shared.shutdown.load(Ordering::SeqCst) {
+        shared.refusals.flush(false);
         match listener.accept() {
             Ok((stream, peer)) => {
                 workers.retain(|h| !h.is_finished());
-                // A port scan or a flood must not exhaust rank 0's threads or memory: at most
-                // MAX_UNAUTHENTICATED connections may be in their handshake at once.
-                if shared.unauthenticated.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
-                    let n = shared.refused.fetch_add(1, Ordering::Relaxed) + 1;
-                    if n.is_power_of_two() {
-                        tracing::warn!(
-                            %peer,
-                            "rendezvous store: refused a connection: {MAX_UNAUTHENTICATED} \
-                             connections are already in their handshake ({n} refused so far)"
-                        );
-                    }
-                    let _ = stream.shutdown(Shutdown::Both);
-                    continue;
-                }
-                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = stream.set_nonblocking(false) {
-                    tracing::warn!(%peer, "rendezvous store: dropping connection: {e}");
-                    continue;
-                }
-                let _ = stream.set_nodelay(true);
-                match stream.try_clone() {
-                    Ok(clone) => {
-                        shared
-                            .conns
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(id, clone);
-                    }
-                    Err(e) => {
-                        tracing::warn!(%peer, "rendezvous store: dropping connection: {e}");
-                        continue;
-                    }
-                }
-                // Close the race with shutdown: a connection registered after the final sweep
-                // below would never be unblocked.
-                if shared.shutdown.load(Ordering::SeqCst) {
-                    let _ = stream.shutdown(Shutdown::Both);
-                    break;
-                }
-                let sh = Arc::clone(&shared);
-                shared.unauthenticated.fetch_add(1, Ordering::SeqCst);
-                let spawned = std::thread::Builder::new()
-                    .name("ddp-store-conn".into())
-                    .spawn(move || {
-                        serve_connection(stream, peer, &sh);
-                        sh.conns
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&id);
-                    });
-                match spawned {
-                    Ok(h) => workers.push(h),
-                    Err(e) => {
-                        shared.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-                        tracing::warn!(%peer, "rendezvous store: cannot start a thread: {e}");
-                        if let Some(s) = shared
-                            .conns
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&id)
-                        {
-                            let _ = s.shutdown(Shutdown::Both);
-                        }
-                    }
-                }
+                admit(stream, peer, &shared, &mut workers);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 poll_readable(&listener, ACCEPT_POLL);
@@ -254,12 +278,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         }
     }
     drop(listener);
-    for (_, s) in shared
-        .conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .drain()
-    {
+    for (_, s) in shared.conns().drain() {
         let _ = s.shutdown(Shutdown::Both);
     }
     for h in workers {
@@ -267,88 +286,190 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
-    let authenticated = handshake(stream, peer, shared);
-    shared.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-    if let Some(stream) = authenticated {
+/// Starts serving a new connection on a thread of its own, within the handshake limits.
+fn admit(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    workers: &mut Vec<JoinHandle<()>>,
+) {
+    let source = peer.ip();
+    // A port scan or a flood must not exhaust rank 0's threads or memory: at most
+    // MAX_HANDSHAKES connections may be in their handshake at once, and one address holds at
+    // most MAX_HANDSHAKES_PER_SOURCE of them.
+    if shared.handshakes().total >= MAX_HANDSHAKES
+        && shared
+            .handshakes()
+            .by_source
+            .get(&source)
+            .is_none_or(|q| q.len() < MAX_HANDSHAKES_PER_SOURCE)
+    {
+        shared
+            .refusals
+            .note(source, "while 128 handshakes were under way");
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    if stream.set_nonblocking(false).is_err() {
+        return;
+    }
+    let _ = stream.set_nodelay(true);
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    shared.conns().insert(id, clone);
+    // Close the race with shutdown: a connection registered after the final sweep would
+    // never be unblocked.
+    if shared.shutdown.load(Ordering::SeqCst) {
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    if let Some(old) = shared.handshakes().admit(source, id) {
+        if let Some(s) = shared.conns().remove(&old) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        shared
+            .refusals
+            .note(source, "closed for newer ones from the same address");
+    }
+    let sh = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name("ddp-store-conn".into())
+        .stack_size(CONNECTION_STACK)
+        .spawn(move || {
+            serve_connection(stream, peer, id, &sh);
+            sh.conns().remove(&id);
+        });
+    match spawned {
+        Ok(h) => workers.push(h),
+        Err(e) => {
+            tracing::warn!(%peer, "rendezvous store: cannot start a thread: {e}");
+            shared.handshakes().finish(source, id);
+            if let Some(s) = shared.conns().remove(&id) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Shared) {
+    let authenticated = handshake(stream, peer, id, shared);
+    shared.handshakes().finish(peer.ip(), id);
+    let Some(mut stream) = authenticated else {
+        return;
+    };
+    let max = shared.max_clients.load(Ordering::Relaxed);
+    if shared.clients.fetch_add(1, Ordering::SeqCst) >= max {
+        shared.clients.fetch_sub(1, Ordering::SeqCst);
+        shared.refusals.note(peer.ip(), "past the client limit");
+        // The client proved the key: it may learn why.
+        let _ = send(
+            &mut stream,
+            &Reply::Refused(format!(
+                "the store serves at most {max} connections at once"
+            )),
+        );
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    if send(&mut stream, &Reply::Ok).is_ok() {
+        tracing::debug!(%peer, "rendezvous store: client connected");
         serve_requests(stream, peer, shared);
     }
+    shared.clients.fetch_sub(1, Ordering::SeqCst);
 }
 
 fn send(stream: &mut TcpStream, reply: &Reply) -> io::Result<()> {
     write_frame(stream, &reply.encode(), MAX_FRAME)
 }
 
-/// Reads and checks the client's handshake; the stream of an accepted client, else `None`.
-fn handshake(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) -> Option<TcpStream> {
-    // The handshake: bounded size and time — one deadline for the whole frame, however the
-    // bytes trickle in — since the peer is not trusted yet.
-    let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    let frame = match read_frame(&mut ReadBy::new(&stream, deadline), MAX_HANDSHAKE_FRAME) {
-        Ok(Some(f)) => f,
-        Ok(None) => return None, // connected and closed (a port probe)
-        Err(e) => {
-            tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: no valid handshake ({e})");
-            let _ = send(&mut stream, &Reply::Refused("refused".into()));
-            return None;
+/// Reads and checks the client's handshake; the stream of a client that proved the key (not
+/// yet answered), else `None`.
+fn handshake(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    shared: &Shared,
+) -> Option<TcpStream> {
+    // The peer is not trusted yet: bounded size, and deadlines for the first frame and for
+    // the whole handshake however the bytes trickle in.
+    let _ = stream.set_write_timeout(Some(FIRST_FRAME_TIMEOUT));
+    let started = Instant::now();
+    let source = peer.ip();
+    let refuse = |stream: &mut TcpStream, why: &'static str| {
+        // One closed to make room for newer ones was counted then.
+        if shared.conns().contains_key(&id) {
+            shared.refusals.note(source, why);
         }
-    };
-    let refuse = |stream: &mut TcpStream, why: &str| {
-        tracing::warn!(%peer, "rendezvous store: refused connection from {peer}: {why}");
         // The peer is not trusted: it learns nothing but the refusal.
         let _ = send(stream, &Reply::Refused("refused".into()));
         let _ = stream.shutdown(Shutdown::Both);
     };
-    let client_nonce = match Request::decode(&frame) {
-        Ok(Request::Hello { version, nonce }) if version == VERSION => nonce,
-        Ok(Request::Hello { .. }) => {
-            refuse(
-                &mut stream,
-                "protocol version mismatch (another ddp-comm version?)",
-            );
+    let first = read_frame(
+        &mut ReadBy::new(&stream, started + FIRST_FRAME_TIMEOUT),
+        MAX_HANDSHAKE_FRAME,
+    );
+    let frame = match first {
+        Ok(Some(f)) => f,
+        // Connected and closed (a port probe), or closed to make room for newer ones.
+        Ok(None) => return None,
+        Err(_) if shared.shutdown.load(Ordering::SeqCst) => return None,
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+            refuse(&mut stream, "silent past the first frame's deadline");
             return None;
         }
-        _ => {
-            refuse(
-                &mut stream,
-                "malformed handshake (not a ddp-comm store client?)",
-            );
+        Err(_) => {
+            refuse(&mut stream, "without a valid handshake");
             return None;
         }
     };
-    if let Some(key) = &shared.key {
-        if client_nonce.len() != auth::LEN {
-            refuse(&mut stream, "no proof of the job token offered");
+    let client_nonce = match Request::decode(&frame) {
+        Ok(Request::Hello { version, nonce }) if version == VERSION => nonce,
+        Ok(Request::Hello { .. }) => {
+            refuse(&mut stream, "of another protocol version");
             return None;
         }
-        let server_nonce = auth::nonce();
-        let challenge = Reply::Challenge {
-            nonce: server_nonce.to_vec(),
-            mac: key
-                .prove(SERVER_ROLE, &client_nonce, &server_nonce, b"")
-                .to_vec(),
-        };
-        if send(&mut stream, &challenge).is_err() {
+        _ => {
+            refuse(&mut stream, "without a valid handshake");
             return None;
         }
-        let proven = read_frame(&mut ReadBy::new(&stream, deadline), MAX_HANDSHAKE_FRAME)
-            .ok()
-            .flatten()
-            .and_then(|f| match Request::decode(&f) {
-                Ok(Request::Proof { mac }) => Some(mac),
-                _ => None,
-            })
-            .is_some_and(|mac| key.verify(&mac, CLIENT_ROLE, &client_nonce, &server_nonce, b""));
-        if !proven {
-            refuse(&mut stream, "no valid proof of the job token");
-            return None;
-        }
-    }
-    if send(&mut stream, &Reply::Ok).is_err() {
+    };
+    let Some(key) = &shared.key else {
+        return Some(stream);
+    };
+    if client_nonce.len() != auth::LEN {
+        refuse(&mut stream, "without a proof of the job token");
         return None;
     }
-    tracing::debug!(%peer, "rendezvous store: client connected");
+    let server_nonce = auth::nonce();
+    let challenge = Reply::Challenge {
+        nonce: server_nonce.to_vec(),
+        mac: key
+            .prove(SERVER_ROLE, &client_nonce, &server_nonce, b"")
+            .to_vec(),
+    };
+    if send(&mut stream, &challenge).is_err() {
+        return None;
+    }
+    let proof = read_frame(
+        &mut ReadBy::new(&stream, started + HANDSHAKE_TIMEOUT),
+        MAX_HANDSHAKE_FRAME,
+    );
+    let proven = proof
+        .ok()
+        .flatten()
+        .and_then(|f| match Request::decode(&f) {
+            Ok(Request::Proof { mac }) => Some(mac),
+            _ => None,
+        })
+        .is_some_and(|mac| key.verify(&mac, CLIENT_ROLE, &client_nonce, &server_nonce, b""));
+    if !proven {
+        if !shared.shutdown.load(Ordering::SeqCst) {
+            refuse(&mut stream, "without a valid proof of the job token");
+        }
+        return None;
+    }
     Some(stream)
 }
 
@@ -360,6 +481,7 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     let _ = stream.set_write_timeout(Some(DEFAULT_IO_TIMEOUT));
     // Counters to add 1 to when this connection ends, however it ends.
     let mut on_close: Vec<String> = Vec::new();
+    let mut usage = ConnectionUse::default();
     loop {
         let frame = match read_frame(&mut stream, MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -378,13 +500,18 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                 break;
             }
             Ok(Request::OnClose { key }) if on_close.len() < MAX_ON_CLOSE => {
-                on_close.push(key);
-                Reply::Ok
+                match Table::check_key(&key) {
+                    Ok(()) => {
+                        on_close.push(key);
+                        Reply::Ok
+                    }
+                    Err(reply) => reply,
+                }
             }
             Ok(Request::OnClose { .. }) => Reply::Error(format!(
                 "at most {MAX_ON_CLOSE} keys per connection may be counted at its end"
             )),
-            Ok(request) => handle_request(request, shared),
+            Ok(request) => handle_request(request, shared, &stream, &mut usage),
         };
         if send(&mut stream, &reply).is_err() {
             break;
@@ -392,103 +519,118 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     }
     let _ = stream.shutdown(Shutdown::Both);
     for key in on_close {
-        let _ = handle_request(Request::Add { key, delta: 1 }, shared);
+        // Counted whatever this connection created: the count is how its end is seen.
+        let _ = shared.lock().add(key, 1, &mut ConnectionUse::default());
+        shared.changed.notify_all();
     }
 }
 
-fn handle_request(request: Request, shared: &Shared) -> Reply {
-    match request {
-        Request::Set { key, value } => {
-            shared.lock().map.insert(key, value);
-            shared.changed.notify_all();
-            Reply::Ok
-        }
-        Request::TryGet { key } => match shared.lock().map.get(&key) {
-            Some(v) => Reply::Value(v.clone()),
-            None => Reply::Missing,
-        },
-        Request::Add { key, delta } => {
-            let mut st = shared.lock();
-            let current = match st.map.get(&key) {
-                None => 0,
-                Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
-                    Ok(b) => i64::from_le_bytes(b),
-                    Err(_) => {
-                        return Reply::Error(format!(
-                            "key {key:?} holds a {}-byte value, not a counter made by add",
-                            v.len()
-                        ));
-                    }
-                },
-            };
-            let new = current.wrapping_add(delta);
-            st.map.insert(key, new.to_le_bytes().to_vec());
-            drop(st);
-            shared.changed.notify_all();
-            Reply::Int(new)
-        }
-        Request::Get { key, timeout } => {
-            match wait_for(shared, std::slice::from_ref(&key), timeout) {
-                Ok(st) => Reply::Value(st.map[&key].clone()),
-                Err(reply) => reply,
-            }
-        }
-        Request::Wait { keys, timeout } => match wait_for(shared, &keys, timeout) {
-            Ok(_) => Reply::Ok,
-            Err(reply) => reply,
-        },
+fn handle_request(
+    request: Request,
+    shared: &Shared,
+    stream: &TcpStream,
+    usage: &mut ConnectionUse,
+) -> Reply {
+    let changes = matches!(
+        request,
+        Request::Set { .. }
+            | Request::SetOnce { .. }
+            | Request::Add { .. }
+            | Request::CompareSet { .. }
+    );
+    let reply = match request {
+        Request::Set { key, value } => shared.lock().set(key, value, usage),
+        Request::SetOnce { key, value } => shared.lock().set_once(key, value, usage),
+        Request::Add { key, delta } => shared.lock().add(key, delta, usage),
         Request::CompareSet {
             key,
             expected,
             desired,
-        } => {
-            let mut st = shared.lock();
-            let current = st.map.get(&key);
-            if current.map(Vec::as_slice) != expected.as_deref() {
-                return match current {
-                    Some(v) => Reply::Value(v.clone()),
-                    None => Reply::Missing,
-                };
+        } => shared.lock().compare_set(key, expected, desired, usage),
+        Request::TryGet { key } => match Table::check_key(&key) {
+            Err(reply) => reply,
+            Ok(()) => match shared.lock().get(&key) {
+                Some(v) => Reply::Value(v.clone()),
+                None => Reply::Missing,
+            },
+        },
+        Request::Get { key, timeout } => {
+            match wait_for(shared, std::slice::from_ref(&key), timeout, stream) {
+                Ok(st) => st
+                    .get(&key)
+                    .map_or(Reply::Missing, |v| Reply::Value(v.clone())),
+                Err(reply) => reply,
             }
-            st.map.insert(key, desired);
-            drop(st);
-            shared.changed.notify_all();
-            Reply::Ok
         }
+        Request::Wait { keys, timeout } => match wait_for(shared, &keys, timeout, stream) {
+            Ok(_) => Reply::Ok,
+            Err(reply) => reply,
+        },
         Request::Hello { .. } | Request::Proof { .. } | Request::OnClose { .. } => {
             Reply::Error("malformed request".into())
         }
+    };
+    if changes && matches!(reply, Reply::Ok | Reply::Int(_)) {
+        shared.changed.notify_all();
     }
+    reply
 }
 
-/// Waits up to `timeout` (at most [`MAX_WAIT`]) until every key in `keys` exists: the state,
-/// still locked, once they all do; else the reply to send (a timeout naming a missing key, or
-/// the store's shutdown).
+/// Waits up to `timeout` (at most [`MAX_WAIT`]) until every key in `keys` exists: the table,
+/// still locked, once they all do; else the reply to send (a timeout naming a missing key,
+/// the store's shutdown, a limit). A wait whose client closed its connection ends early.
 fn wait_for<'a>(
     shared: &'a Shared,
     keys: &[String],
     timeout: Duration,
-) -> std::result::Result<MutexGuard<'a, State>, Reply> {
+    stream: &TcpStream,
+) -> std::result::Result<MutexGuard<'a, Table>, Reply> {
+    if keys.len() > MAX_WAIT_KEYS {
+        return Err(Reply::Error(format!(
+            "a wait names {} keys, more than the store's limit of {MAX_WAIT_KEYS}",
+            keys.len()
+        )));
+    }
+    for key in keys {
+        Table::check_key(key)?;
+    }
     // No request waits forever: `Duration::MAX` and the like are clamped.
     let deadline = Instant::now() + timeout.min(MAX_WAIT);
     let mut st = shared.lock();
-    loop {
+    if st.waiting_keys + keys.len() > MAX_WAITING_KEYS {
+        return Err(Reply::Error(format!(
+            "the store's waits already name {} keys, its limit",
+            st.waiting_keys
+        )));
+    }
+    st.waiting_keys += keys.len();
+    // Keys never disappear: the ones found stay found.
+    let mut found = 0;
+    let outcome = loop {
         if st.shutdown {
-            return Err(Reply::Error(
+            break Err(Reply::Error(
                 "the store is shutting down (did rank 0 exit?)".into(),
             ));
         }
-        let Some(missing) = keys.iter().find(|k| !st.map.contains_key(k.as_str())) else {
-            return Ok(st);
-        };
+        while found < keys.len() && st.contains(&keys[found]) {
+            found += 1;
+        }
+        if found == keys.len() {
+            break Ok(());
+        }
         let now = Instant::now();
         if deadline <= now {
-            return Err(Reply::Timeout(missing.clone()));
+            break Err(Reply::Timeout(keys[found].clone()));
         }
         st = shared
             .changed
-            .wait_timeout(st, deadline - now)
+            .wait_timeout(st, (deadline - now).min(CLOSED_CHECK_EVERY))
             .unwrap_or_else(|p| p.into_inner())
             .0;
-    }
+        if peer_closed(stream) {
+            break Err(Reply::Error("the client closed its connection".into()));
+        }
+    };
+    st.waiting_keys -= keys.len();
+    outcome.map(|()| st)
 }

@@ -222,7 +222,7 @@ fn prefix_store_names_keys_in_its_namespace() {
 
 /// A peer that sends its handshake one byte at a time, each well inside the per-read limit,
 /// used to hold one of the handshake slots for as long as it liked (a byte every 9 s: about
-/// 10 h). Now the whole handshake has one deadline.
+/// 10 h). Now its first frame has one deadline (and the whole handshake a longer one).
 #[test]
 fn a_trickling_handshake_is_cut_at_its_deadline() {
     let (_s, ep) = server(Some("tok"));
@@ -232,7 +232,7 @@ fn a_trickling_handshake_is_cut_at_its_deadline() {
     let start = Instant::now();
     // A frame announcing 200 bytes, then a byte every 300 ms.
     raw.write_all(&200u32.to_le_bytes()).unwrap();
-    let limit = server::HANDSHAKE_TIMEOUT;
+    let limit = server::FIRST_FRAME_TIMEOUT;
     let mut answered = None;
     while start.elapsed() < limit * 4 {
         if raw.write_all(b"x").is_err() {
@@ -411,4 +411,83 @@ fn a_port_squatter_is_refused_by_the_client() {
             "the client sent nothing more"
         );
     }
+}
+
+/// A raw connection that passed the handshake with `token`.
+fn authenticated(ep: &str, token: &str) -> TcpStream {
+    use super::message::VERSION;
+    let key = crate::auth::Key::from_token(token);
+    let client = crate::auth::nonce().to_vec();
+    let mut s = TcpStream::connect(ep).unwrap();
+    let hello = Request::Hello {
+        version: VERSION,
+        nonce: client.clone(),
+    };
+    let Reply::Challenge { nonce, .. } = exchange(&mut s, &hello) else {
+        panic!("no challenge")
+    };
+    let proof = Request::Proof {
+        mac: key
+            .prove(super::server::CLIENT_ROLE, &client, &nonce, b"")
+            .to_vec(),
+    };
+    assert_eq!(exchange(&mut s, &proof), Reply::Ok);
+    s
+}
+
+/// Waits whose clients went away end with their connections: 100 hour-long `get`s abandoned
+/// leave no connection (thread) behind, and the store goes on serving.
+#[test]
+fn abandoned_waits_end_with_their_connections() {
+    let (s, ep) = server(Some("tok"));
+    let mut c = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    for i in 0..100 {
+        let mut raw = authenticated(&ep, "tok");
+        let get = Request::Get {
+            key: format!("never-{i}"),
+            timeout: Duration::from_secs(3600),
+        };
+        crate::wire::write_frame(&mut raw, &get.encode(), 4096).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.open_connections() > 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(s.open_connections(), 1, "only the live client is left");
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k", T).unwrap(), b"v");
+}
+
+/// Past the client limit a new client is told so (and closed); one that leaves makes room.
+#[test]
+fn clients_past_the_limit_are_refused_with_a_reason() {
+    let (s, ep) = server(Some("tok"));
+    s.limit_clients(2);
+    let a = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    let _b = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    let err = StoreClient::connect(&ep, Some("tok"), Duration::from_secs(2)).unwrap_err();
+    assert!(err.to_string().contains("at most 2 connections"), "{err}");
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.open_connections() > 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    StoreClient::connect(&ep, Some("tok"), T).unwrap();
+}
+
+/// `set_once`: the first value stays, whoever writes next (by `set_once`, `set` or
+/// `compare_set`) is refused or told what is there.
+#[test]
+fn a_value_set_once_never_changes() {
+    let (_s, ep) = server(Some("tok"));
+    let mut a = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    let mut b = StoreClient::connect(&ep, Some("tok"), T).unwrap();
+    assert_eq!(a.set_once("addr/0", b"mine").unwrap(), CompareSet::Swapped);
+    assert_eq!(
+        b.set_once("addr/0", b"theirs").unwrap(),
+        CompareSet::Current(Some(b"mine".to_vec()))
+    );
+    assert!(b.set("addr/0", b"theirs").is_err());
+    assert!(b.compare_set("addr/0", Some(b"mine"), b"theirs").is_err());
+    assert_eq!(a.get("addr/0", T).unwrap(), b"mine");
 }

@@ -292,6 +292,9 @@ impl<S: crate::store::Store> crate::store::Store for Far<S> {
         std::thread::sleep(self.latency);
         r
     }
+    fn set_once(&mut self, key: &str, value: &[u8]) -> crate::Result<crate::store::CompareSet> {
+        self.inner.set_once(key, value)
+    }
     fn get(&mut self, key: &str, timeout: Duration) -> crate::Result<Vec<u8>> {
         std::thread::sleep(self.latency);
         let r = self.inner.get(key, timeout);
