@@ -8,7 +8,12 @@
 //!   and its role — which the other side checks in constant time ([`Key::verify`], `subtle`).
 //!   A recorded answer is useless against a fresh nonce, and a side that does not hold the key
 //!   (a port squatter) learns nothing it could use and is refused.
+//! - [`Identity`]: a signing key of one rank for one rendezvous (Ed25519, `ed25519-dalek`),
+//!   whose public half the rank publishes once with its address. Every rank holds the job's
+//!   key, so the key cannot tell ranks apart; a signature can: a process that holds the job's
+//!   key but not rank `r`'s identity cannot pass for rank `r`.
 
+use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
@@ -30,12 +35,70 @@ impl std::fmt::Debug for Key {
 
 fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; LEN] {
     let mut mac = HmacSha256::new_from_slice(key).expect("HMAC takes a key of any length");
-    for p in parts {
-        // Each part's length first, so that two different splits never hash alike.
-        mac.update(&(p.len() as u64).to_le_bytes());
-        mac.update(p);
-    }
+    mac.update(&framed(parts));
     mac.finalize().into_bytes().into()
+}
+
+/// The parts as one message, each preceded by its length, so that two different splits
+/// never read alike.
+fn framed(parts: &[&[u8]]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
+    for p in parts {
+        m.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        m.extend_from_slice(p);
+    }
+    m
+}
+
+/// Length of a public identity, and of a signature.
+pub(crate) const PUBLIC_LEN: usize = 32;
+pub(crate) const SIGNATURE_LEN: usize = 64;
+
+/// A rank's signing key for one rendezvous: fresh from the operating system's generator,
+/// never sent anywhere; its public half is published with the rank's address.
+pub(crate) struct Identity(SigningKey);
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Identity(<secret>)")
+    }
+}
+
+impl Identity {
+    /// A fresh identity.
+    pub(crate) fn generate() -> Identity {
+        Identity(SigningKey::from_bytes(&nonce()))
+    }
+
+    /// The public half, to publish.
+    pub(crate) fn public(&self) -> [u8; PUBLIC_LEN] {
+        self.0.verifying_key().to_bytes()
+    }
+
+    /// The signature of `role` over `parts`.
+    pub(crate) fn sign(&self, role: &str, parts: &[&[u8]]) -> [u8; SIGNATURE_LEN] {
+        let mut all = vec![role.as_bytes()];
+        all.extend_from_slice(parts);
+        self.0.sign(&framed(&all)).to_bytes()
+    }
+}
+
+/// Whether `signature` is the signature of `role` over `parts` by the identity whose public
+/// half is `public` (strict verification: no malleable signatures).
+pub(crate) fn signed_by(public: &[u8], signature: &[u8], role: &str, parts: &[&[u8]]) -> bool {
+    let (Ok(public), Ok(signature)) = (
+        <[u8; PUBLIC_LEN]>::try_from(public),
+        <[u8; SIGNATURE_LEN]>::try_from(signature),
+    ) else {
+        return false;
+    };
+    let Ok(key) = VerifyingKey::from_bytes(&public) else {
+        return false;
+    };
+    let mut all = vec![role.as_bytes()];
+    all.extend_from_slice(parts);
+    key.verify_strict(&framed(&all), &Signature::from_bytes(&signature))
+        .is_ok()
 }
 
 impl Key {
@@ -110,6 +173,33 @@ mod tests {
         );
         assert!(!k.verify(&p[..31], "client", &c, &s, b""));
         assert!(!k.verify(&p, "client", &c, &s, b"x"), "another context");
+    }
+
+    #[test]
+    fn signatures_bind_the_identity_the_role_and_the_parts() {
+        let me = Identity::generate();
+        let other = Identity::generate();
+        assert_ne!(me.public(), other.public());
+        let n = nonce();
+        let sig = me.sign("hello", &[&n, b"rank 1"]);
+        assert!(signed_by(&me.public(), &sig, "hello", &[&n, b"rank 1"]));
+        assert!(!signed_by(&other.public(), &sig, "hello", &[&n, b"rank 1"]));
+        assert!(!signed_by(&me.public(), &sig, "reply", &[&n, b"rank 1"]));
+        assert!(!signed_by(&me.public(), &sig, "hello", &[&n, b"rank 2"]));
+        assert!(!signed_by(
+            &me.public(),
+            &sig,
+            "hello",
+            &[&nonce(), b"rank 1"]
+        ));
+        assert!(!signed_by(
+            &me.public(),
+            &sig[..63],
+            "hello",
+            &[&n, b"rank 1"]
+        ));
+        assert!(!signed_by(&[0; 32], &sig, "hello", &[&n, b"rank 1"]));
+        assert_eq!(format!("{me:?}"), "Identity(<secret>)");
     }
 
     #[test]

@@ -2,29 +2,37 @@
 //!
 //! Rank `i` connects to every rank below it and accepts every rank above it, so there is no
 //! cycle of waits: connectors first send their hello to all lower ranks, then accept the higher
-//! ranks, then read the replies. Every rank publishes a fresh nonce with its address; a hello
-//! carries the connector's rank, its own nonce and its proof of the job's key over both nonces
-//! and the rank ([`crate::auth`]: the token never crosses the wire, and a hello recorded in
-//! an earlier rendezvous proves nothing in this one), and the acceptor's reply carries its
-//! proof in turn (whoever squats a rank's port cannot answer). A hello without a valid proof,
-//! an out-of-range or duplicate rank is refused (and logged) and the listener keeps accepting.
+//! ranks, then read the replies. Every rank publishes, once and unchangeably (the store's
+//! `set_once`), its address, a fresh nonce and the public half of a fresh identity
+//! ([`crate::auth::Identity`]). A hello carries the connector's rank, its own nonce, its proof
+//! of the job's key over both nonces and the rank, and its signature over the same: the token
+//! never crosses the wire, a hello recorded in an earlier rendezvous proves nothing in this
+//! one, and a process that holds the job's key — every rank does — still cannot pass for
+//! another rank. The acceptor's reply carries its proof and signature in turn (whoever squats a
+//! rank's port cannot answer). Hellos are read concurrently, each within a few seconds and
+//! with a share per address, so silent connections cannot hold the rendezvous; one without a
+//! valid proof, an out-of-range or duplicate rank is refused (counted in a summary log) and
+//! the listener keeps accepting.
 //! For a peer on the same host the connector creates a shared-memory segment and names it in
 //! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
 //! Hellos and replies are frames of the crate's codec ([`crate::wire`]).
 
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::path::PathBuf;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::link::Link;
 use super::shm::ShmPair;
-use crate::auth::{self, Key};
+use crate::auth::{self, Identity, Key};
 use crate::error::{CommError, Result};
+use crate::refusals::RefusalLog;
 use crate::wire::{Malformed, ReadBy, Reader, Writer, read_frame, write_frame};
 
 const HELLO_MAGIC: u32 = 0x4844_4450; // "PDDH"
-const VERSION: u16 = 3;
+const VERSION: u16 = 4;
 /// The roles in the handshake's proofs.
 const HELLO_ROLE: &str = "ddp-mesh hello";
 const REPLY_ROLE: &str = "ddp-mesh reply";
@@ -46,12 +54,15 @@ pub(crate) struct PeerInfo {
     pub host: String,
     /// A fresh nonce of this rendezvous: the hellos it accepts prove the key over it.
     pub nonce: [u8; auth::LEN],
+    /// The public half of its identity: the hellos and replies it sends are signed by it.
+    pub identity: [u8; auth::PUBLIC_LEN],
 }
 
 impl PeerInfo {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = format!("{}\n{}\n", self.addr, self.host).into_bytes();
         b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(&self.identity);
         b
     }
 
@@ -59,8 +70,17 @@ impl PeerInfo {
         let mut parts = b.splitn(3, |&c| c == b'\n');
         let addr = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
         let host = String::from_utf8(parts.next()?.to_vec()).ok()?;
-        let nonce = parts.next()?.try_into().ok()?;
-        Some(PeerInfo { addr, host, nonce })
+        let rest = parts.next()?;
+        if rest.len() != auth::LEN + auth::PUBLIC_LEN {
+            return None;
+        }
+        let (nonce, identity) = rest.split_at(auth::LEN);
+        Some(PeerInfo {
+            addr,
+            host,
+            nonce: nonce.try_into().ok()?,
+            identity: identity.try_into().ok()?,
+        })
     }
 }
 
@@ -110,10 +130,12 @@ type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>, Hello);
 
 /// Settings for [`establish`].
 pub(crate) struct MeshConfig<'a> {
-    /// The job's key (from the job token; from "" without one).
     pub rank: usize,
     pub world: usize,
+    /// The job's key (from the job token; from "" without one).
     pub key: &'a Key,
+    /// This rank's identity (its public half published as [`PeerInfo::identity`]).
+    pub identity: &'a Identity,
     /// The nonce this rank published ([`PeerInfo::nonce`]).
     pub nonce: [u8; auth::LEN],
     pub shared_memory: bool,
@@ -129,10 +151,12 @@ pub(crate) struct Hello {
     pub world: usize,
     /// The connector's nonce.
     pub nonce: Vec<u8>,
-    /// Its proof of the key over both nonces and the fields above ([`Hello::proof`]).
+    /// Its proof of the key over both nonces and the fields above.
     pub mac: Vec<u8>,
     /// The shared-memory segment offered to the acceptor ("" for none).
     pub shm_path: String,
+    /// Its signature over both nonces and the fields above, by the identity `rank` published.
+    pub signature: Vec<u8>,
 }
 
 impl Hello {
@@ -145,9 +169,11 @@ impl Hello {
             .finish()
     }
 
-    /// A hello from `rank` to the rank that published `acceptor_nonce`, with its proof.
+    /// A hello from `rank` (holding `identity`) to the rank that published
+    /// `acceptor_nonce`, with its proof and signature.
     pub(crate) fn new(
         key: &Key,
+        identity: &Identity,
         rank: usize,
         world: usize,
         shm_path: String,
@@ -159,9 +185,14 @@ impl Hello {
             nonce: auth::nonce().to_vec(),
             mac: Vec::new(),
             shm_path,
+            signature: Vec::new(),
         };
+        let context = h.context();
         h.mac = key
-            .prove(HELLO_ROLE, &h.nonce, acceptor_nonce, &h.context())
+            .prove(HELLO_ROLE, &h.nonce, acceptor_nonce, &context)
+            .to_vec();
+        h.signature = identity
+            .sign(HELLO_ROLE, &[&h.nonce, acceptor_nonce, &context])
             .to_vec();
         h
     }
@@ -177,6 +208,16 @@ impl Hello {
         )
     }
 
+    /// Whether the hello is signed by the identity `public` (the one its rank published).
+    fn signed_by(&self, public: &[u8], acceptor_nonce: &[u8]) -> bool {
+        auth::signed_by(
+            public,
+            &self.signature,
+            HELLO_ROLE,
+            &[&self.nonce, acceptor_nonce, &self.context()],
+        )
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
         Writer::with_capacity(128)
             .u32(HELLO_MAGIC)
@@ -186,6 +227,7 @@ impl Hello {
             .bytes(&self.nonce)
             .bytes(&self.mac)
             .bytes(self.shm_path.as_bytes())
+            .bytes(&self.signature)
             .finish()
     }
 
@@ -207,6 +249,7 @@ impl Hello {
                 nonce: r.bytes()?.to_vec(),
                 mac: r.bytes()?.to_vec(),
                 shm_path: String::from_utf8_lossy(r.bytes()?).into_owned(),
+                signature: r.bytes()?.to_vec(),
             };
             r.end()?;
             Ok::<_, Malformed>(hello)
@@ -220,35 +263,80 @@ fn reply_context(hello: &Hello, code: u8, shm: bool) -> Vec<u8> {
     [hello.context(), vec![code, shm as u8]].concat()
 }
 
-/// The acceptor's proof for its answer `code` (and whether it mapped the segment) to `hello`.
-fn reply_proof(key: &Key, hello: &Hello, acceptor_nonce: &[u8], code: u8, shm: bool) -> Vec<u8> {
-    key.prove(
-        REPLY_ROLE,
-        &hello.nonce,
-        acceptor_nonce,
-        &reply_context(hello, code, shm),
-    )
-    .to_vec()
+/// The acceptor's accepting reply to `hello` (and whether it mapped the segment): its proof
+/// of the key and its signature.
+fn accepting_reply(cfg: &MeshConfig<'_>, hello: &Hello, shm: bool) -> Vec<u8> {
+    let context = reply_context(hello, OK, shm);
+    let mac = cfg
+        .key
+        .prove(REPLY_ROLE, &hello.nonce, &cfg.nonce, &context);
+    let signature = cfg
+        .identity
+        .sign(REPLY_ROLE, &[&hello.nonce, &cfg.nonce, &context]);
+    encode_reply(&Reply {
+        code: OK,
+        shm,
+        mac: mac.to_vec(),
+        signature: signature.to_vec(),
+    })
 }
 
-/// The acceptor's answer to a [`Hello`]: a code, whether it mapped the offered segment, and
-/// its proof of the key (empty for a refusal: a refused peer learns nothing).
-pub(crate) fn encode_reply(code: u8, shm: bool, mac: &[u8]) -> Vec<u8> {
-    Writer::default().u8(code).u8(shm as u8).bytes(mac).finish()
+/// The acceptor's answer to a [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply {
+    /// [`OK`] or why not.
+    pub code: u8,
+    /// Whether it mapped the offered segment.
+    pub shm: bool,
+    /// Its proof of the key (empty for a refusal: a refused peer learns nothing).
+    pub mac: Vec<u8>,
+    /// Its signature by the identity it published (empty for a refusal).
+    pub signature: Vec<u8>,
 }
 
-/// Parses the acceptor's answer: `(code, mapped the segment, proof)`.
-pub(crate) fn decode_reply(frame: &[u8]) -> Option<(u8, bool, Vec<u8>)> {
+/// A refusal with `code`: nothing but the code.
+fn refusal(code: u8) -> Vec<u8> {
+    encode_reply(&Reply {
+        code,
+        shm: false,
+        mac: Vec::new(),
+        signature: Vec::new(),
+    })
+}
+
+/// The frame of a reply.
+pub(crate) fn encode_reply(reply: &Reply) -> Vec<u8> {
+    Writer::default()
+        .u8(reply.code)
+        .u8(reply.shm as u8)
+        .bytes(&reply.mac)
+        .bytes(&reply.signature)
+        .finish()
+}
+
+/// Parses the acceptor's answer.
+pub(crate) fn decode_reply(frame: &[u8]) -> Option<Reply> {
     let mut r = Reader::new(frame);
     let code = r.u8().ok()?;
     let shm = r.u8().ok()?;
     let mac = r.bytes().ok()?.to_vec();
+    let signature = r.bytes().ok()?.to_vec();
     r.end().ok()?;
-    Some((code, shm == 1, mac))
+    Some(Reply {
+        code,
+        shm: shm == 1,
+        mac,
+        signature,
+    })
 }
 
-/// How long an accepted connection has to send its whole hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an accepted connection has to send its whole hello (a rank sends it at once).
+const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a connection is left to send its hello before a newer one from the same address
+/// may take its place.
+const MIN_HELLO_GRACE: Duration = Duration::from_millis(100);
+/// Stack of a thread reading one hello.
+const HELLO_STACK: usize = 128 << 10;
 
 /// Reads one handshake frame (a hello or a reply); a clean close is an error here.
 pub(crate) fn read_handshake(s: &mut impl io::Read) -> io::Result<Vec<u8>> {
@@ -304,6 +392,7 @@ pub(crate) fn establish(
         };
         let hello = Hello::new(
             key,
+            cfg.identity,
             rank,
             world,
             shm.as_ref()
@@ -323,86 +412,88 @@ pub(crate) fn establish(
         outgoing.push((peer, s, shm, hello));
     }
 
-    // 2. Accept every higher rank.
+    // 2. Accept every higher rank. Each connection's hello is read on a thread of its own
+    // (within HELLO_TIMEOUT), so silent or trickling connections hold nobody else up; one
+    // address holds at most `per_source` of them (its oldest is cut for a newer one).
     let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
     let mut pending: Vec<usize> = (rank + 1..world).collect();
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::io("rendezvous: listener", None, e))?;
-    while !pending.is_empty() {
-        let (mut s, from) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= cfg.deadline {
-                    return Err(CommError::Timeout {
-                        op: format!(
-                            "rendezvous: rank(s) {} did not connect to rank {rank}",
-                            list(&pending)
-                        ),
-                        peer: pending.first().copied(),
-                        after: cfg.started.elapsed(),
-                    });
-                }
-                std::thread::sleep(ACCEPT_NAP);
-                continue;
-            }
-            Err(e) => return Err(CommError::io("rendezvous: accepting a peer", None, e)),
-        };
-        // One deadline for the whole hello (at most 10 s, never past the rendezvous's): a peer
-        // trickling bytes cannot hold the accept loop.
-        let hello_by = cfg.deadline.min(Instant::now() + HELLO_TIMEOUT);
-        let hello = s
-            .set_nonblocking(false)
-            .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(5))))
-            .and_then(|()| read_hello(&mut ReadBy::new(&s, hello_by)));
-        let hello = match hello {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!("rank {rank}: dropped a connection from {from}: {e}");
-                continue;
-            }
-        };
-        if !hello.proves(key, &cfg.nonce) {
-            tracing::warn!(
-                "rank {rank}: refused a connection from {from} claiming rank {}: no valid proof of the job token",
-                hello.rank
-            );
-            let _ = write_handshake(&mut s, &encode_reply(BAD_TOKEN, false, &[]));
-            continue;
-        }
-        if hello.world != world || !pending.contains(&hello.rank) {
-            tracing::warn!(
-                "rank {rank}: refused a connection from {from}: rank {} of world {} is not expected",
-                hello.rank,
-                hello.world
-            );
-            let _ = write_handshake(&mut s, &encode_reply(BAD_RANK, false, &[]));
-            continue;
-        }
-        let peer = hello.rank;
-        let shm = if hello.shm_path.is_empty() || !cfg.shared_memory {
-            None
-        } else {
-            match ShmPair::open(&hello.shm_path) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    tracing::warn!(
-                        "rank {rank}: cannot map rank {peer}'s segment {} ({e}); using TCP",
-                        hello.shm_path
+    let refusals = RefusalLog::new(format!("rank {rank}'s rendezvous"));
+    let mut hellos = HelloReaders::new(world.max(8));
+    let result = (|| {
+        while !pending.is_empty() {
+            while let Some((mut s, from, hello)) = hellos.finished() {
+                let Some(hello) = hello else {
+                    refusals.note(from.ip(), "no complete hello in time");
+                    continue;
+                };
+                if let Some(code) = check_hello(cfg, infos, &pending, &hello) {
+                    refusals.note(
+                        from.ip(),
+                        if code == BAD_RANK {
+                            "an unexpected rank"
+                        } else {
+                            "no valid proof"
+                        },
                     );
-                    None
+                    let _ = write_handshake(&mut s, &refusal(code));
+                    continue;
                 }
+                let peer = hello.rank;
+                let shm = if hello.shm_path.is_empty() || !cfg.shared_memory {
+                    None
+                } else {
+                    match ShmPair::open(&hello.shm_path) {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            tracing::warn!(
+                                "rank {rank}: cannot map rank {peer}'s segment {} ({e}); using TCP",
+                                hello.shm_path
+                            );
+                            None
+                        }
+                    }
+                };
+                write_handshake(&mut s, &accepting_reply(cfg, &hello, shm.is_some()))
+                    .map_err(|e| CommError::io("rendezvous: answering a peer", Some(peer), e))?;
+                links[peer] = Some(
+                    Link::new(s, shm)
+                        .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
+                );
+                pending.retain(|&p| p != peer);
             }
-        };
-        let mac = reply_proof(key, &hello, &cfg.nonce, OK, shm.is_some());
-        write_handshake(&mut s, &encode_reply(OK, shm.is_some(), &mac))
-            .map_err(|e| CommError::io("rendezvous: answering a peer", Some(peer), e))?;
-        links[peer] = Some(
-            Link::new(s, shm)
-                .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
-        );
-        pending.retain(|&p| p != peer);
-    }
+            if pending.is_empty() {
+                break;
+            }
+            match listener.accept() {
+                Ok((s, from)) => {
+                    if let Err(reason) = hellos.start(s, from, cfg.deadline) {
+                        refusals.note(from.ip(), reason);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= cfg.deadline {
+                        return Err(CommError::Timeout {
+                            op: format!(
+                                "rendezvous: rank(s) {} did not connect to rank {rank}",
+                                list(&pending)
+                            ),
+                            peer: pending.first().copied(),
+                            after: cfg.started.elapsed(),
+                        });
+                    }
+                    std::thread::sleep(ACCEPT_NAP);
+                }
+                Err(e) => return Err(CommError::io("rendezvous: accepting a peer", None, e)),
+            }
+        }
+        Ok(())
+    })();
+    hellos.cut_all();
+    refusals.flush(true);
+    result?;
 
     // 3. Replies from the lower ranks.
     for (peer, s, shm, hello) in outgoing {
@@ -440,17 +531,11 @@ pub(crate) fn establish(
                 io::Error::new(io::ErrorKind::PermissionDenied, why),
             )
         };
-        match reply.0 {
-            OK if key.verify(
-                &reply.2,
-                REPLY_ROLE,
-                &hello.nonce,
-                &infos[peer].nonce,
-                &reply_context(&hello, OK, reply.1),
-            ) => {}
+        match reply.code {
+            OK if reply_proves(key, &hello, &infos[peer], &reply) => {}
             OK => {
                 return Err(denied(format!(
-                    "whoever answered at rank {peer}'s address could not prove it holds the job token (a port squatter?)"
+                    "whoever answered at rank {peer}'s address could not prove it is rank {peer} of this job (a port squatter?)"
                 )));
             }
             BAD_TOKEN => {
@@ -464,13 +549,138 @@ pub(crate) fn establish(
                 )));
             }
         }
-        let shm = if reply.1 { shm.map(|(p, _)| p) } else { None };
+        let shm = if reply.shm { shm.map(|(p, _)| p) } else { None };
         links[peer] = Some(
             Link::new(s, shm)
                 .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
         );
     }
     Ok(links)
+}
+
+/// Why `hello` is refused (a reply code), if it is: a rank not awaited, no valid proof of
+/// the job's key, or not signed by the identity its rank published.
+fn check_hello(
+    cfg: &MeshConfig<'_>,
+    infos: &[PeerInfo],
+    pending: &[usize],
+    hello: &Hello,
+) -> Option<u8> {
+    if !hello.proves(cfg.key, &cfg.nonce) {
+        return Some(BAD_TOKEN);
+    }
+    if hello.world != cfg.world || !pending.contains(&hello.rank) {
+        return Some(BAD_RANK);
+    }
+    if !hello.signed_by(&infos[hello.rank].identity, &cfg.nonce) {
+        return Some(BAD_TOKEN);
+    }
+    None
+}
+
+/// Whether an accepting `reply` to `hello` proves the job's key and is signed by the
+/// identity `acceptor` published.
+fn reply_proves(key: &Key, hello: &Hello, acceptor: &PeerInfo, reply: &Reply) -> bool {
+    let context = reply_context(hello, OK, reply.shm);
+    key.verify(
+        &reply.mac,
+        REPLY_ROLE,
+        &hello.nonce,
+        &acceptor.nonce,
+        &context,
+    ) && auth::signed_by(
+        &acceptor.identity,
+        &reply.signature,
+        REPLY_ROLE,
+        &[&hello.nonce, &acceptor.nonce, &context],
+    )
+}
+
+/// A hello read by its thread: the connection, its source, the hello (`None`: none in time,
+/// or malformed).
+type ReadHello = (TcpStream, SocketAddr, Option<Hello>);
+
+/// The threads reading hellos, at most `per_source` per address.
+struct HelloReaders {
+    per_source: usize,
+    sender: mpsc::Sender<(u64, ReadHello)>,
+    receiver: mpsc::Receiver<(u64, ReadHello)>,
+    /// Per address, the connections being read (id, a handle to cut it, when it came),
+    /// oldest first.
+    reading: HashMap<IpAddr, Vec<(u64, TcpStream, Instant)>>,
+    next_id: u64,
+}
+
+impl HelloReaders {
+    fn new(per_source: usize) -> Self {
+        let (sender, receiver) = mpsc::channel();
+        HelloReaders {
+            per_source,
+            sender,
+            receiver,
+            reading: HashMap::new(),
+            next_id: 0,
+        }
+    }
+
+    /// Starts reading the hello of `s` from `from`, within [`HELLO_TIMEOUT`] and before
+    /// `deadline`; past the address's share its oldest connection is cut. `Err`: why the
+    /// connection was dropped instead.
+    fn start(
+        &mut self,
+        s: TcpStream,
+        from: SocketAddr,
+        deadline: Instant,
+    ) -> std::result::Result<(), &'static str> {
+        let handle = s
+            .set_nonblocking(false)
+            .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(1))))
+            .and_then(|()| s.try_clone())
+            .map_err(|_| "a socket error")?;
+        let mine = self.reading.entry(from.ip()).or_default();
+        if mine.len() >= self.per_source {
+            // A rank sends its hello as it connects: the oldest is cut only once it has had
+            // time to, so a burst cannot cut a rank's hello in flight.
+            if mine[0].2.elapsed() < MIN_HELLO_GRACE {
+                return Err("too many handshakes from one address");
+            }
+            let (_, oldest, _) = mine.remove(0);
+            let _ = oldest.shutdown(std::net::Shutdown::Both);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let sender = self.sender.clone();
+        let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
+        std::thread::Builder::new()
+            .name("ddp-hello".into())
+            .stack_size(HELLO_STACK)
+            .spawn(move || {
+                let hello = read_hello(&mut ReadBy::new(&s, by)).ok();
+                let _ = sender.send((id, (s, from, hello)));
+            })
+            .map_err(|_| "no thread to read its hello")?;
+        mine.push((id, handle, Instant::now()));
+        Ok(())
+    }
+
+    /// A hello read (or failed) since the last call, if any.
+    fn finished(&mut self) -> Option<ReadHello> {
+        let (id, read) = self.receiver.try_recv().ok()?;
+        if let Some(mine) = self.reading.get_mut(&read.1.ip()) {
+            mine.retain(|(i, _, _)| *i != id);
+            if mine.is_empty() {
+                self.reading.remove(&read.1.ip());
+            }
+        }
+        Some(read)
+    }
+
+    /// Cuts every connection still being read (their threads then end at once).
+    fn cut_all(&mut self) {
+        for (_, s, _) in self.reading.drain().flat_map(|(_, v)| v) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
 }
 
 fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {

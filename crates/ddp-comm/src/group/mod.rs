@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{PrefixStore, Store, StoreClient, StoreServer, keys};
+use crate::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
 
 pub use compression::Compression;
 use engine::{HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
@@ -195,7 +195,10 @@ impl ProcessGroup {
         let token = env.job_token.as_deref();
 
         let server = if rank == 0 {
-            Some(StoreServer::bind(&endpoint, env.job_token.clone())?)
+            let server = StoreServer::bind(&endpoint, env.job_token.clone())?;
+            // Each rank holds one connection, and a second while it reconnects.
+            server.limit_clients(2 * world + 16);
+            Some(server)
         } else {
             None
         };
@@ -213,15 +216,31 @@ impl ProcessGroup {
             .map_err(|e| CommError::io(format!("finding the interface to {endpoint}"), None, e))?;
         let listener = std::net::TcpListener::bind((ip, 0))
             .map_err(|e| CommError::io(format!("binding a listener on {ip}"), None, e))?;
+        let identity = crate::auth::Identity::generate();
         let me = PeerInfo {
             addr: listener
                 .local_addr()
                 .map_err(|e| CommError::io("listener address", None, e))?,
             host: mesh::host_identity(),
             nonce: crate::auth::nonce(),
+            identity: identity.public(),
         };
         let mut ns = PrefixStore::new(&mut store, keys::PROCESS_GROUP);
-        ns.set(&keys::peer_addr(rank), &me.encode())?;
+        // Once and for all: no other process holding the job's key can replace it.
+        match ns.set_once(&keys::peer_addr(rank), &me.encode())? {
+            CompareSet::Swapped => {}
+            CompareSet::Current(Some(v)) if v == me.encode() => {}
+            CompareSet::Current(_) => {
+                return Err(CommError::Store {
+                    addr: endpoint.clone(),
+                    msg: format!(
+                        "another process already joined as rank {rank} of this job \
+                         (two ranks with RANK={rank}, or a leftover process of an earlier run \
+                         on the same MASTER_PORT)"
+                    ),
+                });
+            }
+        }
 
         let addr_keys: Vec<String> = (0..world).map(keys::peer_addr).collect();
         let key_refs: Vec<&str> = addr_keys.iter().map(String::as_str).collect();
@@ -270,6 +289,7 @@ impl ProcessGroup {
             rank,
             world,
             key: &key,
+            identity: &identity,
             nonce: me.nonce,
             shared_memory: opts.shared_memory,
             deadline,

@@ -224,25 +224,36 @@ fn missing_rank_times_out_naming_it() {
     }
 }
 
-/// A hello proving another key is refused, and so is a hello recorded for another nonce
-/// (a replay from an earlier rendezvous): the token itself never crosses the wire.
-#[test]
-fn a_hello_without_a_valid_proof_is_refused_by_a_peer() {
+/// Rank 0's side of a two-rank rendezvous on `listener`, run on a thread until `within`:
+/// the infos both ranks published, rank 1's identity, and the thread's outcome.
+fn rank0_accepting(
+    within: Duration,
+) -> (
+    Vec<PeerInfo>,
+    crate::auth::Identity,
+    std::thread::JoinHandle<Result<usize>>,
+) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let nonce = crate::auth::nonce();
+    let (zero, one) = (
+        crate::auth::Identity::generate(),
+        crate::auth::Identity::generate(),
+    );
     let infos = vec![
         PeerInfo {
             addr,
             host: "a".into(),
-            nonce,
+            nonce: crate::auth::nonce(),
+            identity: zero.public(),
         },
         PeerInfo {
             addr,
             host: "b".into(),
             nonce: crate::auth::nonce(),
+            identity: one.public(),
         },
     ];
+    let published = infos.clone();
     let t = std::thread::spawn(move || {
         let started = Instant::now();
         let key = crate::auth::Key::from_token("right");
@@ -250,33 +261,83 @@ fn a_hello_without_a_valid_proof_is_refused_by_a_peer() {
             rank: 0,
             world: 2,
             key: &key,
-            nonce,
+            identity: &zero,
+            nonce: infos[0].nonce,
             shared_memory: true,
-            deadline: started + Duration::from_millis(900),
+            deadline: started + within,
             started,
         };
-        mesh::establish(&cfg, listener, &infos).err().unwrap()
+        mesh::establish(&cfg, listener, &infos).map(|links| links.iter().flatten().count())
     });
+    (published, one, t)
+}
+
+/// Sends `hello` to `addr` and returns the reply.
+fn exchange(addr: std::net::SocketAddr, hello: &mesh::Hello) -> Option<mesh::Reply> {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    mesh::write_handshake(&mut s, &hello.encode()).unwrap();
+    mesh::decode_reply(&mesh::read_handshake(&mut s).unwrap())
+}
+
+/// A hello proving another key is refused, and so is a hello recorded for another nonce
+/// (a replay from an earlier rendezvous): the token itself never crosses the wire. A hello
+/// with the right key but not signed by the identity rank 1 published (another process of
+/// the job claiming rank 1) is refused too; rank 1's own hello is then accepted.
+#[test]
+fn a_hello_without_a_valid_proof_or_identity_is_refused_by_a_peer() {
+    let (infos, one, t) = rank0_accepting(Duration::from_secs(5));
+    let (addr, nonce) = (infos[0].addr, infos[0].nonce);
     let wrong = crate::auth::Key::from_token("wrong");
     let right = crate::auth::Key::from_token("right");
     let stale = crate::auth::nonce();
+    let impostor = crate::auth::Identity::generate();
     for hello in [
-        mesh::Hello::new(&wrong, 1, 2, String::new(), &nonce),
-        mesh::Hello::new(&right, 1, 2, String::new(), &stale),
+        mesh::Hello::new(&wrong, &one, 1, 2, String::new(), &nonce),
+        mesh::Hello::new(&right, &one, 1, 2, String::new(), &stale),
+        mesh::Hello::new(&right, &impostor, 1, 2, String::new(), &nonce),
     ] {
-        let frame = hello.encode();
-        assert!(!frame.windows(5).any(|w| w == b"right"));
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        mesh::write_handshake(&mut s, &frame).unwrap();
-        let reply = mesh::read_handshake(&mut s).unwrap();
-        assert_eq!(
-            mesh::decode_reply(&reply),
-            Some((1, false, Vec::new())),
-            "refused with BAD_TOKEN and no proof"
+        assert!(!hello.encode().windows(5).any(|w| w == b"right"));
+        let reply = exchange(addr, &hello).unwrap();
+        assert_eq!(reply.code, 1, "refused with BAD_TOKEN");
+        assert!(
+            reply.mac.is_empty() && reply.signature.is_empty(),
+            "and no proof"
         );
     }
-    let e = t.join().unwrap();
-    assert!(matches!(e, CommError::Timeout { peer: Some(1), .. }), "{e}");
+    let reply = exchange(
+        addr,
+        &mesh::Hello::new(&right, &one, 1, 2, String::new(), &nonce),
+    )
+    .unwrap();
+    assert_eq!(reply.code, 0, "rank 1's own hello is accepted");
+    assert_eq!(t.join().unwrap().unwrap(), 1);
+}
+
+/// Silent connections (a port scanner, a squatter holding sockets open) hold nobody up: the
+/// hellos are read concurrently, and rank 1's is answered at once.
+#[test]
+fn silent_connections_do_not_hold_the_rendezvous() {
+    let (infos, one, t) = rank0_accepting(Duration::from_secs(20));
+    let addr = infos[0].addr;
+    let silent: Vec<_> = (0..40)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let right = crate::auth::Key::from_token("right");
+    let asked = Instant::now();
+    let reply = exchange(
+        addr,
+        &mesh::Hello::new(&right, &one, 1, 2, String::new(), &infos[0].nonce),
+    )
+    .unwrap();
+    assert_eq!(reply.code, 0);
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "answered after {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(t.join().unwrap().unwrap(), 1);
+    drop(silent);
 }
 
 #[test]

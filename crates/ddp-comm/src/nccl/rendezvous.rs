@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
-use crate::store::{PrefixStore, Store, keys};
+use crate::store::{CompareSet, PrefixStore, Store, keys};
 use crate::wire::{Malformed, Reader, Writer};
 
 /// Size of `ncclUniqueId`.
@@ -94,7 +94,17 @@ pub fn exchange_unique_id<S: Store + ?Sized>(
     let key = store.key(&id_key);
     let id = if rank == 0 {
         let id = make_id()?;
-        store.set(&id_key, &encode_id(world_size, &id))?;
+        // Once and for all: another process holding the job's key cannot replace the id
+        // and redirect the ranks (and one that published first is caught here).
+        match store.set_once(&id_key, &encode_id(world_size, &id))? {
+            CompareSet::Swapped => {}
+            CompareSet::Current(_) => {
+                return Err(CommError::Mismatch(format!(
+                    "another process already published the NCCL unique id under {key:?}: \
+                     two rank 0s, or a process that is not one of this job's ranks"
+                )));
+            }
+        }
         id
     } else {
         let start = Instant::now();
