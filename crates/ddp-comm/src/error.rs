@@ -57,6 +57,11 @@ pub enum CommError {
         /// What went wrong.
         msg: String,
     },
+    /// The job cannot be authenticated as configured: ranks on several hosts without
+    /// `DDP_JOB_TOKEN` (and without the explicit opt-out), or no private place for the
+    /// secret of a single-host job. The message says what to set.
+    #[error("{0}")]
+    Unauthenticated(String),
     /// Ranks called collectives that do not match (different operation, length or type).
     #[error("ranks disagree: {0}")]
     Mismatch(String),

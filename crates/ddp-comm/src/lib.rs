@@ -28,6 +28,7 @@ pub mod cuda_toolkit;
 pub mod env;
 pub mod error;
 pub mod group;
+pub mod job_auth;
 pub mod launcher;
 pub mod log;
 #[cfg(feature = "nccl")]

@@ -46,6 +46,7 @@ pub struct RankJob {
     rank_env: Vec<(usize, String, String)>,
     ranks: Option<Vec<usize>>,
     deadline: Duration,
+    port: Option<u16>,
 }
 
 impl RankJob {
@@ -69,6 +70,7 @@ impl RankJob {
             rank_env: Vec::new(),
             ranks: None,
             deadline: Duration::from_secs(120),
+            port: None,
         }
     }
 
@@ -125,9 +127,15 @@ impl RankJob {
         self
     }
 
+    /// Uses `port` as `MASTER_PORT` instead of a free one picked at [`RankJob::spawn`].
+    pub fn master_port(mut self, port: u16) -> Self {
+        self.port = Some(port);
+        self
+    }
+
     /// Starts the ranks.
     pub fn spawn(self) -> std::io::Result<RunningJob> {
-        let port = free_port();
+        let port = self.port.unwrap_or_else(free_port);
         let token = job_token();
         let started = Instant::now();
         let ranks = self

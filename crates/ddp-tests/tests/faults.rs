@@ -143,3 +143,109 @@ fn a_stalled_rank_times_out_naming_it() {
 fn sigkill_mid_allreduce_tcp_4_ranks() {
     kill_mid_allreduce(4, true);
 }
+
+/// A single-host job launched without `DDP_JOB_TOKEN` (torchrun, a manual launch) is still
+/// authenticated: rank 0 shares a secret through a private file, which is gone once the group
+/// is up, and a client without it is refused by the running job's store.
+#[test]
+fn a_single_host_job_without_a_token_makes_a_secret_of_its_own() {
+    use std::os::unix::fs::PermissionsExt;
+    let runtime = std::env::temp_dir().join(format!("ddp-secret-test-{}", std::process::id()));
+    std::fs::create_dir_all(&runtime).unwrap();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let mut job = RankJob::new(WORKER, 2)
+        .arg("loop-big")
+        .env("DDP_JOB_TOKEN", "")
+        .env("XDG_RUNTIME_DIR", runtime.to_str().unwrap())
+        .deadline(Duration::from_secs(120))
+        .spawn()
+        .expect("spawning ranks");
+    assert!(
+        job.wait_for_output(&[0, 1], "iter 2", Duration::from_secs(90)),
+        "the ranks did not train without a token:\n{}\n{}",
+        job.output_so_far(0),
+        job.output_so_far(1)
+    );
+    let secrets = runtime.join("burn-ddp");
+    let mode = std::fs::metadata(&secrets).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "the secrets' directory is private");
+    let left: Vec<_> = std::fs::read_dir(&secrets).unwrap().flatten().collect();
+    assert!(
+        left.is_empty(),
+        "the secret is removed once the group is up: {left:?}"
+    );
+    let endpoint = format!("127.0.0.1:{}", job.master_port());
+    for token in [None, Some(""), Some("a-guess")] {
+        let err = ddp_comm::StoreClient::connect(&endpoint, token, Duration::from_secs(3))
+            .expect_err("a client without the job's secret is refused");
+        assert!(err.to_string().contains("refused"), "{err}");
+    }
+    for rank in [0, 1] {
+        job.kill(rank).expect("kill");
+    }
+    drop(job);
+    std::fs::remove_dir_all(&runtime).unwrap();
+}
+
+/// Ranks on several hosts without `DDP_JOB_TOKEN` refuse to start, with one line saying what
+/// to set, unless the user opts out; then every rank warns once and the job runs.
+#[test]
+fn a_multi_host_job_without_a_token_is_refused_unless_the_user_opts_out() {
+    let several_hosts = |job: RankJob| {
+        job.env("DDP_JOB_TOKEN", "")
+            .env("LOCAL_WORLD_SIZE", "1")
+            .rank_env(1, "LOCAL_RANK", "0")
+            .rank_env(1, "GROUP_RANK", "1")
+            .args(["--connect-timeout-secs", "10"])
+            .deadline(Duration::from_secs(60))
+    };
+    let res = several_hosts(RankJob::new(WORKER, 2).arg("barrier"))
+        .run()
+        .expect("spawning ranks");
+    for r in &res.ranks {
+        assert_eq!(r.code(), Some(3), "{}", res.report());
+        assert_eq!(r.stderr.lines().count(), 1, "one line:\n{}", res.report());
+        assert!(
+            r.stderr.contains("DDP_JOB_TOKEN is not set")
+                && r.stderr.contains("DDP_INSECURE_NO_TOKEN=1"),
+            "{}",
+            res.report()
+        );
+    }
+    let res = several_hosts(RankJob::new(WORKER, 2).arg("matrix"))
+        .env("DDP_INSECURE_NO_TOKEN", "1")
+        .run()
+        .expect("spawning ranks");
+    res.assert_success();
+    for r in &res.ranks {
+        assert_eq!(
+            r.stderr.matches("not authenticated").count(),
+            1,
+            "every rank warns once:\n{}",
+            res.report()
+        );
+    }
+}
+
+/// A flood of connections without the token on rank 0's store (several hundred a second from
+/// another address, from before rank 0 binds it) while a two-rank job rendezvouses and runs
+/// its collectives: the job's results are exact and every rank exits 0.
+#[test]
+fn a_flood_on_the_ranks_store_does_not_disturb_the_job() {
+    let port = ddp_testkit::free_port();
+    let flood = ddp_testkit::Flood::start(
+        "127.0.0.2".parse().unwrap(),
+        format!("127.0.0.1:{port}").parse().unwrap(),
+    );
+    let res = RankJob::new(WORKER, 2)
+        .arg("matrix")
+        .master_port(port)
+        .deadline(Duration::from_secs(120))
+        .run()
+        .expect("spawning ranks");
+    let opened = flood.opened();
+    drop(flood);
+    eprintln!("ranks' store flooded with {opened} connections during the job");
+    res.assert_success();
+    assert!(opened > 0, "the flood never reached the store");
+}

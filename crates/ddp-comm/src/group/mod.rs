@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
+use crate::job_auth::JobAuth;
 use crate::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
 
 pub use compression::Compression;
@@ -191,26 +192,19 @@ impl ProcessGroup {
         let started = Instant::now();
         let deadline = started + opts.connect_timeout;
         let (rank, world) = (env.rank, env.world_size);
-        let endpoint = env.master_endpoint();
-        let token = env.job_token.as_deref();
+        let mut auth = JobAuth::for_group(env)?;
+        let endpoint = auth.endpoint.clone();
 
         let server = if rank == 0 {
-            let server = StoreServer::bind(&endpoint, env.job_token.clone())?;
+            let server = StoreServer::bind(&endpoint, auth.token().map(str::to_string))?;
             // Each rank holds one connection, and a second while it reconnects.
             server.limit_clients(2 * world + 16);
             Some(server)
         } else {
             None
         };
-        let mut store =
-            StoreClient::connect(&endpoint, token, opts.connect_timeout).map_err(|e| match e {
-                CommError::Timeout { after, .. } => CommError::Timeout {
-                    op: format!("rendezvous: reaching the store of rank 0 at {endpoint}"),
-                    peer: Some(0),
-                    after,
-                },
-                e => e,
-            })?;
+        let mut store = auth.connect(opts.connect_timeout)?;
+        let token = auth.token();
 
         let ip = mesh::local_ip_towards(&endpoint)
             .map_err(|e| CommError::io(format!("finding the interface to {endpoint}"), None, e))?;

@@ -96,7 +96,8 @@ impl NcclGroup {
     }
 
     /// Like [`NcclGroup::init`], connecting its own client to the job's store at
-    /// `MASTER_ADDR:MASTER_PORT` with the job token. The store must be served already —
+    /// `MASTER_ADDR:MASTER_PORT` with the job's secret (`DDP_JOB_TOKEN`, or the one
+    /// [`crate::ProcessGroup::init`] resolved for a single-host job without it). The store must be served already —
     /// [`crate::ProcessGroup::init`] serves it on rank 0. A world of one needs no store.
     pub fn connect(env: &LaunchEnv, opts: &NcclOptions) -> Result<Self> {
         // Check first: a machine without CUDA should hear about that, not about the store.
@@ -110,11 +111,9 @@ impl NcclGroup {
                 opts,
             );
         }
-        let mut store = StoreClient::connect(
-            &env.master_endpoint(),
-            env.job_token.as_deref(),
-            opts.init_timeout,
-        )?;
+        // The job's secret as the process group resolved it (DDP_JOB_TOKEN, or a single-host
+        // job's secret file).
+        let mut store = crate::job_auth::JobAuth::for_client(env)?.connect(opts.init_timeout)?;
         Self::init(env, &mut store, opts)
     }
 
