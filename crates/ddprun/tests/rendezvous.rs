@@ -548,3 +548,49 @@ fn a_ranks_token_cannot_reach_the_launchers_rendezvous() {
     // The ranks saw their round's token, not the launchers'.
     assert_eq!(field(a.rank_lines(0)[0], "T"), round0);
 }
+
+/// A flood of connections without the token on the launchers' store (silent, half frames,
+/// garbage; several hundred a second from another address) while a two-node job runs: both
+/// launchers finish with the same output as without it, and exit 0.
+#[test]
+fn a_flood_on_the_launchers_store_does_not_disturb_the_job() {
+    let script =
+        r#"i=0; while [ $i -lt 5 ]; do echo "R=$RANK step=$i"; i=$((i+1)); sleep 0.4; done"#;
+    let run = |flood: bool| {
+        let port = free_port();
+        let opts = ["--nnodes", "2"];
+        let node0 = Node::start(0, &port, "tok", &opts, script);
+        let flood = flood.then(|| {
+            ddp_testkit::Flood::start(
+                "127.0.0.3".parse().unwrap(),
+                format!("127.0.0.1:{port}").parse().unwrap(),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let node1 = Node::start(1, &port, "tok", &opts, script);
+        let (a, b) = (node0.wait(), node1.wait());
+        let rate = flood.as_ref().map(ddp_testkit::Flood::rate);
+        drop(flood);
+        assert_eq!(
+            (a.code, b.code),
+            (Some(0), Some(0)),
+            "{}\n{}",
+            a.stderr,
+            b.stderr
+        );
+        let mut lines: Vec<String> = [&a, &b]
+            .iter()
+            .flat_map(|e| e.stdout.lines())
+            .map(|l| l.split_once("] ").map_or(l, |(_, l)| l).to_string())
+            .collect();
+        lines.sort();
+        (lines, rate)
+    };
+    let (quiet, _) = run(false);
+    let (flooded, rate) = run(true);
+    let rate = rate.unwrap();
+    eprintln!("launchers' store flooded at {rate:.0} connections/s");
+    assert!(rate > 100.0, "{rate:.0}/s");
+    assert_eq!(quiet, flooded);
+    assert_eq!(quiet.len(), 10, "{quiet:?}");
+}

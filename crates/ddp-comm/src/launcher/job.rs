@@ -235,7 +235,22 @@ impl Node<'_> {
                     super::trace::merge(dir, Some(node_rank), local_ranks);
                 }
                 report.restarts = restarts;
-                if report.interrupted.is_none() {
+                let own_ranks_done = report.exits.iter().all(|e| e.success());
+                if report.interrupted.is_none() && end.kind == EndKind::Done && !own_ranks_done {
+                    // Done is for each launcher to see with its own ranks: a round end that
+                    // says so while this node's ranks were stopped or failed is not a success.
+                    report.job_stop = Some(JobStop {
+                        line: format!(
+                            "ddprun: {}: the round was ended as done ({}) but this node's ranks \
+                             did not all exit 0; the job failed",
+                            self.label, end.line
+                        ),
+                        exit_code: report
+                            .first_failure
+                            .as_ref()
+                            .map_or(1, |f| f.exit.shell_code().rem_euclid(256).max(1)),
+                    });
+                } else if report.interrupted.is_none() {
                     // One outcome for all: every node prints the round's end and exits with
                     // its code, whichever node's rank failed.
                     report.first_failure = None;
