@@ -5,7 +5,7 @@
 //! cargo xtask setup-cuda-build [--llvm DIR] [--check]
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
 //! cargo xtask compare [--ranks N] [--per-rank-batch 4,8,16,32,64] [--seeds K] …
-//! cargo xtask bench ddp|syncbn|data
+//! cargo xtask bench ddp|syncbn|data|handshake
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--compression none,bf16] [--iters N] [--pin]
 //! cargo xtask gpu-check build [--out DIR] [--dry] [--add FILE]…
@@ -107,6 +107,14 @@ enum Bench {
         #[arg(last = true)]
         extra: Vec<String>,
     },
+    /// Connections per second to the rendezvous store with the job's key (challenge-response)
+    /// vs without one, and process-group set-up time. Arguments after
+    /// `--` go to `handshake_bench`.
+    Handshake {
+        /// More arguments for the benchmark (`handshake_bench --help`).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
     /// All-reduce of f32 data: size, median/min/max time, algbw and busbw per world size,
     /// and the time from launch to the first barrier.
     Allreduce {
@@ -166,6 +174,19 @@ fn main() -> ExitCode {
         } => bench_program(
             &["-p", "ddp-bench", "--bin", "data_bench"],
             "data_bench",
+            &extra,
+        ),
+        Cmd::Bench {
+            what: Bench::Handshake { extra },
+        } => bench_program(
+            &[
+                "-p",
+                "ddp-bench",
+                "--no-default-features",
+                "--bin",
+                "handshake_bench",
+            ],
+            "handshake_bench",
             &extra,
         ),
         Cmd::Ci => ci::run(&workspace_root()),

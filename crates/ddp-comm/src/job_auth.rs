@@ -311,8 +311,8 @@ fn write_secret(path: &Path, secret: &str) -> Result<()> {
             }
         })
         .map_err(|e| failed("writing", e))?;
+    // No fsync: the ranks read it while this host runs; after a crash the job is over anyway.
     f.write_all(secret.as_bytes())
-        .and_then(|()| f.sync_all())
         .map_err(|e| failed("writing", e))?;
     std::fs::rename(&tmp, path).map_err(|e| failed("publishing", e))
 }
