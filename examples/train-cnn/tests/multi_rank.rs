@@ -208,8 +208,8 @@ fn threads(pid: u32) -> usize {
 }
 
 /// 500 connections that never present the job token, at rank 0's store during a 2-rank run:
-/// the run finishes, rank 0 logs the refusals, and its thread count stays bounded (64
-/// connections at most may sit in their handshake).
+/// the run finishes, rank 0 logs the refusals (a summary, not a line each), and its thread
+/// count stays bounded (16 connections from one address at most sit in their handshake).
 #[test]
 fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
     let dir = tempfile::tempdir().unwrap();
@@ -249,8 +249,12 @@ fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
     }
     let err0 = &results.rank(0).stderr;
     assert!(
-        err0.contains("refused a connection"),
+        err0.contains("refused") && err0.contains("connection(s)"),
         "no refusal logged: {err0}"
+    );
+    assert!(
+        err0.matches("refused").count() <= 10,
+        "refusals logged one by one: {err0}"
     );
     eprintln!(
         "flood of {opened} connections at rank 0's store: rank 0 had {before} threads before, \
@@ -263,7 +267,7 @@ fn a_flood_of_connections_without_the_token_does_not_stop_a_run() {
         "rank 0 ended before the flood was in: make the run longer"
     );
     assert!(
-        during <= before + 64 + 2,
+        during <= before + 16 + 2,
         "{during} threads during the flood, {before} before"
     );
 }
