@@ -46,8 +46,16 @@ use burn::train::renderer::{
 };
 use burn::train::{InferenceStep, LearnerSummary, TrainOutput, TrainStep};
 
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use crate::context::Ddp;
-use crate::grad_sync::GradientSynchronizer;
+use crate::grad_sync::{GradientSynchronizer, SyncStats};
+
+/// The synchroniser, whatever a panic elsewhere left it as (a failed sync panics, and the
+/// group is broken then anyway).
+fn lock(sync: &Mutex<GradientSynchronizer>) -> MutexGuard<'_, GradientSynchronizer> {
+    sync.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Wraps a model so that burn-train's `Learner` averages gradients across ranks before every
 /// optimizer step (see the [module docs](self) for a full `SupervisedTraining` set-up).
@@ -57,17 +65,25 @@ use crate::grad_sync::GradientSynchronizer;
 #[derive(Clone, Debug)]
 pub struct DdpModel<M> {
     model: M,
-    bucket_cap_bytes: usize,
+    /// The job's synchroniser (bucket cap, compression, NCCL), shared by the copies
+    /// burn-train makes of the model, so its statistics outlive each step.
+    sync: Arc<Mutex<GradientSynchronizer>>,
 }
 
 impl<M> DdpModel<M> {
-    /// Wraps `model`, using `ddp`'s bucket cap. Call [`Ddp::replicate_model`] on the model
-    /// first so every rank starts from the same weights.
+    /// Wraps `model`, synchronising gradients as `ddp` is configured (bucket cap,
+    /// compression, NCCL: [`Ddp::gradient_synchronizer`]). Call [`Ddp::replicate_model`] on
+    /// the model first so every rank starts from the same weights.
     pub fn new(ddp: &Ddp, model: M) -> Self {
         DdpModel {
             model,
-            bucket_cap_bytes: ddp.bucket_cap_bytes(),
+            sync: Arc::new(Mutex::new(ddp.gradient_synchronizer())),
         }
+    }
+
+    /// Timings of the last gradient synchronisation (zero before the first step).
+    pub fn last_sync_stats(&self) -> SyncStats {
+        lock(&self.sync).last_stats()
     }
 
     /// The wrapped model.
@@ -106,7 +122,7 @@ impl<M: Module> Module for DdpModel<M> {
     fn valid(&self) -> Self {
         DdpModel {
             model: self.model.valid(),
-            bucket_cap_bytes: self.bucket_cap_bytes,
+            sync: Arc::clone(&self.sync),
         }
     }
     fn materialize(self) -> Self {
@@ -163,8 +179,8 @@ impl<M: TrainStep + Module> TrainStep for DdpModel<M> {
         lr_module: ModuleLearningRate,
         grads: GradientsParams,
     ) -> Self {
-        let mut sync = GradientSynchronizer::from_installed(self.bucket_cap_bytes);
-        let grads = match sync.sync(&self, grads) {
+        let synced = lock(&self.sync).sync(&self, grads);
+        let grads = match synced {
             Ok(g) => g,
             Err(e) => {
                 tracing::error!("DDP gradient synchronisation failed: {e}");

@@ -230,6 +230,44 @@ fn a_learner_run_matches_the_hand_written_loop() {
     run.assert_matches_reference(2, 1e-6);
 }
 
+/// The learner scenario on two ranks over TCP (each its own emulated host) with
+/// `DDP_COMPRESSION=compression`.
+fn learner_over_tcp(compression: &str) -> RankRun {
+    let out_dir = std::env::temp_dir().join(format!(
+        "burn-ddp-test-learner-{compression}-{}-{}",
+        std::process::id(),
+        ddp_testkit::free_port()
+    ));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    std::fs::create_dir_all(&out_dir).expect("temp dir");
+    let result = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), 2)
+        .args(["--scenario", "learner", "--optim", "adam", "--steps", "4"])
+        .arg("--out")
+        .arg(&out_dir)
+        .env("DDP_TIMEOUT_SECS", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .env("DDP_COMPRESSION", compression)
+        .rank_env(0, "DDP_HOST_ID", "host-a")
+        .rank_env(1, "DDP_HOST_ID", "host-b")
+        .deadline(DEADLINE)
+        .run()
+        .expect("spawn ddp_worker");
+    RankRun { result, out_dir }
+}
+
+/// burn-train's path uses the job's synchroniser: with bf16 over TCP, `DdpModel` trains as the
+/// hand-written bf16 loop does, bitwise equal on both ranks, and not as f32 does (it used to
+/// ignore the job's compression).
+#[test]
+fn a_learner_run_uses_the_jobs_compression() {
+    let bf16 = learner_over_tcp("bf16");
+    bf16.assert_matches_reference(2, 1e-6);
+    let f32 = learner_over_tcp("none");
+    f32.assert_matches_reference(2, 1e-6);
+    let apart = max_abs_diff(&bf16.params("rank0.f32"), &f32.params("rank0.f32"));
+    assert!(apart > 0.0, "bf16 and f32 trained the same parameters");
+}
+
 /// DDP on CUDA devices (`cargo xtask gpu-check` runs these on a machine with an NVIDIA GPU).
 #[cfg(feature = "cuda")]
 mod cuda {
