@@ -11,7 +11,7 @@
 //!    group sums every element in rank order, as its all-reduce does, so an owner's gradients
 //!    are bitwise those [`crate::DdpOptimizer::new`] averages (bf16/fp16 wire compression
 //!    applies here as there). On the NCCL device path the buckets are all-reduced by NCCL
-//!    and each rank keeps its own (NCCL's reduce order is its own: see the README);
+//!    and each rank keeps its own (NCCL's reduce order is its own: see docs/zero.md);
 //! 2. each rank steps the wrapped Burn optimizer with its own gradients only, so the
 //!    optimizer creates and updates state only for its own parameters;
 //! 3. the updated parameters are all-gathered from their owners in buckets
