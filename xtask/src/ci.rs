@@ -127,6 +127,25 @@ fn steps() -> Vec<Step> {
                 &[&["test", "--workspace", "--timings", "--features", FEATURES]],
             )
         },
+        // The publishable crates as crates.io would receive them (no upload, no build: the
+        // manifests, license files and readme of each package; path dependencies have versions).
+        Step {
+            lint: Lint::No,
+            ..step(
+                "the publishable crates package (cargo package, no upload)",
+                &[&[
+                    "package",
+                    "-p",
+                    "ddp-comm",
+                    "-p",
+                    "burn-ddp",
+                    "-p",
+                    "ddprun",
+                    "--no-verify",
+                    "--allow-dirty",
+                ]],
+            )
+        },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX
         // assembled by ptxas for sm_90a (the stand-in itself builds in seconds).
         Step {

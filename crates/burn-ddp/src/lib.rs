@@ -75,6 +75,7 @@
 
 // docs.rs: label feature-gated items with the feature they need.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
 
 pub mod checkpoint;
 pub mod clip;

@@ -23,6 +23,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod auth;
 pub mod cuda_toolkit;
 pub mod env;
