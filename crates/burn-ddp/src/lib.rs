@@ -84,6 +84,8 @@ mod context;
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_smoke;
 pub mod data;
+#[cfg(feature = "learner")]
+mod epoch_renderer;
 mod error;
 mod fingerprint;
 pub mod grad_sync;
@@ -105,6 +107,9 @@ pub use context::{Ddp, DdpBuilder, init};
 /// The communication layer burn-ddp is built on (process groups, launch environment,
 /// rendezvous store, launcher), for the types in [`DdpBuilder`]'s signatures.
 pub use ddp_comm;
+#[cfg(feature = "learner")]
+#[cfg_attr(docsrs, doc(cfg(feature = "learner")))]
+pub use epoch_renderer::EpochLineRenderer;
 pub use error::{DdpError, Result};
 pub use grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer, SyncStats};
 #[cfg(feature = "learner")]
