@@ -79,6 +79,14 @@ fn epoch_value(formatted: &str) -> String {
         .to_string()
 }
 
+/// Prints burn-train's summary, when it made one (`SupervisedTraining::summary`).
+fn print_summary(summary: Option<LearnerSummary>) -> Result<(), Box<dyn core::error::Error>> {
+    if let Some(summary) = summary {
+        println!("{summary}");
+    }
+    Ok(())
+}
+
 impl MetricsRendererTraining for EpochLineRenderer {
     fn update_train(&mut self, state: MetricState) {
         self.record(state);
@@ -90,10 +98,7 @@ impl MetricsRendererTraining for EpochLineRenderer {
         &mut self,
         summary: Option<LearnerSummary>,
     ) -> Result<(), Box<dyn core::error::Error>> {
-        if let Some(summary) = summary {
-            println!("{summary}");
-        }
-        Ok(())
+        print_summary(summary)
     }
 }
 
@@ -105,10 +110,7 @@ impl MetricsRendererEvaluation for EpochLineRenderer {
         &mut self,
         summary: Option<LearnerSummary>,
     ) -> Result<(), Box<dyn core::error::Error>> {
-        if let Some(summary) = summary {
-            println!("{summary}");
-        }
-        Ok(())
+        print_summary(summary)
     }
 }
 

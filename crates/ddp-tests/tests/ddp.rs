@@ -22,6 +22,16 @@ fn launch(world: usize, name: &str, args: &[&str]) -> RankRun {
 
 /// [`launch`] with extra variables for every rank.
 fn launch_with_env(world: usize, name: &str, args: &[&str], env: &[(&str, &str)]) -> RankRun {
+    launch_with(world, name, args, |job| job.envs(env))
+}
+
+/// [`launch`] with the job as `customize` makes it.
+fn launch_with(
+    world: usize,
+    name: &str,
+    args: &[&str],
+    customize: impl FnOnce(RankJob) -> RankJob,
+) -> RankRun {
     let out_dir = std::env::temp_dir().join(format!(
         "burn-ddp-test-{name}-{}-{}",
         std::process::id(),
@@ -29,13 +39,13 @@ fn launch_with_env(world: usize, name: &str, args: &[&str], env: &[(&str, &str)]
     ));
     let _ = std::fs::remove_dir_all(&out_dir);
     std::fs::create_dir_all(&out_dir).expect("temp dir");
-    let result = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), world)
+    let job = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), world)
         .args(args)
         .arg("--out")
         .arg(&out_dir)
         .env("DDP_TIMEOUT_SECS", "60")
-        .env("RAYON_NUM_THREADS", "1")
-        .envs(env)
+        .env("RAYON_NUM_THREADS", "1");
+    let result = customize(job)
         .deadline(DEADLINE)
         .run()
         .expect("spawn ddp_worker");
@@ -233,26 +243,16 @@ fn a_learner_run_matches_the_hand_written_loop() {
 /// The learner scenario on two ranks over TCP (each its own emulated host) with
 /// `DDP_COMPRESSION=compression`.
 fn learner_over_tcp(compression: &str) -> RankRun {
-    let out_dir = std::env::temp_dir().join(format!(
-        "burn-ddp-test-learner-{compression}-{}-{}",
-        std::process::id(),
-        ddp_testkit::free_port()
-    ));
-    let _ = std::fs::remove_dir_all(&out_dir);
-    std::fs::create_dir_all(&out_dir).expect("temp dir");
-    let result = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), 2)
-        .args(["--scenario", "learner", "--optim", "adam", "--steps", "4"])
-        .arg("--out")
-        .arg(&out_dir)
-        .env("DDP_TIMEOUT_SECS", "60")
-        .env("RAYON_NUM_THREADS", "1")
-        .env("DDP_COMPRESSION", compression)
-        .rank_env(0, "DDP_HOST_ID", "host-a")
-        .rank_env(1, "DDP_HOST_ID", "host-b")
-        .deadline(DEADLINE)
-        .run()
-        .expect("spawn ddp_worker");
-    RankRun { result, out_dir }
+    launch_with(
+        2,
+        &format!("learner-{compression}"),
+        &["--scenario", "learner", "--optim", "adam", "--steps", "4"],
+        |job| {
+            job.env("DDP_COMPRESSION", compression)
+                .rank_env(0, "DDP_HOST_ID", "host-a")
+                .rank_env(1, "DDP_HOST_ID", "host-b")
+        },
+    )
 }
 
 /// burn-train's path uses the job's synchroniser: with bf16 over TCP, `DdpModel` trains as the

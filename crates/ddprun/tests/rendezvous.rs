@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{Ended, Node, REPORT, field, free_port};
+use support::{Ended, Node, REPORT, both_succeeded, field, free_port};
 
 /// Every node that was not killed ended with `code`, and said the same `line`.
 fn same_end(nodes: &[&Ended], code: i32, line: &str) {
@@ -154,13 +154,7 @@ fn a_launcher_killed_after_the_rarer_rendezvous_steps_leaves_no_half_state() {
     let c = odd.wait();
     assert_eq!(c.code, None, "the knob killed it: {}", c.stderr);
     let (a, b) = (node0.wait(), node1.wait());
-    assert_eq!(
-        (a.code, b.code),
-        (Some(0), Some(0)),
-        "{}\n{}",
-        a.stderr,
-        b.stderr
-    );
+    both_succeeded(&a, &b);
 }
 
 /// Ctrl-C and SIGTERM end a launcher at once whatever it waits for: for the fewest nodes, for
@@ -203,13 +197,7 @@ fn signals_end_a_waiting_launcher_at_once() {
     );
     assert!(c.stdout.is_empty(), "{}", c.stdout);
     let (a, b) = (node0.wait(), node1.wait());
-    assert_eq!(
-        (a.code, b.code),
-        (Some(0), Some(0)),
-        "{}\n{}",
-        a.stderr,
-        b.stderr
-    );
+    both_succeeded(&a, &b);
 }
 
 /// SIGTERM to the rendezvous host while nodes wait for the fewest the job needs: the job ends
@@ -245,13 +233,7 @@ fn a_launcher_waiting_in_a_full_job_hears_that_it_finished() {
     std::thread::sleep(Duration::from_millis(1000));
     let extra = Node::start(2, &port, "tok", &opts, &s);
     let (a, b, c) = (node0.wait(), node1.wait(), extra.wait());
-    assert_eq!(
-        (a.code, b.code),
-        (Some(0), Some(0)),
-        "{}\n{}",
-        a.stderr,
-        b.stderr
-    );
+    both_succeeded(&a, &b);
     assert_eq!(c.code, Some(0), "{}", c.stderr);
     assert!(
         c.stderr
@@ -488,13 +470,7 @@ fn a_rounds_master_is_its_own_node_0() {
         &s,
     );
     let (a, b) = (node0.wait(), node1.wait());
-    assert_eq!(
-        (a.code, b.code),
-        (Some(0), Some(0)),
-        "{}\n{}",
-        a.stderr,
-        b.stderr
-    );
+    both_succeeded(&a, &b);
     let mut lines: Vec<&str> = Vec::new();
     for (end, node_addr) in [(&a, "127.0.0.1"), (&b, "127.0.0.2")] {
         for line in end.stdout.lines() {
@@ -538,13 +514,7 @@ fn a_ranks_token_cannot_reach_the_launchers_rendezvous() {
         assert!(err.to_string().contains("job's token"), "{err}");
     }
     let (a, b) = (node0.wait(), node1.wait());
-    assert_eq!(
-        (a.code, b.code),
-        (Some(0), Some(0)),
-        "{}\n{}",
-        a.stderr,
-        b.stderr
-    );
+    both_succeeded(&a, &b);
     // The ranks saw their round's token, not the launchers'.
     assert_eq!(field(a.rank_lines(0)[0], "T"), round0);
 }
@@ -571,13 +541,7 @@ fn a_flood_on_the_launchers_store_does_not_disturb_the_job() {
         let (a, b) = (node0.wait(), node1.wait());
         let rate = flood.as_ref().map(ddp_testkit::Flood::rate);
         drop(flood);
-        assert_eq!(
-            (a.code, b.code),
-            (Some(0), Some(0)),
-            "{}\n{}",
-            a.stderr,
-            b.stderr
-        );
+        both_succeeded(&a, &b);
         let mut lines: Vec<String> = [&a, &b]
             .iter()
             .flat_map(|e| e.stdout.lines())

@@ -32,6 +32,17 @@ pub struct Ended {
     pub after: Duration,
 }
 
+/// Both nodes exited 0 (else a panic with both nodes' stderr).
+pub fn both_succeeded(a: &Ended, b: &Ended) {
+    assert_eq!(
+        (a.code, b.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        a.stderr,
+        b.stderr
+    );
+}
+
 impl Ended {
     /// The stdout lines of global rank `rank`, without the prefix.
     pub fn rank_lines(&self, rank: usize) -> Vec<&str> {
