@@ -196,10 +196,16 @@ impl LaunchEnv {
                     let first = v.split([',', '(']).next().unwrap_or("").to_string();
                     parse_count((var, first))?
                 }
-                None => 1,
+                // Without a count per node, a step on one node holds every task (srun sets
+                // SLURM_NTASKS_PER_NODE only when asked with --ntasks-per-node).
+                None => match get("SLURM_STEP_NUM_NODES").or_else(|| get("SLURM_NNODES")) {
+                    Some(nodes) if parse_count(nodes.clone())? == 1 => world_size,
+                    _ => 1,
+                },
             };
             let local_rank = match get("SLURM_LOCALID") {
                 Some(v) => parse_below(v, local_world_size.max(1), "SLURM_NTASKS_PER_NODE")?,
+                None if local_world_size == world_size => rank,
                 None => 0,
             };
             let group_rank = match get("SLURM_NODEID") {
@@ -541,6 +547,37 @@ mod tests {
         );
         assert_eq!(env.group_rank, 1);
         assert_eq!(env.master_addr, "gpu03");
+    }
+
+    /// srun on one node without --ntasks-per-node: every task is local (so a job without a
+    /// token counts as single-host, and LOCAL_RANK picks a device of its own).
+    #[test]
+    fn slurm_on_one_node_without_a_count_per_node_is_all_local() {
+        let env = env_of(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NNODES", "1"),
+            ("SLURM_LOCALID", "3"),
+            ("SLURM_NODELIST", "gpu07"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.local_rank,
+                env.local_world_size,
+                env.group_rank
+            ),
+            (3, 3, 4, 0)
+        );
+        let several = env_of(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_NODELIST", "gpu[07-08]"),
+        ])
+        .unwrap();
+        assert_eq!(several.local_world_size, 1);
     }
 
     #[test]
