@@ -34,7 +34,7 @@ pub const INSECURE_VAR: &str = "DDP_INSECURE_NO_TOKEN";
 /// read again.
 const ATTEMPT: Duration = Duration::from_secs(1);
 /// Pause between two reads of a file that is not there yet.
-const FILE_POLL: Duration = Duration::from_millis(20);
+const FILE_POLL: Duration = Duration::from_millis(5);
 
 /// Secrets this process resolved, by store endpoint.
 static RESOLVED: Mutex<Vec<(String, Option<String>)>> = Mutex::new(Vec::new());
