@@ -119,6 +119,13 @@ pub use nccl::NcclPolicy;
 pub use optimizer::DdpOptimizer;
 pub use panic_report::report_panics_as_errors;
 
+/// A `tracing` filter directive that silences wgpu's probe of the GL backend
+/// (`wgpu_hal::gles::egl`), which logs `ERROR … DRI2: failed to load driver` on a machine
+/// without a GL driver although wgpu goes on with Vulkan. wgpu's other errors still show.
+/// Add it to a program's default filter, e.g.
+/// `EnvFilter::new(format!("warn,{}", burn_ddp::QUIET_WGPU_PROBE))`.
+pub const QUIET_WGPU_PROBE: &str = "wgpu_hal::gles::egl=off";
+
 // The README's Rust snippets compile as doctests (the adoption example above all).
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]

@@ -92,7 +92,14 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // wgpu's GL probe fails on machines without a GL driver and goes on with
+                // Vulkan: not an error for the user.
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new(format!(
+                        "warn,{}",
+                        burn_ddp::QUIET_WGPU_PROBE
+                    ))
+                }),
         )
         .with_ansi(ddp_comm::log::colour_wanted())
         .with_writer(std::io::stderr)
