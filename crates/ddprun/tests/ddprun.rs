@@ -3,11 +3,9 @@
 //! through PDEATHSIG) and every rank PID a test learned is killed when the test ends.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const DDPRUN: &str = env!("CARGO_BIN_EXE_ddprun");
@@ -111,20 +109,8 @@ impl Run {
     }
     /// stdout lines of `rank`, without the prefix.
     fn rank_lines(&self, rank: usize) -> Vec<&str> {
-        let prefix = format!("[rank {rank}] ");
-        self.stdout
-            .lines()
-            .filter_map(|l| l.strip_prefix(prefix.as_str()))
-            .collect()
+        ddp_testkit::rank_lines(&self.stdout, rank)
     }
-}
-
-fn collect(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = r.read_to_string(&mut s);
-        s
-    })
 }
 
 /// A ddprun command with a clean environment for the variables the tests check.
@@ -143,8 +129,8 @@ fn ddprun_cmd(args: &[&str]) -> Command {
 
 /// Waits for `child` with the test deadline; SIGKILLs it (and so its ranks) past it.
 fn finish(mut child: Child) -> Run {
-    let out = collect(child.stdout.take().unwrap());
-    let err = collect(child.stderr.take().unwrap());
+    let out = ddp_testkit::collect(child.stdout.take().unwrap());
+    let err = ddp_testkit::collect(child.stderr.take().unwrap());
     let deadline = Instant::now() + DEADLINE;
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {

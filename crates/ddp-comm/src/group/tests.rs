@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::env::EnvSource;
 
-fn free_port() -> u16 {
-    crate::net::free_port("127.0.0.1").unwrap()
-}
+use ddp_testkit::free_port;
 
 fn env(rank: usize, world: usize, port: u16, token: &str) -> LaunchEnv {
     LaunchEnv {

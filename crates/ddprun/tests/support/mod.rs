@@ -4,7 +4,6 @@
 
 #![allow(dead_code)] // each test file uses its part
 
-use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -46,30 +45,15 @@ pub fn both_succeeded(a: &Ended, b: &Ended) {
 impl Ended {
     /// The stdout lines of global rank `rank`, without the prefix.
     pub fn rank_lines(&self, rank: usize) -> Vec<&str> {
-        let prefix = format!("[rank {rank}] ");
-        self.stdout
-            .lines()
-            .filter_map(|l| l.strip_prefix(prefix.as_str()))
-            .collect()
+        ddp_testkit::rank_lines(&self.stdout, rank)
     }
 }
 
-pub fn collect(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = r.read_to_string(&mut s);
-        s
-    })
-}
+use ddp_testkit::collect;
 
-/// A free port for a job's rendezvous.
+/// A free port for a job's rendezvous, as ddprun's `--master-port` takes it.
 pub fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
+    ddp_testkit::free_port().to_string()
 }
 
 impl Node {
