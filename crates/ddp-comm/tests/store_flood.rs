@@ -123,3 +123,29 @@ fn a_sustained_flood_from_one_address_delays_a_valid_client_by_under_a_second() 
         "{threads_most} threads, {threads_before} before"
     );
 }
+
+/// Silent connections from many addresses fill the 128 handshake slots: a newcomer from yet
+/// another address closes the oldest of them (counted), so a valid client gets in at once.
+#[test]
+fn past_128_handshakes_from_many_addresses_the_oldest_makes_room() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let server = StoreServer::bind("127.0.0.1:0", Some("secret".into())).unwrap();
+    let addr = server.local_addr();
+    let silent: Vec<TcpStream> = (10..18u8)
+        .flat_map(|host| (0..16).map(move |_| host))
+        .map(|host| ddp_testkit::connect_from([127, 0, 0, host].into(), addr).unwrap())
+        .collect();
+    assert_eq!(silent.len(), 128);
+    // Let the accept loop take them all in before the valid client comes.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(server.refused_connections(), 0, "16 per address fit");
+    let t = Instant::now();
+    let mut c = StoreClient::connect(&addr.to_string(), Some("secret"), Duration::from_secs(10))
+        .expect("a valid client gets in");
+    c.set("k", b"v").unwrap();
+    let took = t.elapsed();
+    eprintln!("128 silent handshakes from 8 addresses: a valid client connected in {took:?}");
+    assert!(server.refused_connections() >= 1, "the oldest was closed");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    drop(silent);
+}

@@ -4,7 +4,8 @@
 //!
 //! Before authentication a connection is held to deadlines (its first frame within 2 s, the
 //! whole handshake within 4 s) and to a share of the handshake slots (16 per address, 128
-//! in all), so that a flood delays a valid client by a handshake at most. After it, a connection
+//! in all; a newcomer past either closes the oldest), so that a flood, from one address or
+//! many, delays a valid client by a handshake at most. After it, a connection
 //! is held to the table's limits, and its waits end when it closes.
 
 use std::collections::{HashMap, VecDeque};
@@ -31,7 +32,8 @@ const MAX_HANDSHAKE_FRAME: usize = 4096;
 pub(super) const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a new connection has for its whole handshake.
 pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(4);
-/// Most connections that may be in their handshake at once; more are refused at accept.
+/// Most connections that may be in their handshake at once; a newcomer past it closes the
+/// oldest.
 const MAX_HANDSHAKES: usize = 128;
 /// Most connections from one address that may be in their handshake at once: a new one
 /// from an address at the limit closes that address's oldest. A flood from one address thus
@@ -65,18 +67,41 @@ struct Handshakes {
 
 impl Handshakes {
     /// Registers connection `id` from `source`; the connection to close to make room, if
-    /// its address was at its limit.
-    fn admit(&mut self, source: IpAddr, id: u64) -> Option<u64> {
-        let queue = self.by_source.entry(source).or_default();
-        let evicted = if queue.len() >= MAX_HANDSHAKES_PER_SOURCE {
-            self.total -= 1;
-            queue.pop_front()
+    /// any: its address's oldest when the address is at its share, else the oldest of all when
+    /// every slot is taken. A client's handshake takes a millisecond, so the oldest one is a
+    /// connection that says nothing, from one address or from many.
+    fn admit(&mut self, source: IpAddr, id: u64) -> Option<(u64, IpAddr)> {
+        let at_share = self
+            .by_source
+            .get(&source)
+            .is_some_and(|q| q.len() >= MAX_HANDSHAKES_PER_SOURCE);
+        let evicted = if at_share {
+            self.pop_oldest_of(source)
+        } else if self.total >= MAX_HANDSHAKES {
+            let oldest = self
+                .by_source
+                .iter()
+                .filter_map(|(s, q)| q.front().map(|&id| (id, *s)))
+                .min()
+                .map(|(_, s)| s);
+            oldest.and_then(|s| self.pop_oldest_of(s))
         } else {
             None
         };
-        queue.push_back(id);
+        self.by_source.entry(source).or_default().push_back(id);
         self.total += 1;
         evicted
+    }
+
+    /// Takes the oldest connection from `source` off the list.
+    fn pop_oldest_of(&mut self, source: IpAddr) -> Option<(u64, IpAddr)> {
+        let queue = self.by_source.get_mut(&source)?;
+        let id = queue.pop_front()?;
+        if queue.is_empty() {
+            self.by_source.remove(&source);
+        }
+        self.total -= 1;
+        Some((id, source))
     }
 
     /// Connection `id` from `source` ended its handshake (unless it was evicted already).
@@ -208,8 +233,7 @@ impl StoreServer {
     }
 
     /// Connections refused so far: without a valid handshake, closed to make room for
-    /// newer ones from the same address, refused while 128 others were in their handshake,
-    /// or past the client limit.
+    /// newer ones, or past the client limit.
     pub fn refused_connections(&self) -> u64 {
         self.shared.refusals.total()
     }
@@ -295,21 +319,9 @@ fn admit(
 ) {
     let source = peer.ip();
     // A port scan or a flood must not exhaust rank 0's threads or memory: at most
-    // MAX_HANDSHAKES connections may be in their handshake at once, and one address holds at
-    // most MAX_HANDSHAKES_PER_SOURCE of them.
-    if shared.handshakes().total >= MAX_HANDSHAKES
-        && shared
-            .handshakes()
-            .by_source
-            .get(&source)
-            .is_none_or(|q| q.len() < MAX_HANDSHAKES_PER_SOURCE)
-    {
-        shared
-            .refusals
-            .note(source, "while 128 handshakes were under way");
-        let _ = stream.shutdown(Shutdown::Both);
-        return;
-    }
+    // MAX_HANDSHAKES connections are in their handshake at once, one address holds at most
+    // MAX_HANDSHAKES_PER_SOURCE of them, and a newcomer past either limit closes the oldest
+    // (see `Handshakes::admit`).
     if stream.set_nonblocking(false).is_err() {
         return;
     }
@@ -325,13 +337,14 @@ fn admit(
         let _ = stream.shutdown(Shutdown::Both);
         return;
     }
-    if let Some(old) = shared.handshakes().admit(source, id) {
+    let evicted = shared.handshakes().admit(source, id);
+    if let Some((old, from)) = evicted {
         if let Some(s) = shared.conns().remove(&old) {
             let _ = s.shutdown(Shutdown::Both);
         }
         shared
             .refusals
-            .note(source, "closed for newer ones from the same address");
+            .note(from, "closed for newer ones (the oldest handshake)");
     }
     let sh = Arc::clone(shared);
     let spawned = std::thread::Builder::new()
