@@ -150,8 +150,9 @@ fn sigkill_mid_allreduce_tcp_4_ranks() {
 #[test]
 fn a_single_host_job_without_a_token_makes_a_secret_of_its_own() {
     use std::os::unix::fs::PermissionsExt;
-    let runtime = std::env::temp_dir().join(format!("ddp-secret-test-{}", std::process::id()));
-    std::fs::create_dir_all(&runtime).unwrap();
+    // Removed however the test ends.
+    let runtime_dir = tempfile::tempdir().unwrap();
+    let runtime = runtime_dir.path().to_path_buf();
     std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).unwrap();
     let mut job = RankJob::new(WORKER, 2)
         .arg("loop-big")
@@ -189,7 +190,6 @@ fn a_single_host_job_without_a_token_makes_a_secret_of_its_own() {
         job.kill(rank).expect("kill");
     }
     drop(job);
-    std::fs::remove_dir_all(&runtime).unwrap();
 }
 
 /// Ranks on several hosts without `DDP_JOB_TOKEN` refuse to start, with one line saying what
