@@ -31,11 +31,17 @@ macro_rules! nccl_element {
 }
 nccl_element!(f32, f64, i32, i64, u8, half::bf16, half::f16);
 
-/// NCCL's operation for a [`ReduceOp`]. `Mean` is `ncclAvg`: for floats a pre-multiplied sum,
-/// for integers a sum followed by an integer division (truncating, like Rust's `/`).
-pub(crate) fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+/// NCCL's operation for a [`ReduceOp`] in a communicator of `world` ranks. `Mean` is
+/// `ncclAvg`: for floats a pre-multiplied sum, for integers a sum followed by an integer
+/// division (truncating, like Rust's `/`).
+///
+/// In a world of one, `Mean` is `ncclSum` (the same values: `x / 1 = x`). NCCL 2.28.3 on an
+/// H200 (driver 580, CUDA 13.0) left the last of 4099 f64 values unwritten by an out-of-place
+/// one-rank `ncclAvg` (the GPU check's first run, 2026-12-04), while `ncclSum` copied them all.
+pub(crate) fn nccl_op(op: ReduceOp, world: usize) -> ncclRedOp_t {
     match op {
         ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Mean if world == 1 => ncclRedOp_t::ncclSum,
         ReduceOp::Mean => ncclRedOp_t::ncclAvg,
         ReduceOp::Max => ncclRedOp_t::ncclMax,
         ReduceOp::Min => ncclRedOp_t::ncclMin,
@@ -47,11 +53,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reduce_ops_map_to_ncclavg_for_mean() {
-        assert_eq!(nccl_op(ReduceOp::Sum), ncclRedOp_t::ncclSum);
-        assert_eq!(nccl_op(ReduceOp::Mean), ncclRedOp_t::ncclAvg);
-        assert_eq!(nccl_op(ReduceOp::Max), ncclRedOp_t::ncclMax);
-        assert_eq!(nccl_op(ReduceOp::Min), ncclRedOp_t::ncclMin);
+    fn reduce_ops_map_to_ncclavg_for_mean_except_in_a_world_of_one() {
+        assert_eq!(nccl_op(ReduceOp::Sum, 2), ncclRedOp_t::ncclSum);
+        assert_eq!(nccl_op(ReduceOp::Mean, 2), ncclRedOp_t::ncclAvg);
+        assert_eq!(nccl_op(ReduceOp::Max, 2), ncclRedOp_t::ncclMax);
+        assert_eq!(nccl_op(ReduceOp::Min, 2), ncclRedOp_t::ncclMin);
+        assert_eq!(nccl_op(ReduceOp::Mean, 1), ncclRedOp_t::ncclSum);
         assert_eq!(<f32 as NcclElement>::NAME, "f32");
         assert_eq!(<i64 as NcclElement>::NAME, "i64");
     }

@@ -373,6 +373,7 @@ impl NcclGroup {
         len: usize,
         op: ReduceOp,
     ) -> Result<()> {
+        let red_op = nccl_op(op, self.world_size());
         self.collective(op_name, what, |comm, s| {
             // SAFETY: per this function's contract.
             unsafe {
@@ -381,7 +382,7 @@ impl NcclGroup {
                     dst as *mut _,
                     len,
                     T::as_nccl_type(),
-                    nccl_op(op),
+                    red_op,
                     comm,
                     s,
                 )

@@ -50,6 +50,7 @@ impl NcclGroup {
             buffers.len(),
             T::NAME
         );
+        let red_op = nccl_op(op, self.world_size());
         self.collective("all_reduce", &what, |comm, s| {
             result::group_start()?;
             // Every call between start and end is deferred to `ncclGroupEnd`, which is always
@@ -63,7 +64,7 @@ impl NcclGroup {
                         ptr as *mut _,
                         len,
                         T::as_nccl_type(),
-                        nccl_op(op),
+                        red_op,
                         comm,
                         s,
                     )

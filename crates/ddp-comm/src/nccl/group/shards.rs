@@ -62,6 +62,7 @@ impl NcclGroup {
             counts.len()
         );
         let size = std::mem::size_of::<T>() as CUdeviceptr;
+        let red_op = nccl_op(op, self.world_size());
         self.collective("reduce_scatter", &what, |comm, s| {
             grouped(counts, |p, count| {
                 let at = (ptr + starts[p] as CUdeviceptr * size) as *mut std::ffi::c_void;
@@ -73,7 +74,7 @@ impl NcclGroup {
                         at,
                         count,
                         T::as_nccl_type(),
-                        nccl_op(op),
+                        red_op,
                         p as std::ffi::c_int,
                         comm,
                         s,
