@@ -41,9 +41,10 @@ pub const MIN_LEFT_SECS: u64 = 20;
 /// Kept free at the end of the budget for the report.
 pub const RESERVE_SECS: u64 = 5;
 
-/// The relative difference allowed between the CUDA and the CPU run's last-epoch losses: f32
-/// sums in another order on each device keep them from agreeing bitwise.
-pub const CUDA_VS_CPU_TOLERANCE: f64 = 1e-3;
+/// The relative difference allowed between the CUDA and the CPU run's losses after three
+/// steps: f32 sums in another order, and CubeCL's TF32 matrix products on CUDA (a 10-bit
+/// mantissa, unit roundoff 2^-11 ≈ 4.9e-4), keep them from agreeing bitwise.
+pub const CUDA_VS_CPU_TOLERANCE: f64 = 1e-2;
 
 /// What a check needs of the machine beyond the bundle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +125,7 @@ pub const CHECKS: &[Check] = &[
         binaries: &["burn-ddp-tests"],
     },
     Check {
-        label: "train-cnn 1 epoch: cuda vs cpu, same seed",
+        label: "train-cnn cuda vs cpu, same seed: 3 steps (checked), 1 epoch",
         kind: Kind::Task(Task::CompareBackends, 240),
         needs: Needs::Cuda,
         binaries: &["train-cnn"],
