@@ -137,6 +137,11 @@ enum Bench {
         /// Pin each rank to one core (LOCAL_RANK % cores).
         #[arg(long)]
         pin: bool,
+        /// Emulated hosts instead: layouts KxL (K hosts of L ranks, each host its own
+        /// `DDP_HOST_ID`), each timed node-aware and flat with the bytes sent across hosts,
+        /// e.g. `2x1,2x2,2x4,3x2,4x1`.
+        #[arg(long, value_delimiter = ',')]
+        nodes: Vec<String>,
     },
 }
 
@@ -204,8 +209,9 @@ fn main() -> ExitCode {
                     compression,
                     iters,
                     pin,
+                    nodes,
                 },
-        } => bench_allreduce(&nproc, &sizes, &transport, &compression, iters, pin),
+        } => bench_allreduce(&nproc, &sizes, &transport, &compression, iters, pin, &nodes),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -283,7 +289,17 @@ fn bench_allreduce(
     compression: &[String],
     iters: Option<usize>,
     pin: bool,
+    nodes: &[String],
 ) -> Result<(), String> {
+    let layouts = nodes
+        .iter()
+        .map(|l| {
+            l.split_once('x')
+                .and_then(|(k, l)| Some((k.parse::<u32>().ok()?, l.parse::<u32>().ok()?)))
+                .filter(|&(k, l)| k >= 1 && l >= 1)
+                .ok_or_else(|| format!("--nodes {l:?}: expected KxL, e.g. 2x4"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     for t in transports {
         if t != "shm" && t != "tcp" {
             return Err(format!("unknown transport {t:?} (shm or tcp)"));
@@ -306,34 +322,52 @@ fn bench_allreduce(
     let release = target_dir(&root).join("release");
     let ddprun = release.join("ddprun");
     let bench = release.join("allreduce_bench");
-    for t in transports {
-        for &n in nprocs {
-            println!();
-            let launch_ns = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_err(|e| e.to_string())?
-                .as_nanos();
-            let mut cmd = Command::new(&ddprun);
-            cmd.arg("--nproc-per-node")
-                .arg(n.to_string())
-                .arg("--no-prefix")
-                .arg("--")
-                .arg(&bench)
-                .arg("--sizes")
-                .arg(sizes.join(","))
-                .arg("--transport")
-                .arg(t)
-                .arg("--compression")
-                .arg(compression.join(","))
-                .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
-            if let Some(i) = iters {
-                cmd.arg("--iters").arg(i.to_string());
-            }
-            if pin {
-                cmd.arg("--pin");
-            }
-            run(&mut cmd)?;
+    let runs: Vec<(u32, &str, Option<u32>)> = if layouts.is_empty() {
+        transports
+            .iter()
+            .flat_map(|t| nprocs.iter().map(move |&n| (n, t.as_str(), None)))
+            .collect()
+    } else {
+        layouts
+            .iter()
+            .map(|&(k, l)| (k * l, "shm", Some(l)))
+            .collect()
+    };
+    for (n, t, per_node) in runs {
+        println!();
+        let launch_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_err(|e| e.to_string())?
+            .as_nanos();
+        let mut cmd = Command::new(&ddprun);
+        cmd.arg("--nproc-per-node")
+            .arg(n.to_string())
+            .arg("--no-prefix")
+            .arg("--");
+        if let Some(l) = per_node {
+            // Host j holds ranks j·L … j·L + L − 1: each its own host identity.
+            cmd.args([
+                "sh",
+                "-c",
+                &format!("DDP_HOST_ID=emulated-node-$((RANK / {l})) exec \"$@\""),
+                "sh",
+            ]);
         }
+        cmd.arg(&bench)
+            .arg("--sizes")
+            .arg(sizes.join(","))
+            .arg("--transport")
+            .arg(t)
+            .arg("--compression")
+            .arg(compression.join(","))
+            .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
+        if let Some(i) = iters {
+            cmd.arg("--iters").arg(i.to_string());
+        }
+        if pin {
+            cmd.arg("--pin");
+        }
+        run(&mut cmd)?;
     }
     Ok(())
 }

@@ -15,6 +15,12 @@
 //! The `cpu(us)` column is the CPU time (user + system) one call costs the busiest rank; on a
 //! machine where ranks share cores with other work, the wall-clock time can be much longer.
 //!
+//! When the ranks span several hosts (or emulated ones, `DDP_HOST_ID`), each size and wire
+//! format is timed with the node-aware all-reduce and with the flat one (`algo` column, the
+//! flat one the `vs first` baseline), and two more columns give the bytes the busiest node and
+//! the average node sent to other hosts per call, over the buffer's bytes `S` (the
+//! transport's own counters), next to `2(k−1)/k`, the bound of any all-reduce on `k` nodes.
+//!
 //! If `DDP_BENCH_LAUNCH_NS` holds the launch time (Unix nanoseconds), rank 0 also reports the
 //! time from launch to the end of the first barrier.
 
@@ -150,27 +156,49 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "all_reduce(f32, sum): {n} ranks, transport {} ({} shared-memory peers of rank 0)",
             args.transport, shm_peers
         );
+        if let Some(h) = pg.hosts().filter(|h| h.len() > 1) {
+            let layout: Vec<String> = h.iter().map(|r| r.len().to_string()).collect();
+            println!(
+                "{} hosts ({} ranks each); across/S: bytes sent to other hosts per call over \
+                 the buffer's, busiest node and mean; bound 2(k-1)/k = {:.3}",
+                h.len(),
+                layout.join(" + "),
+                2.0 * (h.len() - 1) as f64 / h.len() as f64
+            );
+        }
         println!(
-            "{:>10} {:>10} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10} {:>9}",
+            "{:>10} {:>10} {:>5} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10} {:>9} {:>10} {:>10}",
             "size",
             "count",
             "wire",
+            "algo",
             "median(us)",
             "min(us)",
             "max(us)",
             "algbw(GB/s)",
             "busbw(GB/s)",
             "cpu(us)",
-            "vs first"
+            "vs first",
+            "across/S",
+            "mean/S"
         );
     }
+    // Across hosts, the node-aware path and the flat one (the baseline, timed first).
+    let algos: &[bool] = if pg.node_aware() {
+        &[false, true]
+    } else {
+        &[false]
+    };
     for &bytes in &sizes {
         let mut first = None;
         for &wire in &args.compression {
-            let t = time_size(&mut pg, bytes, wire, &args)?;
-            if rank == 0 {
-                let base = *first.get_or_insert(t.median);
-                t.print(bytes, n, wire, base);
+            for &aware in algos {
+                pg.set_node_aware(aware);
+                let t = time_size(&mut pg, bytes, wire, &args)?;
+                if rank == 0 {
+                    let base = *first.get_or_insert(t.median);
+                    t.print(bytes, n, wire, base);
+                }
             }
         }
     }
@@ -186,24 +214,38 @@ struct Timing {
     max: f64,
     /// CPU seconds per call of the busiest rank.
     cpu: f64,
+    /// `node-aware`, `flat` (several hosts) or `-`.
+    algo: &'static str,
+    /// Bytes sent to other hosts per call by the busiest node and by the average node.
+    across: (f64, f64),
 }
 
 impl Timing {
     fn print(&self, bytes: usize, n: usize, wire: Compression, first_median: f64) {
         let algbw = (self.count * 4) as f64 / self.median / 1e9;
         let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
+        let of_s = |b: f64| {
+            if self.algo == "-" {
+                "-".to_string()
+            } else {
+                format!("{:.3}", b / bytes as f64)
+            }
+        };
         println!(
-            "{:>10} {:>10} {:>5} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3} {:>10.1} {:>8.2}x",
+            "{:>10} {:>10} {:>5} {:>10} {:>12.1} {:>12.1} {:>12.1} {:>12.3} {:>12.3} {:>10.1} {:>8.2}x {:>10} {:>10}",
             human(bytes),
             self.count,
             wire.name(),
+            self.algo,
             self.median * 1e6,
             self.min * 1e6,
             self.max * 1e6,
             algbw,
             busbw,
             self.cpu * 1e6,
-            first_median / self.median
+            first_median / self.median,
+            of_s(self.across.0),
+            of_s(self.across.1)
         );
     }
 }
@@ -223,9 +265,11 @@ fn time_size(
     let warmup = (iters / 10).max(2);
     let mut times = Vec::with_capacity(iters);
     let mut cpu0 = 0.0;
+    let mut across0 = 0;
     for i in 0..warmup + iters {
         if i == warmup {
             cpu0 = cpu_time();
+            across0 = pg.bytes_sent_across_hosts();
         }
         if !args.no_barrier {
             pg.barrier()?;
@@ -239,6 +283,13 @@ fn time_size(
     }
     // CPU per call, barriers included (they cost little next to the transfer).
     let mut cpu = [(cpu_time() - cpu0) / iters as f64];
+    // Bytes to other hosts per call, the barriers' few included, summed per node.
+    let hosts = pg.hosts().unwrap_or_default();
+    let mut per_node = vec![0.0f64; hosts.len()];
+    if let Some(j) = hosts.iter().position(|h| h.contains(&pg.rank())) {
+        per_node[j] = (pg.bytes_sent_across_hosts() - across0) as f64 / iters as f64;
+    }
+    pg.all_reduce(&mut per_node, ReduceOp::Sum)?;
     pg.all_reduce(&mut times, ReduceOp::Max)?;
     pg.all_reduce(&mut cpu, ReduceOp::Max)?;
     times.sort_by(|a, b| a.total_cmp(b));
@@ -248,5 +299,14 @@ fn time_size(
         min: times[0],
         max: times[times.len() - 1],
         cpu: cpu[0],
+        algo: match (hosts.len() > 1, pg.node_aware()) {
+            (false, _) => "-",
+            (true, true) => "node-aware",
+            (true, false) => "flat",
+        },
+        across: (
+            per_node.iter().cloned().fold(0.0, f64::max),
+            per_node.iter().sum::<f64>() / per_node.len().max(1) as f64,
+        ),
     })
 }

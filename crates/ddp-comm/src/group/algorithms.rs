@@ -113,9 +113,25 @@ impl ProcessGroup {
             self.reduce_inline(buf, everything, op);
             return Ok(());
         }
+        // `root` of an all-reduce header says which algorithm runs: every rank must agree.
+        let nodes = self
+            .mesh
+            .as_ref()
+            .filter(|m| m.node_aware)
+            .and_then(|m| m.nodes.clone());
+        hdr.root = u32::from(nodes.is_some());
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
         let wait = self.waiting();
+        if let Some(nodes) = nodes {
+            let round = direct::Round {
+                rank: self.rank,
+                world: n,
+                wait: &wait,
+                what: &what,
+            };
+            return hierarchical::all_reduce(self.mesh_mut(), &round, &nodes, buf, op);
+        }
         // The direct reduce-scatter of even shards (every element summed in rank order, as on
         // the inline path), then a ring all-gather of the reduced shards.
         let shards = Shards::even(buf.len(), n);
@@ -510,7 +526,12 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
     let mut s = format!("{}(", h.kind.name());
     match h.kind {
         Kind::Barrier => {}
-        Kind::AllReduce => s += &format!("{} × {dtype}, {}", h.len, op_name(h.op)),
+        Kind::AllReduce => {
+            s += &format!("{} × {dtype}, {}", h.len, op_name(h.op));
+            if h.root == 1 {
+                s += ", node-aware";
+            }
+        }
         Kind::AllReduceCompressed => s += &format!("{} × f32 as {dtype}, {}", h.len, op_name(h.op)),
         Kind::Broadcast | Kind::BroadcastBytes => {
             s += &format!("{} × {dtype}, root {}", h.len, h.root)

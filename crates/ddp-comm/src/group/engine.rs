@@ -17,13 +17,11 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 pub(crate) use super::link::pad8;
-use super::link::{Link, LinkError, link_err, link_of, skip};
+use super::link::{Link, LinkError, ZEROS, link_err, link_of, skip};
 use super::ordered::OrderedReduce;
 use crate::error::CommError;
 
 pub(crate) use super::header::{HDR, Header, Kind, op_code, op_name};
-
-const ZEROS: [u8; 8] = [0; 8];
 
 /// Busy-spin this long before yielding (only when ranks are not oversubscribed).
 const SPIN: Duration = Duration::from_micros(3);
@@ -271,7 +269,7 @@ impl Op<'_> {
                 let w = buf.len() + pad8(buf.len());
                 ((*got < w).then_some(*from), (*sent < *got).then_some(*to))
             }
-            Op::Ordered(o) => (o.waits_on(), None),
+            Op::Ordered(o) => o.waits_on(),
         }
     }
 }

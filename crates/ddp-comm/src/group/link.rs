@@ -223,6 +223,9 @@ impl Link {
     }
 }
 
+/// The padding bytes sent after a message (at most 7 of them).
+pub(crate) const ZEROS: [u8; 8] = [0; 8];
+
 /// Bytes of padding after a message of `len` bytes.
 pub(crate) fn pad8(len: usize) -> usize {
     (8 - len % 8) % 8

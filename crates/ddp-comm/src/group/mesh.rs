@@ -84,9 +84,21 @@ impl PeerInfo {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The host identity of a rank thread in the in-process tests (`DDP_HOST_ID` is one per
+    /// process, and they emulate several hosts in one).
+    pub(crate) static TEST_HOST_ID: std::cell::RefCell<Option<String>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// This machine's identity: `DDP_HOST_ID` if set (tests use it to emulate several hosts),
 /// else the host name and the kernel's boot id.
 pub(crate) fn host_identity() -> String {
+    #[cfg(test)]
+    if let Some(id) = TEST_HOST_ID.with(|h| h.borrow().clone()) {
+        return id;
+    }
     if let Ok(id) = std::env::var("DDP_HOST_ID")
         && !id.is_empty()
     {

@@ -31,6 +31,8 @@
 //!   [`GroupOptions`].
 //! - `DDP_HOST_ID`: overrides the host identity (ranks with equal ids use shared memory);
 //!   tests use it to emulate several hosts on one machine.
+//! - `DDP_NODE_AWARE=0`: the flat all-reduce across hosts (see
+//!   [`ProcessGroup::set_node_aware`]).
 //! - `DDP_SHM_RING_KIB`: size of each shared-memory ring (default 512 KiB).
 //! - `DDP_TRACE`: records a span per collective (see [`crate::trace`]).
 
@@ -41,8 +43,10 @@ mod direct;
 mod element;
 mod engine;
 mod header;
+mod hierarchical;
 mod link;
 pub(crate) mod mesh;
+mod nodes;
 mod ordered;
 mod scatter;
 mod shards;
@@ -118,6 +122,17 @@ impl Default for GroupOptions {
     }
 }
 
+/// `DDP_NODE_AWARE`: unset or `1` (the default, on), `0` (off); anything else is an error.
+fn node_aware_from_env() -> Result<bool> {
+    match std::env::var("DDP_NODE_AWARE").as_deref().map(str::trim) {
+        Err(_) | Ok("" | "1" | "true" | "on") => Ok(true),
+        Ok("0" | "false" | "off") => Ok(false),
+        Ok(other) => Err(CommError::InvalidArgument(format!(
+            "DDP_NODE_AWARE={other:?}: expected 0 (the flat all-reduce across hosts) or 1"
+        ))),
+    }
+}
+
 /// Payloads up to this many bytes per peer travel inside the header message (one round).
 const INLINE_BYTES: usize = 64 * 1024;
 
@@ -144,6 +159,12 @@ struct Mesh {
     /// The 16-bit image of the buffer in a compressed all-reduce (reused between calls).
     half: Vec<u8>,
     spin: bool,
+    /// The ranks grouped by host when every host's ranks are contiguous.
+    nodes: Option<nodes::Nodes>,
+    /// Whether large all-reduces take the node-aware path ([`ProcessGroup::set_node_aware`]).
+    node_aware: bool,
+    /// For each rank, whether it runs on another host than this rank.
+    remote: Vec<bool>,
     // Kept alive for the group's lifetime (rank 0 serves, everyone holds a client).
     store: StoreClient,
     _server: Option<StoreServer>,
@@ -292,6 +313,8 @@ impl ProcessGroup {
         let links = mesh::establish(&cfg, listener, &infos)?;
         crate::trace::on_group_ready(rank, world, &mut store);
         let local = infos.iter().filter(|i| i.host == me.host).count();
+        let nodes = nodes::Nodes::from_hosts(&infos.iter().map(|i| &i.host).collect::<Vec<_>>());
+        let node_aware = node_aware_from_env()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         tracing::debug!(
             rank,
@@ -313,6 +336,9 @@ impl ProcessGroup {
                 stage: Vec::new(),
                 half: Vec::new(),
                 spin: local <= cores,
+                node_aware: node_aware && nodes.as_ref().is_some_and(nodes::Nodes::worth_it),
+                nodes,
+                remote: infos.iter().map(|i| i.host != me.host).collect(),
                 store,
                 _server: server,
             }),
@@ -377,6 +403,54 @@ impl ProcessGroup {
         self.mesh
             .as_ref()
             .map_or(0, |m| m.links.iter().flatten().map(Link::bytes_sent).sum())
+    }
+
+    /// Bytes this rank has sent to ranks on other hosts so far (what crosses the network; the
+    /// part of [`Self::bytes_sent`] that does not stay on this host).
+    pub fn bytes_sent_across_hosts(&self) -> u64 {
+        self.mesh.as_ref().map_or(0, |m| {
+            m.links
+                .iter()
+                .zip(&m.remote)
+                .filter_map(|(l, &remote)| l.as_ref().filter(|_| remote))
+                .map(Link::bytes_sent)
+                .sum()
+        })
+    }
+
+    /// Turns the node-aware all-reduce on or off (every rank must pass the same value before
+    /// its next all-reduce: a rank that differs fails it with [`CommError::Mismatch`] on every
+    /// rank); returns whether it is now on.
+    ///
+    /// It is on by default (`DDP_NODE_AWARE=0` turns it off) and can only be on when the group
+    /// spans several hosts, one of them with several ranks, and each host's ranks are
+    /// contiguous (as every launcher numbers them). Then an all-reduce too large for the
+    /// one-message path runs as a chain of nodes (shared memory inside a host, one partial sum
+    /// per element across each node boundary) instead of the flat direct reduce-scatter and
+    /// ring all-gather, whose bytes across hosts grow with the ranks per host. Either way each
+    /// element is summed in rank order: the results are bitwise the same, on or off.
+    pub fn set_node_aware(&mut self, on: bool) -> bool {
+        self.mesh.as_mut().is_some_and(|m| {
+            m.node_aware = on && m.nodes.as_ref().is_some_and(nodes::Nodes::worth_it);
+            m.node_aware
+        })
+    }
+
+    /// The ranks of each host, in rank order, when every host's ranks are contiguous (`None`
+    /// when they interleave; one range for a group on one host or a group of one).
+    pub fn hosts(&self) -> Option<Vec<std::ops::Range<usize>>> {
+        match &self.mesh {
+            None => Some(std::iter::once(0..self.world_size).collect()),
+            Some(m) => m
+                .nodes
+                .as_ref()
+                .map(|n| (0..n.count()).map(|j| n.ranks(j)).collect()),
+        }
+    }
+
+    /// Whether large all-reduces take the node-aware path ([`Self::set_node_aware`]).
+    pub fn node_aware(&self) -> bool {
+        self.mesh.as_ref().is_some_and(|m| m.node_aware)
     }
 
     /// The rendezvous store client (for exchanging extra setup data, e.g. an NCCL id);

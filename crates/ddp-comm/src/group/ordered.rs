@@ -3,7 +3,7 @@
 
 use super::ReduceOp;
 use super::copy;
-use super::link::{Link, link_err, link_of, pad8, skip};
+use super::link::{Link, ZEROS, link_err, link_of, pad8, skip};
 use crate::error::CommError;
 
 /// A reduction of raw received bytes into a byte view of a typed buffer.
@@ -45,11 +45,29 @@ pub(crate) struct OrderedReduce<'a> {
     reduce: ReduceFn,
     op: ReduceOp,
     elem: usize,
+    forward: Option<Forward>,
+}
+
+/// One term of an ordered reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Term {
+    /// This rank's own values (already in the destination).
+    Own,
+    /// The values a peer sends.
+    Peer(usize),
+}
+
+/// Where the finished result goes as it is produced, and how much of it (padding included)
+/// has gone.
+#[derive(Debug, Clone, Copy)]
+struct Forward {
+    peer: usize,
+    sent: usize,
 }
 
 impl<'a> OrderedReduce<'a> {
     /// The steps of rank `rank` of `world` for the piece `dst` (`prefix`: `dst.len()` bytes
-    /// when `rank >= 2`).
+    /// when `rank >= 2`): the terms of every rank in rank order.
     pub(crate) fn new(
         rank: usize,
         world: usize,
@@ -59,6 +77,31 @@ impl<'a> OrderedReduce<'a> {
         op: ReduceOp,
         elem: usize,
     ) -> Self {
+        let order: Vec<Term> = (0..world)
+            .map(|p| if p == rank { Term::Own } else { Term::Peer(p) })
+            .collect();
+        Self::in_order(&order, dst, prefix, reduce, op, elem)
+    }
+
+    /// The steps that reduce `order`'s terms, in that order, into `dst` (which holds this
+    /// rank's own term, [`Term::Own`], exactly once in `order`); `prefix` takes the terms
+    /// before it (`dst.len()` bytes when there are two or more).
+    pub(crate) fn in_order(
+        order: &[Term],
+        dst: &'a mut [u8],
+        prefix: &'a mut [u8],
+        reduce: ReduceFn,
+        op: ReduceOp,
+        elem: usize,
+    ) -> Self {
+        let own = order
+            .iter()
+            .position(|t| *t == Term::Own)
+            .expect("the order holds this rank's own term");
+        let peer_of = |t: &Term| match t {
+            Term::Peer(p) => *p,
+            Term::Own => unreachable!("this rank's own term is in the order once"),
+        };
         let pad_left = pad8(dst.len());
         let peer = |p: usize, into_prefix: bool, copy: bool| Step {
             from: Source::Peer(p),
@@ -67,10 +110,10 @@ impl<'a> OrderedReduce<'a> {
             done: 0,
             pad_left,
         };
-        let mut steps = Vec::with_capacity(world);
-        if rank >= 2 {
-            steps.push(peer(0, true, true));
-            steps.extend((1..rank).map(|p| peer(p, true, false)));
+        let mut steps = Vec::with_capacity(order.len());
+        if own >= 2 {
+            steps.push(peer(peer_of(&order[0]), true, true));
+            steps.extend(order[1..own].iter().map(|t| peer(peer_of(t), true, false)));
             steps.push(Step {
                 from: Source::Prefix,
                 into_prefix: false,
@@ -78,10 +121,14 @@ impl<'a> OrderedReduce<'a> {
                 done: 0,
                 pad_left: 0,
             });
-        } else if rank == 1 {
-            steps.push(peer(0, false, false));
+        } else if own == 1 {
+            steps.push(peer(peer_of(&order[0]), false, false));
         }
-        steps.extend((rank + 1..world).map(|p| peer(p, false, false)));
+        steps.extend(
+            order[own + 1..]
+                .iter()
+                .map(|t| peer(peer_of(t), false, false)),
+        );
         OrderedReduce {
             dst,
             prefix,
@@ -89,24 +136,46 @@ impl<'a> OrderedReduce<'a> {
             reduce,
             op,
             elem,
+            forward: None,
         }
+    }
+
+    /// Also sends every finished byte of the result to `peer` as soon as it is final (the
+    /// chain of nodes passes partial sums on while they are being summed).
+    pub(crate) fn forwarding_to(mut self, peer: usize) -> Self {
+        self.forward = Some(Forward { peer, sent: 0 });
+        self
+    }
+
+    /// Bytes of `dst` that hold their final value.
+    fn final_bytes(&self) -> usize {
+        self.steps.last().map_or(self.dst.len(), |s| s.done)
     }
 
     pub(crate) fn finished(&self) -> bool {
         let len = self.dst.len();
         self.steps.iter().all(|s| s.done == len && s.pad_left == 0)
+            && self.forward.is_none_or(|f| f.sent == len + pad8(len))
     }
 
-    /// The peer of the first unfinished step (it waits on nothing but that peer's data).
-    pub(crate) fn waits_on(&self) -> Option<usize> {
+    /// The peer of the first unfinished step (it waits on nothing but that peer's data), and
+    /// the peer of the forward when it has finished bytes it could not send yet.
+    pub(crate) fn waits_on(&self) -> (Option<usize>, Option<usize>) {
         let len = self.dst.len();
-        self.steps
+        let recv = self
+            .steps
             .iter()
             .find(|s| s.done < len || s.pad_left > 0)
             .and_then(|s| match s.from {
                 Source::Peer(p) => Some(p),
                 Source::Prefix => None,
-            })
+            });
+        let ready = self.final_bytes();
+        let send = self.forward.and_then(|f| {
+            let wire = if ready == len { len + pad8(len) } else { ready };
+            (f.sent < wire).then_some(f.peer)
+        });
+        (recv, send)
     }
 
     pub(crate) fn progress(
@@ -160,6 +229,21 @@ impl<'a> OrderedReduce<'a> {
                 moved += k;
             }
             limit = step.done;
+        }
+        let ready = self.final_bytes();
+        if let Some(f) = &mut self.forward {
+            let wire = len + pad8(len);
+            let link = link_of(links, f.peer);
+            let n = if f.sent < ready {
+                link.send_some(&self.dst[f.sent..ready])
+            } else if ready == len && f.sent < wire {
+                link.send_some(&ZEROS[..wire - f.sent])
+            } else {
+                Ok(0)
+            }
+            .map_err(|e| link_err(e, f.peer, what))?;
+            f.sent += n;
+            moved += n;
         }
         Ok(moved)
     }

@@ -37,6 +37,16 @@ fn run_ranks<R: Send + 'static>(
     o: GroupOptions,
     f: impl Fn(&mut ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
+    run_ranks_on(&vec![String::new(); world], o, f)
+}
+
+/// [`run_ranks`] with rank `r` on the emulated host `hosts[r]` (empty: this machine's).
+fn run_ranks_on<R: Send + 'static>(
+    hosts: &[String],
+    o: GroupOptions,
+    f: impl Fn(&mut ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let world = hosts.len();
     static N: AtomicU64 = AtomicU64::new(0);
     let token = format!("test-token-{}", N.fetch_add(1, Ordering::Relaxed));
     let port = free_port();
@@ -44,7 +54,9 @@ fn run_ranks<R: Send + 'static>(
     let handles: Vec<_> = (0..world)
         .map(|r| {
             let (f, o, token) = (f.clone(), o.clone(), token.clone());
+            let host = Some(hosts[r].clone()).filter(|h| !h.is_empty());
             std::thread::spawn(move || {
+                mesh::TEST_HOST_ID.with(|h| *h.borrow_mut() = host);
                 let mut pg = ProcessGroup::init(&env(r, world, port, &token), o)
                     .unwrap_or_else(|e| panic!("rank {r}: init: {e}"));
                 f(&mut pg)
@@ -360,3 +372,6 @@ mod compressed;
 
 /// Tests of `reduce_scatter`, `reduce_scatter_compressed` and `all_gather_into`.
 mod scatter;
+
+/// Tests of the node-aware all-reduce on emulated hosts.
+mod nodes;

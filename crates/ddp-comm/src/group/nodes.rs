@@ -1,0 +1,99 @@
+//! The node layout of a group: which ranks share a host, as the node-aware all-reduce
+//! ([`super::hierarchical`]) and the cross-host byte counter see it.
+
+use std::ops::Range;
+
+/// Ranks grouped by host, each host's ranks contiguous and the hosts in rank order (node `j`
+/// holds ranks `starts[j]..starts[j + 1]`), as every launcher numbers them
+/// (`RANK = node_rank · nproc_per_node + local_rank`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Nodes {
+    starts: Vec<usize>,
+}
+
+impl Nodes {
+    /// The layout of `hosts` (one host identity per rank), or `None` when a host's ranks are
+    /// not contiguous (ranks interleaved across hosts: no chain of nodes keeps rank order).
+    pub(crate) fn from_hosts<S: AsRef<str>>(hosts: &[S]) -> Option<Self> {
+        let mut starts = vec![0];
+        for r in 1..hosts.len() {
+            if hosts[r].as_ref() != hosts[r - 1].as_ref() {
+                if hosts[..r].iter().any(|h| h.as_ref() == hosts[r].as_ref()) {
+                    return None;
+                }
+                starts.push(r);
+            }
+        }
+        starts.push(hosts.len());
+        Some(Nodes { starts })
+    }
+
+    /// Number of nodes.
+    pub(crate) fn count(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    /// The ranks of node `j`.
+    pub(crate) fn ranks(&self, j: usize) -> Range<usize> {
+        self.starts[j]..self.starts[j + 1]
+    }
+
+    /// The node of `rank`.
+    pub(crate) fn node_of(&self, rank: usize) -> usize {
+        self.starts.partition_point(|&s| s <= rank) - 1
+    }
+
+    /// Channels of the node-aware all-reduce: the fewest ranks any node has, so that every
+    /// node has a rank of its own for each channel.
+    pub(crate) fn channels(&self) -> usize {
+        (0..self.count())
+            .map(|j| self.ranks(j).len())
+            .min()
+            .unwrap_or(1)
+    }
+
+    /// The rank of node `j` that carries channel `c` across nodes.
+    pub(crate) fn owner(&self, j: usize, c: usize) -> usize {
+        self.starts[j] + c
+    }
+
+    /// Whether the node-aware all-reduce can do better than the flat one: several nodes, one
+    /// of them with several ranks (with one rank per node the flat algorithm already sends
+    /// `2·S·(k−1)/k` per node).
+    pub(crate) fn worth_it(&self) -> bool {
+        self.count() >= 2 && (0..self.count()).any(|j| self.ranks(j).len() >= 2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contiguous_hosts_make_nodes() {
+        let n = Nodes::from_hosts(&["a", "a", "a", "b", "c", "c"]).unwrap();
+        assert_eq!(n.count(), 3);
+        assert_eq!([n.ranks(0), n.ranks(1), n.ranks(2)], [0..3, 3..4, 4..6]);
+        assert_eq!(
+            (0..6).map(|r| n.node_of(r)).collect::<Vec<_>>(),
+            [0, 0, 0, 1, 2, 2]
+        );
+        assert_eq!(n.channels(), 1);
+        assert_eq!(n.owner(2, 0), 4);
+        assert!(n.worth_it());
+    }
+
+    #[test]
+    fn interleaved_hosts_have_no_node_layout() {
+        assert_eq!(Nodes::from_hosts(&["a", "b", "a", "b"]), None);
+    }
+
+    #[test]
+    fn one_rank_per_node_or_one_node_is_not_worth_it() {
+        assert!(!Nodes::from_hosts(&["a", "b", "c"]).unwrap().worth_it());
+        assert!(!Nodes::from_hosts(&["a", "a", "a"]).unwrap().worth_it());
+        let even = Nodes::from_hosts(&["a", "a", "b", "b"]).unwrap();
+        assert!(even.worth_it());
+        assert_eq!(even.channels(), 2);
+    }
+}

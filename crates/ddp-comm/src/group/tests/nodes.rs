@@ -1,0 +1,182 @@
+//! The node-aware all-reduce on emulated hosts (threads with host identities of their own):
+//! bitwise the flat all-reduce at every layout, even and uneven, for every reduce op; the
+//! bytes each node sends across hosts next to the bound; ranks that disagree fail.
+
+use super::compressed::sample;
+use super::*;
+
+/// Host identities for `layout[j]` ranks on node `j`.
+fn hosts(layout: &[usize]) -> Vec<String> {
+    layout
+        .iter()
+        .enumerate()
+        .flat_map(|(j, &l)| std::iter::repeat_n(format!("emulated-node-{j}"), l))
+        .collect()
+}
+
+/// What one rank saw: node-aware on, then the results of the node-aware and the flat path.
+struct Seen {
+    node_aware: bool,
+    sum: (Vec<f32>, Vec<f32>),
+    mean: (Vec<f64>, Vec<f64>),
+    max: (Vec<i64>, Vec<i64>),
+}
+
+/// `f(pg, node_aware)` once on the node-aware path, once on the flat one.
+fn both<T: Element>(pg: &mut ProcessGroup, input: &[T], op: ReduceOp) -> (Vec<T>, Vec<T>) {
+    let mut out = [input.to_vec(), input.to_vec()];
+    for (on, buf) in [true, false].into_iter().zip(&mut out) {
+        pg.set_node_aware(on);
+        pg.all_reduce(buf, op).unwrap();
+    }
+    pg.set_node_aware(true);
+    let [a, b] = out;
+    (a, b)
+}
+
+fn check_layout(layout: &[usize], len: usize, shm: bool) {
+    let world: usize = layout.iter().sum();
+    let seen = run_ranks_on(&hosts(layout), opts(shm), move |pg| {
+        let r = pg.rank();
+        let f32s: Vec<f32> = (0..len).map(|i| sample(r, i, false)).collect();
+        let f64s: Vec<f64> = (0..len).map(|i| sample(r, i, false) as f64 / 3.0).collect();
+        let i64s: Vec<i64> = (0..len)
+            .map(|i| (sample(r, i, true) * 64.0) as i64)
+            .collect();
+        Seen {
+            node_aware: pg.node_aware(),
+            sum: both(pg, &f32s, ReduceOp::Sum),
+            mean: both(pg, &f64s, ReduceOp::Mean),
+            max: both(pg, &i64s, ReduceOp::Max),
+        }
+    });
+    let expect_on = layout.len() >= 2 && layout.iter().any(|&l| l >= 2);
+    for (r, s) in seen.iter().enumerate() {
+        assert_eq!(s.node_aware, expect_on, "{layout:?} rank {r}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&s.sum.0) == bits(&s.sum.1),
+            "{layout:?} len {len}: rank {r}'s node-aware sum differs from the flat one"
+        );
+        let bits64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits64(&s.mean.0) == bits64(&s.mean.1),
+            "{layout:?} rank {r} mean"
+        );
+        assert_eq!(s.max.0, s.max.1, "{layout:?} rank {r} max");
+        assert!(
+            bits(&s.sum.0) == bits(&seen[0].sum.0),
+            "rank {r} differs from rank 0"
+        );
+    }
+    // Spot checks against the rank-order sum computed here.
+    for i in [0, len / 3, len - 1] {
+        let want = (1..world).fold(sample(0, i, false), |acc, p| acc + sample(p, i, false));
+        assert_eq!(
+            seen[0].sum.0[i].to_bits(),
+            want.to_bits(),
+            "{layout:?} element {i}"
+        );
+    }
+}
+
+/// Above the one-message path, in one round.
+const LEN: usize = 40_003;
+
+#[test]
+fn node_aware_equals_flat_on_even_layouts() {
+    for layout in [&[2, 2][..], &[2, 2, 2], &[4, 4]] {
+        check_layout(layout, LEN, true);
+    }
+    check_layout(&[4, 4], 257, true);
+    // One rank per host: the flat path either way.
+    check_layout(&[1, 1, 1], LEN, true);
+}
+
+#[test]
+fn node_aware_equals_flat_on_uneven_layouts() {
+    for layout in [&[3, 1][..], &[1, 3], &[2, 1, 3]] {
+        check_layout(layout, LEN, true);
+    }
+    // Several rounds: one channel of 4.4 MB, two 4 MiB pieces.
+    check_layout(&[3, 1], 1_100_000, true);
+    // Inside a host over TCP too (no shared memory).
+    check_layout(&[3, 1], LEN, false);
+}
+
+/// Bytes each node sends to other nodes in one all-reduce of `len` f32 values, node-aware and
+/// flat.
+fn bytes_across(layout: &[usize], len: usize) -> (Vec<u64>, Vec<u64>) {
+    let per_rank = run_ranks_on(&hosts(layout), opts(true), move |pg| {
+        let mut buf = vec![1.0f32; len];
+        let mut sent = [0u64; 2];
+        for (on, s) in [true, false].into_iter().zip(&mut sent) {
+            pg.set_node_aware(on);
+            let before = pg.bytes_sent_across_hosts();
+            pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            *s = pg.bytes_sent_across_hosts() - before;
+        }
+        sent
+    });
+    let mut per_node = (vec![0; layout.len()], vec![0; layout.len()]);
+    let mut rank = 0;
+    for (j, &l) in layout.iter().enumerate() {
+        for s in &per_rank[rank..rank + l] {
+            per_node.0[j] += s[0];
+            per_node.1[j] += s[1];
+        }
+        rank += l;
+    }
+    per_node
+}
+
+#[test]
+fn each_node_sends_at_most_the_chains_bound_across() {
+    let len = 1 << 18;
+    let s = (4 * len) as f64;
+    for layout in [&[2, 2][..], &[4, 4], &[2, 2, 2], &[3, 1]] {
+        let k = layout.len() as f64;
+        let (aware, flat) = bytes_across(layout, len);
+        // The last node sends the result once; the others their partial sums and their share
+        // of forwarding the result: S·(2k−3)/(k−1). Headers add a few hundred bytes.
+        let busiest = s * (2.0 * k - 3.0) / (k - 1.0);
+        for (j, &b) in aware.iter().enumerate() {
+            assert!(
+                b as f64 <= busiest * 1.001 + 4096.0,
+                "{layout:?} node {j} sent {b} bytes across, over {busiest}"
+            );
+        }
+        let total: u64 = aware.iter().sum();
+        let bound_total = 2.0 * s * (k - 1.0);
+        assert!(
+            (total as f64 - bound_total).abs() <= bound_total * 0.001 + 4096.0 * k,
+            "{layout:?}: {total} bytes across in all, the bound is {bound_total}"
+        );
+        // With several ranks on a node, the flat all-reduce sends more (why this path exists).
+        if layout.iter().any(|&l| l >= 2) {
+            let flat_max = *flat.iter().max().unwrap();
+            let aware_max = *aware.iter().max().unwrap();
+            assert!(
+                flat_max as f64 > 1.3 * aware_max as f64,
+                "{layout:?}: flat {flat:?}, node-aware {aware:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ranks_that_disagree_on_the_algorithm_fail_together() {
+    let res = run_ranks_on(&hosts(&[2, 2]), opts(true), |pg| {
+        pg.set_node_aware(pg.rank() != 3);
+        let mut buf = vec![1.0f32; 100_000];
+        pg.all_reduce(&mut buf, ReduceOp::Sum)
+            .map_err(|e| e.to_string())
+    });
+    for (r, e) in res.iter().enumerate() {
+        let e = e.as_ref().expect_err("a mismatch");
+        assert!(
+            e.contains("node-aware") || e.contains("poisoned") || e.contains("rank 3"),
+            "rank {r}: {e}"
+        );
+    }
+}
