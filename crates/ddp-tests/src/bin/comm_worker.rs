@@ -82,7 +82,11 @@ fn main() -> ExitCode {
     let result = ProcessGroup::init(&env, opts)
         .map_err(Failure::from)
         .and_then(|mut pg| {
-            println!("rank {rank}: joined in {:?}", t0.elapsed());
+            println!(
+                "rank {rank}: joined in {:?} (node-aware all-reduce {})",
+                t0.elapsed(),
+                if pg.node_aware() { "on" } else { "off" }
+            );
             run(&args, &mut pg)
         });
     match result {
