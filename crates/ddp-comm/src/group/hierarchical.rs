@@ -64,12 +64,25 @@ pub(super) fn all_reduce<T: Element>(
     {
         element::divide(&mut buf[channels.range(c)], round.world);
     }
-    let sizes: Vec<Range<usize>> = (0..nodes.channels())
+    let channel_bytes: Vec<Range<usize>> = (0..nodes.channels())
         .map(|c| bytes_of(&channels.range(c), sz))
         .collect();
     let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-    result_across(mesh, round, nodes, &me, bytes, &sizes)?;
-    result_inside(mesh, round, nodes, &me, bytes, &sizes)
+    let chain = Chain {
+        round,
+        nodes,
+        me: &me,
+    };
+    chain.result_across(mesh, bytes, &channel_bytes)?;
+    chain.result_inside(mesh, bytes, &channel_bytes)
+}
+
+/// What the phases after the chain reduce share: the collective, the layout and this rank's
+/// place in it.
+struct Chain<'a> {
+    round: &'a Round<'a>,
+    nodes: &'a Nodes,
+    me: &'a Place,
 }
 
 /// Where this rank sits: its node and the channel it owns (if any).
@@ -157,82 +170,82 @@ fn visit_order(c: usize, k: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Phase 2: each channel's result from its owner on the last node to its owners on the
-/// others, relayed along [`visit_order`].
-fn result_across(
-    mesh: &mut Mesh,
-    round: &Round<'_>,
-    nodes: &Nodes,
-    me: &Place,
-    bytes: &mut [u8],
-    channels: &[Range<usize>],
-) -> Result<()> {
-    let Some(c) = me.channel else {
-        return Ok(());
-    };
-    let order = visit_order(c, nodes.count());
-    let at = order
-        .iter()
-        .position(|&j| j == me.node)
-        .expect("every node is on the chain");
-    let owner = |i: usize| order.get(i).map(|&j| nodes.owner(j, c));
-    let buf = &mut bytes[channels[c].clone()];
-    let op = match (at.checked_sub(1).and_then(owner), owner(at + 1)) {
-        (None, Some(next)) => Op::Send {
-            peer: next,
-            hdr: None,
-            data: buf,
-            done: 0,
-        },
-        (Some(prev), Some(next)) => Op::Relay {
-            from: prev,
-            to: next,
-            buf,
-            got: 0,
-            sent: 0,
-        },
-        (Some(prev), None) => Op::Recv {
-            peer: prev,
-            dst: buf,
-            done: 0,
-        },
-        (None, None) => return Ok(()),
-    };
-    drive(&mut mesh.links, &mut [op], round.wait, round.what)
-}
-
-/// Phase 3: every channel from its owner on this node to the node's other ranks.
-fn result_inside(
-    mesh: &mut Mesh,
-    round: &Round<'_>,
-    nodes: &Nodes,
-    me: &Place,
-    bytes: &mut [u8],
-    channels: &[Range<usize>],
-) -> Result<()> {
-    let local = nodes.ranks(me.node);
-    if local.len() < 2 {
-        return Ok(());
-    }
-    let mut ops: Vec<Op<'_>> = Vec::with_capacity(2 * local.len());
-    for (c, part) in split_mut(bytes, channels).into_iter().enumerate() {
-        if me.channel == Some(c) {
-            let data: &[u8] = part;
-            ops.extend(local.clone().filter(|&p| p != me.rank).map(|p| Op::Send {
-                peer: p,
+impl Chain<'_> {
+    /// Phase 2: each channel's result from its owner on the last node to its owners on the
+    /// others, relayed along [`visit_order`].
+    fn result_across(
+        &self,
+        mesh: &mut Mesh,
+        bytes: &mut [u8],
+        channels: &[Range<usize>],
+    ) -> Result<()> {
+        let Chain { round, nodes, me } = self;
+        let Some(c) = me.channel else {
+            return Ok(());
+        };
+        let order = visit_order(c, nodes.count());
+        let at = order
+            .iter()
+            .position(|&j| j == me.node)
+            .expect("every node is on the chain");
+        let owner = |i: usize| order.get(i).map(|&j| nodes.owner(j, c));
+        let buf = &mut bytes[channels[c].clone()];
+        let op = match (at.checked_sub(1).and_then(owner), owner(at + 1)) {
+            (None, Some(next)) => Op::Send {
+                peer: next,
                 hdr: None,
-                data,
+                data: buf,
                 done: 0,
-            }));
-        } else {
-            ops.push(Op::Recv {
-                peer: nodes.owner(me.node, c),
-                dst: part,
+            },
+            (Some(prev), Some(next)) => Op::Relay {
+                from: prev,
+                to: next,
+                buf,
+                got: 0,
+                sent: 0,
+            },
+            (Some(prev), None) => Op::Recv {
+                peer: prev,
+                dst: buf,
                 done: 0,
-            });
-        }
+            },
+            (None, None) => return Ok(()),
+        };
+        drive(&mut mesh.links, &mut [op], round.wait, round.what)
     }
-    drive(&mut mesh.links, &mut ops, round.wait, round.what)
+
+    /// Phase 3: every channel from its owner on this node to the node's other ranks.
+    fn result_inside(
+        &self,
+        mesh: &mut Mesh,
+        bytes: &mut [u8],
+        channels: &[Range<usize>],
+    ) -> Result<()> {
+        let Chain { round, nodes, me } = self;
+        let local = nodes.ranks(me.node);
+        if local.len() < 2 {
+            return Ok(());
+        }
+        let mut ops: Vec<Op<'_>> = Vec::with_capacity(2 * local.len());
+        for (c, part) in split_mut(bytes, channels).into_iter().enumerate() {
+            if me.channel == Some(c) {
+                let data: &[u8] = part;
+                ops.extend(local.clone().filter(|&p| p != me.rank).map(|p| Op::Send {
+                    peer: p,
+                    hdr: None,
+                    data,
+                    done: 0,
+                }));
+            } else {
+                ops.push(Op::Recv {
+                    peer: nodes.owner(me.node, c),
+                    dst: part,
+                    done: 0,
+                });
+            }
+        }
+        drive(&mut mesh.links, &mut ops, round.wait, round.what)
+    }
 }
 
 /// `bytes` cut at `ranges` (in increasing order, not overlapping): one slice per range.
