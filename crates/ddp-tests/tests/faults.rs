@@ -8,6 +8,19 @@ use ddp_testkit::RankJob;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 
+/// Waits until every rank of a `loop-big` job has finished two all-reduces.
+fn wait_for_iteration_2(job: &mut ddp_testkit::RunningJob, world: usize) {
+    let all: Vec<usize> = (0..world).collect();
+    assert!(
+        job.wait_for_output(&all, "iter 2", Duration::from_secs(90)),
+        "ranks did not reach iteration 2:\n{}",
+        (0..world)
+            .map(|r| job.output_so_far(r))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 fn kill_mid_allreduce(world: usize, tcp: bool) {
     let victim = 1;
     let mut job = RankJob::new(WORKER, world)
@@ -19,15 +32,7 @@ fn kill_mid_allreduce(world: usize, tcp: bool) {
         job = job.arg("--tcp");
     }
     let mut job = job.spawn().expect("spawning ranks");
-    let all: Vec<usize> = (0..world).collect();
-    assert!(
-        job.wait_for_output(&all, "iter 2", Duration::from_secs(90)),
-        "ranks did not reach iteration 2:\n{}",
-        (0..world)
-            .map(|r| job.output_so_far(r))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    wait_for_iteration_2(&mut job, world);
     let killed_at = job.kill(victim).expect("kill");
     let res = job.wait();
     for r in res.ranks.iter().filter(|r| r.rank != victim) {
@@ -59,6 +64,44 @@ fn sigkill_mid_allreduce_shm_4_ranks() {
 #[test]
 fn sigkill_mid_allreduce_tcp_3_ranks() {
     kill_mid_allreduce(3, true);
+}
+
+/// Two emulated hosts of two ranks, so the 100 MB all-reduces run as the chain of nodes; rank
+/// `victim` is SIGKILLed in the middle of them. Every other rank fails with a comm error within
+/// seconds, whichever link of the chain (partial sums, result relay, a host's own ranks) the
+/// victim held.
+fn kill_mid_node_aware_allreduce(victim: usize) {
+    let mut job = RankJob::new(WORKER, 4)
+        .arg("loop-big")
+        .args(["--timeout-secs", "100"])
+        .deadline(Duration::from_secs(120));
+    for r in 0..4 {
+        job = job.rank_env(r, "DDP_HOST_ID", format!("host-{}", r / 2));
+    }
+    let mut job = job.spawn().expect("spawning ranks");
+    wait_for_iteration_2(&mut job, 4);
+    let killed_at = job.kill(victim).expect("kill");
+    let res = job.wait();
+    for r in res.ranks.iter().filter(|r| r.rank != victim) {
+        assert!(
+            r.stdout.contains("node-aware all-reduce on"),
+            "{}",
+            res.report()
+        );
+        assert_eq!(r.code(), Some(3), "rank {}:\n{}", r.rank, res.report());
+        assert!(r.stderr.contains("comm error"), "{}", res.report());
+    }
+    res.assert_others_exited_within(victim, killed_at, Duration::from_secs(3));
+}
+
+#[test]
+fn sigkill_mid_node_aware_allreduce_of_a_channel_owner_on_the_first_host() {
+    kill_mid_node_aware_allreduce(1);
+}
+
+#[test]
+fn sigkill_mid_node_aware_allreduce_on_the_last_host() {
+    kill_mid_node_aware_allreduce(2);
 }
 
 #[test]
