@@ -39,7 +39,16 @@ fn a_flood_without_the_token_is_bounded_and_clients_go_on_being_served() {
     while server.refused_connections() + 64 < flood.len() as u64 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
-    let during = threads();
+    // Threads of handshakes that newcomers closed exit on their own; on a loaded machine some
+    // are still exiting just after the burst (79 once on 2 busy cores). What must hold is
+    // that, with all 500 connections still open, the count settles near the 16 handshakes
+    // one address may hold, not near 500: the fewest seen within 5 s.
+    let settle_until = Instant::now() + Duration::from_secs(5);
+    let mut during = threads();
+    while during > before + 64 && Instant::now() < settle_until {
+        std::thread::sleep(Duration::from_millis(50));
+        during = during.min(threads());
+    }
     // A client connected before the flood is served during it, without delay.
     let t = Instant::now();
     client.set("during", b"2").unwrap();
