@@ -1,6 +1,6 @@
 //! Clipping the averaged gradients by their global norm: PyTorch's
 //! `torch.nn.utils.clip_grad_norm_(params, max_norm)` after DDP's all-reduce, for
-//! [`crate::DdpOptimizer::with_grad_norm_clipping`].
+//! [`crate::DdpOptimizer::with_global_norm_clipping`].
 //!
 //! The norm is that of all trainable parameters' averaged gradients together,
 //! `‖g‖ = √(Σ_p Σ g_p²)`, and every gradient is scaled by `max_norm / (‖g‖ + 1e-6)` when that is
@@ -82,16 +82,7 @@ pub(crate) fn squared_norms<M: Module>(module: &M, grads: &GradientsParams) -> R
 
 /// The global norm of gradients whose per-parameter sums of squares are `squared` (added in
 /// this order), and the factor that clips it to `max_norm` (`None`: the norm is within it).
-///
-/// ```
-/// use burn_ddp::clip::clip_factor;
-/// // Gradients (3, 4): norm 5, clipped to 1 by a factor just under 1/5.
-/// let (norm, factor) = clip_factor(&[9.0, 16.0], 1.0);
-/// assert_eq!(norm, 5.0);
-/// assert!((factor.unwrap() - 0.2).abs() < 1e-6);
-/// assert_eq!(clip_factor(&[0.25], 1.0).1, None);
-/// ```
-pub fn clip_factor(squared: &[f64], max_norm: f64) -> (f64, Option<f32>) {
+pub(crate) fn clip_factor(squared: &[f64], max_norm: f64) -> (f64, Option<f32>) {
     let norm = squared.iter().fold(0.0f64, |acc, s| acc + s).sqrt();
     let factor = max_norm / (norm + NORM_EPSILON);
     (norm, (factor < 1.0).then_some(factor as f32))
@@ -142,6 +133,15 @@ pub(crate) fn check_max_norm(max_norm: f64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_factor_clips_the_global_norm() {
+        // Gradients (3, 4): norm 5, clipped to 1 by a factor just under 1/5.
+        let (norm, factor) = clip_factor(&[9.0, 16.0], 1.0);
+        assert_eq!(norm, 5.0);
+        assert!((factor.unwrap() - 0.2).abs() < 1e-6);
+        assert_eq!(clip_factor(&[0.25], 1.0).1, None);
+    }
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::TensorData;
 

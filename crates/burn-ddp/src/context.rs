@@ -124,11 +124,6 @@ impl DdpBuilder {
         self
     }
 
-    /// [`Self::bucket_cap_bytes`] in MiB.
-    pub fn bucket_cap_mib(self, mib: f64) -> Self {
-        self.bucket_cap_bytes((mib * 1024.0 * 1024.0) as usize)
-    }
-
     /// Deadline of every collective (default 300 s or `DDP_TIMEOUT_SECS`).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.group_options.timeout = timeout;
@@ -503,19 +498,20 @@ impl Ddp {
         &self.group
     }
 
-    /// The process group, locked, for collectives of your own (e.g. an all-gather of a hash
-    /// to check that ranks agree). Every rank must make the same calls in the same order;
-    /// release the guard before the next burn-ddp call that communicates.
+    /// Runs `f` with the job's process group, for collectives of your own (e.g. an all-gather
+    /// of a hash to check that ranks agree). Every rank must make the same calls in the same
+    /// order. The group is locked for the call only, so nothing can hold it past the closure
+    /// into the next burn-ddp call that communicates (which would deadlock).
     ///
     /// ```no_run
     /// # fn main() -> Result<(), burn_ddp::DdpError> {
     /// let ddp = burn_ddp::init()?;
     /// let mut counts = [ddp.rank() as f64, 1.0];
-    /// ddp.process_group().all_reduce(&mut counts, burn_ddp::ddp_comm::ReduceOp::Sum)?;
+    /// ddp.with_group(|pg| pg.all_reduce(&mut counts, burn_ddp::ddp_comm::ReduceOp::Sum))?;
     /// # Ok(()) }
     /// ```
-    pub fn process_group(&self) -> std::sync::MutexGuard<'_, ddp_comm::ProcessGroup> {
-        comm::lock(&self.group)
+    pub fn with_group<R>(&self, f: impl FnOnce(&mut ddp_comm::ProcessGroup) -> R) -> R {
+        f(&mut comm::lock(&self.group))
     }
 
     /// A gradient synchroniser over this job's group with this context's bucket cap (and,

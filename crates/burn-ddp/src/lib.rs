@@ -78,7 +78,7 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
-pub mod clip;
+mod clip;
 pub mod comm;
 mod context;
 #[cfg(all(test, feature = "cuda"))]

@@ -56,7 +56,7 @@ pub struct DdpOptimizer {
     optim: ModuleOptimizer,
     sync: GradientSynchronizer,
     sharding: Option<Sharding>,
-    /// Clip the averaged gradients to this global norm ([`Self::with_grad_norm_clipping`]).
+    /// Clip the averaged gradients to this global norm ([`Self::with_global_norm_clipping`]).
     max_grad_norm: Option<f64>,
     /// The global norm of the last step's averaged gradients, before clipping.
     last_grad_norm: Option<f64>,
@@ -143,27 +143,32 @@ impl DdpOptimizer {
     /// `clip_grad_norm_(model.parameters(), max_norm)` after DDP's all-reduce. When the norm
     /// of all trainable parameters' gradients together exceeds `max_norm`, every gradient is
     /// scaled by `max_norm / (norm + 1e-6)`. Sharded or not, the clipped training is bitwise
-    /// the same (see [`crate::clip`]); [`Self::last_grad_norm`] gives the norm before clipping.
-    /// `max_norm` must be finite and above 0: a step fails with
-    /// [`crate::DdpError::InvalidSetting`] otherwise.
+    /// the same (every rank adds the same per-parameter sums of squares in the model's order); [`Self::last_grad_norm`] gives the norm before clipping.
+    ///
+    /// Burn's own `with_grad_clipping(GradientClippingConfig::Norm(x))` clips each parameter's
+    /// gradient by its own norm; this clips all of them together by one factor, as PyTorch does.
+    ///
+    /// # Errors
+    /// [`crate::DdpError::InvalidSetting`] unless `max_norm` is finite and above 0.
     ///
     /// ```no_run
     /// # use burn::optim::AdamConfig;
     /// # fn main() -> Result<(), burn_ddp::DdpError> {
     /// let ddp = burn_ddp::init()?;
     /// let optim = burn_ddp::DdpOptimizer::sharded(&ddp, AdamConfig::new().init())
-    ///     .with_grad_norm_clipping(1.0);
+    ///     .with_global_norm_clipping(1.0)?;
     /// # Ok(()) }
     /// ```
-    pub fn with_grad_norm_clipping(self, max_norm: f64) -> Self {
-        DdpOptimizer {
+    pub fn with_global_norm_clipping(self, max_norm: f64) -> Result<Self> {
+        clip::check_max_norm(max_norm)?;
+        Ok(DdpOptimizer {
             max_grad_norm: Some(max_norm),
             ..self
-        }
+        })
     }
 
     /// The global norm of the last step's averaged gradients before clipping (what PyTorch's
-    /// `clip_grad_norm_` returns); `None` without [`Self::with_grad_norm_clipping`].
+    /// `clip_grad_norm_` returns); `None` without [`Self::with_global_norm_clipping`].
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.last_grad_norm
     }
@@ -238,9 +243,6 @@ impl DdpOptimizer {
         module: M,
         grads: GradientsParams,
     ) -> Result<M> {
-        if let Some(max_norm) = self.max_grad_norm {
-            clip::check_max_norm(max_norm)?;
-        }
         match &mut self.sharding {
             Some(sharding) => {
                 let owners = sharding.prepare(&module, &mut self.optim)?;

@@ -15,7 +15,7 @@ fn a_second_init_shares_the_group_with_the_same_settings_and_refuses_other_ones(
     };
     let first = builder().init().unwrap();
     // The same settings (another device or bucket cap is the caller's own): the same group.
-    let again = builder().bucket_cap_mib(1.0).init().unwrap();
+    let again = builder().bucket_cap_bytes(1 << 20).init().unwrap();
     assert!(std::sync::Arc::ptr_eq(first.group(), again.group()));
     // Other group settings would be silently ignored: an error instead.
     let err = builder()

@@ -59,8 +59,7 @@ pub fn hash(v: &[f32]) -> i64 {
 pub fn check_identical<M: Module>(ddp: &Ddp, model: &M, step: usize) -> Result<(), String> {
     let h = hash(&flatten(model));
     let mut all = vec![0i64; ddp.world_size()];
-    ddp.process_group()
-        .all_gather(&[h], &mut all)
+    ddp.with_group(|pg| pg.all_gather(&[h], &mut all))
         .map_err(|e| e.to_string())?;
     if all.iter().any(|&x| x != h) {
         return Err(format!(

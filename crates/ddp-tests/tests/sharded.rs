@@ -145,7 +145,7 @@ fn sharded_equals_unsharded_with(world: usize, optim: &str, more: &[&str]) {
     );
 }
 
-/// Gradients clipped by their global norm (`with_grad_norm_clipping`, PyTorch's
+/// Gradients clipped by their global norm (`with_global_norm_clipping`, PyTorch's
 /// `clip_grad_norm_`): the sharded optimizer, whose owners each hold a part of the gradients,
 /// computes the same norm as the unsharded one (every rank prints the same bits), the
 /// clipping is active (the norm exceeds the threshold, and the training differs from an

@@ -23,9 +23,9 @@
 //! training is bitwise the same as with [`crate::DdpOptimizer::new`]. Burn's gradient clipping
 //! (`with_grad_clipping`) clips each parameter's gradient by its own value or norm and is
 //! therefore exact too. Clipping by the *global* norm of all gradients
-//! ([`crate::DdpOptimizer::with_grad_norm_clipping`], PyTorch's `clip_grad_norm_`) needs one
+//! ([`crate::DdpOptimizer::with_global_norm_clipping`], PyTorch's `clip_grad_norm_`) needs one
 //! more all-reduce, of each owner's per-parameter sums of squares, and is bitwise the unsharded
-//! clipping too ([`crate::clip`]). What does not fit is an optimizer whose update mixes
+//! clipping too (`clip.rs`). What does not fit is an optimizer whose update mixes
 //! parameters (Muon's orthogonalisation, L-BFGS): it needs every parameter's state on one rank
 //! — use the unsharded optimizer for those.
 //!

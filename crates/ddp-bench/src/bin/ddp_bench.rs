@@ -214,8 +214,9 @@ fn bench<M: Module>(
             raw_buf.resize(st.elements, 1.0);
             ddp.barrier()?;
             let t = Instant::now();
-            ddp.process_group()
-                .all_reduce_compressed(&mut raw_buf, ReduceOp::Mean, compression)?;
+            ddp.with_group(|pg| {
+                pg.all_reduce_compressed(&mut raw_buf, ReduceOp::Mean, compression)
+            })?;
             if step >= args.warmup {
                 raw.push(t.elapsed());
                 ratios.push((t2 - t1b).as_secs_f64() / t.elapsed().as_secs_f64());
@@ -318,8 +319,7 @@ fn run_optimizers(ddp: &Ddp, args: &Args, transport: &str) -> Result<(), burn_dd
                 }
             };
             let mut largest = [state as i64];
-            ddp.process_group()
-                .all_reduce(&mut largest, ReduceOp::Max)?;
+            ddp.with_group(|pg| pg.all_reduce(&mut largest, ReduceOp::Max))?;
             let state_mib = largest[0] as f64 / (1024.0 * 1024.0);
             let (base_step, base_state) = *first.get_or_insert((step, state_mib));
             if ddp.is_main() {
@@ -340,7 +340,7 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     let ddp = burn_ddp::init()?;
     let device = ddp.device().clone().autodiff();
     let transport = {
-        let kinds = ddp.process_group().transports();
+        let kinds = ddp.with_group(|pg| pg.transports());
         let mut names: Vec<String> = kinds.iter().map(|t| format!("{t:?}")).collect();
         names.sort();
         names.dedup();

@@ -167,8 +167,7 @@ fn rank_main(args: &Args) -> Result<(), String> {
             cnn_step_ms(&ddp, false, batch, args.steps)?,
             cnn_step_ms(&ddp, true, batch, args.steps)?,
         ];
-        ddp.process_group()
-            .all_reduce(&mut t, ReduceOp::Max)
+        ddp.with_group(|pg| pg.all_reduce(&mut t, ReduceOp::Max))
             .map_err(|e| e.to_string())?;
         rows.push((batch, t[0], t[1]));
     }

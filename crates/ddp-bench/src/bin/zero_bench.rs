@@ -129,8 +129,10 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     let rss = peak_rss_bytes() as i64;
     let world = ddp.world_size();
     let (mut states, mut rsss) = (vec![0i64; world], vec![0i64; world]);
-    ddp.process_group().all_gather(&[state], &mut states)?;
-    ddp.process_group().all_gather(&[rss], &mut rsss)?;
+    ddp.with_group(|pg| {
+        pg.all_gather(&[state], &mut states)?;
+        pg.all_gather(&[rss], &mut rsss)
+    })?;
     if ddp.is_main() {
         let list = |v: &[i64]| v.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
         let line = format!(

@@ -69,7 +69,7 @@ struct Args {
     /// Start from this checkpoint.
     #[arg(long)]
     resume_from: Option<PathBuf>,
-    /// Clip the averaged gradients to this global norm (`with_grad_norm_clipping`).
+    /// Clip the averaged gradients to this global norm (`with_global_norm_clipping`).
     #[arg(long)]
     clip_norm: Option<f64>,
     /// Start unsharded and shard the optimizer (`DdpOptimizer::into_sharded`, its state
@@ -137,11 +137,13 @@ fn batch(
     ddp_tests::batch::<IN, OUT>(start..start + b, device)
 }
 
-fn optimizer(ddp: &Ddp, args: &Args, shard: bool) -> DdpOptimizer {
+fn optimizer(ddp: &Ddp, args: &Args, shard: bool) -> Result<DdpOptimizer, String> {
     let optim = optimizer_of(ddp, args.optim, shard);
     match args.clip_norm {
-        Some(max) => optim.with_grad_norm_clipping(max),
-        None => optim,
+        Some(max) => optim
+            .with_global_norm_clipping(max)
+            .map_err(|e| e.to_string()),
+        None => Ok(optim),
     }
 }
 
@@ -174,7 +176,7 @@ fn resume(
     let model = ddp
         .replicate_model(Net::new(args.hidden, &device))
         .map_err(|e| e.to_string())?;
-    let mut optim = optimizer(ddp, args, shard);
+    let mut optim = optimizer(ddp, args, shard)?;
     let (model, resumed) = ckpt
         .load::<_, ()>(ddp, model, &mut optim)
         .map_err(|e| e.to_string())?;
@@ -204,7 +206,7 @@ fn run(args: &Args) -> Result<(), String> {
             let model = ddp
                 .replicate_model(Net::new(args.hidden, &device))
                 .map_err(|e| e.to_string())?;
-            (model, optimizer(&ddp, args, args.shard), 0)
+            (model, optimizer(&ddp, args, args.shard)?, 0)
         }
     };
     let ckpt = Checkpointer::at(args.out.join("ckpt.bin"));

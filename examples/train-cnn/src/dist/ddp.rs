@@ -141,8 +141,7 @@ impl Cluster for DdpCluster {
 
     fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<(), DistError> {
         self.ddp
-            .process_group()
-            .all_reduce(values, ReduceOp::Sum)
+            .with_group(|pg| pg.all_reduce(values, ReduceOp::Sum))
             .map_err(err)
     }
 

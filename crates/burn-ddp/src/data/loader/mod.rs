@@ -199,23 +199,6 @@ where
         }
     }
 
-    /// The loader with default settings and per-rank `batch_size`, in one call.
-    ///
-    /// # Errors
-    /// As [`ShardedDataLoaderBuilder::build`].
-    pub fn new(
-        dataset: impl Dataset<I> + 'static,
-        batcher: impl Batcher<I, O> + 'static,
-        batch_size: usize,
-        rank: usize,
-        world_size: usize,
-        device: Device,
-    ) -> Result<Self, DataError> {
-        ShardedDataLoaderBuilder::new(batcher)
-            .batch_size(batch_size)
-            .build(dataset, rank, world_size, device)
-    }
-
     /// This loader's rank.
     pub fn rank(&self) -> usize {
         self.config.rank

@@ -87,11 +87,11 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
         };
         let mut step = step.map_err(|e| format!("rank {rank}: {e}"))?;
         // DDP's averaging of parameter gradients.
-        let mut pg = ddp.process_group();
-        pg.all_reduce(&mut step.gamma_grad, ReduceOp::Mean)
-            .map_err(|e| e.to_string())?;
-        pg.all_reduce(&mut step.beta_grad, ReduceOp::Mean)
-            .map_err(|e| e.to_string())?;
+        ddp.with_group(|pg| {
+            pg.all_reduce(&mut step.gamma_grad, ReduceOp::Mean)?;
+            pg.all_reduce(&mut step.beta_grad, ReduceOp::Mean)
+        })
+        .map_err(|e| e.to_string())?;
         result.steps.push(step);
     }
     result.running_mean = values(layer.running_mean.value_sync());
