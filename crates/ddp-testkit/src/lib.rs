@@ -25,11 +25,13 @@
 pub mod data_report;
 mod flood;
 mod job;
+mod launchers;
 mod output;
 pub mod syncbn_case;
 
 pub use flood::{Flood, connect_from};
 pub use job::{BIN_DIR_VAR, JobResult, RankJob, RankResult, RunningJob, free_port, job_token};
+pub use launchers::Launchers;
 pub use output::{collect, rank_lines};
 
 /// The little-endian f32 values of the file at `path` (what the rank programs write their

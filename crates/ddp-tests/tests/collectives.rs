@@ -94,17 +94,7 @@ fn matrix_two_launchers_of_two_ranks_node_aware() {
             .spawn()
             .expect("start ddprun")
     };
-    /// Kills the launchers still running however the test ends.
-    struct Reap(Vec<std::process::Child>);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            for c in &mut self.0 {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-    }
-    let mut nodes = Reap(vec![start(0), start(1)]);
+    let mut nodes = ddp_testkit::Launchers(vec![start(0), start(1)]);
     let outputs: Vec<_> = nodes
         .0
         .iter_mut()

@@ -217,19 +217,6 @@ fn bad_rank_is_a_clear_error() {
     );
 }
 
-/// Launchers of a test: SIGKILLed and reaped however the test ends (their ranks die with
-/// them through PDEATHSIG).
-struct Launchers(Vec<std::process::Child>);
-
-impl Drop for Launchers {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// `--nnodes 1:2` over two `ddprun` on loopback (emulated hosts), node 1's ddprun SIGKILLed in
 /// the middle of epoch 0: node 0 goes on alone (WORLD_SIZE 1) from the committed loader
 /// position, and over the attempts every sample of each epoch is consumed exactly once — what
@@ -290,7 +277,7 @@ fn a_lost_node_leaves_every_sample_of_each_epoch_read_exactly_once() {
             .spawn()
             .expect("start ddprun")
     };
-    let mut nodes = Launchers(vec![start("0"), start("1")]);
+    let mut nodes = ddp_testkit::Launchers(vec![start("0"), start("1")]);
     let deadline = Instant::now() + DEADLINE;
     // Kill node 1 once the job has committed a few batches of epoch 0.
     loop {
