@@ -123,24 +123,18 @@ impl ProcessGroup {
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
         let wait = self.waiting();
-        if let Some(nodes) = nodes {
-            let round = direct::Round {
-                rank: self.rank,
-                world: n,
-                wait: &wait,
-                what: &what,
-            };
-            return hierarchical::all_reduce(self.mesh_mut(), &round, &nodes, buf, op);
-        }
-        // The direct reduce-scatter of even shards (every element summed in rank order, as on
-        // the inline path), then a ring all-gather of the reduced shards.
-        let shards = Shards::even(buf.len(), n);
         let round = direct::Round {
             rank: self.rank,
             world: n,
             wait: &wait,
             what: &what,
         };
+        if let Some(nodes) = nodes {
+            return hierarchical::all_reduce(self.mesh_mut(), &round, &nodes, buf, op);
+        }
+        // The direct reduce-scatter of even shards (every element summed in rank order, as on
+        // the inline path), then a ring all-gather of the reduced shards.
+        let shards = Shards::even(buf.len(), n);
         direct::reduce_scatter(self.mesh_mut(), &round, buf, &shards, op)?;
         self.gather_ring(
             &hdr,
