@@ -36,7 +36,7 @@ use std::time::Instant;
 /// CUDA, Burn's CUDA backend in burn-ddp, the rank programs and train-cnn, and the NCCL
 /// transport (cudarc, loaded at run time). See the module's documentation for why it is one.
 pub const FEATURES: &str =
-    "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda,ddp-bench/wgpu,ddp-comm/nccl";
+    "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda,ddp-bench/wgpu";
 
 /// The targets with CUDA code that `cargo xtask gpu-check` runs on a GPU and `cargo xtask
 /// ptx-check` under the stand-in: burn-ddp's unit tests, the CUDA test binaries and, through
@@ -137,6 +137,8 @@ fn steps() -> Vec<Step> {
                     "package",
                     "-p",
                     "ddp-comm",
+                    "-p",
+                    "ddp-nccl",
                     "-p",
                     "burn-ddp",
                     "-p",

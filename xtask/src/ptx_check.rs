@@ -14,7 +14,7 @@
 //!   `target/ptx-check/` with ptxas's message, to fix or to report upstream);
 //! - no launch exceeds the device's limits;
 //! - at least one module links libdevice (cross-entropy's exp/log), found by the same lookup
-//!   as on a GPU machine (`ddp_comm::cuda_toolkit`), with `CUDA_PATH` unset for train-cnn;
+//!   as on a GPU machine (`ddp_nccl::cuda_toolkit`), with `CUDA_PATH` unset for train-cnn;
 //! - train-cnn exits 0, and no program met a driver call the stand-in lacks.
 //!
 //! It builds nothing heavy: the CUDA binaries are those of `cargo xtask ci`'s build step (its
@@ -45,7 +45,7 @@ pub struct PtxCheckArgs {
     pub no_tests: bool,
     /// The fallback build (`gpu-check build --nvrtc`): the kernels compiled by cubecl-cuda's
     /// CUDA C++ backend through NVRTC (burn-ddp's `cuda-nvrtc`), found as burn-ddp finds it
-    /// (`ddp_comm::nvrtc_files`). Builds the crates above cubecl-cuda once more: not CI's.
+    /// (`ddp_nccl::nvrtc_files`). Builds the crates above cubecl-cuda once more: not CI's.
     #[arg(long)]
     pub nvrtc: bool,
 }
@@ -221,15 +221,15 @@ impl Tally {
 
 /// Runs `cargo xtask ptx-check`.
 pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
-    let ptxas = ddp_comm::cuda_toolkit::find_ptxas().map_err(|e| e.to_string())?;
+    let ptxas = ddp_nccl::cuda_toolkit::find_ptxas().map_err(|e| e.to_string())?;
     let ptxas_version = ptxas_version(&ptxas);
-    let libdevice = ddp_comm::cuda_toolkit::find_libdevice().map_err(|e| e.to_string())?;
+    let libdevice = ddp_nccl::cuda_toolkit::find_libdevice().map_err(|e| e.to_string())?;
     let llvm = crate::cuda_build::llvm_version(root).unwrap_or_else(|| "?".into());
     let compiler = if a.nvrtc {
-        let nvrtc = ddp_comm::nvrtc_files::find_nvrtc().map_err(|e| e.to_string())?;
-        let version = ddp_comm::nvrtc_files::builtins_beside(&nvrtc)
+        let nvrtc = ddp_nccl::nvrtc_files::find_nvrtc().map_err(|e| e.to_string())?;
+        let version = ddp_nccl::nvrtc_files::builtins_beside(&nvrtc)
             .as_deref()
-            .and_then(ddp_comm::nvrtc_files::version_of_builtins)
+            .and_then(ddp_nccl::nvrtc_files::version_of_builtins)
             .map_or_else(|| "?".into(), |(a, b)| format!("{a}.{b}"));
         println!("ptx-check: NVRTC {version} ({})", nvrtc.display());
         format!("NVRTC {version}")
@@ -257,8 +257,8 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot link libcuda.so in {}: {e}", lib.display()))?;
     if a.nvrtc {
         // The links burn-ddp asks for (its own check fails without them, naming them).
-        let nvrtc = ddp_comm::nvrtc_files::find_nvrtc().map_err(|e| e.to_string())?;
-        ddp_comm::nvrtc_files::link_nvrtc(&nvrtc, &lib).map_err(|e| e.to_string())?;
+        let nvrtc = ddp_nccl::nvrtc_files::find_nvrtc().map_err(|e| e.to_string())?;
+        ddp_nccl::nvrtc_files::link_nvrtc(&nvrtc, &lib).map_err(|e| e.to_string())?;
     }
     let record = work.join("standin.log");
     let ld_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
@@ -388,7 +388,7 @@ fn run_tests(
 ) -> Result<(), String> {
     // The in-process tests compile kernels on Device::cuda(0) without Ddp::init: give them
     // the CUDA_PATH the same lookup finds.
-    let cuda_path = ddp_comm::cuda_toolkit::cuda_path_for(libdevice, &work.join("cuda"))
+    let cuda_path = ddp_nccl::cuda_toolkit::cuda_path_for(libdevice, &work.join("cuda"))
         .map_err(|e| e.to_string())?;
     let worker_dir = bins["syncbn_worker"]
         .parent()

@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
-use ddp_comm::{LaunchConfig, launch};
+use ddprun::{LaunchConfig, launch};
 
 /// Which device the ranks train on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -104,7 +104,7 @@ impl TrainArgs {
 /// Fails with a clear message when `gpus` CUDA ranks cannot run here (the same check every
 /// rank makes in `burn_ddp::init`, made once before the build).
 pub(crate) fn check_cuda(gpus: usize) -> Result<(), String> {
-    let visible = ddp_comm::nccl::visible_cuda_devices().map_err(|e| {
+    let visible = ddp_nccl::visible_cuda_devices().map_err(|e| {
         format!(
             "--gpus {gpus}: {e}. Run on CPU ranks with `cargo xtask train --cpus N`, or on a \
              non-CUDA GPU with `--backend wgpu`."

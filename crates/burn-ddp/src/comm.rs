@@ -14,7 +14,7 @@ pub type SharedGroup = Arc<Mutex<ProcessGroup>>;
 
 /// An NCCL communicator shared by everything in this process that communicates on its device.
 #[cfg(feature = "cuda")]
-pub type SharedNccl = Arc<Mutex<ddp_comm::nccl::NcclGroup>>;
+pub type SharedNccl = Arc<Mutex<ddp_nccl::NcclGroup>>;
 
 static GROUP: OnceLock<SharedGroup> = OnceLock::new();
 

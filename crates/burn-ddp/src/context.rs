@@ -336,7 +336,7 @@ fn is_gpu(device: &Device) -> bool {
 /// CUDA device `LOCAL_RANK` when the driver reports any device, else Flex with a warning.
 #[cfg(feature = "cuda")]
 fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
-    match ddp_comm::nccl::visible_cuda_devices() {
+    match ddp_nccl::visible_cuda_devices() {
         Ok(n) if n > 0 => cuda_device(local_rank, local_world_size),
         found => {
             let why = match found {
@@ -357,18 +357,17 @@ fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
 /// CUDA device `LOCAL_RANK` (device 0 when the rank sees only one), checked to exist.
 #[cfg(feature = "cuda")]
 fn cuda_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
-    let ordinal = ddp_comm::nccl::cuda_device_for_local_rank(local_rank, local_world_size)
+    let ordinal = ddp_nccl::cuda_device_for_local_rank(local_rank, local_world_size)
         .map_err(DdpError::Device)?;
     prepare_libdevice()?;
     Ok(Device::cuda(ordinal))
 }
 
 /// Makes cubecl-llvm find `libdevice.10.bc` (toolkit folders, pip wheels), so the first kernel
-/// that calls exp/log does not fail mid-step: see [`ddp_comm::cuda_toolkit::prepare_libdevice`].
+/// that calls exp/log does not fail mid-step: see [`ddp_nccl::cuda_toolkit::prepare_libdevice`].
 #[cfg(feature = "cuda")]
 fn prepare_libdevice() -> Result<()> {
-    let found =
-        ddp_comm::cuda_toolkit::prepare_libdevice().map_err(|e| DdpError::Device(e.into()))?;
+    let found = ddp_nccl::cuda_toolkit::prepare_libdevice()?;
     tracing::info!(
         libdevice = %found.file.display(),
         cuda_path = %found.cuda_path.display(),
@@ -382,12 +381,12 @@ fn prepare_libdevice() -> Result<()> {
 /// With the CUDA C++ backend (`cuda-nvrtc`): NVRTC must load under a name cudarc tries, and
 /// `CUDA_PATH/include` must hold the CUDA headers (linked there from a toolkit or pip's
 /// `nvidia-cuda-runtime` when `CUDA_PATH` is burn-ddp's own link folder), or the first kernel
-/// would panic inside cubecl. See [`ddp_comm::nvrtc_files`].
+/// would panic inside cubecl. See [`ddp_nccl::nvrtc_files`].
 #[cfg(feature = "cuda-nvrtc")]
 fn prepare_nvrtc(cuda_path: &std::path::Path) -> Result<()> {
-    use ddp_comm::cuda_toolkit::ToolkitError;
-    use ddp_comm::nvrtc_files;
-    let device_err = |e: ToolkitError| DdpError::Device(e.into());
+    use ddp_nccl::cuda_toolkit::ToolkitError;
+    use ddp_nccl::nvrtc_files;
+    let device_err = DdpError::Toolkit;
     // SAFETY: only dlopen/dlclose of the names cudarc tries.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         let file = nvrtc_files::find_nvrtc().map_err(device_err)?;
@@ -420,7 +419,7 @@ fn auto_device(_local_rank: usize, _local_world_size: usize) -> Result<Device> {
 fn check_device(device: &Device) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some(ordinal) = crate::nccl::cuda_ordinal(device) {
-        ddp_comm::nccl::check_cuda_device(ordinal).map_err(DdpError::Device)?;
+        ddp_nccl::check_cuda_device(ordinal).map_err(DdpError::Device)?;
         prepare_libdevice()?;
     }
     let _ = device;
@@ -630,7 +629,7 @@ mod cuda_tests {
     /// device); the automatic choice runs on the CPU.
     #[test]
     fn init_without_a_cuda_driver_is_one_clear_error() {
-        if ddp_comm::nccl::visible_cuda_devices().is_ok_and(|n| n > 0) {
+        if ddp_nccl::visible_cuda_devices().is_ok_and(|n| n > 0) {
             // A GPU machine: `cargo xtask gpu-check` runs the CUDA path itself.
             return;
         }

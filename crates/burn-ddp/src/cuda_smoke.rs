@@ -51,7 +51,7 @@ fn kernels(device: &Device) -> [Vec<f32>; 5] {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_smoke_kernels_match_the_cpu() {
-    let libdevice = ddp_comm::cuda_toolkit::prepare_libdevice()
+    let libdevice = ddp_nccl::cuda_toolkit::prepare_libdevice()
         .unwrap_or_else(|e| panic!("the exp/log kernel needs libdevice: {e}"));
     let cuda = kernels(&Device::cuda(0));
     let cpu = kernels(&Device::flex());

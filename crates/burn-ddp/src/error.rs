@@ -67,4 +67,9 @@ pub enum DdpError {
     #[cfg(feature = "cuda")]
     #[error("NCCL gradient sync was required but is unavailable: {0}")]
     NcclUnavailable(String),
+    /// A CUDA toolkit file Burn's CUDA backend needs is missing (libdevice; with `cuda-nvrtc`,
+    /// NVRTC and the CUDA headers). Raised by [`crate::init`] before the rank joins the group.
+    #[cfg(feature = "cuda")]
+    #[error("no usable device for this rank: {0}")]
+    Toolkit(#[from] ddp_nccl::cuda_toolkit::ToolkitError),
 }

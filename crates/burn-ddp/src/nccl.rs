@@ -1,9 +1,10 @@
 //! Gradient buckets all-reduced by NCCL on CUDA device memory (feature `cuda`).
 //!
-//! **Status: built and linked, not yet run on a GPU.** CI builds and links this path against
-//! Burn 0.22.1 / CubeCL 0.11.3 (`cargo xtask ci`), `cargo xtask ptx-check` assembles its kernels,
-//! and `cargo xtask gpu-check` runs it on a machine with an NVIDIA GPU; until that has happened, treat it as unverified and use
-//! [`NcclPolicy::Disabled`] (or `DDP_NCCL=off`) if in doubt.
+//! **Status: run on one GPU, never on two.** CI builds and links this path against Burn 0.22.1 /
+//! CubeCL 0.11.3 (`cargo xtask ci`) and `cargo xtask ptx-check` assembles its kernels; `cargo
+//! xtask gpu-check` has run it on one H200 (ranks sharing that GPU, and NCCL in a world of one).
+//! NCCL between two GPUs or two hosts has not run yet: use [`NcclPolicy::Disabled`] (or
+//! `DDP_NCCL=off`) if in doubt.
 //!
 //! # How the buckets travel
 //!
@@ -59,8 +60,8 @@ use burn_cubecl::{
 };
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
-use ddp_comm::nccl::{NcclGroup, NcclOptions, check_libraries};
 use ddp_comm::{GroupOptions, LaunchEnv, ReduceOp};
+use ddp_nccl::{NcclGroup, NcclOptions, check_libraries};
 
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
@@ -262,7 +263,7 @@ fn buffer_err(what: &str, msg: impl std::fmt::Display) -> DdpError {
 }
 
 /// A raw CUDA device pointer (cudarc's `CUdeviceptr`).
-type DevicePtr = ddp_comm::nccl::cudarc::driver::sys::CUdeviceptr;
+type DevicePtr = ddp_nccl::cudarc::driver::sys::CUdeviceptr;
 
 /// Replaces the f32 tensor `packed` (on `nccl`'s CUDA device) by its element-wise reduction
 /// (`op`) over all ranks, all-reduced by NCCL in device memory; see the [module docs](self)
@@ -523,7 +524,7 @@ fn register_in_fusion(
 #[cfg(test)]
 mod tests {
     use burn::tensor::TensorData;
-    use ddp_comm::nccl::cudarc::driver::result::{memcpy_dtoh_sync, memcpy_htod_sync};
+    use ddp_nccl::cudarc::driver::result::{memcpy_dtoh_sync, memcpy_htod_sync};
 
     use super::*;
 

@@ -87,7 +87,7 @@ fn launch(f: Handle, block_x: u32, shared: u32) -> CuResult {
 
 #[test]
 fn bad_ptx_and_bad_launches_are_refused_and_recorded() {
-    let ptxas = ddp_comm::cuda_toolkit::find_ptxas()
+    let ptxas = ddp_nccl::cuda_toolkit::find_ptxas()
         .unwrap_or_else(|e| panic!("this test needs ptxas: {e}"));
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("standin.log");

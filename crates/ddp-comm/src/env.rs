@@ -28,6 +28,14 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// (see [`crate::job_auth`]).
 pub const TOKEN_VAR: &str = "DDP_JOB_TOKEN";
 
+/// The variables that carry the attempt number to the ranks: torchrun's, and burn-ddp's alias
+/// (set by the launcher; a rank reads them to know it was restarted).
+pub const RESTART_COUNT_VARS: [&str; 2] = ["TORCHELASTIC_RESTART_COUNT", "DDP_RESTART_COUNT"];
+
+/// The variable that carries the launchers' rendezvous round (scale-ups included) to the
+/// ranks; `TORCHELASTIC_RESTART_COUNT` counts failed rounds only.
+pub const ROUND_VAR: &str = "DDP_ROUND";
+
 /// A launch variable that is missing or malformed. The message names the variable and value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -17,9 +17,6 @@ pub enum CommError {
     /// The launch environment is missing or malformed.
     #[error(transparent)]
     Env(#[from] EnvError),
-    /// A CUDA toolkit file the CUDA backend needs (libdevice) is missing.
-    #[error(transparent)]
-    Toolkit(#[from] crate::cuda_toolkit::ToolkitError),
     /// A blocking wait ran past its deadline.
     #[error("timed out after {after:.1?} during {op}{}", peer_suffix(*peer))]
     Timeout {
@@ -68,7 +65,7 @@ pub enum CommError {
     /// The caller passed an argument that cannot work (a root rank out of range, …).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// An NCCL call failed (feature `nccl`) with a code other than the ones that map to
+    /// An NCCL call failed (the `ddp-nccl` crate) with a code other than the ones that map to
     /// [`CommError::InvalidArgument`] (`ncclInvalidArgument`, `ncclInvalidUsage`) or
     /// [`CommError::Timeout`] (`ncclTimeout`): a remote rank's failure (`ncclRemoteError`), a
     /// system, internal or CUDA error.

@@ -52,7 +52,7 @@ enum Source {
 
 /// How this process authenticates to its job's store and peers.
 #[derive(Debug)]
-pub(crate) struct JobAuth {
+pub struct JobAuth {
     /// Where the job's store is (loopback for a single-host job without a token).
     pub endpoint: String,
     token: Option<String>,
@@ -71,8 +71,7 @@ impl JobAuth {
     /// The secret for a later client of the job's store (an NCCL group's): the one this
     /// process resolved for the group, else as [`JobAuth::for_group`] but reading the file on
     /// every rank.
-    #[cfg(feature = "nccl")]
-    pub(crate) fn for_client(env: &LaunchEnv) -> Result<JobAuth> {
+    pub fn for_client(env: &LaunchEnv) -> Result<JobAuth> {
         Self::resolve(env, false, true)
     }
 
@@ -154,7 +153,7 @@ impl JobAuth {
     /// Connects a client to the job's store within `timeout`. With the secret file, reads it
     /// (waiting for rank 0 to write it), and reads it again when the store refuses the secret
     /// (one left by an earlier run on the same port) until `timeout`.
-    pub(crate) fn connect(&mut self, timeout: Duration) -> Result<StoreClient> {
+    pub fn connect(&mut self, timeout: Duration) -> Result<StoreClient> {
         let path = match &self.source {
             Source::File { path, owner: false } if self.token.is_none() => path.clone(),
             _ => return StoreClient::connect(&self.endpoint, self.token.as_deref(), timeout),

@@ -4,12 +4,9 @@
 //! - [`store`]: the rendezvous key-value store rank 0 serves at `MASTER_ADDR:MASTER_PORT`.
 //! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
-//! - [`launcher`]: starts, watches and stops rank processes (the library behind the `ddprun`
-//!   binary, which is its own crate, `crates/ddprun`).
-//! - [`cuda_toolkit`]: the CUDA toolkit files Burn's CUDA backend needs at run time
-//! - [`nvrtc_files`]: NVRTC and the CUDA headers its second compiler (`cpp`, NVRTC) needs
-//!   (libdevice) found without a toolkit install, in pip's wheels.
 //! - [`log`]: whether log lines may be coloured (a terminal at the end, no `NO_COLOR`).
+//! - [`wire`]: the byte encoding of the store's and the rendezvous' messages (shared with the
+//!   NCCL transport of `ddp-nccl`, which publishes its id through the store).
 //! - [`trace`]: per-rank timelines of the collectives and of spans the program marks
 //!   (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
 //!
@@ -26,24 +23,17 @@
 #![warn(missing_docs)]
 
 pub mod auth;
-pub mod cuda_toolkit;
 pub mod env;
 pub mod error;
 pub mod group;
 pub mod job_auth;
-pub mod launcher;
 pub mod log;
-#[cfg(feature = "nccl")]
-pub mod nccl;
-mod net;
-pub mod nvrtc_files;
 mod refusals;
 pub mod store;
 pub mod trace;
-mod wire;
+pub mod wire;
 
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
 pub use group::{Compression, Element, GroupOptions, ProcessGroup, ReduceOp};
-pub use launcher::{LaunchConfig, LaunchError, LaunchReport, launch};
 pub use store::{PrefixStore, Store, StoreClient, StoreServer};

@@ -13,64 +13,71 @@ use std::io::{self, Read, Write};
 
 /// Builds one message: fields are appended in order, integers little-endian.
 #[derive(Debug, Default)]
-pub(crate) struct Writer(Vec<u8>);
+pub struct Writer(Vec<u8>);
 
 impl Writer {
     /// An empty message with room for `n` bytes.
-    pub(crate) fn with_capacity(n: usize) -> Self {
+    pub fn with_capacity(n: usize) -> Self {
         Writer(Vec::with_capacity(n))
     }
-    pub(crate) fn u8(mut self, v: u8) -> Self {
+    /// Appends a byte.
+    pub fn u8(mut self, v: u8) -> Self {
         self.0.push(v);
         self
     }
-    pub(crate) fn u16(mut self, v: u16) -> Self {
+    /// Appends a `u16`.
+    pub fn u16(mut self, v: u16) -> Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub(crate) fn u32(mut self, v: u32) -> Self {
+    /// Appends a `u32`.
+    pub fn u32(mut self, v: u32) -> Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub(crate) fn u64(mut self, v: u64) -> Self {
+    /// Appends a `u64`.
+    pub fn u64(mut self, v: u64) -> Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub(crate) fn i64(mut self, v: i64) -> Self {
+    /// Appends an `i64`.
+    pub fn i64(mut self, v: i64) -> Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
     /// A byte string: its length as a `u32`, then the bytes.
-    pub(crate) fn bytes(self, v: &[u8]) -> Self {
+    pub fn bytes(self, v: &[u8]) -> Self {
         self.u32(v.len() as u32).raw(v)
     }
     /// Bytes with no length in front (magics, fixed-size fields).
-    pub(crate) fn raw(mut self, v: &[u8]) -> Self {
+    pub fn raw(mut self, v: &[u8]) -> Self {
         self.0.extend_from_slice(v);
         self
     }
     /// The message built so far.
-    pub(crate) fn finish(self) -> Vec<u8> {
+    pub fn finish(self) -> Vec<u8> {
         self.0
     }
 }
 
 /// A message that does not parse (too short, too long, a bad tag or magic).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Malformed;
+pub struct Malformed;
 
 /// Result of parsing a message.
-pub(crate) type Parsed<T> = std::result::Result<T, Malformed>;
+pub type Parsed<T> = std::result::Result<T, Malformed>;
 
 /// Reads the fields of one message in order; every read checks the length.
 #[derive(Debug)]
-pub(crate) struct Reader<'a>(&'a [u8]);
+pub struct Reader<'a>(&'a [u8]);
 
 impl<'a> Reader<'a> {
-    pub(crate) fn new(message: &'a [u8]) -> Self {
+    /// A reader at the start of `message`.
+    pub fn new(message: &'a [u8]) -> Self {
         Reader(message)
     }
-    pub(crate) fn take(&mut self, n: usize) -> Parsed<&'a [u8]> {
+    /// The next `n` bytes.
+    pub fn take(&mut self, n: usize) -> Parsed<&'a [u8]> {
         if self.0.len() < n {
             return Err(Malformed);
         }
@@ -79,35 +86,40 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
     /// `N` bytes with no length in front.
-    pub(crate) fn array<const N: usize>(&mut self) -> Parsed<[u8; N]> {
+    pub fn array<const N: usize>(&mut self) -> Parsed<[u8; N]> {
         Ok(self.take(N)?.try_into().expect("take returned N bytes"))
     }
-    pub(crate) fn u8(&mut self) -> Parsed<u8> {
+    /// Reads a byte.
+    pub fn u8(&mut self) -> Parsed<u8> {
         Ok(self.take(1)?[0])
     }
-    pub(crate) fn u16(&mut self) -> Parsed<u16> {
+    /// Reads a `u16`.
+    pub fn u16(&mut self) -> Parsed<u16> {
         self.array().map(u16::from_le_bytes)
     }
-    pub(crate) fn u32(&mut self) -> Parsed<u32> {
+    /// Reads a `u32`.
+    pub fn u32(&mut self) -> Parsed<u32> {
         self.array().map(u32::from_le_bytes)
     }
-    pub(crate) fn u64(&mut self) -> Parsed<u64> {
+    /// Reads a `u64`.
+    pub fn u64(&mut self) -> Parsed<u64> {
         self.array().map(u64::from_le_bytes)
     }
-    pub(crate) fn i64(&mut self) -> Parsed<i64> {
+    /// Reads an `i64`.
+    pub fn i64(&mut self) -> Parsed<i64> {
         self.array().map(i64::from_le_bytes)
     }
     /// A byte string written by [`Writer::bytes`].
-    pub(crate) fn bytes(&mut self) -> Parsed<&'a [u8]> {
+    pub fn bytes(&mut self) -> Parsed<&'a [u8]> {
         let n = self.u32()? as usize;
         self.take(n)
     }
     /// A UTF-8 string written by [`Writer::bytes`].
-    pub(crate) fn string(&mut self) -> Parsed<String> {
+    pub fn string(&mut self) -> Parsed<String> {
         String::from_utf8(self.bytes()?.to_vec()).map_err(|_| Malformed)
     }
     /// Succeeds when every byte has been read.
-    pub(crate) fn end(&self) -> Parsed<()> {
+    pub fn end(&self) -> Parsed<()> {
         if self.0.is_empty() {
             Ok(())
         } else {

@@ -8,7 +8,7 @@
 //!
 //! On several nodes the launchers meet at a rendezvous that node 0's ddprun serves
 //! (`--rdzv-endpoint`, default `MASTER_ADDR:MASTER_PORT`): every restart and every change of
-//! membership is a round all of them agree on (see `ddp_comm::launcher`).
+//! membership is a round all of them agree on (see `ddprun`).
 //!
 //! Exit code: 0 when every rank succeeds; otherwise the first failing rank's exit code (128 +
 //! signal when it was killed by a signal), with one summary line on stderr. With
@@ -22,7 +22,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use ddp_comm::launcher::{LaunchConfig, LaunchError, launch};
+use ddprun::{LaunchConfig, LaunchError, launch};
 
 /// Start, watch and stop the rank processes of a data-parallel job on this node.
 ///

@@ -125,9 +125,9 @@ fn main() -> ExitCode {
 /// `--max-restarts`, or a round of a multi-node job after a scale-up, `DDP_ROUND`): then a
 /// checkpoint the earlier attempt left is resumed without `--resume`.
 fn restarted() -> bool {
-    let vars = ddp_comm::launcher::RESTART_COUNT_VARS
+    let vars = ddp_comm::env::RESTART_COUNT_VARS
         .iter()
-        .chain([&ddp_comm::launcher::ROUND_VAR]);
+        .chain([&ddp_comm::env::ROUND_VAR]);
     vars.into_iter().any(|var| {
         std::env::var(var)
             .ok()

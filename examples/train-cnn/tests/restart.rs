@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ddp_comm::launcher::{LaunchConfig, LaunchReport, launch};
+use ddprun::{LaunchConfig, LaunchReport, launch};
 use train_cnn::checkpoint::{Checkpoint, FILE_NAME, parameter_values};
 use train_cnn::metrics::{EpochMetrics, read_json};
 

@@ -54,7 +54,7 @@ pub const CARGO_BUILDS: &[CargoBuild] = &[
             pick("ddp_worker", "bin", "ddp_worker"),
             pick("syncbn_worker", "bin", "syncbn_worker"),
             pick("train-cnn", "bin", "train-cnn"),
-            pick("nccl", "test", "ddp-comm-nccl-tests"),
+            pick("nccl", "test", "ddp-nccl-tests"),
         ],
     },
     CargoBuild {
@@ -67,8 +67,6 @@ pub const CARGO_BUILDS: &[CargoBuild] = &[
             "-p",
             "ddp-bench",
             "--no-default-features",
-            "--features",
-            "ddprun/nccl",
             "--bin",
             "ddprun",
             "--bin",

@@ -4,7 +4,7 @@
 //! ddp-comm's own library checks say.
 //!
 //! The loader reads `LD_LIBRARY_PATH` once, at a process's start, so the checks
-//! ([`ddp_comm::nccl::check_libraries`], [`visible_cuda_devices`]) run in `xtask gpu-check
+//! ([`ddp_nccl::check_libraries`], [`visible_cuda_devices`]) run in `xtask gpu-check
 //! probe`, started with the environment the rows get; this process only looks for the folders
 //! to add.
 
@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use ddp_comm::nccl::library::{cuda_present, nccl_present};
-use ddp_comm::nccl::{check_libraries, visible_cuda_devices};
+use ddp_nccl::library::{cuda_present, nccl_present};
+use ddp_nccl::{check_libraries, visible_cuda_devices};
 use serde::{Deserialize, Serialize};
 
 use super::process;
@@ -31,7 +31,7 @@ const DRIVER_DIRS: [&str; 5] = [
 /// default search path).
 const NVIDIA_ICD: &str = "/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json";
 
-/// The runtime name of NCCL, which cudarc 0.19 does not try (see `ddp_comm::nccl::library`).
+/// The runtime name of NCCL, which cudarc 0.19 does not try (see `ddp_nccl::library`).
 const NCCL_SONAME: &str = "libnccl.so.2";
 
 /// Variables every check gets unless already set: NCCL over loopback with warnings only, few
@@ -95,10 +95,10 @@ pub fn probe_here() -> Probe {
     let devices = visible_cuda_devices().map_err(|e| e.to_string());
     let driver_cuda = cuda.then(driver_cuda_version).flatten();
     // SAFETY: only when cudarc can load libcuda, so its lazy loader does not panic.
-    let cu_init = cuda.then(|| unsafe { ddp_comm::nccl::cudarc::driver::sys::cuInit(0) } as i32);
+    let cu_init = cuda.then(|| unsafe { ddp_nccl::cudarc::driver::sys::cuInit(0) } as i32);
     let device_name = matches!(devices, Ok(n) if n > 0)
         .then(|| {
-            use ddp_comm::nccl::cudarc::driver::result::device;
+            use ddp_nccl::cudarc::driver::result::device;
             device::get(0).and_then(device::get_name).ok()
         })
         .flatten();
@@ -129,8 +129,8 @@ fn driver_cuda_version() -> Option<String> {
     let mut v: std::ffi::c_int = 0;
     // SAFETY: only called when cudarc can load libcuda (cuda_present), so its lazy loader
     // does not panic; cuDriverGetVersion writes one int and needs no cuInit.
-    let r = unsafe { ddp_comm::nccl::cudarc::driver::sys::cuDriverGetVersion(&mut v) };
-    (r == ddp_comm::nccl::cudarc::driver::sys::CUresult::CUDA_SUCCESS)
+    let r = unsafe { ddp_nccl::cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (r == ddp_nccl::cudarc::driver::sys::CUresult::CUDA_SUCCESS)
         .then(|| format!("{}.{}", v / 1000, v % 1000 / 10))
 }
 
@@ -344,8 +344,8 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
         .push((TESTS_BIN_DIR_VAR.into(), bin_dir.display().to_string()));
     // libdevice.10.bc for the kernels that call exp/log (no CUDA toolkit on the machine is
     // the normal case): the lookup burn-ddp itself makes, here once for every row.
-    match ddp_comm::cuda_toolkit::find_libdevice().and_then(|f| {
-        ddp_comm::cuda_toolkit::cuda_path_for(&f, &bin_dir.join("cuda")).map(|p| (f, p))
+    match ddp_nccl::cuda_toolkit::find_libdevice().and_then(|f| {
+        ddp_nccl::cuda_toolkit::cuda_path_for(&f, &bin_dir.join("cuda")).map(|p| (f, p))
     }) {
         Ok((file, cuda_path)) => {
             m.header.push(format!(
@@ -486,7 +486,7 @@ pub fn prepare(self_exe: &Path, bin_dir: &Path, log_dir: &Path, gl: Option<&Path
 /// there; else added), the headers linked into `CUDA_PATH/include` when that is a link folder of
 /// ours, and a warning when NVRTC is newer than the driver (its PTX would be refused).
 fn prepare_nvrtc(m: &mut Machine, bin_dir: &Path, cuda_path: Option<&Path>) {
-    use ddp_comm::nvrtc_files;
+    use ddp_nccl::nvrtc_files;
     let nvrtc = match nvrtc_files::find_nvrtc() {
         Ok(f) => f,
         Err(e) => {

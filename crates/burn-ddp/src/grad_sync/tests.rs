@@ -204,7 +204,7 @@ fn nccl_device_path_with_16_bit_wire_rounds_once() {
 /// A one-rank NCCL communicator on CUDA device 0 and a world-of-one process group.
 #[cfg(feature = "cuda")]
 fn one_rank_nccl() -> (crate::nccl::SharedNccl, crate::comm::SharedGroup) {
-    use ddp_comm::nccl::{NcclGroup, NcclOptions};
+    use ddp_nccl::{NcclGroup, NcclOptions};
     let nccl = NcclGroup::single(&NcclOptions {
         device: Some(0),
         ..NcclOptions::default()

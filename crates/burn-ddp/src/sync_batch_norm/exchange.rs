@@ -241,7 +241,7 @@ mod tests {
                 (cubecl-llvm downloads LLVM at build time)"]
     fn nccl_transport_in_a_world_of_one_hands_back_its_input() {
         use burn::backend::Cube;
-        use ddp_comm::nccl::{NcclGroup, NcclOptions};
+        use ddp_nccl::{NcclGroup, NcclOptions};
         use std::sync::{Arc, Mutex};
         let device = Device::cuda(0);
         let nccl = NcclGroup::single(&NcclOptions {

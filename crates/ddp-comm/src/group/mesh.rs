@@ -94,7 +94,7 @@ thread_local! {
 
 /// This machine's identity: `DDP_HOST_ID` if set (tests use it to emulate several hosts),
 /// else the host name and the kernel's boot id.
-pub(crate) fn host_identity() -> String {
+pub fn host_identity() -> String {
     #[cfg(test)]
     if let Some(id) = TEST_HOST_ID.with(|h| h.borrow().clone()) {
         return id;

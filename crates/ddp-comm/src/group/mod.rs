@@ -46,6 +46,7 @@ mod header;
 mod hierarchical;
 mod link;
 pub(crate) mod mesh;
+pub use mesh::host_identity;
 mod nodes;
 mod ordered;
 mod scatter;

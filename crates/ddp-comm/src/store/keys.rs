@@ -18,69 +18,66 @@
 //!   (the host's coordinator's heartbeat).
 
 /// The process group's namespace.
-pub(crate) const PROCESS_GROUP: &str = "ddp/pg";
+pub const PROCESS_GROUP: &str = "ddp/pg";
 
 /// Rank `rank`'s published address (in [`PROCESS_GROUP`]).
-pub(crate) fn peer_addr(rank: usize) -> String {
+pub fn peer_addr(rank: usize) -> String {
     format!("addr/{rank}")
 }
 
 /// The trace clock synchronisation's namespace.
-pub(crate) const TRACE: &str = "ddp/trace";
+pub const TRACE: &str = "ddp/trace";
 
 /// Rank `rank`'s ping of clock round `round` (in [`TRACE`]).
-pub(crate) fn trace_ping(rank: usize, round: usize) -> String {
+pub fn trace_ping(rank: usize, round: usize) -> String {
     format!("ping/{rank}/{round}")
 }
 
 /// Rank 0's answer to [`trace_ping`] (in [`TRACE`]).
-pub(crate) fn trace_pong(rank: usize, round: usize) -> String {
+pub fn trace_pong(rank: usize, round: usize) -> String {
     format!("pong/{rank}/{round}")
 }
 
 /// Rank `rank`'s generation counter (in NCCL's namespace).
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-pub(crate) fn nccl_generation(rank: usize) -> String {
+pub fn nccl_generation(rank: usize) -> String {
     format!("generation/{rank}")
 }
 
 /// Set by rank `rank` when it reaches the rendezvous of `generation` (in NCCL's namespace).
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-pub(crate) fn nccl_arrived(generation: i64, rank: usize) -> String {
+pub fn nccl_arrived(generation: i64, rank: usize) -> String {
     format!("{generation}/arrived/{rank}")
 }
 
 /// The unique id of `generation` (in NCCL's namespace).
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-pub(crate) fn nccl_unique_id(generation: i64) -> String {
+pub fn nccl_unique_id(generation: i64) -> String {
     format!("{generation}/unique_id")
 }
 
 /// The launchers' rendezvous namespace (in the rendezvous host's store).
-pub(crate) const LAUNCHERS: &str = "ddp/launchers";
+pub const LAUNCHERS: &str = "ddp/launchers";
 
 /// Launcher `id`'s heartbeat counter (in [`LAUNCHERS`]).
-pub(crate) fn launcher_heartbeat(id: &str) -> String {
+pub fn launcher_heartbeat(id: &str) -> String {
     format!("hb/{id}")
 }
 
 /// The launchers' whole rendezvous state, one value changed only by compare-and-set (full
 /// key: the namespace is part of it).
-pub(crate) fn launchers_state() -> String {
+pub fn launchers_state() -> String {
     format!("{LAUNCHERS}/state")
 }
 
 /// The counter of heartbeat connections launcher `id` opened (in [`LAUNCHERS`]).
-pub(crate) fn launcher_connections(id: &str) -> String {
+pub fn launcher_connections(id: &str) -> String {
     format!("conn/{id}")
 }
 
 /// The counter the store adds to when one of launcher `id`'s heartbeat connections ends (in
 /// [`LAUNCHERS`]): the launcher is gone once it reaches [`launcher_connections`].
-pub(crate) fn launcher_gone(id: &str) -> String {
+pub fn launcher_gone(id: &str) -> String {
     format!("gone/{id}")
 }
 
 /// The coordinator's own heartbeat counter (in [`LAUNCHERS`]): members see a host whose
 /// coordinator stopped.
-pub(crate) const COORDINATOR_BEAT: &str = "hb-coordinator";
+pub const COORDINATOR_BEAT: &str = "hb-coordinator";

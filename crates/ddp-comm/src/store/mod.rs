@@ -46,7 +46,7 @@
 //! ```
 
 mod client;
-pub(crate) mod keys;
+pub mod keys;
 mod message;
 mod server;
 mod table;

@@ -134,7 +134,7 @@ fn raw_garbage_connection_is_refused_and_server_keeps_serving() {
 #[test]
 fn connect_to_a_closed_port_times_out_with_the_endpoint_named() {
     // Bind and drop to get a port that nothing listens on.
-    let port = crate::net::free_port("127.0.0.1").unwrap();
+    let port = ddp_testkit::free_port();
     let ep = format!("127.0.0.1:{port}");
     let start = Instant::now();
     let err = StoreClient::connect(&ep, None, Duration::from_millis(200)).unwrap_err();
@@ -154,7 +154,7 @@ fn connect_to_a_closed_port_times_out_with_the_endpoint_named() {
 
 #[test]
 fn client_started_before_server_connects_once_it_is_up() {
-    let port = crate::net::free_port("127.0.0.1").unwrap();
+    let port = ddp_testkit::free_port();
     let ep = format!("127.0.0.1:{port}");
     let ep2 = ep.clone();
     let client = std::thread::spawn(move || {

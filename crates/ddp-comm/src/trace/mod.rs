@@ -4,7 +4,7 @@
 //! When the environment variable [`TRACE_VAR`] (`DDP_TRACE`) names a directory, every rank
 //! records spans — every collective of [`ProcessGroup`](crate::ProcessGroup), the rendezvous,
 //! and whatever the program marks with [`span`] — and writes them to `DIR/rank-<R>.trace.json`
-//! ([`rank_file_name`]). The launcher (`ddprun --trace DIR`, [`LaunchConfig::trace`]) sets the
+//! ([`rank_file_name`]). The launcher (`ddprun --trace DIR`, `ddprun::LaunchConfig::trace`) sets the
 //! variable for its ranks and, when the job has ended, merges the rank files into
 //! `DIR/trace.json` ([`merge_dir`]): one track per rank, on one clock. Open it in
 //! <https://ui.perfetto.dev> or `chrome://tracing`.
@@ -82,7 +82,6 @@
 //! # Ok::<(), std::io::Error>(())
 //! ```
 //!
-//! [`LaunchConfig::trace`]: crate::launcher::LaunchConfig::trace
 
 mod clock;
 mod event;

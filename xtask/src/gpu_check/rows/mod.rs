@@ -149,10 +149,10 @@ pub const CHECKS: &[Check] = &[
         binaries: &["train-cnn"],
     },
     Check {
-        label: "ddp-comm NCCL transport",
-        kind: Kind::Libtest("ddp-comm-nccl-tests"),
+        label: "ddp-nccl NCCL transport",
+        kind: Kind::Libtest("ddp-nccl-tests"),
         needs: Needs::Cuda,
-        binaries: &["ddp-comm-nccl-tests"],
+        binaries: &["ddp-nccl-tests"],
     },
     Check {
         label: "cargo xtask train --gpus 1 (the xtask binary, --program)",

@@ -4,10 +4,10 @@
 use cudarc::driver::CudaSlice;
 
 use super::NcclGroup;
-use crate::error::{CommError, Result};
-use crate::group::ReduceOp;
-use crate::nccl::comm::cuda_error;
-use crate::nccl::element::NcclElement;
+use crate::comm::cuda_error;
+use crate::element::NcclElement;
+use ddp_comm::ReduceOp;
+use ddp_comm::error::{CommError, Result};
 
 impl NcclGroup {
     /// [`NcclGroup::all_reduce`] on a host slice, staged through device memory.

@@ -43,8 +43,8 @@ pub(crate) mod state;
 
 use std::time::Duration;
 
-use crate::error::{CommError, Result};
-use crate::store::{CompareSet, StoreClient, keys};
+use ddp_comm::error::{CommError, Result};
+use ddp_comm::store::{CompareSet, StoreClient, keys};
 use messages::{decode, encode};
 use state::State;
 

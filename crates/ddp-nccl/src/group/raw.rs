@@ -4,10 +4,10 @@
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::NcclGroup;
-use crate::error::Result;
-use crate::group::ReduceOp;
-use crate::nccl::element::{NcclElement, nccl_op};
-use crate::nccl::result;
+use crate::element::{NcclElement, nccl_op};
+use crate::result;
+use ddp_comm::ReduceOp;
+use ddp_comm::error::Result;
 
 impl NcclGroup {
     /// [`NcclGroup::all_reduce`] on memory owned elsewhere (e.g. a Burn/CubeCL CUDA tensor).

@@ -1,7 +1,7 @@
 //! Launcher tests: real rank processes (`sh` scripts) started, watched and stopped.
 
 use super::*;
-use crate::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
+use ddp_comm::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
 
 fn cfg(n: usize) -> LaunchConfig {
     LaunchConfig {

@@ -1,7 +1,7 @@
 //! Finding `libcuda` and `libnccl` before cudarc touches them.
 //!
 //! cudarc (feature `dynamic-loading`) opens its libraries on first use and **panics** when they
-//! are missing. Every entry point of [`crate::nccl`] calls [`check_libraries`] first, so a
+//! are missing. Every entry point of [this crate](crate) calls [`check_libraries`] first, so a
 //! machine without CUDA or NCCL gets one clear [`CommError`] instead.
 //!
 //! # How cudarc 0.19 finds the libraries
@@ -28,7 +28,7 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use crate::error::{CommError, Result};
+use ddp_comm::error::{CommError, Result};
 
 /// The oldest NCCL this transport drives: non-blocking communicators with `ncclConfig_t`
 /// (`ncclCommInitRankConfig`, `ncclCommGetAsyncError` with `ncclInProgress`) arrived in 2.14.
@@ -99,7 +99,7 @@ pub struct Libraries {
 /// and [`CommError::InvalidArgument`] when NCCL is older than [`MIN_NCCL_VERSION`].
 ///
 /// ```
-/// match ddp_comm::nccl::check_libraries() {
+/// match ddp_nccl::check_libraries() {
 ///     Ok(libs) => println!("NCCL {}", libs.nccl_version),
 ///     Err(e) => println!("no NCCL here: {e}"),
 /// }

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use super::messages::{EndKind, NodeSpec, RoundEnd, RoundInfo};
 use super::state::{Phase, State};
 use super::{RendezvousError, TICK, Timing, change, read_state};
-use crate::error::{CommError, Result};
-use crate::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
+use ddp_comm::error::{CommError, Result};
+use ddp_comm::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
 
 /// What a member's ranks may take to stop after the job's end besides the grace period: the
 /// output drain, and a margin.

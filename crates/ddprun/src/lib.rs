@@ -1,8 +1,9 @@
-//! Starts, watches and stops rank processes (the library behind `ddprun`).
+//! Starts, watches and stops rank processes: the library behind the `ddprun` binary, with the
+//! launchers' elastic rendezvous for jobs of several nodes.
 //!
 //! [`launch`] follows torchrun's contract: it starts `nproc_per_node` copies of a program on this
 //! node with `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT` and the job token ([`crate::env::TOKEN_VAR`]) set, copies their output with a
+//! `MASTER_PORT` and the job token ([`ddp_comm::env::TOKEN_VAR`]) set, copies their output with a
 //! `[rank k] ` prefix on every line, and watches them. When a rank exits non-zero or is killed
 //! by a signal, the others are stopped (SIGTERM to each rank's process group, SIGKILL after
 //! [`LaunchConfig::grace`]) and the first failure is reported.
@@ -12,21 +13,24 @@
 //! `PR_SET_PDEATHSIG = SIGKILL`, so it dies if the launcher itself is killed, even by SIGKILL.
 //!
 //! With [`LaunchConfig::trace`] (or `DDP_TRACE` set), every rank records a timeline and the
-//! launcher merges the rank files into one when the launch has ended (see [`crate::trace`]).
+//! launcher merges the rank files into one when the launch has ended (see [`ddp_comm::trace`]).
 //!
 //! ```no_run
-//! use ddp_comm::launcher::{launch, LaunchConfig};
+//! use ddprun::{launch, LaunchConfig};
 //! let cfg = LaunchConfig { nproc_per_node: 4, ..LaunchConfig::default() };
 //! let report = launch(&cfg, "./train", &["--epochs".to_string(), "1".to_string()])?;
 //! if let Some(line) = report.summary() {
 //!     eprintln!("{line}");
 //! }
 //! std::process::exit(report.exit_code());
-//! # Ok::<(), ddp_comm::launcher::LaunchError>(())
+//! # Ok::<(), ddprun::LaunchError>(())
 //! ```
+
+#![warn(missing_docs)]
 
 mod config;
 mod job;
+mod net;
 mod output;
 mod rendezvous;
 mod report;
@@ -40,7 +44,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-pub use config::{LaunchConfig, RESTART_COUNT_VARS, ROUND_VAR};
+pub use config::LaunchConfig;
+pub use ddp_comm::env::{RESTART_COUNT_VARS, ROUND_VAR};
 pub use rendezvous::RendezvousError;
 pub use report::{AttemptEnd, Failure, JobStop, LaunchError, LaunchReport, RankExit};
 pub use signals::signal_name;
@@ -74,7 +79,7 @@ struct Rank {
 ///
 /// ```
 /// use std::time::Duration;
-/// use ddp_comm::launcher::{launch, LaunchConfig};
+/// use ddprun::{launch, LaunchConfig};
 /// let cfg = LaunchConfig {
 ///     nproc_per_node: 2,
 ///     grace: Duration::from_secs(2),
@@ -82,7 +87,7 @@ struct Rank {
 /// };
 /// let report = launch(&cfg, "sh", &["-c", "echo hello from rank $RANK of $WORLD_SIZE"])?;
 /// assert!(report.success());
-/// # Ok::<(), ddp_comm::launcher::LaunchError>(())
+/// # Ok::<(), ddprun::LaunchError>(())
 /// ```
 pub fn launch(
     cfg: &LaunchConfig,

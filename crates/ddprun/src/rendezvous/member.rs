@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use super::messages::{EndKind, NodeSpec, RoundEnd, RoundInfo};
 use super::state::{Joiner, Phase, State};
 use super::{RendezvousError, TICK, Timing, change, read_state};
-use crate::error::{CommError, Result};
-use crate::launcher::signals::{caught, signal_name};
-use crate::store::{PrefixStore, Store, StoreClient, keys};
+use crate::signals::{caught, signal_name};
+use ddp_comm::error::{CommError, Result};
+use ddp_comm::store::{PrefixStore, Store, StoreClient, keys};
 
 /// How often a waiting member reads the state.
 const POLL: Duration = Duration::from_millis(25);
@@ -247,7 +247,7 @@ impl Member {
                     master_addr: self.addr.clone(),
                     master_port: port,
                     stop_within_ms: u64::try_from(
-                        (self.timing.grace + crate::launcher::OUTPUT_DRAIN).as_millis(),
+                        (self.timing.grace + crate::OUTPUT_DRAIN).as_millis(),
                     )
                     .unwrap_or(u64::MAX),
                 };

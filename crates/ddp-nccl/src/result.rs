@@ -15,7 +15,7 @@ pub use cudarc::nccl::sys::ncclResult_t;
 pub(crate) use cudarc::nccl::sys::{cudaStream_t as StreamPtr, ncclComm_t as CommPtr};
 
 use super::rendezvous::ID_BYTES;
-use crate::error::CommError;
+use ddp_comm::error::CommError;
 
 /// A call to NCCL that returned an error code.
 ///

@@ -6,7 +6,7 @@ use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::NcclType;
 use cudarc::nccl::sys::ncclRedOp_t;
 
-use crate::group::ReduceOp;
+use ddp_comm::ReduceOp;
 
 mod sealed {
     pub trait Sealed {}

@@ -6,7 +6,7 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use super::signals::signal_name;
-use crate::env::TOKEN_VAR;
+use ddp_comm::env::TOKEN_VAR;
 
 /// How an earlier attempt of a launch ended (see [`LaunchConfig::max_restarts`](super::LaunchConfig::max_restarts)).
 #[derive(Debug, Clone, PartialEq)]

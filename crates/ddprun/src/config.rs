@@ -4,8 +4,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::LaunchError;
-use crate::auth::Key;
-use crate::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
+use ddp_comm::auth::Key;
+use ddp_comm::env::{DEFAULT_MASTER_PORT, TOKEN_VAR};
+use ddp_comm::env::{RESTART_COUNT_VARS, ROUND_VAR};
 
 /// What to launch on this node. `Default` is one rank on one node with a 5 s grace period.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,7 +71,7 @@ pub struct LaunchConfig {
     /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
     pub max_restarts: usize,
     /// Record a timeline of every rank into this directory (sets `DDP_TRACE` for the ranks,
-    /// see [`crate::trace`]) and merge the rank files into `DIR/trace.json` when the launch
+    /// see [`ddp_comm::trace`]) and merge the rank files into `DIR/trace.json` when the launch
     /// has ended, also when ranks failed. `None`: `DDP_TRACE` from [`Self::extra_env`] or
     /// from our environment, if set, does the same. With restarts, the last attempt's.
     pub trace: Option<std::path::PathBuf>,
@@ -103,10 +104,6 @@ impl Default for LaunchConfig {
     }
 }
 
-/// The variable that carries the rendezvous round (scale-ups included) to the ranks;
-/// `TORCHELASTIC_RESTART_COUNT` counts failed rounds only.
-pub const ROUND_VAR: &str = "DDP_ROUND";
-
 /// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
 /// the launchers' job token, so that the ranks never hold the launchers' secret and one
 /// round's token reveals no other's.
@@ -115,9 +112,6 @@ pub(super) fn ranks_token(job_token: &str, what: &str, n: u64) -> String {
         .derive(&format!("ranks/{what}/{n}"))
         .to_token()
 }
-
-/// The variables that carry the attempt number to the ranks: torchrun's, and burn-ddp's alias.
-pub const RESTART_COUNT_VARS: [&str; 2] = ["TORCHELASTIC_RESTART_COUNT", "DDP_RESTART_COUNT"];
 
 /// Validates `cfg` and works out the variables shared by every rank of this node.
 pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>, LaunchError> {
@@ -201,9 +195,9 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
     env.insert("MASTER_PORT".into(), port.to_string());
     env.insert(TOKEN_VAR.into(), token);
     // The ranks write into pipes; whether colour reaches a terminal is the launcher's to know.
-    let colour = crate::log::colour_wanted();
+    let colour = ddp_comm::log::colour_wanted();
     env.insert(
-        crate::log::COLOR_VAR.into(),
+        ddp_comm::log::COLOR_VAR.into(),
         if colour { "1" } else { "0" }.into(),
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -257,9 +251,9 @@ pub(super) fn attempt_env(
             );
         }
         // The ranks write into pipes; whether colour reaches a terminal is the launcher's to know.
-        let colour = crate::log::colour_wanted();
+        let colour = ddp_comm::log::colour_wanted();
         env.insert(
-            crate::log::COLOR_VAR.into(),
+            ddp_comm::log::COLOR_VAR.into(),
             if colour { "1" } else { "0" }.into(),
         );
     }

@@ -14,9 +14,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::error::{CommError, Result};
-use crate::store::{CompareSet, PrefixStore, Store, keys};
-use crate::wire::{Malformed, Reader, Writer};
+use ddp_comm::error::{CommError, Result};
+use ddp_comm::store::{CompareSet, PrefixStore, Store, keys};
+use ddp_comm::wire::{Malformed, Reader, Writer};
 
 /// Size of `ncclUniqueId`.
 pub const ID_BYTES: usize = 128;
@@ -147,7 +147,7 @@ pub fn missing_ranks<S: Store + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{StoreClient, StoreServer};
+    use ddp_comm::store::{StoreClient, StoreServer};
 
     const T: Duration = Duration::from_secs(10);
 

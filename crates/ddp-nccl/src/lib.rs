@@ -1,4 +1,10 @@
-//! Collectives on NVIDIA GPU memory through NCCL (feature `nccl`).
+//! Collectives on NVIDIA GPU memory through NCCL, for the process groups of `ddp-comm`, and the
+//! CUDA toolkit files Burn's CUDA backend needs at run time, found without a toolkit install.
+//!
+//! - [`cuda_toolkit`]: libdevice and the toolkit roots (pip's wheels, `CUDA_PATH`, …).
+//! - [`nvrtc_files`]: NVRTC and the CUDA headers its second compiler (`cpp`, NVRTC) needs.
+//!
+//! # NCCL
 //!
 //! [`NcclGroup`] is one NCCL communicator per rank process, on the CUDA device `LOCAL_RANK`
 //! (or [`NcclOptions::device`]). It runs all-reduce (sum, mean, max, min), broadcast,
@@ -7,7 +13,7 @@
 //! host-slice helpers that stage through the device.
 //!
 //! - **Rendezvous**: rank 0 asks NCCL for a unique id and publishes it in the job's
-//!   rendezvous store ([`crate::store`]); the other ranks read it ([`rendezvous`]).
+//!   rendezvous store ([`ddp_comm::store`]); the other ranks read it ([`rendezvous`]).
 //! - **No hangs**: communicators are created in NCCL's non-blocking mode and every call polls
 //!   for completion with the group's timeout while watching NCCL's asynchronous errors
 //!   (`ncclCommGetAsyncError`). A dead or stalled peer therefore gives a
@@ -20,7 +26,7 @@
 //!   where the libraries are searched (and the `libnccl.so` link that pip's NCCL needs).
 //!
 //! Every rank must call the collectives in the same order with matching lengths, as with the
-//! TCP [`crate::ProcessGroup`].
+//! TCP [`ddp_comm::ProcessGroup`].
 //!
 //! Layers, as in cudarc (`sys` → `result` → safe): [`result`] is the only module that calls
 //! NCCL's C functions, one result-returning function each, with a typed [`NcclError`]; the
@@ -29,8 +35,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use ddp_comm::{LaunchEnv, ProcessGroup, GroupOptions, ReduceOp, StoreClient};
-//! use ddp_comm::nccl::{NcclGroup, NcclOptions};
+//! use ddp_comm::{LaunchEnv, ProcessGroup, GroupOptions, ReduceOp};
+//! use ddp_nccl::{NcclGroup, NcclOptions};
 //! # fn main() -> Result<(), ddp_comm::CommError> {
 //! let env = LaunchEnv::from_env()?;
 //! // The TCP group serves the rendezvous store on rank 0; NCCL shares its id through it.
@@ -46,11 +52,15 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod comm;
+pub mod cuda_toolkit;
 mod device;
 mod element;
 mod group;
 pub mod library;
+pub mod nvrtc_files;
 mod options;
 pub mod rendezvous;
 pub mod result;
@@ -66,6 +76,6 @@ pub use options::{NcclOptions, TIMEOUT_VAR};
 pub use result::NcclError;
 
 #[cfg(doc)]
-use crate::error::CommError;
-#[cfg(doc)]
 use cudarc::driver::CudaSlice;
+#[cfg(doc)]
+use ddp_comm::CommError;

@@ -1,4 +1,4 @@
-//! Small socket helpers shared by the launcher and the tests.
+//! Small socket helpers of the launcher.
 
 use std::io;
 use std::net::TcpListener;

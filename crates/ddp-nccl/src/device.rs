@@ -11,7 +11,7 @@ use cudarc::driver::{CudaContext, DriverError, sys::cudaError_enum};
 use super::comm::cuda_error;
 use super::library::{cuda_present, missing_cuda_message};
 use super::options::NcclOptions;
-use crate::error::{CommError, Result};
+use ddp_comm::error::{CommError, Result};
 
 /// The number of CUDA devices this process can see (after `CUDA_VISIBLE_DEVICES`).
 ///
@@ -23,7 +23,7 @@ use crate::error::{CommError, Result};
 /// (`cuInit`), e.g. a driver older than the kernel module. No device at all is `Ok(0)`.
 ///
 /// ```
-/// match ddp_comm::nccl::visible_cuda_devices() {
+/// match ddp_nccl::visible_cuda_devices() {
 ///     Ok(n) => println!("{n} CUDA device(s)"),
 ///     Err(e) => println!("no CUDA here: {e}"),
 /// }

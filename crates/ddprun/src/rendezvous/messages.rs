@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{CommError, Result};
+use ddp_comm::error::{CommError, Result};
 
 /// One launcher's configuration, published when it first joins. Every launcher of a job must
 /// agree on everything but `id`, `host`, `pid` and `requested_node_rank`.

@@ -25,7 +25,7 @@ use cudarc::nccl::sys::ncclConfig_t;
 use super::library::NcclVersion;
 use super::rendezvous::ID_BYTES;
 use super::result::{self, CommPtr, NcclError, Progress, ncclResult_t};
-use crate::error::{CommError, Result};
+use ddp_comm::error::{CommError, Result};
 
 /// `NCCL_CONFIG_UNDEF_INT`: "let NCCL choose" for an int field of `ncclConfig_t`.
 const UNDEF_INT: c_int = c_int::MIN;

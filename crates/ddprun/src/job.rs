@@ -7,7 +7,7 @@ use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::config::{RESTART_COUNT_VARS, ROUND_VAR, ranks_token};
+use super::config::ranks_token;
 use super::rendezvous::host::Host;
 use super::rendezvous::member::{Joined, Member, RoundWatch, Seen};
 use super::rendezvous::messages::{
@@ -17,8 +17,9 @@ use super::rendezvous::{RendezvousError, Timing};
 use super::report::{Failure, RankExit};
 use super::signals::{SignalForwarding, caught, signal_name};
 use super::{AttemptEnd, JobStop, LaunchConfig, LaunchError, LaunchReport, RoundHooks};
-use crate::auth::Key;
-use crate::env::TOKEN_VAR;
+use ddp_comm::auth::Key;
+use ddp_comm::env::TOKEN_VAR;
+use ddp_comm::env::{RESTART_COUNT_VARS, ROUND_VAR};
 
 /// How long a rank failure with an exit code waits before it is written as the round's cause:
 /// a rank that exits with an error because a peer was killed, or because another node's
@@ -58,7 +59,7 @@ pub(super) fn launch_nodes(
     };
     let spec = NodeSpec {
         id: format!("{:016x}", rand::random::<u64>()),
-        host: crate::group::mesh::host_identity(),
+        host: ddp_comm::group::host_identity(),
         pid: std::process::id(),
         requested_node_rank: cfg.node_rank,
         nproc_per_node: cfg.nproc_per_node,

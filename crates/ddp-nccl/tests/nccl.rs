@@ -5,15 +5,14 @@
 //! libnccl; `cargo xtask gpu-check run` runs them on such a machine (it also makes the
 //! `libnccl.so` link cudarc needs). Multi-process tests spawn this test binary as rank
 //! processes, with a deadline after which the children are killed.
-#![cfg(feature = "nccl")]
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ddp_comm::nccl::cudarc::driver::DevicePtr;
-use ddp_comm::nccl::{NcclGroup, NcclOptions, check_libraries};
 use ddp_comm::{CommError, LaunchEnv, ReduceOp, StoreClient, StoreServer};
+use ddp_nccl::cudarc::driver::DevicePtr;
+use ddp_nccl::{NcclGroup, NcclOptions, check_libraries};
 
 const CHILD_VAR: &str = "DDP_NCCL_TEST_CHILD";
 const TOKEN: &str = "nccl-test-token";
@@ -79,7 +78,7 @@ fn ramp<T: Copy>(n: usize, f: impl Fn(usize) -> T) -> Vec<T> {
 /// with a sentinel so a collective that does not write is caught.
 fn device_collectives_world1<T>(g: &mut NcclGroup, data: Vec<T>, sentinel: T)
 where
-    T: ddp_comm::nccl::NcclElement + PartialEq,
+    T: ddp_nccl::NcclElement + PartialEq,
 {
     let stream = g.stream().clone();
     for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {

@@ -12,7 +12,7 @@
 //! wheel). Nothing found is one [`ToolkitError::LibdeviceNotFound`] naming every path tried.
 //!
 //! ```
-//! match ddp_comm::cuda_toolkit::find_libdevice() {
+//! match ddp_nccl::cuda_toolkit::find_libdevice() {
 //!     Ok(file) => println!("libdevice: {}", file.display()),
 //!     Err(e) => println!("{e}"),
 //! }
@@ -74,7 +74,7 @@ pub enum ToolkitError {
         "this build compiles CUDA kernels with NVRTC (feature cuda-nvrtc), but no libnvrtc.so / \
          libnvrtc.so.12 loads; {} is there: link it as libnvrtc.so, with the \
          libnvrtc-builtins.so.* beside it, into a folder on LD_LIBRARY_PATH before the program \
-         starts (see ddp_comm::nvrtc_files)",
+         starts (see ddp_nccl::nvrtc_files)",
         file.display()
     )]
     NvrtcNotLinked {

@@ -1,6 +1,6 @@
 //! [`NcclGroup`]'s collectives over a buffer split into one shard per rank, of any sizes:
 //! reduce-scatter and all-gather, as the process group offers them
-//! ([`crate::ProcessGroup::reduce_scatter`], [`crate::ProcessGroup::all_gather_into`]).
+//! ([`ddp_comm::ProcessGroup::reduce_scatter`], [`ddp_comm::ProcessGroup::all_gather_into`]).
 //!
 //! NCCL's own `ncclReduceScatter` and `ncclAllGather` take equal shards only, so uneven shards
 //! run as one NCCL group call of `ncclReduce` (rooted at each shard's rank) or `ncclBroadcast`
@@ -14,10 +14,10 @@ use cudarc::driver::DevicePtrMut;
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::NcclGroup;
-use crate::error::{CommError, Result};
-use crate::group::ReduceOp;
-use crate::nccl::element::{NcclElement, nccl_op};
-use crate::nccl::result;
+use crate::element::{NcclElement, nccl_op};
+use crate::result;
+use ddp_comm::ReduceOp;
+use ddp_comm::error::{CommError, Result};
 
 impl NcclGroup {
     /// Reduces `buf` across ranks leaving on each rank its own shard reduced: `buf` holds one

@@ -17,10 +17,10 @@ use super::library::{NcclVersion, check_libraries};
 use super::options::NcclOptions;
 use super::rendezvous;
 use super::result::{self, CommPtr, NcclError, Progress, StreamPtr};
-use crate::env::LaunchEnv;
-use crate::error::{CommError, Result};
-use crate::group::ReduceOp;
-use crate::store::StoreClient;
+use ddp_comm::ReduceOp;
+use ddp_comm::env::LaunchEnv;
+use ddp_comm::error::{CommError, Result};
+use ddp_comm::store::StoreClient;
 
 mod host;
 mod raw;
@@ -97,8 +97,8 @@ impl NcclGroup {
 
     /// Like [`NcclGroup::init`], connecting its own client to the job's store at
     /// `MASTER_ADDR:MASTER_PORT` with the job's secret (`DDP_JOB_TOKEN`, or the one
-    /// [`crate::ProcessGroup::init`] resolved for a single-host job without it). The store must be served already —
-    /// [`crate::ProcessGroup::init`] serves it on rank 0. A world of one needs no store.
+    /// [`ddp_comm::ProcessGroup::init`] resolved for a single-host job without it). The store must be served already —
+    /// [`ddp_comm::ProcessGroup::init`] serves it on rank 0. A world of one needs no store.
     pub fn connect(env: &LaunchEnv, opts: &NcclOptions) -> Result<Self> {
         // Check first: a machine without CUDA should hear about that, not about the store.
         check_libraries()?;
@@ -113,7 +113,7 @@ impl NcclGroup {
         }
         // The job's secret as the process group resolved it (DDP_JOB_TOKEN, or a single-host
         // job's secret file).
-        let mut store = crate::job_auth::JobAuth::for_client(env)?.connect(opts.init_timeout)?;
+        let mut store = ddp_comm::job_auth::JobAuth::for_client(env)?.connect(opts.init_timeout)?;
         Self::init(env, &mut store, opts)
     }
 
@@ -307,7 +307,7 @@ impl NcclGroup {
 
     /// Runs one NCCL call on the group's stream and waits for it under the watchdog. Any
     /// failure aborts the communicator and breaks the group. With tracing on (`DDP_TRACE`,
-    /// see [`crate::trace`]) the call is a `collective` span, from its enqueueing to its
+    /// see [`ddp_comm::trace`]) the call is a `collective` span, from its enqueueing to its
     /// completion on the device, named `op` (`all_reduce`, `broadcast`, …), with args `call`
     /// (`what`), `transport` (`nccl`), `world` and `device`.
     fn collective(
@@ -316,7 +316,7 @@ impl NcclGroup {
         what: &str,
         call: impl FnOnce(CommPtr, StreamPtr) -> std::result::Result<Progress, NcclError>,
     ) -> Result<()> {
-        let _span = crate::trace::span(op, "collective")
+        let _span = ddp_comm::trace::span(op, "collective")
             .arg_with("call", || what.to_string())
             .arg("transport", "nccl")
             .arg("world", self.world_size)

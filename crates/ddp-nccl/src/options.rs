@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use crate::error::{CommError, Result};
-use crate::group::GroupOptions;
+use ddp_comm::GroupOptions;
+use ddp_comm::error::{CommError, Result};
 
 /// The variable that overrides the default collective timeout, in seconds (shared with the TCP
 /// process group).
