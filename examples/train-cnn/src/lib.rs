@@ -4,7 +4,6 @@
 
 pub mod checkpoint;
 pub mod data;
-pub mod dist;
 pub mod metrics;
 pub mod model;
 pub mod plot;

@@ -8,10 +8,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn::nn::BatchNorm;
+use burn::tensor::Device;
+use burn_ddp::Ddp;
 use burn_ddp::sync_batch_norm::SyncBatchNorm;
 use clap::Parser;
 use train_cnn::data::DataSpec;
-use train_cnn::dist::{Backend, Cluster, DdpCluster};
 use train_cnn::model::NormLayer;
 use train_cnn::train::{self, LrSchedule, TrainConfig, TrainError};
 
@@ -153,22 +154,68 @@ fn run(args: Args) -> Result<(), TrainError> {
         progress: !args.no_progress && !args.quiet,
         quiet: args.quiet,
         eval_last_only: args.eval_last_only,
+        shard_optimizer: args.shard_optimizer,
     };
-    let mut cluster = DdpCluster::from_env(args.backend, args.compression)?
-        .with_sharded_optimizer(args.shard_optimizer);
+    // Join the job the launcher describes (ddprun, torchrun, Slurm; a world of one when started
+    // alone): rank, world size, the device of this rank, the process group.
+    let ddp = join(args.backend, args.compression)?;
     if args.sync_bn {
-        run_with::<SyncBatchNorm, _>(&mut cluster, &cfg)
+        run_with::<SyncBatchNorm>(&ddp, &cfg)
     } else {
-        run_with::<BatchNorm, _>(&mut cluster, &cfg)
+        run_with::<BatchNorm>(&ddp, &cfg)
     }
 }
 
-fn run_with<N: NormLayer, C: Cluster>(
-    cluster: &mut C,
-    cfg: &TrainConfig,
-) -> Result<(), TrainError> {
-    let trained = train::train::<N, C>(cluster, cfg)?;
-    if cluster.is_main() && !cfg.quiet {
+/// Which device each rank trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+enum Backend {
+    /// CUDA device `LOCAL_RANK` when built with `cuda` and a CUDA device is usable, else the
+    /// CPU (with a warning when built with `cuda`).
+    #[default]
+    Auto,
+    /// The CPU backend (Flex).
+    Cpu,
+    /// wgpu's default adapter (build with `--features wgpu`).
+    Wgpu,
+    /// CUDA device `LOCAL_RANK` (build with `--features cuda`); an error without one.
+    Cuda,
+}
+
+/// `burn_ddp::init()` with this program's device and compression settings.
+fn join(backend: Backend, compression: Option<ddp_comm::Compression>) -> Result<Ddp, TrainError> {
+    let builder = Ddp::builder();
+    let builder = match compression {
+        Some(c) => builder.compression(c),
+        None => builder,
+    };
+    let builder = match backend {
+        Backend::Auto => builder,
+        Backend::Cpu => builder.device(Device::flex()),
+        #[cfg(feature = "wgpu")]
+        Backend::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(not(feature = "wgpu"))]
+        Backend::Wgpu => {
+            return Err(TrainError::Config(
+                "--backend wgpu needs train-cnn built with `--features wgpu`".into(),
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => builder.cuda(),
+        #[cfg(not(feature = "cuda"))]
+        Backend::Cuda => {
+            return Err(TrainError::Config(
+                "--backend cuda needs train-cnn built with `--features cuda` \
+                 (cargo xtask train --gpus N does this)"
+                    .into(),
+            ));
+        }
+    };
+    Ok(builder.init()?)
+}
+
+fn run_with<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<(), TrainError> {
+    let trained = train::train::<N>(ddp, cfg)?;
+    if ddp.is_main() && !cfg.quiet {
         let p = &trained.paths;
         println!(
             "done: {} epochs; metrics {} and {}, plot {}, checkpoint {}",

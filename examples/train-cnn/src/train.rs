@@ -12,13 +12,14 @@ use burn::tensor::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use burn_ddp::data::ShardedDataLoaderBuilder;
+use burn_ddp::{Ddp, DdpError, DdpOptimizer};
+use ddp_comm::ReduceOp;
 
 use burn_ddp::checkpoint::{Checkpointer, Progress};
 use burn_ddp::data::LoaderState;
 
 use crate::checkpoint::{self, CheckpointError, CheckpointMeta, PartialEpoch};
 use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
-use crate::dist::{Cluster, DistError, StepOptimizer};
 use crate::metrics::{self, EpochMetrics};
 use crate::model::{Cnn, CnnConfig, NormLayer};
 use crate::plot::{self, PlotError};
@@ -60,6 +61,9 @@ pub struct TrainConfig {
     /// Evaluate after the last epoch only (the others' eval columns are NaN): a large eval
     /// split then costs one pass, not one per epoch.
     pub eval_last_only: bool,
+    /// Shard the optimizer state across the ranks (ZeRO stage 1, [`DdpOptimizer::sharded`]):
+    /// the same training, each rank holding the momentum of its own parameters only.
+    pub shard_optimizer: bool,
 }
 
 impl TrainConfig {
@@ -81,6 +85,7 @@ impl TrainConfig {
             progress: true,
             quiet: false,
             eval_last_only: false,
+            shard_optimizer: false,
         }
     }
 }
@@ -137,9 +142,9 @@ pub enum TrainError {
     /// Checkpoint problem.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    /// Process-group problem.
-    #[error(transparent)]
-    Dist(#[from] DistError),
+    /// The job failed: a collective, a peer, the device or the process group.
+    #[error("distributed: {0}")]
+    Ddp(DdpError),
     /// The sharded loader (a bad setting, or a batch that didn't arrive in time).
     #[error("training data: {0}")]
     Loader(#[from] burn_ddp::data::DataError),
@@ -160,7 +165,7 @@ impl From<burn_ddp::DdpError> for TrainError {
     fn from(e: burn_ddp::DdpError) -> Self {
         match e {
             burn_ddp::DdpError::Checkpoint(e) => TrainError::Checkpoint(e),
-            e => TrainError::Dist(DistError(e.to_string())),
+            e => TrainError::Ddp(e),
         }
     }
 }
@@ -203,7 +208,8 @@ pub struct Trained<N> {
     pub paths: OutputPaths,
 }
 
-/// Trains a CNN with norm layer `N` on `cluster` as `cfg` says.
+/// Trains a CNN with norm layer `N` on this rank of the job `ddp` as `cfg` says (a world of
+/// one when the program was started alone).
 ///
 /// Every rank calls this; rank 0 alone shows progress and writes files.
 ///
@@ -212,10 +218,7 @@ pub struct Trained<N> {
 /// start from the weights of the same run on the CPU), then moved to the device and replaced by
 /// rank 0's weights on every rank. Another thread drawing random numbers at the same time
 /// perturbs that stream, so run one training per process when reproducibility matters.
-pub fn train<N: NormLayer, C: Cluster>(
-    cluster: &mut C,
-    cfg: &TrainConfig,
-) -> Result<Trained<N>, TrainError> {
+pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, TrainError> {
     if cfg.batch_size == 0 {
         return Err(TrainError::Config("--batch-size must be at least 1".into()));
     }
@@ -234,7 +237,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         num_classes: splits.num_classes(),
     };
     model_cfg.validate().map_err(TrainError::Config)?;
-    let world = cluster.world_size();
+    let world = ddp.world_size();
     let shard_len = splits.train.0.len().div_ceil(world);
     let batches_per_epoch = shard_len / cfg.batch_size;
     if batches_per_epoch == 0 {
@@ -244,7 +247,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         )));
     }
 
-    let device = cluster.device();
+    let device = ddp.device().clone().autodiff();
     device.seed(cfg.seed);
     let init_device = Device::flex().autodiff();
     init_device.seed(cfg.seed);
@@ -261,9 +264,13 @@ pub fn train<N: NormLayer, C: Cluster>(
         dampening: 0.0,
         nesterov: false,
     }));
-    let mut optim = cluster.optimizer(sgd.init());
+    let mut optim = if cfg.shard_optimizer {
+        DdpOptimizer::sharded(ddp, sgd.init())
+    } else {
+        DdpOptimizer::new(ddp, sgd.init())
+    };
     let paths = OutputPaths::under(&cfg.out);
-    if cluster.is_main() {
+    if ddp.is_main() {
         std::fs::create_dir_all(&cfg.out).map_err(|source| TrainError::Output {
             path: cfg.out.clone(),
             source,
@@ -272,15 +279,15 @@ pub fn train<N: NormLayer, C: Cluster>(
 
     // Every rank starts from rank 0's model; a resume then gives every rank the checkpoint's
     // parameters and its own buffers (per-rank BatchNorm statistics).
-    let mut model = cluster.broadcast_model(model)?;
+    let mut model = ddp.replicate_model(model)?;
     let ckpt = Checkpointer::new(&cfg.out).every_steps(cfg.checkpoint_every_steps);
     let mut history = Vec::new();
     let mut seed = cfg.seed;
     let mut resumed_at = None;
     let mut partial = None;
-    let resume = cfg.resume || (cfg.resume_if_present && ckpt.exists(cluster.group())?);
+    let resume = cfg.resume || (cfg.resume_if_present && ckpt.exists(ddp.group())?);
     if resume {
-        let Some(ck) = ckpt.read::<CheckpointMeta>(cluster.group())? else {
+        let Some(ck) = ckpt.read::<CheckpointMeta>(ddp.group())? else {
             return Err(CheckpointError::Io {
                 path: paths.checkpoint.clone(),
                 source: std::io::Error::new(
@@ -345,10 +352,10 @@ pub fn train<N: NormLayer, C: Cluster>(
     let remaining = cfg.epochs.saturating_sub(start);
     let per_epoch_global = (batches_per_epoch * cfg.batch_size * world) as u64;
     let bar = progress_bar(
-        cluster.is_main() && cfg.progress,
+        ddp.is_main() && cfg.progress,
         per_epoch_global * remaining as u64,
     );
-    if cluster.is_main() && !cfg.quiet {
+    if ddp.is_main() && !cfg.quiet {
         say(
             &bar,
             format!(
@@ -383,7 +390,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         .seed(seed)
         .drop_last_batch(true)
         .num_workers(1)
-        .build(splits.train.clone(), cluster.rank(), world, device.clone())?;
+        .build(splits.train.clone(), ddp.rank(), world, device.clone())?;
     debug_assert_eq!(loader.num_batches(), batches_per_epoch);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut header_printed = false;
@@ -419,7 +426,7 @@ pub fn train<N: NormLayer, C: Cluster>(
         let mut seconds_before = 0.0;
         if let Some(p) = partial.take().filter(|_| skip > 0) {
             seconds_before = p.seconds;
-            if cluster.is_main() {
+            if ddp.is_main() {
                 sums = p.sums;
             }
         }
@@ -440,11 +447,10 @@ pub fn train<N: NormLayer, C: Cluster>(
             let loss = loss_fn.forward(logits, batch.targets);
             let loss_value = loss.clone().into_scalar::<f32>() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(lr, model, grads)?;
-            if let Some(st) = optim.last_sync() {
-                sync_time += st.total;
-                wait_time += st.presence;
-            }
+            model = optim.try_step(lr, model, grads)?;
+            let st = optim.last_sync_stats();
+            sync_time += st.total;
+            wait_time += st.presence;
             sums[0] += loss_value * n;
             sums[1] += correct as f64;
             sums[2] += n;
@@ -458,7 +464,7 @@ pub fn train<N: NormLayer, C: Cluster>(
             let step = (epoch * batches_per_epoch + i + 1) as u64;
             if ckpt.due_after_step(step) && i + 1 < batches_per_epoch {
                 let mut so_far = sums;
-                cluster.all_reduce_sum(&mut so_far)?;
+                sum_over_ranks(ddp, &mut so_far)?;
                 let progress = Progress {
                     step,
                     epochs_done: epoch as u64,
@@ -469,7 +475,7 @@ pub fn train<N: NormLayer, C: Cluster>(
                     seconds: seconds_before + t0.elapsed().as_secs_f64(),
                 };
                 ckpt.save(
-                    cluster.group(),
+                    ddp.group(),
                     &model,
                     &optim,
                     progress,
@@ -478,14 +484,14 @@ pub fn train<N: NormLayer, C: Cluster>(
             }
         }
         let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
-        cluster.all_reduce_sum(&mut sums)?;
+        sum_over_ranks(ddp, &mut sums)?;
         // Mean over ranks of this epoch's time in gradient sync and in waiting for the others.
         let mut comm = [sync_time.as_secs_f64(), wait_time.as_secs_f64()];
-        cluster.all_reduce_sum(&mut comm)?;
+        sum_over_ranks(ddp, &mut comm)?;
         let (eval_loss, eval_accuracy) = if cfg.eval_last_only && epoch + 1 < cfg.epochs {
             (f64::NAN, f64::NAN)
         } else {
-            evaluate(cluster, &model, &splits, &batcher, &device)?
+            evaluate(ddp, &model, &splits, &batcher, &device)?
         };
         let m = EpochMetrics {
             epoch: epoch + 1,
@@ -499,7 +505,7 @@ pub fn train<N: NormLayer, C: Cluster>(
             wait_seconds: comm[1] / world as f64,
         };
         history.push(m);
-        if cluster.is_main() {
+        if ddp.is_main() {
             let table = metrics::table(&history);
             let mut lines = table.lines();
             let header = lines.next().unwrap_or_default();
@@ -517,19 +523,13 @@ pub fn train<N: NormLayer, C: Cluster>(
             epochs_done: epoch as u64 + 1,
             loader: Some(LoaderState::at_epoch(epoch as u64 + 1)),
         };
-        ckpt.save(
-            cluster.group(),
-            &model,
-            &optim,
-            progress,
-            &meta(&history, None),
-        )?;
+        ckpt.save(ddp.group(), &model, &optim, progress, &meta(&history, None))?;
     }
     bar.finish_and_clear();
-    if cluster.is_main() && remaining == 0 {
+    if ddp.is_main() && remaining == 0 {
         write_outputs(&paths, &history)?;
     }
-    cluster.barrier()?;
+    ddp.barrier()?;
     Ok(Trained {
         model,
         history,
@@ -576,8 +576,8 @@ fn count_correct(
 
 /// Eval loss and accuracy over the whole eval split: rank `r` takes items `r, r + W, …` (no
 /// padding, so nothing is counted twice) and the sums are added across ranks.
-fn evaluate<N: NormLayer, C: Cluster>(
-    cluster: &mut C,
+fn evaluate<N: NormLayer>(
+    ddp: &Ddp,
     model: &Cnn<N>,
     splits: &Splits,
     batcher: &ImageBatcher,
@@ -586,8 +586,8 @@ fn evaluate<N: NormLayer, C: Cluster>(
     let model = model.valid();
     let device = device.clone().without_autodiff();
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let mine: Vec<usize> = (cluster.rank()..splits.eval.0.len())
-        .step_by(cluster.world_size())
+    let mine: Vec<usize> = (ddp.rank()..splits.eval.0.len())
+        .step_by(ddp.world_size())
         .collect();
     let mut sums = [0f64; 3];
     for chunk in mine.chunks(256) {
@@ -598,8 +598,15 @@ fn evaluate<N: NormLayer, C: Cluster>(
         sums[0] += loss * chunk.len() as f64;
         sums[2] += chunk.len() as f64;
     }
-    cluster.all_reduce_sum(&mut sums)?;
+    sum_over_ranks(ddp, &mut sums)?;
     Ok((sums[0] / sums[2], sums[1] / sums[2]))
+}
+
+/// Element-wise sum of `values` over all ranks, in place (rank order: the same bits on every
+/// rank).
+fn sum_over_ranks(ddp: &Ddp, values: &mut [f64]) -> Result<(), TrainError> {
+    ddp.with_group(|pg| pg.all_reduce(values, ReduceOp::Sum))
+        .map_err(|e| TrainError::Ddp(e.into()))
 }
 
 fn write_outputs(paths: &OutputPaths, history: &[EpochMetrics]) -> Result<(), TrainError> {

@@ -3,7 +3,8 @@
 
 use burn::nn::BatchNorm;
 use burn::tensor::Device;
-use train_cnn::dist::Local;
+use burn_ddp::Ddp;
+use ddp_comm::LaunchEnv;
 use train_cnn::metrics::EpochMetrics;
 use train_cnn::model::Cnn;
 use train_cnn::train::{LrSchedule, TrainConfig, train};
@@ -14,6 +15,16 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This process as a world of one on the CPU, as the program is when started alone (every
+/// test of this binary gets the same process-wide group).
+fn alone() -> Ddp {
+    Ddp::builder()
+        .launch_env(LaunchEnv::single_process())
+        .device(Device::flex())
+        .init()
+        .unwrap()
 }
 
 fn values(model: &Cnn<BatchNorm>) -> Vec<f32> {
@@ -42,18 +53,16 @@ fn resumed_run_matches_uninterrupted_run() {
     let straight_dir = dir.path().join("straight");
     let split_dir = dir.path().join("split");
 
-    let straight =
-        train::<BatchNorm, _>(&mut Local::new(Device::flex()), &tiny(&straight_dir, 2)).unwrap();
+    let straight = train::<BatchNorm>(&alone(), &tiny(&straight_dir, 2)).unwrap();
 
-    let first =
-        train::<BatchNorm, _>(&mut Local::new(Device::flex()), &tiny(&split_dir, 1)).unwrap();
+    let first = train::<BatchNorm>(&alone(), &tiny(&split_dir, 1)).unwrap();
     assert_eq!(first.history.len(), 1);
     let mut cfg = tiny(&split_dir, 2);
     cfg.resume = true;
     // A different seed on the command line must not change the resumed data order: the
     // checkpoint's sampler state wins.
     cfg.seed = 11;
-    let resumed = train::<BatchNorm, _>(&mut Local::new(Device::flex()), &cfg).unwrap();
+    let resumed = train::<BatchNorm>(&alone(), &cfg).unwrap();
     assert_eq!(resumed.resumed_after, Some(1));
     assert_eq!(resumed.history.len(), 2);
     let same = |a: &EpochMetrics, b: &EpochMetrics| {
@@ -95,11 +104,11 @@ fn resumed_run_matches_uninterrupted_run() {
 fn resume_refuses_a_different_model() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    train::<BatchNorm, _>(&mut Local::new(Device::flex()), &tiny(dir.path(), 1)).unwrap();
+    train::<BatchNorm>(&alone(), &tiny(dir.path(), 1)).unwrap();
     let mut cfg = tiny(dir.path(), 2);
     cfg.resume = true;
     cfg.channels = vec![4, 8, 16];
-    let e = train::<BatchNorm, _>(&mut Local::new(Device::flex()), &cfg).unwrap_err();
+    let e = train::<BatchNorm>(&alone(), &cfg).unwrap_err();
     assert!(
         e.to_string().contains("the checkpoint holds a model"),
         "{e}"
@@ -112,6 +121,6 @@ fn resume_without_a_checkpoint_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = tiny(dir.path(), 1);
     cfg.resume = true;
-    let e = train::<BatchNorm, _>(&mut Local::new(Device::flex()), &cfg).unwrap_err();
+    let e = train::<BatchNorm>(&alone(), &cfg).unwrap_err();
     assert!(e.to_string().contains("checkpoint.bin"), "{e}");
 }
