@@ -29,8 +29,8 @@ struct Measured {
 
 /// Runs `zero_bench` unsharded then sharded at each of `nprocs` ranks and prints the table.
 pub fn run(nprocs: &[u32], extra: &[String]) -> Result<(), String> {
-    let root = crate::workspace_root();
-    crate::run(crate::cargo().current_dir(&root).args([
+    let root = cargo_tasks::workspace_root();
+    cargo_tasks::run(cargo_tasks::cargo().current_dir(&root).args([
         "build",
         "--release",
         "-p",
@@ -42,7 +42,7 @@ pub fn run(nprocs: &[u32], extra: &[String]) -> Result<(), String> {
         "--bin",
         "ddprun",
     ]))?;
-    let release = crate::target_dir(&root).join("release");
+    let release = cargo_tasks::target_dir(&root).join("release");
     let mut rows = Vec::new();
     for &n in nprocs {
         for shard in [false, true] {

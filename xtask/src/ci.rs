@@ -10,7 +10,7 @@
 //! for the CUDA build, 22 of them the stack again). So the test step builds the CUDA binaries
 //! too — train-cnn, the CUDA test binaries and the rank programs they launch — and runs their
 //! no-GPU tests with the others (the GPU-only tests are `#[ignore]`d); `cargo xtask ptx-check`
-//! and `cargo xtask gpu-check build` run the same cargo command ([`CUDA_BUILD_ARGS`]), which
+//! and `cargo xtask gpu-check build` run the same cargo command ([`cargo_tasks::CUDA_BUILD_ARGS`]), which
 //! after CI only names the executables. A link error fails CI. Burn's CUDA backend builds
 //! against the LLVM bundle its build script downloads, or, without internet, against the
 //! system LLVM that `cargo xtask setup-cuda-build` points it at. The last step, `cargo xtask
@@ -19,7 +19,7 @@
 //! pip (`.ci/run` installs them).
 //!
 //! **Clippy in the build.** The build step compiles the workspace's crates through
-//! `clippy-driver` ([`lint_with_clippy`]: what `cargo clippy -- -D warnings` does, as Cargo's
+//! `clippy-driver` ([`cargo_tasks::lint_with_clippy`]: what `cargo clippy -- -D warnings` does, as Cargo's
 //! workspace wrapper), so every target it builds — libraries, their unit tests, binaries,
 //! examples, integration tests, the CUDA code — is linted with warnings denied while it is
 //! compiled. A separate `cargo clippy` step would check every dependency (Burn, CubeCL, wgpu)
@@ -32,57 +32,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-/// The one feature set of every build CI makes: the CubeCL kernels on wgpu (lavapipe) and on
-/// CUDA, Burn's CUDA backend in burn-ddp, the rank programs and train-cnn, and the NCCL
-/// transport (cudarc, loaded at run time). See the module's documentation for why it is one.
-pub const FEATURES: &str =
-    "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda,ddp-bench/wgpu";
-
-/// The targets with CUDA code that `cargo xtask gpu-check` runs on a GPU and `cargo xtask
-/// ptx-check` under the stand-in: burn-ddp's unit tests, the CUDA test binaries and, through
-/// them, the rank programs and train-cnn; the NCCL transport's tests.
-pub const CUDA_TARGETS: [&str; 9] = [
-    "--lib",
-    "--test",
-    "sync_batch_norm",
-    "--test",
-    "ddp",
-    "--test",
-    "multi_rank",
-    "--test",
-    "nccl",
-];
-
-/// The cargo command that names the CUDA executables: CI's build ([`FEATURES`], the whole
-/// workspace, so that the features resolve as in the test step) limited to [`CUDA_TARGETS`].
-/// After `cargo xtask ci` it compiles nothing.
-pub const CUDA_BUILD_ARGS: &[&[&str]] = &[
-    &["test", "--no-run", "--workspace"],
-    &CUDA_TARGETS,
-    &["--features", FEATURES],
-];
-
-/// [`CUDA_BUILD_ARGS`] with the CUDA kernels compiled by cubecl-cuda's CUDA C++ backend
-/// through NVRTC (burn-ddp's `cuda-nvrtc`) instead of LLVM: `cargo xtask gpu-check build
-/// --nvrtc`, the fallback bundle. Never CI's: the feature flips every binary the command
-/// builds, and only the crates above cubecl-cuda compile again.
-pub const CUDA_NVRTC_BUILD_ARGS: &[&[&str]] = &[
-    &["test", "--no-run", "--workspace"],
-    &CUDA_TARGETS,
-    &["--features", FEATURES],
-    &["--features", "burn-ddp/cuda-nvrtc"],
-];
-
-/// Burn's default device for the tests: `Device::default()` (and what Burn makes on it, such as
-/// the optimizer state a record loads) picks CUDA first in a build with the `cuda` feature and
-/// panics where there is no driver; `BURN_DEVICE=wgpu` keeps the device of a build without
-/// CUDA (lavapipe here), as the tests had it before the CUDA code joined their build. Devices
-/// chosen explicitly (`--backend cuda`, `Device::cuda`) are unaffected.
-pub const BURN_DEFAULT_DEVICE: (&str, &str) = ("BURN_DEVICE", "wgpu");
-
-/// Set for an `xtask` subcommand that CI runs: its cargo builds lint with clippy too (see
-/// [`lint_with_clippy`]), so that they reuse what the lint-building steps compiled.
-pub const LINT_MARKER: &str = "DDP_CI_LINT";
+use cargo_tasks::{BURN_DEFAULT_DEVICE, FEATURES, LINT_MARKER, lint_with_clippy};
 
 /// How a step lints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,26 +137,6 @@ fn steps() -> Vec<Step> {
     ]
 }
 
-/// What `cargo clippy -- -D warnings` sets for its `cargo check`, set for a build: the
-/// workspace's crates compile through `clippy-driver` (rustc with clippy's lints, which also
-/// generates code), warnings denied. Dependencies compile with rustc as always.
-pub fn lint_with_clippy(cmd: &mut std::process::Command) -> Result<(), String> {
-    let found = std::process::Command::new("clippy-driver")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        return Err(
-            "clippy-driver is not on PATH: install clippy (`rustup component add clippy`)".into(),
-        );
-    }
-    cmd.env("RUSTC_WORKSPACE_WRAPPER", "clippy-driver").env(
-        "CLIPPY_ARGS",
-        "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
-    );
-    Ok(())
-}
-
 /// Free space below which [`make_room`] deletes what an earlier run left. The two builds of
 /// the old layout peaked at 6.6 GB of disk (measured); the one build, tests and CUDA binaries
 /// included, left a 5.9 GB target directory (2026-12-02).
@@ -218,7 +148,7 @@ const LOW_DISK_BYTES: u64 = 4 << 30;
 /// and the test executables (`NAME-HASH`, the bulk: they have run and passed). A later run
 /// redoes them.
 fn make_room(root: &Path) {
-    let deps = crate::target_dir(root).join("debug").join("deps");
+    let deps = cargo_tasks::target_dir(root).join("debug").join("deps");
     let Some(free) = free_bytes(&deps) else {
         return;
     };
@@ -274,7 +204,7 @@ fn free_bytes(path: &Path) -> Option<u64> {
 /// Runs every step; stops at the first failure.
 pub fn run(root: &Path) -> Result<(), String> {
     let all = Instant::now();
-    if let Err(e) = crate::cuda_build::check(root) {
+    if let Err(e) = cuda_tools::cuda_build::check(root) {
         eprintln!(
             "==> note: {e}; the CUDA steps will download LLVM (without internet, run \
              `cargo xtask setup-cuda-build` first)"
@@ -292,7 +222,7 @@ pub fn run(root: &Path) -> Result<(), String> {
             s.what,
             s.args.join(" ")
         );
-        let mut cmd = crate::cargo();
+        let mut cmd = cargo_tasks::cargo();
         cmd.args(&s.args)
             .current_dir(root)
             .envs(s.env.iter().copied());

@@ -12,21 +12,18 @@
 //! .gpu-bin/xtask gpu-check run [--bundle DIR] [--budget-secs S] [--only TEXT]…
 //! ```
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use cargo_tasks::{cargo, run, target_dir, workspace_root};
 use clap::{Parser, Subcommand};
+use cuda_tools::{cuda_build, gpu_check, ptx_check};
+use train_cnn_runs::{compare, train};
 
 mod bench_zero;
 mod ci;
-mod compare;
-mod cuda_build;
-mod gpu_check;
 #[cfg(test)]
 mod import_cycles;
-mod ptx_check;
-mod train;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "burn-ddp task runner")]
@@ -219,66 +216,6 @@ fn main() -> ExitCode {
             eprintln!("xtask: {e}");
             ExitCode::FAILURE
         }
-    }
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
-}
-
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|p| if p.is_absolute() { p } else { root.join(p) })
-        .unwrap_or_else(|| root.join("target"))
-}
-
-/// The variables `cargo run` sets for xtask itself. A nested cargo must not see them: build
-/// scripts that watch them (ring's watches `CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`, …) would rerun
-/// and rebuild everything above them (the whole CUDA stack) whenever cargo is run both from here
-/// and directly.
-const XTASK_ONLY_VARS: [&str; 8] = [
-    "CARGO_MANIFEST_DIR",
-    "CARGO_MANIFEST_PATH",
-    "CARGO_MANIFEST_LINKS",
-    "CARGO_CRATE_NAME",
-    "CARGO_BIN_NAME",
-    "CARGO_PRIMARY_PACKAGE",
-    "CARGO_RUSTC_CURRENT_DIR",
-    "OUT_DIR",
-];
-
-/// A `cargo` command (the one that runs xtask) with none of xtask's own package variables.
-fn cargo() -> Command {
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    for var in XTASK_ONLY_VARS {
-        cmd.env_remove(var);
-    }
-    for (var, _) in std::env::vars_os() {
-        if var.to_str().is_some_and(|v| v.starts_with("CARGO_PKG_")) {
-            cmd.env_remove(var);
-        }
-    }
-    // Under `cargo xtask ci`, build as its steps do (with clippy), to reuse what they built.
-    if std::env::var_os(ci::LINT_MARKER).is_some()
-        && let Err(e) = ci::lint_with_clippy(&mut cmd)
-    {
-        eprintln!("xtask: {e}; building without the lints");
-    }
-    cmd
-}
-
-fn run(cmd: &mut Command) -> Result<(), String> {
-    let status = cmd
-        .status()
-        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{cmd:?} failed: {status}"))
     }
 }
 

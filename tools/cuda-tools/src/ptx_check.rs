@@ -1,7 +1,7 @@
 //! `cargo xtask ptx-check`: Burn's CUDA path, compiled down to PTX by LLVM and assembled by
 //! NVIDIA's ptxas, on a machine without a GPU.
 //!
-//! It runs CI's CUDA binaries under the CUDA driver stand-in (`crates/cuda-standin`, loaded as
+//! It runs CI's CUDA binaries under the CUDA driver stand-in (`tools/cuda-standin`, loaded as
 //! `libcuda.so`): `train-cnn --backend cuda --sync-bn` for a few steps (forward, backward, SGD,
 //! SyncBatchNorm's CubeCL kernels, evaluation, a checkpoint) and the CUDA SyncBatchNorm tests
 //! (f32, f16, bf16; two ranks host-staged — the NCCL ones are left to the GPU check: NCCL needs
@@ -246,7 +246,7 @@ pub fn run(root: &Path, a: &PtxCheckArgs) -> Result<(), String> {
 
     let standin = build_standin(root)?;
     let bins = cuda_binaries(root, a.nvrtc)?;
-    let work = crate::target_dir(root).join("ptx-check");
+    let work = cargo_tasks::target_dir(root).join("ptx-check");
     if work.exists() {
         std::fs::remove_dir_all(&work)
             .map_err(|e| format!("cannot remove {}: {e}", work.display()))?;
@@ -474,7 +474,7 @@ fn ptxas_version(ptxas: &Path) -> String {
 
 /// Builds the stand-in (`cargo build -p cuda-standin`) and returns its `.so`.
 fn build_standin(root: &Path) -> Result<PathBuf, String> {
-    let out = crate::cargo()
+    let out = cargo_tasks::cargo()
         .current_dir(root)
         .args(["build", "-p", "cuda-standin", "--message-format=json"])
         .stderr(Stdio::inherit())
@@ -506,7 +506,7 @@ fn build_standin(root: &Path) -> Result<PathBuf, String> {
 /// nothing and only names them), or with `nvrtc` of the fallback build.
 fn cuda_binaries(root: &Path, nvrtc: bool) -> Result<BTreeMap<&'static str, PathBuf>, String> {
     let args = if nvrtc {
-        crate::ci::CUDA_NVRTC_BUILD_ARGS.concat()
+        cargo_tasks::CUDA_NVRTC_BUILD_ARGS.concat()
     } else {
         build::CUDA_BUILD_ARGS.concat()
     };
@@ -519,7 +519,7 @@ fn cuda_binaries(root: &Path, nvrtc: bool) -> Result<BTreeMap<&'static str, Path
         },
         args.join(" ")
     );
-    let out = crate::cargo()
+    let out = cargo_tasks::cargo()
         .current_dir(root)
         .args(&args)
         .arg("--message-format=json")

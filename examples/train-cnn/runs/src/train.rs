@@ -133,7 +133,7 @@ pub(crate) fn build_example(
             Err(format!("--program {}: no such file", p.display()))
         };
     }
-    let mut cmd = crate::cargo();
+    let mut cmd = cargo_tasks::cargo();
     cmd.current_dir(root).args([
         "build",
         "--release",
@@ -151,8 +151,10 @@ pub(crate) fn build_example(
         }
         BackendArg::Cpu => {}
     }
-    crate::run(&mut cmd)?;
-    Ok(crate::target_dir(root).join("release").join("train-cnn"))
+    cargo_tasks::run(&mut cmd)?;
+    Ok(cargo_tasks::target_dir(root)
+        .join("release")
+        .join("train-cnn"))
 }
 
 pub(crate) fn backend_name(b: BackendArg) -> &'static str {

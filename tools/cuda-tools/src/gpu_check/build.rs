@@ -40,7 +40,7 @@ pub struct CargoBuild {
 
 /// CI's build, limited to the CUDA targets (the same features and packages as `cargo xtask
 /// ci`'s build step, so after CI it links nothing new).
-pub use crate::ci::CUDA_BUILD_ARGS;
+pub use cargo_tasks::CUDA_BUILD_ARGS;
 
 /// The cargo commands and their executables, in build order.
 pub const CARGO_BUILDS: &[CargoBuild] = &[
@@ -146,12 +146,12 @@ pub fn compiler_name(nvrtc: bool) -> &'static str {
 }
 
 /// The cargo arguments of build `b`: the CUDA build with `--nvrtc` takes
-/// [`crate::ci::CUDA_NVRTC_BUILD_ARGS`] instead of CI's, and the CUDA build (dev profile)
+/// [`cargo_tasks::CUDA_NVRTC_BUILD_ARGS`] instead of CI's, and the CUDA build (dev profile)
 /// compiles the packages of `gpu_stack` at opt-level 2 (see [`optimised_gpu_stack`]).
 fn args_of(b: &CargoBuild, nvrtc: bool, gpu_stack: &[String]) -> Vec<String> {
     let cuda = b.args == CUDA_BUILD_ARGS;
     let base = if nvrtc && cuda {
-        crate::ci::CUDA_NVRTC_BUILD_ARGS.concat()
+        cargo_tasks::CUDA_NVRTC_BUILD_ARGS.concat()
     } else {
         b.args.concat()
     };
@@ -293,7 +293,7 @@ pub fn build(root: &Path, a: &BuildArgs) -> Result<(), GpuCheckError> {
         for b in CARGO_BUILDS {
             let args = args_of(b, a.nvrtc, &gpu_stack);
             eprintln!("==> gpu-check build: {}: cargo {}", b.what, args.join(" "));
-            let output = crate::cargo()
+            let output = cargo_tasks::cargo()
                 .current_dir(root)
                 .args(&args)
                 .arg("--message-format=json")
@@ -471,7 +471,7 @@ mod tests {
         let args = CARGO_BUILDS[0].args.concat();
         assert_eq!(args[..3], ["test", "--no-run", "--workspace"]);
         let features = args.iter().position(|a| *a == "--features").unwrap();
-        assert_eq!(args[features + 1], crate::ci::FEATURES);
+        assert_eq!(args[features + 1], cargo_tasks::FEATURES);
         assert_eq!(args.len(), features + 2, "{args:?}");
     }
 
@@ -492,7 +492,7 @@ mod tests {
             args_of(&CARGO_BUILDS[1], true, &[]),
             concat(&CARGO_BUILDS[1])
         );
-        assert!(!crate::ci::FEATURES.contains("nvrtc"));
+        assert!(!cargo_tasks::FEATURES.contains("nvrtc"));
         assert!(compiler_name(true).contains("NVRTC") && compiler_name(false).contains("LLVM"));
     }
 
@@ -538,7 +538,8 @@ debug = false
 
     #[test]
     fn the_workspace_manifest_lists_the_gpu_stack() {
-        let text = std::fs::read_to_string(crate::workspace_root().join("Cargo.toml")).unwrap();
+        let text =
+            std::fs::read_to_string(cargo_tasks::workspace_root().join("Cargo.toml")).unwrap();
         let stack = optimised_gpu_stack(&text).unwrap();
         for package in ["cubecl-cuda", "cubecl-llvm", "cubecl-core", "burn-cubecl"] {
             assert!(stack.iter().any(|p| p == package), "{package}: {stack:?}");
@@ -567,7 +568,7 @@ debug = false
         }
         assert!(files.contains(&XTASK));
         for (path, _) in REPO_FILES {
-            assert!(crate::workspace_root().join(path).is_file(), "{path}");
+            assert!(cargo_tasks::workspace_root().join(path).is_file(), "{path}");
         }
     }
 

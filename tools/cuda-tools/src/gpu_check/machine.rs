@@ -73,7 +73,7 @@ pub struct Probe {
 }
 
 /// The header line of a run whose libcuda is the project's test-only driver stand-in
-/// (`crates/cuda-standin`, whose device name says so): every CUDA row then fails by design.
+/// (`tools/cuda-standin`, whose device name says so): every CUDA row then fails by design.
 pub fn standin_line(device_name: Option<&str>) -> Option<String> {
     device_name.filter(|n| n.contains("cuda-standin")).map(|n| {
         format!(

@@ -183,9 +183,11 @@ pub fn compare(root: &Path, a: &CompareArgs) -> Result<(), String> {
     if a.backend == BackendArg::Cuda {
         train::check_cuda(a.ranks)?;
     }
-    let debug = a
-        .debug_build
-        .then(|| crate::target_dir(root).join("debug").join("train-cnn"));
+    let debug = a.debug_build.then(|| {
+        cargo_tasks::target_dir(root)
+            .join("debug")
+            .join("train-cnn")
+    });
     let program = train::build_example(root, a.program.as_deref().or(debug.as_deref()), a.backend)?;
     let wire = a.compression.clone().filter(|c| c != "none");
     let mut modes = vec![Mode::OneProcess, Mode::PerRankBn, Mode::SyncBn];
