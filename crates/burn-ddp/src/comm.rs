@@ -1,5 +1,6 @@
-//! The communicator registry: the process-wide process group (and, with the `cuda` feature,
-//! the NCCL communicator) that burn-ddp's modules and helpers communicate through.
+//! The communicator registry: the process-wide process group that burn-ddp's modules and
+//! helpers communicate through (the NCCL communicator's is `nccl::installed`, feature
+//! `cuda`).
 //!
 //! [`crate::init`] installs them once; layers such as `SyncBatchNorm` reach the group with
 //! [`group`] and make no collective call when there is none or its world size is 1. This
@@ -11,10 +12,6 @@ use ddp_comm::ProcessGroup;
 
 /// A process group shared by everything in this process that communicates.
 pub type SharedGroup = Arc<Mutex<ProcessGroup>>;
-
-/// An NCCL communicator shared by everything in this process that communicates on its device.
-#[cfg(feature = "cuda")]
-pub type SharedNccl = Arc<Mutex<ddp_nccl::NcclGroup>>;
 
 static GROUP: OnceLock<SharedGroup> = OnceLock::new();
 
@@ -59,29 +56,6 @@ pub fn group() -> Option<SharedGroup> {
 /// The world size of the process-wide group (1 when none is installed).
 pub fn world_size() -> usize {
     group().map_or(1, |g| lock(&g).world_size())
-}
-
-/// The process-wide NCCL communicator ([`crate::Ddp`] installs it when every rank can use
-/// NCCL; feature `cuda`).
-#[cfg(feature = "cuda")]
-static NCCL: OnceLock<SharedNccl> = OnceLock::new();
-
-/// Makes `nccl` the process-wide NCCL communicator. Returns the installed one; if one was
-/// installed before, `nccl` is dropped and the earlier one is returned with `false`.
-#[cfg(feature = "cuda")]
-pub(crate) fn install_nccl(nccl: SharedNccl) -> (SharedNccl, bool) {
-    let mut fresh = false;
-    let g = NCCL.get_or_init(|| {
-        fresh = true;
-        nccl
-    });
-    (g.clone(), fresh)
-}
-
-/// The process-wide NCCL communicator, if [`install_nccl`] has been called.
-#[cfg(feature = "cuda")]
-pub fn nccl() -> Option<SharedNccl> {
-    NCCL.get().cloned()
 }
 
 /// Locks a shared group, recovering from a poisoned mutex (the group itself tracks errors).

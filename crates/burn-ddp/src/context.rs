@@ -6,6 +6,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use ddp_comm::{Compression, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
 
 use crate::comm::{self, SharedGroup};
+use crate::cuda::{DeviceChoice, DeviceComm, NcclSetting};
 use crate::error::{DdpError, Result};
 use crate::grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer};
 
@@ -28,20 +29,6 @@ pub fn init() -> Result<Ddp> {
     Ddp::builder().init()
 }
 
-/// Where a rank runs its model.
-#[derive(Debug, Clone, Default)]
-enum DeviceChoice {
-    /// CUDA device `LOCAL_RANK` when built with the `cuda` feature and a CUDA device is
-    /// usable, else the CPU (Flex).
-    #[default]
-    Auto,
-    /// CUDA device `LOCAL_RANK`, required ([`DdpBuilder::cuda`]).
-    #[cfg(feature = "cuda")]
-    Cuda,
-    /// A device chosen by the caller.
-    Fixed(Device),
-}
-
 /// Settings for [`Ddp`]; build with [`Ddp::builder`], finish with [`DdpBuilder::init`].
 #[derive(Clone)]
 pub struct DdpBuilder {
@@ -51,11 +38,7 @@ pub struct DdpBuilder {
     env: Option<LaunchEnv>,
     /// `None`: `DDP_COMPRESSION` decides (default: none).
     compression: Option<Compression>,
-    #[cfg(feature = "cuda")]
-    nccl: crate::nccl::NcclPolicy,
-    /// Whether [`DdpBuilder::nccl`] was called (else `DDP_NCCL` decides).
-    #[cfg(feature = "cuda")]
-    nccl_set: bool,
+    nccl: NcclSetting,
 }
 
 impl std::fmt::Debug for DdpBuilder {
@@ -65,9 +48,8 @@ impl std::fmt::Debug for DdpBuilder {
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
             .field("group_options", &self.group_options)
             .field("launch_env_given", &self.env.is_some())
-            .field("compression", &self.compression);
-        #[cfg(feature = "cuda")]
-        s.field("nccl", &self.nccl);
+            .field("compression", &self.compression)
+            .field("nccl", &self.nccl);
         s.finish()
     }
 }
@@ -80,10 +62,7 @@ impl Default for DdpBuilder {
             group_options: GroupOptions::default(),
             env: None,
             compression: None,
-            #[cfg(feature = "cuda")]
-            nccl: crate::nccl::NcclPolicy::default(),
-            #[cfg(feature = "cuda")]
-            nccl_set: false,
+            nccl: NcclSetting::default(),
         }
     }
 }
@@ -174,8 +153,7 @@ impl DdpBuilder {
     /// when every rank can, otherwise the host path). See [`crate::nccl`].
     #[cfg(feature = "cuda")]
     pub fn nccl(mut self, policy: crate::nccl::NcclPolicy) -> Self {
-        self.nccl = policy;
-        self.nccl_set = true;
+        self.nccl = NcclSetting::chosen(policy);
         self
     }
 
@@ -201,16 +179,7 @@ impl DdpBuilder {
         };
         // The device first: a node without a usable GPU fails on every rank with one clear
         // error before any rank joins the group or loads data.
-        let device = match self.device {
-            DeviceChoice::Fixed(d) => {
-                check_device(&d)?;
-                d
-            }
-            DeviceChoice::Auto => auto_device(env.local_rank, env.local_world_size)?,
-            #[cfg(feature = "cuda")]
-            DeviceChoice::Cuda => cuda_device(env.local_rank, env.local_world_size)?,
-        };
-        #[cfg(feature = "cuda")]
+        let device = self.device.resolve(env.local_rank, env.local_world_size)?;
         let group_options = self.group_options.clone();
         let joining = comm::JoinedWith {
             job: format!(
@@ -254,22 +223,7 @@ impl DdpBuilder {
             let g = comm::lock(&group);
             (g.rank(), g.world_size())
         };
-        #[cfg(feature = "cuda")]
-        let nccl = match comm::nccl() {
-            Some(n) => {
-                tracing::debug!("reusing the NCCL communicator already installed");
-                Some(n)
-            }
-            None => {
-                let policy = if self.nccl_set {
-                    self.nccl
-                } else {
-                    crate::nccl::NcclPolicy::from_env()?.unwrap_or(self.nccl)
-                };
-                crate::nccl::connect(&env, &group, &group_options, &device, policy)?
-                    .map(|n| comm::install_nccl(n).0)
-            }
-        };
+        let device_comm = DeviceComm::connect(&env, &group, &group_options, &device, self.nccl)?;
         tracing::info!(
             rank,
             world_size,
@@ -277,11 +231,7 @@ impl DdpBuilder {
             ?device,
             "ddp initialised"
         );
-        #[cfg(feature = "cuda")]
-        let on_nccl = nccl.is_some();
-        #[cfg(not(feature = "cuda"))]
-        let on_nccl = false;
-        if world_size > 1 && !on_nccl && is_gpu(&device) {
+        if world_size > 1 && device_comm.is_none() && is_gpu(&device) {
             tracing::info!(
                 ?device,
                 "collectives are host-staged on this GPU: gradients and SyncBatchNorm statistics \
@@ -297,8 +247,7 @@ impl DdpBuilder {
             device,
             bucket_cap_bytes: self.bucket_cap_bytes,
             compression,
-            #[cfg(feature = "cuda")]
-            nccl,
+            device_comm,
         })
     }
 }
@@ -333,99 +282,6 @@ fn is_gpu(device: &Device) -> bool {
     }
 }
 
-/// CUDA device `LOCAL_RANK` when the driver reports any device, else Flex with a warning.
-#[cfg(feature = "cuda")]
-fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
-    match ddp_nccl::visible_cuda_devices() {
-        Ok(n) if n > 0 => cuda_device(local_rank, local_world_size),
-        found => {
-            let why = match found {
-                Ok(_) => "no CUDA device is visible".to_string(),
-                Err(e) => e.to_string(),
-            };
-            tracing::warn!(
-                "no usable CUDA device ({why}): this rank runs on the CPU (Flex); ask for CUDA \
-                 with `DdpBuilder::cuda` to make that an error. Burn's own default device \
-                 (`Device::default()`, where a loaded optimizer state is first put) is still \
-                 CUDA in this build unless BURN_DEVICE names another (e.g. BURN_DEVICE=flex)"
-            );
-            Ok(Device::flex())
-        }
-    }
-}
-
-/// CUDA device `LOCAL_RANK` (device 0 when the rank sees only one), checked to exist.
-#[cfg(feature = "cuda")]
-fn cuda_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
-    let ordinal = ddp_nccl::cuda_device_for_local_rank(local_rank, local_world_size)
-        .map_err(DdpError::Device)?;
-    prepare_libdevice()?;
-    Ok(Device::cuda(ordinal))
-}
-
-/// Makes cubecl-llvm find `libdevice.10.bc` (toolkit folders, pip wheels), so the first kernel
-/// that calls exp/log does not fail mid-step: see [`ddp_nccl::cuda_toolkit::prepare_libdevice`].
-#[cfg(feature = "cuda")]
-fn prepare_libdevice() -> Result<()> {
-    let found = ddp_nccl::cuda_toolkit::prepare_libdevice()?;
-    tracing::info!(
-        libdevice = %found.file.display(),
-        cuda_path = %found.cuda_path.display(),
-        "libdevice found for the CUDA kernels"
-    );
-    #[cfg(feature = "cuda-nvrtc")]
-    prepare_nvrtc(&found.cuda_path)?;
-    Ok(())
-}
-
-/// With the CUDA C++ backend (`cuda-nvrtc`): NVRTC must load under a name cudarc tries, and
-/// `CUDA_PATH/include` must hold the CUDA headers (linked there from a toolkit or pip's
-/// `nvidia-cuda-runtime` when `CUDA_PATH` is burn-ddp's own link folder), or the first kernel
-/// would panic inside cubecl. See [`ddp_nccl::nvrtc_files`].
-#[cfg(feature = "cuda-nvrtc")]
-fn prepare_nvrtc(cuda_path: &std::path::Path) -> Result<()> {
-    use ddp_nccl::cuda_toolkit::ToolkitError;
-    use ddp_nccl::nvrtc_files;
-    let device_err = DdpError::Toolkit;
-    // SAFETY: only dlopen/dlclose of the names cudarc tries.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        let file = nvrtc_files::find_nvrtc().map_err(device_err)?;
-        return Err(device_err(ToolkitError::NvrtcNotLinked { file }));
-    }
-    match nvrtc_files::find_headers() {
-        Ok(headers) => {
-            nvrtc_files::link_headers(cuda_path, &headers).map_err(device_err)?;
-            tracing::info!(headers = %headers.display(), "CUDA headers for NVRTC");
-            Ok(())
-        }
-        Err(_)
-            if cuda_path
-                .join("include")
-                .join(nvrtc_files::PROBE_HEADER)
-                .is_file() =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(device_err(e)),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn auto_device(_local_rank: usize, _local_world_size: usize) -> Result<Device> {
-    Ok(Device::flex())
-}
-
-/// Checks that a CUDA device chosen by the caller exists (other devices need no check).
-fn check_device(device: &Device) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Some(ordinal) = crate::nccl::cuda_ordinal(device) {
-        ddp_nccl::check_cuda_device(ordinal).map_err(DdpError::Device)?;
-        prepare_libdevice()?;
-    }
-    let _ = device;
-    Ok(())
-}
-
 /// This process's place in a data-parallel job: rank, world size, device and the shared
 /// process group. Create with [`init`] or [`Ddp::builder`].
 ///
@@ -441,8 +297,8 @@ pub struct Ddp {
     device: Device,
     bucket_cap_bytes: usize,
     compression: Compression,
-    #[cfg(feature = "cuda")]
-    nccl: Option<crate::nccl::SharedNccl>,
+    /// NCCL on this rank's CUDA device, when every rank could create it.
+    device_comm: Option<DeviceComm>,
 }
 
 impl Ddp {
@@ -516,21 +372,22 @@ impl Ddp {
     /// A gradient synchroniser over this job's group with this context's bucket cap (and,
     /// with the `cuda` feature, this context's NCCL communicator when there is one).
     pub fn gradient_synchronizer(&self) -> GradientSynchronizer {
-        let sync = GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes)
-            .with_compression(self.compression);
-        #[cfg(feature = "cuda")]
-        let sync = match &self.nccl {
-            Some(n) => sync.with_nccl(n.clone()),
-            None => sync,
-        };
-        sync
+        GradientSynchronizer::new(self.group.clone(), self.bucket_cap_bytes)
+            .with_compression(self.compression)
+            .with_device_comm(self.device_comm.clone())
+    }
+
+    /// Whether gradient buckets and SyncBatchNorm's statistics go through NCCL on this rank's
+    /// CUDA device (see [`DdpBuilder::nccl`]); always `false` in builds without `cuda`.
+    pub fn uses_nccl(&self) -> bool {
+        self.device_comm.is_some()
     }
 
     /// The NCCL communicator gradient buckets use on CUDA devices, when every rank could
     /// create one (see [`DdpBuilder::nccl`]).
     #[cfg(feature = "cuda")]
     pub fn nccl(&self) -> Option<&crate::nccl::SharedNccl> {
-        self.nccl.as_ref()
+        self.device_comm.as_ref().map(DeviceComm::shared)
     }
 
     /// Returns once every rank has called it.
@@ -618,44 +475,6 @@ fn data_vec<E: burn::tensor::Element>(data: TensorData) -> Result<Vec<E>> {
             what: "metric".into(),
             msg: format!("{e:?}"),
         })
-}
-
-#[cfg(all(test, feature = "cuda"))]
-mod cuda_tests {
-    use super::*;
-
-    /// Built with CUDA on a machine without a usable GPU (CI): `init` fails with one readable
-    /// error before it joins a group when CUDA is asked for (`cuda()` or an explicit CUDA
-    /// device); the automatic choice runs on the CPU.
-    #[test]
-    fn init_without_a_cuda_driver_is_one_clear_error() {
-        if ddp_nccl::visible_cuda_devices().is_ok_and(|n| n > 0) {
-            // A GPU machine: `cargo xtask gpu-check` runs the CUDA path itself.
-            return;
-        }
-        let auto = Ddp::builder()
-            .launch_env(LaunchEnv::single_process())
-            .init()
-            .unwrap();
-        assert!(!is_gpu(auto.device()), "{:?}", auto.device());
-        let builders = [
-            Ddp::builder().cuda(),
-            Ddp::builder().device(Device::cuda(0)),
-        ];
-        for builder in builders {
-            let err = builder
-                .launch_env(LaunchEnv::single_process())
-                .init()
-                .unwrap_err();
-            assert!(matches!(err, DdpError::Device(_)), "{err:?}");
-            let msg = err.to_string();
-            assert!(msg.starts_with("no usable device for this rank: "), "{msg}");
-            assert!(
-                msg.contains("libcuda not found") || msg.contains("no CUDA device"),
-                "{msg}"
-            );
-        }
-    }
 }
 
 impl crate::comm::GroupHandle for Ddp {

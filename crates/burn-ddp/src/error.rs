@@ -62,9 +62,9 @@ pub enum DdpError {
     /// An invalid setting was passed to a builder.
     #[error("invalid setting: {0}")]
     InvalidSetting(String),
-    /// NCCL was required ([`crate::nccl::NcclPolicy::Required`]) but can't be used on some
-    /// rank: no CUDA device, libcuda or libnccl missing, or the communicator failed.
-    #[cfg(feature = "cuda")]
+    /// NCCL was required (`NcclPolicy::Required`) but can't be used on some
+    /// rank: no CUDA device, libcuda or libnccl missing, or the communicator failed (feature
+    /// `cuda`).
     #[error("NCCL gradient sync was required but is unavailable: {0}")]
     NcclUnavailable(String),
     /// A CUDA toolkit file Burn's CUDA backend needs is missing (libdevice; with `cuda-nvrtc`,

@@ -81,8 +81,7 @@ pub mod checkpoint;
 mod clip;
 pub mod comm;
 mod context;
-#[cfg(all(test, feature = "cuda"))]
-mod cuda_smoke;
+mod cuda;
 pub mod data;
 #[cfg(feature = "learner")]
 mod epoch_renderer;
@@ -92,9 +91,6 @@ pub mod grad_sync;
 #[cfg(feature = "learner")]
 #[cfg_attr(docsrs, doc(cfg(feature = "learner")))]
 pub mod learner;
-#[cfg(feature = "cuda")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub mod nccl;
 mod optimizer;
 mod owner_streams;
 mod panic_report;
@@ -104,6 +100,8 @@ pub mod sharding;
 pub mod sync_batch_norm;
 
 pub use context::{Ddp, DdpBuilder, init};
+#[cfg(feature = "cuda")]
+pub use cuda::nccl::{self, NcclPolicy};
 /// The communication layer burn-ddp is built on (process groups, launch environment,
 /// rendezvous store, launcher), for the types in [`DdpBuilder`]'s signatures.
 pub use ddp_comm;
@@ -114,8 +112,6 @@ pub use error::{DdpError, Result};
 pub use grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer, SyncStats};
 #[cfg(feature = "learner")]
 pub use learner::{DdpModel, SilentRenderer};
-#[cfg(feature = "cuda")]
-pub use nccl::NcclPolicy;
 pub use optimizer::DdpOptimizer;
 pub use panic_report::report_panics_as_errors;
 

@@ -1,12 +1,10 @@
-//! The device path (feature `cuda`): every bucket concatenated on its CUDA device and
-//! all-reduced there by NCCL, with no host copy.
+//! The device path: every bucket concatenated on its CUDA device and all-reduced there by
+//! NCCL ([`crate::cuda::DeviceComm`]), with no host copy. Compiled in every build; taken only
+//! with the `cuda` feature and a communicator.
 
-#[cfg(feature = "cuda")]
 use std::time::Instant;
 
-#[cfg(feature = "cuda")]
 use burn::tensor::{DType, Tensor};
-#[cfg(feature = "cuda")]
 use ddp_comm::ReduceOp;
 
 use super::buckets::Bucket;
@@ -20,14 +18,13 @@ impl GradientSynchronizer {
     /// [`crate::nccl`]). Same buckets, in the same order, as the host path. The packed buckets
     /// are alive together, one extra copy of the gradients (PyTorch's DDP keeps its buckets
     /// the same way).
-    #[cfg(feature = "cuda")]
     pub(super) fn reduce_buckets_on_device(
         &self,
         slots: &mut [Slot],
         buckets: &[Bucket],
     ) -> Result<PipelineTimes> {
         let mut times = PipelineTimes::default();
-        let Some((nccl, _)) = &self.nccl else {
+        let Some(device_comm) = &self.device_comm else {
             return Err(DdpError::InvalidSetting(
                 "device path chosen without an NCCL communicator".into(),
             ));
@@ -39,12 +36,7 @@ impl GradientSynchronizer {
             .collect();
         times.fill += t.elapsed();
         let t = Instant::now();
-        let reduced = crate::nccl::all_reduce_many_as(
-            &mut crate::nccl::lock(nccl),
-            packed,
-            ReduceOp::Mean,
-            self.compression,
-        )?;
+        let reduced = device_comm.all_reduce_many(packed, ReduceOp::Mean, self.compression)?;
         times.all_reduce += t.elapsed();
         let t = Instant::now();
         for (bucket, reduced) in buckets.iter().zip(reduced) {
@@ -65,22 +57,10 @@ impl GradientSynchronizer {
         times.write_back += t.elapsed();
         Ok(times)
     }
-
-    #[cfg(not(feature = "cuda"))]
-    pub(super) fn reduce_buckets_on_device(
-        &self,
-        _slots: &mut [Slot],
-        _buckets: &[Bucket],
-    ) -> Result<PipelineTimes> {
-        Err(DdpError::InvalidSetting(
-            "the device gradient path needs the `cuda` feature".into(),
-        ))
-    }
 }
 
 /// A bucket's gradients (zeros for slots without one here) flattened, in f32, and
 /// concatenated on their device.
-#[cfg(feature = "cuda")]
 fn pack_on_device(slots: &mut [Slot], bucket: &Bucket) -> Tensor<1> {
     let mut parts: Vec<Tensor<1>> = bucket
         .slots

@@ -43,6 +43,7 @@ use burn::optim::GradientsParams;
 use ddp_comm::Compression;
 
 use crate::comm::{self, SharedGroup};
+use crate::cuda::DeviceComm;
 use crate::error::Result;
 
 use buckets::plan_buckets;
@@ -88,11 +89,9 @@ pub struct GradientSynchronizer {
     /// How buckets travel on the host path.
     compression: Compression,
     last: SyncStats,
-    /// NCCL communicator and its CUDA ordinal, for buckets on that device.
-    #[cfg(feature = "cuda")]
-    nccl: Option<(crate::nccl::SharedNccl, usize)>,
+    /// NCCL on a CUDA device, for buckets on that device (never in builds without `cuda`).
+    device_comm: Option<DeviceComm>,
     /// Whether the last sync took the device (NCCL) path.
-    #[cfg(feature = "cuda")]
     last_on_device: bool,
 }
 
@@ -120,16 +119,14 @@ impl GradientSynchronizer {
             overlap: overlap_pays(),
             compression: Compression::None,
             last: SyncStats::default(),
-            #[cfg(feature = "cuda")]
-            nccl: None,
-            #[cfg(feature = "cuda")]
+            device_comm: None,
             last_on_device: false,
         }
     }
 
     /// Whether the last [`Self::sync`] all-reduced its buckets with NCCL on device memory
-    /// (`false` for the host path and for a world of one, which communicates nothing).
-    #[cfg(feature = "cuda")]
+    /// (`false` for the host path and for a world of one, which communicates nothing; always
+    /// `false` in builds without the `cuda` feature).
     pub fn last_sync_on_device(&self) -> bool {
         self.last_on_device
     }
@@ -138,12 +135,18 @@ impl GradientSynchronizer {
     /// its CUDA device (decided per call, in the presence exchange); other calls take the host
     /// path. Every rank must attach a communicator, or none. See [`crate::nccl`].
     #[cfg(feature = "cuda")]
-    pub fn with_nccl(mut self, nccl: crate::nccl::SharedNccl) -> Self {
-        let ordinal = crate::nccl::lock(&nccl).device_ordinal();
-        self.nccl = Some((nccl, ordinal));
-        // A communicator in a world of one exists only when it was asked for
-        // (`NcclPolicy::Required`): then every sync runs the device path, as with N ranks.
-        self.skip_when_alone = false;
+    pub fn with_nccl(self, nccl: crate::nccl::SharedNccl) -> Self {
+        self.with_device_comm(Some(DeviceComm::new(nccl)))
+    }
+
+    /// Attaches `device_comm` (see [`Self::with_nccl`]); `None` keeps the host path.
+    pub(crate) fn with_device_comm(mut self, device_comm: Option<DeviceComm>) -> Self {
+        if device_comm.is_some() {
+            // A communicator in a world of one exists only when it was asked for
+            // (`NcclPolicy::Required`): then every sync runs the device path, as with N ranks.
+            self.skip_when_alone = false;
+        }
+        self.device_comm = device_comm;
         self
     }
 
@@ -179,18 +182,12 @@ impl GradientSynchronizer {
 
     /// A synchroniser over the process-wide group ([`crate::comm::group`]), or a world of one
     /// when none is installed.
-    /// With the `cuda` feature, the process-wide NCCL communicator ([`comm::nccl`]) is
+    /// With the `cuda` feature, the process-wide NCCL communicator (`nccl::installed`) is
     /// attached when one is installed.
     pub fn from_installed(bucket_cap_bytes: usize) -> Self {
         let group =
             comm::group().unwrap_or_else(|| comm::install(ddp_comm::ProcessGroup::single()).0);
-        let sync = Self::new(group, bucket_cap_bytes);
-        #[cfg(feature = "cuda")]
-        let sync = match comm::nccl() {
-            Some(n) => sync.with_nccl(n),
-            None => sync,
-        };
-        sync
+        Self::new(group, bucket_cap_bytes).with_device_comm(DeviceComm::installed())
     }
 
     /// Timings of the last call to [`Self::sync`].
@@ -230,10 +227,7 @@ impl GradientSynchronizer {
                 total: start.elapsed(),
                 ..SyncStats::default()
             };
-            #[cfg(feature = "cuda")]
-            {
-                self.last_on_device = false;
-            }
+            self.last_on_device = false;
             return Ok(grads);
         }
         let mut collector = SlotCollector {
@@ -254,10 +248,7 @@ impl GradientSynchronizer {
 
         let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
         let elements = buckets.iter().map(|b| b.len).sum();
-        #[cfg(feature = "cuda")]
-        {
-            self.last_on_device = on_device;
-        }
+        self.last_on_device = on_device;
         let mut times = if on_device {
             self.reduce_buckets_on_device(&mut slots, &buckets)?
         } else {

@@ -86,10 +86,7 @@ impl GradientSynchronizer {
         };
         if presence.on_device {
             // NCCL: the device all-reduce of every bucket, then this rank keeps its own.
-            #[cfg(feature = "cuda")]
-            {
-                self.last_on_device = true;
-            }
+            self.last_on_device = true;
             let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
             let times = self.reduce_buckets_on_device(&mut slots, &buckets)?;
             for (i, s) in slots.iter_mut().enumerate() {
@@ -103,10 +100,7 @@ impl GradientSynchronizer {
             stats.buckets = buckets.len();
             stats.elements = buckets.iter().map(|b| b.len).sum();
         } else {
-            #[cfg(feature = "cuda")]
-            {
-                self.last_on_device = false;
-            }
+            self.last_on_device = false;
             let wire = host_wire(self.compression, presence.any_tcp);
             let sizes: Vec<usize> = slots.iter().map(|s| s.numel).collect();
             let plan = OwnerStreams::new(&sizes, &present, owners, self.world_size);

@@ -10,21 +10,11 @@ use crate::error::{DdpError, Result};
 
 impl GradientSynchronizer {
     /// This rank's vote for the device (NCCL) path: `None` without a communicator (the
-    /// exchange then carries no vote, as in builds without `cuda`), else whether every
+    /// exchange then carries no vote, as always in builds without `cuda`), else whether every
     /// gradient lives on the communicator's CUDA device.
-    #[cfg(feature = "cuda")]
     pub(super) fn device_vote(&self, slots: &[Slot]) -> Option<bool> {
-        let (_, ordinal) = self.nccl.as_ref()?;
-        Some(
-            slots
-                .iter()
-                .all(|s| crate::nccl::cuda_ordinal(&s.device) == Some(*ordinal)),
-        )
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    pub(super) fn device_vote(&self, _slots: &[Slot]) -> Option<bool> {
-        None
+        let device_comm = self.device_comm.as_ref()?;
+        Some(slots.iter().all(|s| device_comm.holds(&s.device)))
     }
 
     /// All-reduces (Max) the presence bitmap plus a layout fingerprint, the wire format (and,
@@ -114,8 +104,7 @@ fn wire_code(c: ddp_comm::Compression) -> u8 {
 /// Logs, once per process, which path gradient buckets take (builds with `cuda` only: other
 /// builds have a single path).
 pub(super) fn log_path_once(device_vote: Option<bool>, on_device: bool) {
-    #[cfg(feature = "cuda")]
-    {
+    if crate::cuda::ENABLED {
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| {
             if on_device {
@@ -130,6 +119,4 @@ pub(super) fn log_path_once(device_vote: Option<bool>, on_device: bool) {
             }
         });
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (device_vote, on_device);
 }

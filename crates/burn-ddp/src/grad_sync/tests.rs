@@ -146,72 +146,75 @@ fn presence_exchange_decodes_the_device_vote() {
     }
 }
 
-/// The NCCL device path in a world of one: real NCCL calls on the GPU, which must hand
-/// back exactly the gradients they got, for several bucket layouts.
+/// The device path with a real NCCL communicator (`#[ignore]`d: they need a GPU).
 #[cfg(feature = "cuda")]
-#[test]
-#[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
-            (cubecl-llvm downloads LLVM at build time)"]
-fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
-    let device = Device::cuda(0).autodiff();
-    let net = Net::new(&device);
-    let (nccl, group) = one_rank_nccl();
-    for cap in [4, 40, 1 << 20] {
-        let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
-        sync.skip_when_alone = false;
-        round_trip(&net, &device, &mut sync);
-        assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
-    }
-}
+mod nccl_path {
+    use super::*;
 
-/// The NCCL device path with bf16 / fp16 on the wire, in a world of one: the gradients come
-/// back as f32, each within one 16-bit rounding of the original (a one-rank NCCL all-reduce
-/// only rounds), on the device path.
-#[cfg(feature = "cuda")]
-#[test]
-#[ignore = "needs CUDA"]
-fn nccl_device_path_with_16_bit_wire_rounds_once() {
-    use ddp_comm::Compression;
-    let device = Device::cuda(0).autodiff();
-    let net = Net::new(&device);
-    let (nccl, group) = one_rank_nccl();
-    for (compression, unit) in [
-        (Compression::Bf16, 2f32.powi(-8)),
-        (Compression::Fp16, 2f32.powi(-11)),
-    ] {
-        let mut sync = GradientSynchronizer::new(group.clone(), 1 << 20)
-            .with_nccl(nccl.clone())
-            .with_compression(compression);
-        sync.skip_when_alone = false;
-        let grads = grads_of(&net, &device);
-        let before = values::<2>(&grads, net.a.weight.id).unwrap();
-        let out = sync.sync(&net, grads).unwrap();
-        assert!(
-            sync.last_sync_on_device(),
-            "{compression}: took the host path"
-        );
-        let after = values::<2>(&out, net.a.weight.id).unwrap();
-        assert_eq!(after.len(), before.len());
-        for (a, b) in after.iter().zip(&before) {
-            assert!(
-                (a - b).abs() <= unit * b.abs() + 1e-7,
-                "{compression}: {a} vs {b}"
-            );
+    /// The NCCL device path in a world of one: real NCCL calls on the GPU, which must hand
+    /// back exactly the gradients they got, for several bucket layouts.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU with libcuda and libnccl, and Burn's CUDA backend built \
+                (cubecl-llvm downloads LLVM at build time)"]
+    fn nccl_device_path_in_a_world_of_one_returns_the_same_gradients() {
+        let device = Device::cuda(0).autodiff();
+        let net = Net::new(&device);
+        let (nccl, group) = one_rank_nccl();
+        for cap in [4, 40, 1 << 20] {
+            let mut sync = GradientSynchronizer::new(group.clone(), cap).with_nccl(nccl.clone());
+            sync.skip_when_alone = false;
+            round_trip(&net, &device, &mut sync);
+            assert!(sync.last_sync_on_device(), "cap {cap}: took the host path");
         }
     }
-}
 
-/// A one-rank NCCL communicator on CUDA device 0 and a world-of-one process group.
-#[cfg(feature = "cuda")]
-fn one_rank_nccl() -> (crate::nccl::SharedNccl, crate::comm::SharedGroup) {
-    use ddp_nccl::{NcclGroup, NcclOptions};
-    let nccl = NcclGroup::single(&NcclOptions {
-        device: Some(0),
-        ..NcclOptions::default()
-    })
-    .unwrap();
-    (
-        Arc::new(Mutex::new(nccl)),
-        Arc::new(Mutex::new(ProcessGroup::single())),
-    )
+    /// The NCCL device path with bf16 / fp16 on the wire, in a world of one: the gradients come
+    /// back as f32, each within one 16-bit rounding of the original (a one-rank NCCL all-reduce
+    /// only rounds), on the device path.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn nccl_device_path_with_16_bit_wire_rounds_once() {
+        use ddp_comm::Compression;
+        let device = Device::cuda(0).autodiff();
+        let net = Net::new(&device);
+        let (nccl, group) = one_rank_nccl();
+        for (compression, unit) in [
+            (Compression::Bf16, 2f32.powi(-8)),
+            (Compression::Fp16, 2f32.powi(-11)),
+        ] {
+            let mut sync = GradientSynchronizer::new(group.clone(), 1 << 20)
+                .with_nccl(nccl.clone())
+                .with_compression(compression);
+            sync.skip_when_alone = false;
+            let grads = grads_of(&net, &device);
+            let before = values::<2>(&grads, net.a.weight.id).unwrap();
+            let out = sync.sync(&net, grads).unwrap();
+            assert!(
+                sync.last_sync_on_device(),
+                "{compression}: took the host path"
+            );
+            let after = values::<2>(&out, net.a.weight.id).unwrap();
+            assert_eq!(after.len(), before.len());
+            for (a, b) in after.iter().zip(&before) {
+                assert!(
+                    (a - b).abs() <= unit * b.abs() + 1e-7,
+                    "{compression}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    /// A one-rank NCCL communicator on CUDA device 0 and a world-of-one process group.
+    fn one_rank_nccl() -> (crate::nccl::SharedNccl, crate::comm::SharedGroup) {
+        use ddp_nccl::{NcclGroup, NcclOptions};
+        let nccl = NcclGroup::single(&NcclOptions {
+            device: Some(0),
+            ..NcclOptions::default()
+        })
+        .unwrap();
+        (
+            Arc::new(Mutex::new(nccl)),
+            Arc::new(Mutex::new(ProcessGroup::single())),
+        )
+    }
 }

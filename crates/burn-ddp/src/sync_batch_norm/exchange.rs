@@ -12,8 +12,6 @@
 //! Every rank picks the same variant: the group and the communicator are process-wide and set
 //! up collectively by [`crate::Ddp`], so the collectives of a layer always match across ranks.
 
-use std::any::Any;
-
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{Tensor, TensorData};
@@ -22,6 +20,7 @@ use ddp_comm::ReduceOp;
 use super::error::SyncBatchNormError;
 use super::transfer::{read_host, upload};
 use crate::comm::{self, SharedGroup};
+use crate::cuda::DeviceComm;
 
 /// The transport of one SyncBatchNorm call; see the [module docs](self).
 pub(crate) enum Exchange {
@@ -29,9 +28,8 @@ pub(crate) enum Exchange {
     Local,
     /// Host-staged through the process group.
     Host(SharedGroup),
-    /// NCCL on CUDA device memory.
-    #[cfg(feature = "cuda")]
-    Nccl(crate::nccl::SharedNccl),
+    /// NCCL on CUDA device memory (never in builds without `cuda`).
+    Nccl(DeviceComm),
 }
 
 /// What [`Exchange::all_gather`] returns.
@@ -49,7 +47,6 @@ impl Exchange {
         match self {
             Exchange::Local => "local",
             Exchange::Host(_) => "host",
-            #[cfg(feature = "cuda")]
             Exchange::Nccl(_) => "nccl",
         }
     }
@@ -58,9 +55,8 @@ impl Exchange {
     pub(crate) fn current() -> Exchange {
         // An NCCL communicator first: in a world of one it exists only when it was asked for
         // (`NcclPolicy::Required`), and then the statistics take the NCCL path as with N ranks.
-        #[cfg(feature = "cuda")]
-        if let Some(nccl) = comm::nccl() {
-            return Exchange::Nccl(nccl);
+        if let Some(device_comm) = DeviceComm::installed() {
+            return Exchange::Nccl(device_comm);
         }
         let Some(group) = comm::group() else {
             return Exchange::Local;
@@ -76,8 +72,7 @@ impl Exchange {
         match self {
             Exchange::Local => 1,
             Exchange::Host(group) => comm::lock(group).world_size(),
-            #[cfg(feature = "cuda")]
-            Exchange::Nccl(nccl) => crate::nccl::lock(nccl).world_size(),
+            Exchange::Nccl(device_comm) => device_comm.world_size(),
         }
     }
 
@@ -120,14 +115,13 @@ impl Exchange {
                     total_count: Some(total),
                 })
             }
-            #[cfg(feature = "cuda")]
-            Exchange::Nccl(nccl) => {
-                let mut nccl = crate::nccl::lock(nccl);
-                let world = nccl.world_size();
+            Exchange::Nccl(device_comm) => {
+                let world = device_comm.world_size();
                 let flat = local
                     .cast(burn::tensor::DType::F32)
                     .reshape([rows * channels]);
-                let all = crate::nccl::all_gather(&mut nccl, flat)
+                let all = device_comm
+                    .all_gather(flat)
                     .map_err(|e| SyncBatchNormError::Device(e.to_string()))?;
                 Ok(Gathered {
                     stats: all.reshape([world, rows, channels]),
@@ -152,74 +146,17 @@ impl Exchange {
                 comm::lock(group).all_reduce(&mut buf, ReduceOp::Sum)?;
                 Ok(upload::<B>(&buf, &shape, dtype, &device))
             }
-            #[cfg(feature = "cuda")]
-            Exchange::Nccl(nccl) => {
-                use burn::backend::Cube;
-                let dtype = local.dtype();
-                let [rows, channels] = local.shape().dims();
-                let cube = downcast::<B, Cube>(local).map_err(|_| {
-                    SyncBatchNormError::Device(
-                        "NCCL carries SyncBatchNorm's collectives, but this layer runs on a \
-                         non-CUDA backend; every rank must train on its CUDA device"
-                            .into(),
-                    )
-                })?;
-                let flat = Tensor::<2>::from_primitive::<Cube>(cube)
-                    .cast(burn::tensor::DType::F32)
-                    .reshape([rows * channels]);
-                let summed =
-                    crate::nccl::all_reduce(&mut crate::nccl::lock(nccl), flat, ReduceOp::Sum)
-                        .map_err(|e| SyncBatchNormError::Device(e.to_string()))?;
-                let cube = summed
-                    .reshape([rows, channels])
-                    .cast(dtype)
-                    .try_into_primitive::<Cube>()
-                    .map_err(|e| SyncBatchNormError::Device(format!("{e:?}")))?;
-                Ok(downcast::<Cube, B>(cube)
-                    .unwrap_or_else(|_| unreachable!("the tensor came from B")))
-            }
+            Exchange::Nccl(device_comm) => device_comm
+                .all_reduce_sum::<B>(local)
+                .map_err(|e| SyncBatchNormError::Device(e.to_string())),
         }
-    }
-}
-
-/// `Ok` when `FloatTensor<From>` is the same type as `FloatTensor<To>` (the backends are
-/// only known generically inside the autodiff backward pass).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn downcast<From: Backend, To: Backend>(
-    t: FloatTensor<From>,
-) -> Result<FloatTensor<To>, FloatTensor<From>> {
-    let boxed: Box<dyn Any> = Box::new(t);
-    match boxed.downcast::<FloatTensor<To>>() {
-        Ok(t) => Ok(*t),
-        Err(boxed) => Err(*boxed
-            .downcast::<FloatTensor<From>>()
-            .expect("the box holds a FloatTensor<From>")),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::Flex;
     use burn::tensor::Device;
-
-    #[test]
-    fn downcast_accepts_only_the_same_primitive_type() {
-        let t = Tensor::<1>::from_floats([1.0, 2.0], &Device::flex())
-            .try_into_primitive::<Flex>()
-            .expect("a Flex tensor");
-        let same = downcast::<Flex, Flex>(t).unwrap_or_else(|_| panic!("Flex is Flex"));
-        #[cfg(feature = "cube")]
-        let same = match downcast::<Flex, burn::backend::Cube>(same) {
-            Ok(_) => panic!("a Flex tensor is not a Cube one"),
-            Err(same) => same,
-        };
-        let back = Tensor::<1>::from_primitive::<Flex>(same);
-        assert_eq!(
-            back.into_data().try_to_vec::<f32>().ok(),
-            Some(vec![1.0, 2.0])
-        );
-    }
 
     #[test]
     fn a_world_of_one_exchanges_nothing() {
@@ -249,7 +186,7 @@ mod tests {
             ..NcclOptions::default()
         })
         .expect("an NCCL communicator of one on GPU 0");
-        let exchange = Exchange::Nccl(Arc::new(Mutex::new(nccl)));
+        let exchange = Exchange::Nccl(DeviceComm::new(Arc::new(Mutex::new(nccl))));
         let local = Tensor::<2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
         let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().expect("f32");
         let want = values(local.clone());

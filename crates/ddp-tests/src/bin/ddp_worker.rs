@@ -296,8 +296,7 @@ fn run(args: &Args) -> Result<(), String> {
         model = optim
             .try_step(LR, model, acc.grads())
             .map_err(|e| e.to_string())?;
-        #[cfg(feature = "cuda")]
-        if ddp.nccl().is_some() && !optim.synchronizer_mut().last_sync_on_device() {
+        if ddp.uses_nccl() && !optim.synchronizer_mut().last_sync_on_device() {
             return Err(format!(
                 "step {step}: an NCCL communicator exists but the gradients took the host path"
             ));
@@ -358,14 +357,11 @@ fn run(args: &Args) -> Result<(), String> {
             .zip(&reference)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
-        #[cfg(feature = "cuda")]
-        let path = if ddp.nccl().is_some() {
+        let path = if ddp.uses_nccl() {
             "NCCL on device memory"
         } else {
             "host-staged"
         };
-        #[cfg(not(feature = "cuda"))]
-        let path = "host";
         println!(
             "OUTCOME {world} ranks × batch {b} ({:?}, {:?}, gradients {path}) vs 1 process × {}: max |Δparam| = {max:.1e}, ranks bitwise identical every step",
             args.device,

@@ -507,7 +507,7 @@ mod tests {
             "#!/bin/sh\n\
              if [ \"$1\" = --list ]; then printf '{}: test\\ndevice_buffers: test\\n'; exit 0; fi\n\
              echo \"$2\" >> \"$(dirname \"$0\")/ran\"\n\
-             case \"$2\" in cuda_smoke::*) {smoke} ;; esac\n\
+             case \"$2\" in cuda::smoke::*) {smoke} ;; esac\n\
              echo 'OUTCOME fine'; exit 0\n",
             rows::SMOKE_TEST
         );

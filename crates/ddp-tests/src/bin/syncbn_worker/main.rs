@@ -53,8 +53,7 @@ fn run(case_path: &str, out_dir: &str) -> Result<(), String> {
             case.rows.len()
         ));
     }
-    #[cfg(feature = "cuda")]
-    if case.nccl && ddp.nccl().is_none() {
+    if case.nccl && !ddp.uses_nccl() {
         return Err("the case asks for NCCL but Ddp created no communicator".into());
     }
 

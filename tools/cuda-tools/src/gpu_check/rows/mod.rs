@@ -97,7 +97,7 @@ pub struct Check {
 }
 
 /// The smoke row's test in `burn-ddp-tests`.
-pub const SMOKE_TEST: &str = "cuda_smoke::cuda_smoke_kernels_match_the_cpu";
+pub const SMOKE_TEST: &str = "cuda::smoke::cuda_smoke_kernels_match_the_cpu";
 
 /// The smoke row's test binary.
 pub const SMOKE_BINARY: &str = "burn-ddp-tests";

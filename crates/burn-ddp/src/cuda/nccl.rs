@@ -49,7 +49,7 @@
 //! CUDA device (voted in the presence exchange), and the host path otherwise. The choice is
 //! logged once.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn::backend::fusion::{Client as FusionClient, FusionTensor, NoOp, stream::StreamId};
 use burn::backend::ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
@@ -67,7 +67,27 @@ use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
 
 /// An NCCL communicator shared by everything in this process that uses it.
-pub use crate::comm::SharedNccl;
+pub type SharedNccl = Arc<Mutex<NcclGroup>>;
+
+/// The process-wide NCCL communicator ([`crate::Ddp`] installs it when every rank can use
+/// NCCL).
+static INSTALLED: OnceLock<SharedNccl> = OnceLock::new();
+
+/// Makes `nccl` the process-wide NCCL communicator. Returns the installed one; if one was
+/// installed before, `nccl` is dropped and the earlier one is returned with `false`.
+pub(crate) fn install(nccl: SharedNccl) -> (SharedNccl, bool) {
+    let mut fresh = false;
+    let g = INSTALLED.get_or_init(|| {
+        fresh = true;
+        nccl
+    });
+    (g.clone(), fresh)
+}
+
+/// The process-wide NCCL communicator, if [`crate::Ddp`] installed one.
+pub fn installed() -> Option<SharedNccl> {
+    INSTALLED.get().cloned()
+}
 
 /// Locks a shared NCCL group, recovering from a poisoned mutex (the group tracks its errors).
 pub(crate) fn lock(g: &SharedNccl) -> MutexGuard<'_, NcclGroup> {
