@@ -1,7 +1,10 @@
 //! The sharded optimizer's gradient path: every gradient averaged over all ranks and kept
 //! only on the rank that owns its parameter ([`GradientSynchronizer::sync_to_owners`]).
 //!
-//! The present gradients are laid out owner by owner (each owner's parameters in visit
+//! Where every pair of ranks shares memory (one host), the gradients are all-reduced as by
+//! [`GradientSynchronizer::sync`] and each rank keeps its own: there the all-reduce's second
+//! half costs what the copies into owner-major buckets would. Otherwise (TCP), the present
+//! gradients are laid out owner by owner (each owner's parameters in visit
 //! order: its *stream*) and reduce-scattered over the process group, so each rank receives,
 //! averages and keeps `1/n` of the gradient bytes instead of all of them: half the traffic of
 //! an all-reduce. Bucket `k` of `B` holds the `k`-th of `B` near-equal parts of every owner's
@@ -15,7 +18,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
-use ddp_comm::ReduceOp;
+use ddp_comm::{Compression, ReduceOp};
 
 use super::buckets::plan_buckets;
 use super::slots::{Slot, SlotCollector, SlotWriter};
@@ -84,11 +87,20 @@ impl GradientSynchronizer {
             presence: presence_time,
             ..SyncStats::default()
         };
-        if presence.on_device {
-            // NCCL: the device all-reduce of every bucket, then this rank keeps its own.
-            self.last_on_device = true;
+        if presence.on_device || !presence.any_tcp {
+            // NCCL, or shared memory between every pair of ranks: the all-reduce of every
+            // bucket (the unsharded path, which reduces a large gradient in the buffer its
+            // tensor hands over), then this rank keeps its own. On shared memory the
+            // all-reduce's second half is a copy the reduce-scatter's owner-major buckets
+            // would cost anyway (docs/benchmarks.md measures both); over TCP the
+            // reduce-scatter below sends half the bytes. Both sum in rank order: the same bits.
+            self.last_on_device = presence.on_device;
             let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
-            let times = self.reduce_buckets_on_device(&mut slots, &buckets)?;
+            let times = if presence.on_device {
+                self.reduce_buckets_on_device(&mut slots, &buckets)?
+            } else {
+                self.reduce_buckets(&mut slots, &buckets, Compression::None)?
+            };
             for (i, s) in slots.iter_mut().enumerate() {
                 if owners[i] != rank {
                     s.reduced = None;
@@ -105,18 +117,21 @@ impl GradientSynchronizer {
             let sizes: Vec<usize> = slots.iter().map(|s| s.numel).collect();
             let plan = OwnerStreams::new(&sizes, &present, owners, self.world_size);
             let buckets = plan.buckets(self.bucket_cap_elems);
+            // Host copies of the gradients (the buffers the tensors hand over, no copy on
+            // Flex). An owned gradient's buffer stays until the end: its reduced parts are
+            // written into it, and it becomes the averaged gradient (no new allocation).
             let mut host: Vec<Option<TensorData>> = (0..slots.len()).map(|_| None).collect();
-            let mut kept: Vec<Option<Vec<f32>>> = slots
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    (present[i] && owners[i] == rank).then(|| Vec::with_capacity(s.numel))
-                })
+            let owned: Vec<bool> = (0..slots.len())
+                .map(|i| present[i] && owners[i] == rank)
                 .collect();
+            // One bucket buffer for every bucket of the call.
+            let mut buf: Vec<f32> = Vec::new();
             for k in 0..buckets {
                 let t = Instant::now();
                 let counts = plan.counts(buckets, k);
-                let mut buf = fill(&plan, &mut slots, &mut host, buckets, k, &counts)?;
+                fill(
+                    &plan, &mut slots, &mut host, &owned, buckets, k, &counts, &mut buf,
+                )?;
                 stats.fill += t.elapsed();
                 let t = Instant::now();
                 comm::lock(&self.group).reduce_scatter_compressed(
@@ -134,17 +149,16 @@ impl GradientSynchronizer {
                     buckets,
                     k,
                     &buf[at..at + counts[rank]],
-                    &mut kept,
-                );
+                    &mut host,
+                    &slots,
+                )?;
                 stats.write_back += t.elapsed();
             }
-            for (slot, values) in slots.iter_mut().zip(kept) {
-                if let Some(v) = values {
-                    let n = v.len();
-                    slot.reduced = Some(Tensor::<1>::from_data(
-                        TensorData::new(v, [n]),
-                        &slot.device,
-                    ));
+            for (i, slot) in slots.iter_mut().enumerate() {
+                if owned[i]
+                    && let Some(data) = host[i].take()
+                {
+                    slot.reduced = Some(Tensor::<1>::from_data(data, &slot.device));
                 }
             }
             stats.buckets = buckets;
@@ -168,19 +182,24 @@ fn write_back<M: Module>(module: &M, grads: &mut GradientsParams, slots: &mut [S
     module.visit(&mut writer);
 }
 
-/// Bucket `k`'s buffer of `buckets`, whose owners' parts have `counts` values: every owner's
-/// part in rank order, this rank's gradients (zeros where it has none). A slot's host copy is
-/// read at its first use and dropped after its last.
+/// Fills `buf` with bucket `k` of `buckets`, whose owners' parts have `counts` values: every
+/// owner's part in rank order, this rank's gradients (zeros where it has none). A slot's host
+/// copy is read at its first use and, unless this rank owns it (`owned`), dropped after its
+/// last.
+#[allow(clippy::too_many_arguments)]
 fn fill(
     plan: &OwnerStreams,
     slots: &mut [Slot],
     host: &mut [Option<TensorData>],
+    owned: &[bool],
     buckets: usize,
     k: usize,
     counts: &[usize],
-) -> Result<Vec<f32>> {
+    buf: &mut Vec<f32>,
+) -> Result<()> {
     let _span = ddp_comm::trace::span("bucket_fill", "ddp").arg("bucket", k);
-    let mut buf = Vec::with_capacity(counts.iter().sum());
+    buf.clear();
+    buf.reserve(counts.iter().sum());
     for p in 0..counts.len() {
         let part = plan.part(p, buckets, k);
         for (i, range, _) in plan.overlaps(p, &part) {
@@ -188,34 +207,43 @@ fn fill(
                 host[i] = Some(slots[i].take_host_f32());
             }
             let data = host[i].as_ref().expect("just read");
-            let values = data.as_slice::<f32>().map_err(|e| DdpError::TensorData {
-                what: format!("gradient of parameter {}", slots[i].id),
-                msg: format!("{e:?}"),
-            })?;
+            let values = data.as_slice::<f32>().map_err(|e| data_err(&slots[i], e))?;
             buf.extend_from_slice(&values[range.clone()]);
-            if range.end == slots[i].numel {
+            if range.end == slots[i].numel && !owned[i] {
                 host[i] = None;
             }
         }
     }
-    Ok(buf)
+    Ok(())
 }
 
-/// Appends this rank's reduced part of bucket `k` to its parameters' gradients (each
-/// gradient's pieces come in order over the buckets).
+/// Writes this rank's reduced part of bucket `k` into its parameters' gradient buffers (the
+/// host copies `fill` kept), each piece at its place in its gradient.
 fn keep(
     plan: &OwnerStreams,
     rank: usize,
     buckets: usize,
     k: usize,
     reduced: &[f32],
-    kept: &mut [Option<Vec<f32>>],
-) {
+    host: &mut [Option<TensorData>],
+    slots: &[Slot],
+) -> Result<()> {
     let part = plan.part(rank, buckets, k);
     for (i, range, off) in plan.overlaps(rank, &part) {
-        if let Some(v) = kept[i].as_mut() {
-            v.extend_from_slice(&reduced[off..off + range.len()]);
+        if let Some(data) = host[i].as_mut() {
+            let values = data
+                .as_mut_slice::<f32>()
+                .map_err(|e| data_err(&slots[i], e))?;
+            values[range.clone()].copy_from_slice(&reduced[off..off + range.len()]);
         }
+    }
+    Ok(())
+}
+
+fn data_err(slot: &Slot, e: impl std::fmt::Debug) -> DdpError {
+    DdpError::TensorData {
+        what: format!("gradient of parameter {}", slot.id),
+        msg: format!("{e:?}"),
     }
 }
 
@@ -229,11 +257,29 @@ mod tests {
         let present = [true, true, true];
         let owners = [1, 0, 1];
         let plan = OwnerStreams::new(&sizes, &present, &owners, 2);
-        let mut kept: Vec<Option<Vec<f32>>> = vec![Some(Vec::new()), None, Some(Vec::new())];
+        let device = burn::tensor::Device::flex();
+        let slots: Vec<Slot> = sizes
+            .iter()
+            .map(|&n| Slot {
+                id: burn::module::ParamId::new(),
+                shape: [n].into(),
+                numel: n,
+                dtype: burn::tensor::DType::F32,
+                device: device.clone(),
+                grad: None,
+                reduced: None,
+            })
+            .collect();
+        let mut host: Vec<Option<TensorData>> = vec![
+            Some(TensorData::new(vec![0f32; 4], [4])),
+            None,
+            Some(TensorData::new(vec![0f32; 3], [3])),
+        ];
         // Owner 1's stream is slot 0 then slot 2: 7 values in 2 buckets (3 + 4).
-        keep(&plan, 1, 2, 0, &[1.0, 2.0, 3.0], &mut kept);
-        keep(&plan, 1, 2, 1, &[4.0, 5.0, 6.0, 7.0], &mut kept);
-        assert_eq!(kept[0].as_deref(), Some(&[1.0, 2.0, 3.0, 4.0][..]));
-        assert_eq!(kept[2].as_deref(), Some(&[5.0, 6.0, 7.0][..]));
+        keep(&plan, 1, 2, 0, &[1.0, 2.0, 3.0], &mut host, &slots).unwrap();
+        keep(&plan, 1, 2, 1, &[4.0, 5.0, 6.0, 7.0], &mut host, &slots).unwrap();
+        let values = |d: &Option<TensorData>| d.as_ref().map(|d| d.try_to_vec::<f32>().unwrap());
+        assert_eq!(values(&host[0]), Some(vec![1.0, 2.0, 3.0, 4.0]));
+        assert_eq!(values(&host[2]), Some(vec![5.0, 6.0, 7.0]));
     }
 }

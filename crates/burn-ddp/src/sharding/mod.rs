@@ -10,13 +10,16 @@
 //!    [`ddp_comm::ProcessGroup::reduce_scatter_compressed`] and kept only by its owner. The
 //!    group sums every element in rank order, as its all-reduce does, so an owner's gradients
 //!    are bitwise those [`crate::DdpOptimizer::new`] averages (bf16/fp16 wire compression
-//!    applies here as there). On the NCCL device path the buckets are all-reduced by NCCL
-//!    and each rank keeps its own (NCCL's reduce order is its own: see docs/zero.md);
+//!    applies here as there). Where every pair of ranks shares memory, and on the NCCL device
+//!    path, the buckets are all-reduced instead and each rank keeps its own: on shared memory
+//!    that costs less than the copies into owner-major buckets (NCCL's reduce order is its own:
+//!    see docs/zero.md);
 //! 2. each rank steps the wrapped Burn optimizer with its own gradients only, so the
 //!    optimizer creates and updates state only for its own parameters;
-//! 3. the updated parameters are all-gathered from their owners in buckets
-//!    ([`ddp_comm::ProcessGroup::all_gather_into`], shards of any sizes), as raw bytes in
-//!    their own dtype, so every rank ends the step with bitwise the owner's values.
+//! 3. the updated parameters go from their owners to every rank as raw bytes in their own
+//!    dtype: a large f32 parameter broadcast in its own buffer, the others all-gathered in
+//!    buckets ([`ddp_comm::ProcessGroup::all_gather_into`], shards of any sizes), so every rank
+//!    ends the step with bitwise the owner's values.
 //!
 //! For an element-wise optimizer (SGD with or without momentum and weight decay, Adam,
 //! AdamW, …) the arithmetic of each parameter is the unsharded one, run on its owner: the
