@@ -235,12 +235,7 @@ fn a_lost_node_leaves_every_sample_of_each_epoch_read_exactly_once() {
     let dir = std::env::temp_dir().join(format!("ddp-elastic-data-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let state = dir.join("state.json");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = ddp_testkit::free_port().to_string();
     let len = 101;
     let start = |node: &str| {
         Command::new(&ddprun)

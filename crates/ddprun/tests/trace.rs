@@ -381,12 +381,7 @@ fn trace_keeps_a_stopped_rank_and_every_restart_attempt() {
 #[test]
 fn merge_trace_joins_the_rank_files_of_several_nodes() {
     let root = scratch("nodes");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = ddp_testkit::free_port().to_string();
     let node = |n: &str| {
         let opts = [
             "--nnodes",

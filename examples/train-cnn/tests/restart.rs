@@ -186,11 +186,7 @@ fn a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one() {
     let nodes = dir.path().join("nodes");
     let node_marks = dir.path().join("node-marks");
     std::fs::create_dir_all(&node_marks).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = ddp_testkit::free_port();
     let start = Instant::now();
     let launches: Vec<_> = (0..2)
         .map(|node| {

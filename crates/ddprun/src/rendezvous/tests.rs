@@ -31,11 +31,7 @@ fn spec(node: usize, min: usize, max: usize) -> NodeSpec {
 }
 
 fn endpoint() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = ddp_testkit::free_port();
     format!("127.0.0.1:{port}")
 }
 
