@@ -48,7 +48,7 @@ pub(crate) fn joined_with() -> Option<&'static JoinedWith> {
     JOINED_WITH.get()
 }
 
-/// The process-wide group, if [`install`] has been called.
+/// The process-wide group, if `install` has been called.
 pub fn group() -> Option<SharedGroup> {
     GROUP.get().cloned()
 }

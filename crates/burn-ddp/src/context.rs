@@ -6,7 +6,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use ddp_comm::{Compression, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp};
 
 use crate::comm::{self, SharedGroup};
-use crate::cuda::{DeviceChoice, DeviceComm, NcclSetting};
+use crate::cuda::{DeviceChoice, DeviceComm, NcclPolicy, NcclSetting};
 use crate::error::{DdpError, Result};
 use crate::grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer};
 
@@ -14,7 +14,7 @@ use crate::grad_sync::{DEFAULT_BUCKET_CAP_BYTES, GradientSynchronizer};
 ///
 /// Reads torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
 /// `MASTER_PORT`, …) or Slurm's, joins the process group and installs it process-wide
-/// ([`crate::comm::install`]) so layers such as SyncBatchNorm find it. With no launch
+/// (`crate::comm::install`) so layers such as SyncBatchNorm find it. With no launch
 /// variables at all this is a world of one: the same program runs alone unchanged.
 ///
 /// Equivalent to `Ddp::builder().init()`; see [`DdpBuilder`] for the settings.
@@ -82,14 +82,14 @@ impl DdpBuilder {
 
     /// Runs this rank on CUDA device `LOCAL_RANK` (device 0 when the rank sees only one),
     /// with no fallback: without a usable CUDA driver or device `init` fails with one
-    /// [`DdpError::Device`] naming why, on every rank, before any rank joins the group.
+    /// [`DdpError::Device`] naming why, on every rank, before any rank joins the group. In a
+    /// build without burn-ddp's `cuda` feature, `init` fails with [`DdpError::InvalidSetting`].
     ///
     /// ```no_run
     /// # fn main() -> Result<(), burn_ddp::DdpError> {
     /// let ddp = burn_ddp::Ddp::builder().cuda().init()?;
     /// # Ok(()) }
     /// ```
-    #[cfg(feature = "cuda")]
     pub fn cuda(mut self) -> Self {
         self.device = DeviceChoice::Cuda;
         self
@@ -148,11 +148,11 @@ impl DdpBuilder {
         self
     }
 
-    /// Whether gradient buckets are all-reduced by NCCL on CUDA device memory (feature
-    /// `cuda`; default: `DDP_NCCL` when set, else [`NcclPolicy::Auto`](crate::nccl::NcclPolicy::Auto):
-    /// when every rank can, otherwise the host path). See [`crate::nccl`].
-    #[cfg(feature = "cuda")]
-    pub fn nccl(mut self, policy: crate::nccl::NcclPolicy) -> Self {
+    /// Whether gradient buckets are all-reduced by NCCL on CUDA device memory (default:
+    /// `DDP_NCCL` when set, else [`NcclPolicy::Auto`]: when every rank can, otherwise the host
+    /// path). In a build without the `cuda` feature every policy takes the host path, and
+    /// [`NcclPolicy::Required`] makes `init` fail with [`DdpError::NcclUnavailable`].
+    pub fn nccl(mut self, policy: NcclPolicy) -> Self {
         self.nccl = NcclSetting::chosen(policy);
         self
     }

@@ -101,7 +101,8 @@ pub mod sync_batch_norm;
 
 pub use context::{Ddp, DdpBuilder, init};
 #[cfg(feature = "cuda")]
-pub use cuda::nccl::{self, NcclPolicy};
+pub use cuda::nccl;
+pub use cuda::{NCCL_POLICY_VAR, NcclPolicy};
 /// The communication layer burn-ddp is built on (process groups, launch environment,
 /// rendezvous store, launcher), for the types in [`DdpBuilder`]'s signatures.
 pub use ddp_comm;

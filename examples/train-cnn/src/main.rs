@@ -199,16 +199,9 @@ fn join(backend: Backend, compression: Option<ddp_comm::Compression>) -> Result<
                 "--backend wgpu needs train-cnn built with `--features wgpu`".into(),
             ));
         }
-        #[cfg(feature = "cuda")]
+        // Without the `cuda` feature (`cargo xtask train --gpus N` builds with it), `init`
+        // says so.
         Backend::Cuda => builder.cuda(),
-        #[cfg(not(feature = "cuda"))]
-        Backend::Cuda => {
-            return Err(TrainError::Config(
-                "--backend cuda needs train-cnn built with `--features cuda` \
-                 (cargo xtask train --gpus N does this)"
-                    .into(),
-            ));
-        }
     };
     Ok(builder.init()?)
 }

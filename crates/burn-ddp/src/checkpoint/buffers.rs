@@ -55,7 +55,7 @@ impl ModuleMapper for Unpacker<'_> {
     }
 }
 
-/// `model` with its buffers replaced by `bytes` (what [`pack`] made of a model of the same
+/// `model` with its buffers replaced by `bytes` (what `pack` made of a model of the same
 /// shape).
 ///
 /// # Errors

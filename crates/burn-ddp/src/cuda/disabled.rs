@@ -6,8 +6,9 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::{Device, Tensor};
 use ddp_comm::{Compression, GroupOptions, LaunchEnv, ReduceOp};
 
+use super::NcclSetting;
 use crate::comm::SharedGroup;
-use crate::error::Result;
+use crate::error::{DdpError, Result};
 
 /// Whether this build has the CUDA path.
 pub(crate) const ENABLED: bool = false;
@@ -18,26 +19,30 @@ pub(crate) enum DeviceChoice {
     /// The CPU (Flex): this build has no CUDA.
     #[default]
     Auto,
+    /// CUDA, which this build cannot give ([`crate::DdpBuilder::cuda`]).
+    Cuda,
     /// A device chosen by the caller.
     Fixed(Device),
 }
 
 impl DeviceChoice {
     /// The device of the rank with this local rank.
+    ///
+    /// # Errors
+    /// CUDA was asked for.
     pub(crate) fn resolve(self, _local_rank: usize, _local_world_size: usize) -> Result<Device> {
-        Ok(match self {
-            DeviceChoice::Auto => Device::flex(),
-            DeviceChoice::Fixed(d) => d,
-        })
+        match self {
+            DeviceChoice::Auto => Ok(Device::flex()),
+            DeviceChoice::Cuda => Err(DdpError::InvalidSetting(format!(
+                "CUDA was asked for (DdpBuilder::cuda), but {WITHOUT_CUDA}"
+            ))),
+            DeviceChoice::Fixed(d) => Ok(d),
+        }
     }
 }
 
-/// The NCCL policy a builder holds: none in this build (a field of its own keeps it a struct
-/// that `Default` makes, as with `cuda`).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct NcclSetting {
-    _none: (),
-}
+/// Why this build cannot use CUDA.
+const WITHOUT_CUDA: &str = "this program was built without burn-ddp's `cuda` feature";
 
 /// A device communicator: none exists in this build.
 #[derive(Debug, Clone)]
@@ -50,13 +55,19 @@ impl DeviceComm {
     }
 
     /// Creates this rank's communicator: none in this build.
+    ///
+    /// # Errors
+    /// NCCL was required ([`super::NcclPolicy::Required`]).
     pub(crate) fn connect(
         _env: &LaunchEnv,
         _group: &SharedGroup,
         _options: &GroupOptions,
         _device: &Device,
-        _setting: NcclSetting,
+        setting: NcclSetting,
     ) -> Result<Option<DeviceComm>> {
+        if setting.policy()? == super::NcclPolicy::Required {
+            return Err(DdpError::NcclUnavailable(WITHOUT_CUDA.into()));
+        }
         Ok(None)
     }
 

@@ -8,7 +8,8 @@ use burn::backend::{Backend, Cube, TensorMetadata};
 use burn::tensor::{DType, Device, Tensor};
 use ddp_comm::{Compression, GroupOptions, LaunchEnv, ReduceOp};
 
-use super::nccl::{self, NcclPolicy, SharedNccl};
+use super::NcclSetting;
+use super::nccl::{self, SharedNccl};
 use crate::comm::SharedGroup;
 use crate::error::{DdpError, Result};
 
@@ -38,33 +39,6 @@ impl DeviceChoice {
             }
             DeviceChoice::Auto => auto_device(local_rank, local_world_size),
             DeviceChoice::Cuda => cuda_device(local_rank, local_world_size),
-        }
-    }
-}
-
-/// The NCCL policy a builder holds: [`crate::DdpBuilder::nccl`]'s, else `DDP_NCCL`'s.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct NcclSetting {
-    policy: NcclPolicy,
-    /// Whether the builder set it (else `DDP_NCCL` decides).
-    chosen: bool,
-}
-
-impl NcclSetting {
-    /// The policy the program chose.
-    pub(crate) fn chosen(policy: NcclPolicy) -> Self {
-        NcclSetting {
-            policy,
-            chosen: true,
-        }
-    }
-
-    /// The policy in force: the program's, else `DDP_NCCL`'s, else the default.
-    fn policy(self) -> Result<NcclPolicy> {
-        if self.chosen {
-            Ok(self.policy)
-        } else {
-            Ok(NcclPolicy::from_env()?.unwrap_or(self.policy))
         }
     }
 }

@@ -66,6 +66,8 @@ use ddp_nccl::{NcclGroup, NcclOptions, check_libraries};
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
 
+pub use super::policy::{NCCL_POLICY_VAR, NcclPolicy};
+
 /// An NCCL communicator shared by everything in this process that uses it.
 pub type SharedNccl = Arc<Mutex<NcclGroup>>;
 
@@ -92,59 +94,6 @@ pub fn installed() -> Option<SharedNccl> {
 /// Locks a shared NCCL group, recovering from a poisoned mutex (the group tracks its errors).
 pub(crate) fn lock(g: &SharedNccl) -> MutexGuard<'_, NcclGroup> {
     g.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Whether gradient buckets go through NCCL on CUDA devices; see
-/// [`crate::DdpBuilder::nccl`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum NcclPolicy {
-    /// Use NCCL when every rank can (CUDA device, libcuda and libnccl present, the
-    /// communicator created); otherwise fall back to the host path with a log line.
-    #[default]
-    Auto,
-    /// Never create an NCCL communicator: gradients always take the host path.
-    Disabled,
-    /// Fail [`crate::DdpBuilder::init`] on every rank when NCCL can't be used on some rank.
-    /// In a world of one, create a one-rank communicator and run every gradient sync and
-    /// SyncBatchNorm exchange through it, so that a single GPU exercises the path N GPUs
-    /// take (NCCL itself has nothing to exchange then).
-    Required,
-}
-
-impl std::str::FromStr for NcclPolicy {
-    type Err = DdpError;
-
-    /// `auto`, `off` (or `disabled`), `required`; the values of `DDP_NCCL`.
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(NcclPolicy::Auto),
-            "off" | "disabled" => Ok(NcclPolicy::Disabled),
-            "required" => Ok(NcclPolicy::Required),
-            other => Err(DdpError::InvalidSetting(format!(
-                "NCCL policy {other:?}: expected auto, off or required"
-            ))),
-        }
-    }
-}
-
-/// The variable that sets [`NcclPolicy`] for programs that don't: `auto`, `off`, `required`.
-pub const NCCL_POLICY_VAR: &str = "DDP_NCCL";
-
-impl NcclPolicy {
-    /// The policy in [`NCCL_POLICY_VAR`], or `None` when it is unset.
-    ///
-    /// # Errors
-    /// The variable holds something else than `auto`, `off` or `required`.
-    pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var(NCCL_POLICY_VAR) {
-            Ok(v) => v
-                .parse()
-                .map(Some)
-                .map_err(|e| DdpError::InvalidSetting(format!("{NCCL_POLICY_VAR}: {e}"))),
-            Err(_) => Ok(None),
-        }
-    }
 }
 
 /// The CUDA ordinal of `device` when it is a CubeCL CUDA device (autodiff or not).

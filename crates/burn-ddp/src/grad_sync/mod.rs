@@ -7,7 +7,7 @@
 //!    for the same model type) and every float parameter that requires a gradient gets a slot.
 //! 2. **Presence.** One `u8` Max all-reduce of a bitmap ("this rank has a gradient for slot
 //!    i"), with a fingerprint of the slot layout (sizes) appended, so that ranks whose models
-//!    differ fail with [`DdpError::GradientLayoutMismatch`] on every rank instead of mixing
+//!    differ fail with `DdpError::GradientLayoutMismatch` on every rank instead of mixing
 //!    unrelated numbers. A slot with no gradient on any rank stays absent (the optimizer skips
 //!    it, as on one process); a slot with a gradient on some ranks takes part with zeros where
 //!    missing, so it becomes (sum over ranks) / world size — no `find_unused_parameters` flag.
@@ -22,10 +22,10 @@
 //!    spare core for the comm thread the same steps run one after another on the calling
 //!    thread ([`GradientSynchronizer::with_overlap`]).
 //!
-//! With the `cuda` feature and an NCCL communicator ([`GradientSynchronizer::with_nccl`],
+//! With the `cuda` feature and an NCCL communicator (`GradientSynchronizer::with_nccl`,
 //! set up by [`crate::Ddp`]), buckets whose gradients sit on that CUDA device on every rank
 //! are instead concatenated on the device, all-reduced there by NCCL and sliced back, with no
-//! host copy (same buckets, same order; see [`crate::nccl`] — built and linked in CI, not yet run on a GPU).
+//! host copy (same buckets, same order; see `crate::nccl` — built and linked in CI, not yet run on a GPU).
 
 mod buckets;
 mod device;

@@ -49,7 +49,6 @@ enum DeviceArg {
     Wgpu,
     /// CUDA device `LOCAL_RANK` (device 0 when one is visible; needs the `cuda` feature).
     /// `DDP_NCCL` picks the gradient path; with NCCL every sync must take the device path.
-    #[cfg(feature = "cuda")]
     Cuda,
 }
 
@@ -261,7 +260,6 @@ fn run(args: &Args) -> Result<(), String> {
         DeviceArg::Cpu => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
         DeviceArg::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
-        #[cfg(feature = "cuda")]
         DeviceArg::Cuda => builder.cuda(),
     };
     let ddp = builder.init().map_err(|e| e.to_string())?;

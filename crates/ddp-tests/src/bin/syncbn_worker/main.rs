@@ -22,11 +22,10 @@ fn join(case: &Case) -> Result<Ddp, String> {
         "flex" => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
         "wgpu" => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
-        #[cfg(feature = "cuda")]
         "cuda" => builder.cuda().nccl(if case.nccl {
-            burn_ddp::nccl::NcclPolicy::Required
+            burn_ddp::NcclPolicy::Required
         } else {
-            burn_ddp::nccl::NcclPolicy::Disabled
+            burn_ddp::NcclPolicy::Disabled
         }),
         other => return Err(format!("unknown or disabled device {other:?}")),
     };
