@@ -34,6 +34,14 @@ use std::time::Instant;
 
 use cargo_tasks::{BURN_DEFAULT_DEVICE, FEATURES, LINT_MARKER, lint_with_clippy};
 
+/// The publishable crates, as cargo's package arguments.
+const PUBLISHED: &[&str] = &[
+    "-p", "ddp-comm", "-p", "ddp-nccl", "-p", "burn-ddp", "-p", "ddprun",
+];
+
+/// rustdoc's warnings as errors, for the documentation step.
+const RUSTDOC_DENY_WARNINGS: (&str, &str) = ("RUSTDOCFLAGS", "-D warnings");
+
 /// How a step lints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lint {
@@ -77,25 +85,43 @@ fn steps() -> Vec<Step> {
                 &[&["test", "--workspace", "--timings", "--features", FEATURES]],
             )
         },
+        // The libraries as a user builds them: default features (no GPU) plus burn-train's
+        // integration, checked with clippy's lints (check mode: no code generated, so Burn's
+        // stack costs its metadata only). The test build above has every GPU feature on, so
+        // without this step a build without `cuda` would never be compiled.
+        Step {
+            lint: Lint::No,
+            ..step(
+                "the libraries without GPU features, linted (cargo clippy)",
+                &[
+                    &["clippy"],
+                    PUBLISHED,
+                    &["--all-targets", "--features", "burn-ddp/learner"],
+                    &["--", "-D", "warnings"],
+                ],
+            )
+        },
+        // Their documentation, warnings denied (broken links, missing docs), from the metadata
+        // the step above left.
+        Step {
+            lint: Lint::No,
+            env: &[RUSTDOC_DENY_WARNINGS],
+            ..step(
+                "the libraries' documentation, warnings denied (cargo doc)",
+                &[
+                    &["doc", "--no-deps"],
+                    PUBLISHED,
+                    &["--features", "burn-ddp/learner"],
+                ],
+            )
+        },
         // The publishable crates as crates.io would receive them (no upload, no build: the
         // manifests, license files and readme of each package; path dependencies have versions).
         Step {
             lint: Lint::No,
             ..step(
                 "the publishable crates package (cargo package, no upload)",
-                &[&[
-                    "package",
-                    "-p",
-                    "ddp-comm",
-                    "-p",
-                    "ddp-nccl",
-                    "-p",
-                    "burn-ddp",
-                    "-p",
-                    "ddprun",
-                    "--no-verify",
-                    "--allow-dirty",
-                ]],
+                &[&["package"], PUBLISHED, &["--no-verify", "--allow-dirty"]],
             )
         },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX

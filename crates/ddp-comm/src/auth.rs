@@ -3,12 +3,12 @@
 //! - [`Key`]: 32 bytes derived from the job token with HMAC-SHA256 (RustCrypto's `hmac` and
 //!   `sha2`); [`Key::derive`] makes a sub-key for a role or a round (`HMAC(key, label)`), so a
 //!   holder of a sub-key cannot work out the key it came from.
-//! - Challenge-response: each side sends a fresh nonce ([`nonce`], from the operating system's
-//!   generator through `getrandom`) and answers with [`Key::prove`] — an HMAC over both nonces
-//!   and its role — which the other side checks in constant time ([`Key::verify`], `subtle`).
+//! - Challenge-response: each side sends a fresh nonce (`nonce`, from the operating system's
+//!   generator through `getrandom`) and answers with `Key::prove` — an HMAC over both nonces
+//!   and its role — which the other side checks in constant time (`Key::verify`, `subtle`).
 //!   A recorded answer is useless against a fresh nonce, and a side that does not hold the key
 //!   (a port squatter) learns nothing it could use and is refused.
-//! - [`Identity`]: a signing key of one rank for one rendezvous (Ed25519, `ed25519-dalek`),
+//! - `Identity`: a signing key of one rank for one rendezvous (Ed25519, `ed25519-dalek`),
 //!   whose public half the rank publishes once with its address. Every rank holds the job's
 //!   key, so the key cannot tell ranks apart; a signature can: a process that holds the job's
 //!   key but not rank `r`'s identity cannot pass for rank `r`.

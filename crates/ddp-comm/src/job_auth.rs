@@ -69,7 +69,7 @@ impl JobAuth {
     }
 
     /// The secret for a later client of the job's store (an NCCL group's): the one this
-    /// process resolved for the group, else as [`JobAuth::for_group`] but reading the file on
+    /// process resolved for the group, else as `JobAuth::for_group` but reading the file on
     /// every rank.
     pub fn for_client(env: &LaunchEnv) -> Result<JobAuth> {
         Self::resolve(env, false, true)

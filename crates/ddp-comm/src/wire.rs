@@ -6,7 +6,7 @@
 //! handshake of the process group's mesh, the header in front of every collective, and the
 //! NCCL unique id published through the store. Messages that travel alone on a TCP stream
 //! (store requests and replies, mesh hellos and replies) are wrapped in a frame: a `u32`
-//! length, then that many bytes ([`write_frame`], [`read_frame`]).
+//! length, then that many bytes (`write_frame`, `read_frame`).
 //! The handshakes' proofs are [`crate::auth`]'s.
 
 use std::io::{self, Read, Write};
