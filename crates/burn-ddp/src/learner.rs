@@ -11,8 +11,9 @@
 //! let ddp = burn_ddp::init()?;
 //! let model = ddp.replicate_model(MyModel::new(&device))?;          // same start everywhere
 //! let learner = Learner::new(DdpModel::new(&ddp, model), AdamConfig::new().init(), 1e-3);
-//! let mut training = SupervisedTraining::new(dir_for(&ddp), train_shard, valid_shard)
-//!     .num_epochs(10);
+//! // train/valid: ShardedDataLoaderBuilder … .build_for(dataset, &ddp), each in an Arc
+//! let dir = format!("runs/rank{}", ddp.rank());                     // burn-train's logs, per rank
+//! let mut training = SupervisedTraining::new(dir, train, valid).num_epochs(10);
 //! if ddp.is_main() {
 //!     training = training.with_default_checkpointers();                 // rank 0 writes
 //! } else {

@@ -138,7 +138,9 @@ struct Plan {
 /// Each new pass ([`batches`](Self::batches) or [`DataLoader::iter`]) starts the next epoch, so
 /// the order changes by itself. [`set_epoch`](Self::set_epoch) chooses the epoch of the next
 /// pass; [`state`](Self::state)/[`load_state`](Self::load_state) save and restore the position
-/// including batches already consumed in an interrupted epoch.
+/// including batches already consumed in an interrupted epoch. They take `&self` because the
+/// loader is shared: burn-train holds it as an `Arc<dyn DataLoader>`, and a program that
+/// resumes or sets the epoch reaches it through another clone of that `Arc`.
 ///
 /// # Workers and ordering
 /// Batch `k` of a pass is built by worker `k mod num_workers`, and batches are yielded in plan
