@@ -387,7 +387,7 @@ impl Ddp {
     /// create one (see [`DdpBuilder::nccl`]).
     #[cfg(feature = "cuda")]
     pub fn nccl(&self) -> Option<&crate::nccl::SharedNccl> {
-        self.device_comm.as_ref().map(DeviceComm::shared)
+        self.device_comm.as_ref().and_then(DeviceComm::shared)
     }
 
     /// Returns once every rank has called it.

@@ -98,6 +98,8 @@ mod replicate;
 mod running_state;
 pub mod sharding;
 pub mod sync_batch_norm;
+#[cfg(test)]
+mod test_ranks;
 
 pub use context::{Ddp, DdpBuilder, init};
 #[cfg(feature = "cuda")]

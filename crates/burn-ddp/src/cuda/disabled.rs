@@ -1,13 +1,9 @@
 //! The CUDA glue in a build without the `cuda` feature: every rank computes on the device it is
-//! given or on the CPU, and there is no device communicator ([`DeviceComm`] has no values).
+//! given or on the CPU, and there is no NCCL communicator.
 
-use burn::backend::Backend;
-use burn::backend::tensor::FloatTensor;
-use burn::tensor::{Device, Tensor};
-use ddp_comm::{Compression, GroupOptions, LaunchEnv, ReduceOp};
+use burn::tensor::Device;
 
 use super::NcclSetting;
-use crate::comm::SharedGroup;
 use crate::error::{DdpError, Result};
 
 /// Whether this build has the CUDA path.
@@ -44,63 +40,13 @@ impl DeviceChoice {
 /// Why this build cannot use CUDA.
 const WITHOUT_CUDA: &str = "this program was built without burn-ddp's `cuda` feature";
 
-/// A device communicator: none exists in this build.
-#[derive(Debug, Clone)]
-pub(crate) enum DeviceComm {}
-
-impl DeviceComm {
-    /// The process-wide communicator: none.
-    pub(crate) fn installed() -> Option<DeviceComm> {
-        None
+/// NCCL in a build without it: none; an error when it was required.
+///
+/// # Errors
+/// NCCL was required ([`super::NcclPolicy::Required`]).
+pub(crate) fn refuse_required_nccl(setting: NcclSetting) -> Result<()> {
+    if setting.policy()? == super::NcclPolicy::Required {
+        return Err(DdpError::NcclUnavailable(WITHOUT_CUDA.into()));
     }
-
-    /// Creates this rank's communicator: none in this build.
-    ///
-    /// # Errors
-    /// NCCL was required ([`super::NcclPolicy::Required`]).
-    pub(crate) fn connect(
-        _env: &LaunchEnv,
-        _group: &SharedGroup,
-        _options: &GroupOptions,
-        _device: &Device,
-        setting: NcclSetting,
-    ) -> Result<Option<DeviceComm>> {
-        if setting.policy()? == super::NcclPolicy::Required {
-            return Err(DdpError::NcclUnavailable(WITHOUT_CUDA.into()));
-        }
-        Ok(None)
-    }
-
-    /// The number of ranks.
-    pub(crate) fn world_size(&self) -> usize {
-        match *self {}
-    }
-
-    /// Whether `device` is the communicator's device.
-    pub(crate) fn holds(&self, _device: &Device) -> bool {
-        match *self {}
-    }
-
-    /// The element-wise reduction of every tensor over all ranks.
-    pub(crate) fn all_reduce_many(
-        &self,
-        _tensors: Vec<Tensor<1>>,
-        _op: ReduceOp,
-        _compression: Compression,
-    ) -> Result<Vec<Tensor<1>>> {
-        match *self {}
-    }
-
-    /// Every rank's tensor, concatenated in rank order.
-    pub(crate) fn all_gather(&self, _local: Tensor<1>) -> Result<Tensor<1>> {
-        match *self {}
-    }
-
-    /// The sum of a backend tensor over all ranks.
-    pub(crate) fn all_reduce_sum<B: Backend>(
-        &self,
-        _local: FloatTensor<B>,
-    ) -> Result<FloatTensor<B>> {
-        match *self {}
-    }
+    Ok(())
 }

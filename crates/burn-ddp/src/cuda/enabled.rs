@@ -1,5 +1,5 @@
 //! The CUDA glue in a build with the `cuda` feature: each rank's CUDA device and the toolkit
-//! files its kernels need, and [`DeviceComm`], NCCL on that device.
+//! files its kernels need, and [`NcclComm`], NCCL on that device.
 
 use std::any::Any;
 
@@ -45,24 +45,24 @@ impl DeviceChoice {
 
 /// This rank's NCCL communicator and its CUDA device: collectives on device memory.
 #[derive(Clone)]
-pub(crate) struct DeviceComm {
+pub(crate) struct NcclComm {
     nccl: SharedNccl,
     ordinal: usize,
 }
 
-impl std::fmt::Debug for DeviceComm {
+impl std::fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceComm")
+        f.debug_struct("NcclComm")
             .field("ordinal", &self.ordinal)
             .finish()
     }
 }
 
-impl DeviceComm {
+impl NcclComm {
     /// The communicator `nccl`, on its device.
     pub(crate) fn new(nccl: SharedNccl) -> Self {
         let ordinal = nccl::lock(&nccl).device_ordinal();
-        DeviceComm { nccl, ordinal }
+        NcclComm { nccl, ordinal }
     }
 
     /// The NCCL communicator.
@@ -71,8 +71,8 @@ impl DeviceComm {
     }
 
     /// The process-wide communicator, if one is installed.
-    pub(crate) fn installed() -> Option<DeviceComm> {
-        nccl::installed().map(DeviceComm::new)
+    pub(crate) fn installed() -> Option<NcclComm> {
+        nccl::installed().map(NcclComm::new)
     }
 
     /// The process-wide communicator, created and installed when there is none yet and every
@@ -83,13 +83,13 @@ impl DeviceComm {
         options: &GroupOptions,
         device: &Device,
         setting: NcclSetting,
-    ) -> Result<Option<DeviceComm>> {
+    ) -> Result<Option<NcclComm>> {
         if let Some(n) = nccl::installed() {
             tracing::debug!("reusing the NCCL communicator already installed");
-            return Ok(Some(DeviceComm::new(n)));
+            return Ok(Some(NcclComm::new(n)));
         }
         let created = nccl::connect(env, group, options, device, setting.policy()?)?;
-        Ok(created.map(|n| DeviceComm::new(nccl::install(n).0)))
+        Ok(created.map(|n| NcclComm::new(nccl::install(n).0)))
     }
 
     /// The number of ranks.

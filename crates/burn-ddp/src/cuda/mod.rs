@@ -2,11 +2,13 @@
 //! each rank's device with the CUDA toolkit files its kernels need, and [`DeviceComm`], the
 //! communicator through which gradient sync and SyncBatchNorm reach device memory.
 //!
-//! The module is compiled in every build. Without the `cuda` feature, [`DeviceComm`] is a type
-//! with no values, so `Option<DeviceComm>` is always `None`. The code that uses it (the
-//! gradient synchroniser's device path, SyncBatchNorm's NCCL exchange) compiles and is
-//! type-checked in every build, and needs no `cfg(feature = "cuda")` of its own: the
-//! feature's switches are here and on the public items that exist only with it.
+//! The module is compiled in every build. [`DeviceComm`] has one variant per implementation:
+//! NCCL (feature `cuda`) and, in unit tests, a host-staged stand-in over the process group, so
+//! that CPU tests run the device path's own logic (buckets packed and sliced on the device,
+//! SyncBatchNorm's device exchange) against the host path. In a build without either it is a
+//! type with no values and `Option<DeviceComm>` is always `None`. The code that uses it
+//! compiles and is type-checked in every build, and needs no `cfg(feature = "cuda")` of its
+//! own: the feature's switches are here and on the public items that exist only with it.
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -20,12 +22,166 @@ pub use policy::{NCCL_POLICY_VAR, NcclPolicy};
 #[cfg(feature = "cuda")]
 mod enabled;
 #[cfg(feature = "cuda")]
-pub(crate) use enabled::{DeviceChoice, DeviceComm, ENABLED};
+pub(crate) use enabled::{DeviceChoice, ENABLED};
 
 #[cfg(not(feature = "cuda"))]
 mod disabled;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use disabled::{DeviceChoice, DeviceComm, ENABLED};
+pub(crate) use disabled::{DeviceChoice, ENABLED};
+
+#[cfg(test)]
+mod host_staged;
+
+use burn::backend::Backend;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::{Device, Tensor};
+use ddp_comm::{Compression, GroupOptions, LaunchEnv, ReduceOp};
+
+use crate::comm::SharedGroup;
+use crate::error::Result;
+
+/// Collectives on the memory of this rank's device, for the gradient device path and
+/// SyncBatchNorm's device exchange (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub(crate) enum DeviceComm {
+    /// NCCL on this rank's CUDA device.
+    #[cfg(feature = "cuda")]
+    Nccl(enabled::NcclComm),
+    /// Unit tests only: the same calls staged through the host process group.
+    #[cfg(test)]
+    Host(host_staged::HostStaged),
+}
+
+// Without `cuda` and outside tests the type has no values: its methods' bodies are empty
+// matches that never look at their arguments.
+#[cfg_attr(not(any(feature = "cuda", test)), allow(unused_variables))]
+impl DeviceComm {
+    /// The NCCL communicator `nccl`, on its device.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn nccl(nccl: nccl::SharedNccl) -> Self {
+        DeviceComm::Nccl(enabled::NcclComm::new(nccl))
+    }
+
+    /// The host-staged stand-in over `group` (unit tests).
+    #[cfg(test)]
+    pub(crate) fn host_staged(group: SharedGroup) -> Self {
+        DeviceComm::Host(host_staged::HostStaged::new(group))
+    }
+
+    /// The NCCL communicator, if this is one.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn shared(&self) -> Option<&nccl::SharedNccl> {
+        match self {
+            DeviceComm::Nccl(n) => Some(n.shared()),
+            #[cfg(test)]
+            DeviceComm::Host(_) => None,
+        }
+    }
+
+    /// The process-wide communicator, if one is installed.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn installed() -> Option<DeviceComm> {
+        enabled::NcclComm::installed().map(DeviceComm::Nccl)
+    }
+
+    /// The process-wide communicator: none in a build without `cuda`.
+    #[cfg(not(feature = "cuda"))]
+    pub(crate) fn installed() -> Option<DeviceComm> {
+        None
+    }
+
+    /// This rank's communicator, created and installed when there is none yet and every rank
+    /// can use NCCL; `None` otherwise. Every rank must call it at the same point.
+    ///
+    /// # Errors
+    /// A host collective failed; NCCL was required and some rank cannot use it.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn connect(
+        env: &LaunchEnv,
+        group: &SharedGroup,
+        options: &GroupOptions,
+        device: &Device,
+        setting: NcclSetting,
+    ) -> Result<Option<DeviceComm>> {
+        Ok(enabled::NcclComm::connect(env, group, options, device, setting)?.map(DeviceComm::Nccl))
+    }
+
+    /// This rank's communicator: none in a build without `cuda`.
+    ///
+    /// # Errors
+    /// NCCL was required ([`NcclPolicy::Required`]).
+    #[cfg(not(feature = "cuda"))]
+    pub(crate) fn connect(
+        _env: &LaunchEnv,
+        _group: &SharedGroup,
+        _options: &GroupOptions,
+        _device: &Device,
+        setting: NcclSetting,
+    ) -> Result<Option<DeviceComm>> {
+        disabled::refuse_required_nccl(setting)?;
+        Ok(None)
+    }
+
+    /// The number of ranks.
+    pub(crate) fn world_size(&self) -> usize {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.world_size(),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.world_size(),
+        }
+    }
+
+    /// Whether `device` is the communicator's device.
+    pub(crate) fn holds(&self, device: &Device) -> bool {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.holds(device),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.holds(device),
+        }
+    }
+
+    /// The element-wise reduction (`op`) over all ranks of every f32 tensor, each travelling
+    /// as `compression` says.
+    pub(crate) fn all_reduce_many(
+        &self,
+        tensors: Vec<Tensor<1>>,
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Result<Vec<Tensor<1>>> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.all_reduce_many(tensors, op, compression),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.all_reduce_many(tensors, op, compression),
+        }
+    }
+
+    /// Every rank's f32 tensor (the same length everywhere), concatenated in rank order.
+    pub(crate) fn all_gather(&self, local: Tensor<1>) -> Result<Tensor<1>> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.all_gather(local),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.all_gather(local),
+        }
+    }
+
+    /// The sum over all ranks of a `[rows, channels]` backend tensor (inside an autodiff
+    /// backward pass, where the backend is only known generically).
+    pub(crate) fn all_reduce_sum<B: Backend>(
+        &self,
+        local: FloatTensor<B>,
+    ) -> Result<FloatTensor<B>> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.all_reduce_sum::<B>(local),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.all_reduce_sum::<B>(local),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

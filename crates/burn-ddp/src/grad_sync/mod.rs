@@ -136,7 +136,7 @@ impl GradientSynchronizer {
     /// path. Every rank must attach a communicator, or none. See [`crate::nccl`].
     #[cfg(feature = "cuda")]
     pub fn with_nccl(self, nccl: crate::nccl::SharedNccl) -> Self {
-        self.with_device_comm(Some(DeviceComm::new(nccl)))
+        self.with_device_comm(Some(DeviceComm::nccl(nccl)))
     }
 
     /// Attaches `device_comm` (see [`Self::with_nccl`]); `None` keeps the host path.

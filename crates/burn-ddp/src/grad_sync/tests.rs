@@ -146,6 +146,63 @@ fn presence_exchange_decodes_the_device_vote() {
     }
 }
 
+/// Deterministic gradients of `net` for `rank` (the same on every call).
+fn rank_grads(net: &Net, device: &Device, rank: usize) -> GradientsParams {
+    let x = Tensor::<2>::from_floats(
+        [
+            [0.5, -1.0, 2.0],
+            [1.5, 0.25, -0.75],
+            [-2.0, 1.0, 0.125],
+            [0.0, 3.0, -1.5],
+            [1.0, 1.0, 1.0],
+        ],
+        device,
+    ) * (rank as f32 + 1.0);
+    let loss = net.b.forward(net.a.forward(x.clone())).sum() + net.frozen.forward(x).sum();
+    GradientsParams::from_grads(loss.backward(), net)
+}
+
+/// The device path (buckets packed, reduced and sliced back as tensors) on two CPU ranks,
+/// through the host-staged stand-in for NCCL: the same bits as the host path, for one bucket
+/// per slot and for one bucket for all.
+#[test]
+fn the_device_path_equals_the_host_path_on_two_ranks() {
+    let results = crate::test_ranks::run_ranks(2, |group, rank| {
+        let device = Device::flex().autodiff();
+        let net = Net::new(&device);
+        let ids = [
+            (net.a.weight.id, 2),
+            (net.b.weight.id, 2),
+            (net.b.bias.as_ref().unwrap().id, 1),
+        ];
+        for cap in [4, 1 << 20] {
+            let mut host = GradientSynchronizer::new(group.clone(), cap).with_overlap(false);
+            let on_host = host.sync(&net, rank_grads(&net, &device, rank)).unwrap();
+            assert!(!host.last_sync_on_device());
+            let mut dev = GradientSynchronizer::new(group.clone(), cap)
+                .with_device_comm(Some(crate::cuda::DeviceComm::host_staged(group.clone())));
+            let on_dev = dev.sync(&net, rank_grads(&net, &device, rank)).unwrap();
+            assert!(dev.last_sync_on_device(), "cap {cap}: took the host path");
+            for (id, dims) in ids {
+                let (h, d) = if dims == 2 {
+                    (values::<2>(&on_host, id), values::<2>(&on_dev, id))
+                } else {
+                    (values::<1>(&on_host, id), values::<1>(&on_dev, id))
+                };
+                let (h, d) = (h.unwrap(), d.unwrap());
+                assert!(
+                    h.iter().zip(&d).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "rank {rank}, cap {cap}: {h:?} vs {d:?}"
+                );
+            }
+            assert!(on_dev.get::<2>(net.unused.weight.id).is_none());
+            assert!(on_dev.get::<2>(net.frozen.weight.id).is_none());
+        }
+        rank
+    });
+    assert_eq!(results, [0, 1]);
+}
+
 /// The device path with a real NCCL communicator (`#[ignore]`d: they need a GPU).
 #[cfg(feature = "cuda")]
 mod nccl_path {

@@ -170,6 +170,39 @@ mod tests {
         assert_eq!(gathered.total_count, Some(7.0));
     }
 
+    /// The device exchange (the NCCL arm: statistics gathered and sums reduced as device
+    /// tensors) on two CPU ranks through the host-staged stand-in for NCCL, against the host
+    /// exchange: the same values (exact in f32 here) in the same layout.
+    #[test]
+    fn the_device_exchange_equals_the_host_exchange_on_two_ranks() {
+        use burn::backend::Flex;
+        crate::test_ranks::run_ranks(2, |group, rank| {
+            let values = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+            let device = Device::flex();
+            let r = rank as f32;
+            let local =
+                Tensor::<2>::from_floats([[1.0 + r, 2.0, 3.0], [4.0, 5.0 * r, 6.0]], &device);
+            let host = Exchange::Host(group.clone());
+            let dev = Exchange::Nccl(DeviceComm::host_staged(group.clone()));
+            assert_eq!(dev.world_size(), 2);
+            let h = host.all_gather(local.clone(), 1, 3).unwrap();
+            let d = dev.all_gather(local.clone(), 1, 3).unwrap();
+            assert_eq!(d.stats.dims(), [2, 2, 3]);
+            assert_eq!(values(h.stats), values(d.stats), "rank {rank}: gathered");
+            let sum = |e: &Exchange| {
+                let primitive = local.clone().try_into_primitive::<Flex>().unwrap();
+                let out = e.all_reduce_sum::<Flex>(primitive).unwrap();
+                Tensor::<2>::from_primitive::<Flex>(out)
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(sum(&host), sum(&dev), "rank {rank}: summed");
+            assert_eq!(sum(&dev), vec![3.0, 4.0, 6.0, 8.0, 5.0, 12.0]);
+        });
+    }
+
     /// The NCCL transport in a world of one: real NCCL calls on Burn CUDA tensors, which must
     /// hand back exactly what they got.
     #[cfg(feature = "cuda")]
@@ -186,7 +219,7 @@ mod tests {
             ..NcclOptions::default()
         })
         .expect("an NCCL communicator of one on GPU 0");
-        let exchange = Exchange::Nccl(DeviceComm::new(Arc::new(Mutex::new(nccl))));
+        let exchange = Exchange::Nccl(DeviceComm::nccl(Arc::new(Mutex::new(nccl))));
         let local = Tensor::<2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
         let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().expect("f32");
         let want = values(local.clone());
