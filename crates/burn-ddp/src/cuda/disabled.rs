@@ -9,32 +9,24 @@ use crate::error::{DdpError, Result};
 /// Whether this build has the CUDA path.
 pub(crate) const ENABLED: bool = false;
 
-/// Where a rank runs its model.
-#[derive(Debug, Clone, Default)]
-pub(crate) enum DeviceChoice {
-    /// The CPU (Flex): this build has no CUDA.
-    #[default]
-    Auto,
-    /// CUDA, which this build cannot give ([`crate::DdpBuilder::cuda`]).
-    Cuda,
-    /// A device chosen by the caller.
-    Fixed(Device),
+/// The automatic choice: the CPU (Flex), this build has no CUDA.
+pub(super) fn auto_device(_local_rank: usize, _local_world_size: usize) -> Result<Device> {
+    Ok(Device::flex())
 }
 
-impl DeviceChoice {
-    /// The device of the rank with this local rank.
-    ///
-    /// # Errors
-    /// CUDA was asked for.
-    pub(crate) fn resolve(self, _local_rank: usize, _local_world_size: usize) -> Result<Device> {
-        match self {
-            DeviceChoice::Auto => Ok(Device::flex()),
-            DeviceChoice::Cuda => Err(DdpError::InvalidSetting(format!(
-                "CUDA was asked for (DdpBuilder::cuda), but {WITHOUT_CUDA}"
-            ))),
-            DeviceChoice::Fixed(d) => Ok(d),
-        }
-    }
+/// CUDA, which this build cannot give ([`crate::DdpBuilder::cuda`]).
+///
+/// # Errors
+/// Always.
+pub(super) fn cuda_device(_local_rank: usize, _local_world_size: usize) -> Result<Device> {
+    Err(DdpError::InvalidSetting(format!(
+        "CUDA was asked for (DdpBuilder::cuda), but {WITHOUT_CUDA}"
+    )))
+}
+
+/// A device chosen by the caller: any device this build can make is usable.
+pub(super) fn check_device(_device: &Device) -> Result<()> {
+    Ok(())
 }
 
 /// Why this build cannot use CUDA.

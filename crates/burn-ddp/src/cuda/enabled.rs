@@ -16,33 +16,6 @@ use crate::error::{DdpError, Result};
 /// Whether this build has the CUDA path.
 pub(crate) const ENABLED: bool = true;
 
-/// Where a rank runs its model.
-#[derive(Debug, Clone, Default)]
-pub(crate) enum DeviceChoice {
-    /// CUDA device `LOCAL_RANK` when a CUDA device is usable, else the CPU (Flex).
-    #[default]
-    Auto,
-    /// CUDA device `LOCAL_RANK`, required ([`crate::DdpBuilder::cuda`]).
-    Cuda,
-    /// A device chosen by the caller.
-    Fixed(Device),
-}
-
-impl DeviceChoice {
-    /// The device of the rank with this local rank, checked to be usable: a CUDA device must
-    /// exist, and the toolkit files its kernels need are found first.
-    pub(crate) fn resolve(self, local_rank: usize, local_world_size: usize) -> Result<Device> {
-        match self {
-            DeviceChoice::Fixed(d) => {
-                check_device(&d)?;
-                Ok(d)
-            }
-            DeviceChoice::Auto => auto_device(local_rank, local_world_size),
-            DeviceChoice::Cuda => cuda_device(local_rank, local_world_size),
-        }
-    }
-}
-
 /// This rank's NCCL communicator and its CUDA device: collectives on device memory.
 #[derive(Clone)]
 pub(crate) struct NcclComm {
@@ -165,7 +138,7 @@ fn downcast<From: Backend, To: Backend>(
 }
 
 /// CUDA device `LOCAL_RANK` when the driver reports any device, else Flex with a warning.
-fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
+pub(super) fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
     match ddp_nccl::visible_cuda_devices() {
         Ok(n) if n > 0 => cuda_device(local_rank, local_world_size),
         found => {
@@ -185,7 +158,7 @@ fn auto_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
 }
 
 /// CUDA device `LOCAL_RANK` (device 0 when the rank sees only one), checked to exist.
-fn cuda_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
+pub(super) fn cuda_device(local_rank: usize, local_world_size: usize) -> Result<Device> {
     let ordinal = ddp_nccl::cuda_device_for_local_rank(local_rank, local_world_size)
         .map_err(DdpError::Device)?;
     prepare_libdevice()?;
@@ -239,7 +212,7 @@ fn prepare_nvrtc(cuda_path: &std::path::Path) -> Result<()> {
 }
 
 /// Checks that a CUDA device chosen by the caller exists (other devices need no check).
-fn check_device(device: &Device) -> Result<()> {
+pub(super) fn check_device(device: &Device) -> Result<()> {
     if let Some(ordinal) = nccl::cuda_ordinal(device) {
         ddp_nccl::check_cuda_device(ordinal).map_err(DdpError::Device)?;
         prepare_libdevice()?;

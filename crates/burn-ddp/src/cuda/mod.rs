@@ -22,12 +22,16 @@ pub use policy::{NCCL_POLICY_VAR, NcclPolicy};
 #[cfg(feature = "cuda")]
 mod enabled;
 #[cfg(feature = "cuda")]
-pub(crate) use enabled::{DeviceChoice, ENABLED};
+use enabled as device;
+#[cfg(feature = "cuda")]
+pub(crate) use enabled::ENABLED;
 
 #[cfg(not(feature = "cuda"))]
 mod disabled;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use disabled::{DeviceChoice, ENABLED};
+use disabled as device;
+#[cfg(not(feature = "cuda"))]
+pub(crate) use disabled::ENABLED;
 
 #[cfg(test)]
 mod host_staged;
@@ -39,6 +43,36 @@ use ddp_comm::{Compression, GroupOptions, LaunchEnv, ReduceOp};
 
 use crate::comm::SharedGroup;
 use crate::error::Result;
+
+/// Where a rank runs its model.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum DeviceChoice {
+    /// CUDA device `LOCAL_RANK` when a CUDA device is usable, else the CPU (Flex).
+    #[default]
+    Auto,
+    /// CUDA device `LOCAL_RANK`, required ([`crate::DdpBuilder::cuda`]).
+    Cuda,
+    /// A device chosen by the caller.
+    Fixed(Device),
+}
+
+impl DeviceChoice {
+    /// The device of the rank with this local rank, checked to be usable (a CUDA device must
+    /// exist, and the toolkit files its kernels need are found first).
+    ///
+    /// # Errors
+    /// CUDA asked for and unusable, or absent from this build.
+    pub(crate) fn resolve(self, local_rank: usize, local_world_size: usize) -> Result<Device> {
+        match self {
+            DeviceChoice::Fixed(d) => {
+                device::check_device(&d)?;
+                Ok(d)
+            }
+            DeviceChoice::Auto => device::auto_device(local_rank, local_world_size),
+            DeviceChoice::Cuda => device::cuda_device(local_rank, local_world_size),
+        }
+    }
+}
 
 /// Collectives on the memory of this rank's device, for the gradient device path and
 /// SyncBatchNorm's device exchange (see the [module docs](self)).

@@ -102,7 +102,7 @@ impl GradientSynchronizer {
 /// one the backend hands over, without a copy on Flex) instead of being copied into a packed
 /// buffer: one more collective call costs microseconds, a copy of a large gradient costs
 /// milliseconds. The choice depends only on sizes, so every rank makes the same calls.
-const IN_PLACE_MIN_ELEMS: usize = 1 << 16;
+pub(crate) const IN_PLACE_MIN_ELEMS: usize = 1 << 16;
 
 /// One all-reduce of a bucket: a packed run of small gradients, or one large gradient.
 enum Part {

@@ -47,6 +47,7 @@ use crate::cuda::DeviceComm;
 use crate::error::Result;
 
 use buckets::plan_buckets;
+pub(crate) use host::IN_PLACE_MIN_ELEMS;
 pub(crate) use owners::OwnedGradients;
 use slots::{SlotCollector, SlotWriter};
 

@@ -19,11 +19,12 @@ use super::error::ShardingError;
 use super::plan::ShardPlan;
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
+use crate::grad_sync::IN_PLACE_MIN_ELEMS;
 use crate::owner_streams::OwnerStreams;
 
 /// Parameters of at least this many bytes (f32) are broadcast in place; smaller ones travel in
-/// the buckets, where one call carries many of them.
-pub(crate) const IN_PLACE_MIN_BYTES: usize = 4 << 16;
+/// the buckets, where one call carries many of them. The gradient path's threshold.
+const IN_PLACE_MIN_BYTES: usize = IN_PLACE_MIN_ELEMS * 4;
 
 /// Bytes moved by one [`all_gather_params`] call and how it went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
