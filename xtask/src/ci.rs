@@ -36,7 +36,22 @@ use cargo_tasks::{BURN_DEFAULT_DEVICE, FEATURES, LINT_MARKER, lint_with_clippy};
 
 /// The publishable crates, as cargo's package arguments.
 const PUBLISHED: &[&str] = &[
-    "-p", "ddp-comm", "-p", "ddp-nccl", "-p", "burn-ddp", "-p", "ddprun",
+    "-p",
+    "ddp-store",
+    "-p",
+    "ddp-trace",
+    "-p",
+    "ddp-comm",
+    "-p",
+    "ddp-nccl",
+    "-p",
+    "burn-ddp-data",
+    "-p",
+    "burn-ddp-batchnorm",
+    "-p",
+    "burn-ddp",
+    "-p",
+    "ddprun",
 ];
 
 /// rustdoc's warnings as errors, for the documentation step.

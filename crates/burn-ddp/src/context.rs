@@ -482,3 +482,56 @@ impl crate::comm::GroupHandle for Ddp {
         &self.group
     }
 }
+
+/// The loader's view of this rank: batches of
+/// [`ShardedDataLoaderBuilder::build_for`](crate::data::ShardedDataLoaderBuilder::build_for)
+/// land on the device with autodiff, where the model trains.
+impl crate::data::RankOfJob for Ddp {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn training_device(&self) -> Device {
+        self.device.clone().autodiff()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::data::dataloader::batcher::Batcher;
+    use burn::data::dataset::InMemDataset;
+    use burn::tensor::Device;
+
+    use crate::data::ShardedDataLoaderBuilder;
+
+    /// `build_for(…, &ddp)` puts batches on the device a training step needs: the Ddp device
+    /// with autodiff, so a loss computed from them can be differentiated.
+    #[test]
+    fn build_for_puts_batches_on_the_autodiff_device() {
+        /// Records the device each batch was built on.
+        #[derive(Clone)]
+        struct DeviceOf;
+        impl Batcher<usize, Device> for DeviceOf {
+            fn batch(&self, _items: Vec<usize>, device: &Device) -> Device {
+                device.clone()
+            }
+        }
+        let ddp = crate::Ddp::builder()
+            .device(Device::flex())
+            .init()
+            .expect("a world of one");
+        let loader = ShardedDataLoaderBuilder::new(DeviceOf)
+            .batch_size(4)
+            .build_for(InMemDataset::new((0..8).collect()), &ddp)
+            .unwrap();
+        let devices: Vec<Device> = loader.batches().map(|b| b.unwrap()).collect();
+        assert_eq!(devices.len(), 2);
+        for d in devices {
+            assert_eq!(d, ddp.device().clone().autodiff());
+        }
+    }
+}

@@ -82,7 +82,8 @@ mod clip;
 pub mod comm;
 mod context;
 mod cuda;
-pub mod data;
+/// Sharded data: the `burn-ddp-data` crate (`DistributedSampler`, `ShardedDataLoader`).
+pub use burn_ddp_data as data;
 #[cfg(feature = "learner")]
 mod epoch_renderer;
 mod error;

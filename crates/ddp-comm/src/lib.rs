@@ -1,14 +1,17 @@
 //! Process groups for multi-process data-parallel training, with no Burn dependency.
 //!
-//! - [`env`](mod@env): the launch contract (torchrun's variables, Slurm's as a fallback).
-//! - [`store`]: the rendezvous key-value store rank 0 serves at `MASTER_ADDR:MASTER_PORT`.
 //! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
 //! - [`log`]: whether log lines may be coloured (a terminal at the end, no `NO_COLOR`).
-//! - [`wire`]: the byte encoding of the store's and the rendezvous' messages (shared with the
-//!   NCCL transport of `ddp-nccl`, which publishes its id through the store).
-//! - [`trace`]: per-rank timelines of the collectives and of spans the program marks
-//!   (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
+//!
+//! Re-exported so that one dependency reaches the whole transport:
+//! - from `ddp-store`: [`env`](mod@env) (the launch contract: torchrun's variables, Slurm's as
+//!   a fallback), [`store`] (the rendezvous key-value store rank 0 serves at
+//!   `MASTER_ADDR:MASTER_PORT`), [`auth`] and [`job_auth`] (the job's token and the ranks'
+//!   identities), [`wire`] (the byte encoding of the store's and the rendezvous' messages) and
+//!   [`error`];
+//! - `ddp-trace` as [`trace`]: per-rank timelines of the collectives and of spans the program
+//!   marks (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
 //!
 //! ```no_run
 //! use ddp_comm::{ProcessGroup, ReduceOp};
@@ -22,16 +25,11 @@
 
 #![warn(missing_docs)]
 
-pub mod auth;
-pub mod env;
-pub mod error;
 pub mod group;
-pub mod job_auth;
 pub mod log;
-mod refusals;
-pub mod store;
-pub mod trace;
-pub mod wire;
+
+pub use ddp_store::{auth, env, error, job_auth, refusals, store, wire};
+pub use ddp_trace as trace;
 
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};

@@ -71,7 +71,7 @@ pub struct LaunchConfig {
     /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
     pub max_restarts: usize,
     /// Record a timeline of every rank into this directory (sets `DDP_TRACE` for the ranks,
-    /// see [`ddp_comm::trace`]) and merge the rank files into `DIR/trace.json` when the launch
+    /// see [`ddp_trace`]) and merge the rank files into `DIR/trace.json` when the launch
     /// has ended, also when ranks failed. `None`: `DDP_TRACE` from [`Self::extra_env`] or
     /// from our environment, if set, does the same. With restarts, the last attempt's.
     pub trace: Option<std::path::PathBuf>,

@@ -13,7 +13,7 @@
 //! `PR_SET_PDEATHSIG = SIGKILL`, so it dies if the launcher itself is killed, even by SIGKILL.
 //!
 //! With [`LaunchConfig::trace`] (or `DDP_TRACE` set), every rank records a timeline and the
-//! launcher merges the rank files into one when the launch has ended (see [`ddp_comm::trace`]).
+//! launcher merges the rank files into one when the launch has ended (see [`ddp_trace`]).
 //!
 //! ```no_run
 //! use ddprun::{launch, LaunchConfig};

@@ -255,7 +255,7 @@ fn merge_trace(dir: &std::path::Path, world: usize) -> ExitCode {
     } else {
         Vec::new()
     };
-    match ddp_comm::trace::merge_dir(dir, &expected) {
+    match ddp_trace::merge_dir(dir, &expected) {
         Ok(s) => {
             for (path, why) in &s.unreadable {
                 eprintln!("ddprun: left out {}: {why}", path.display());

@@ -1,11 +1,11 @@
-//! The launcher's side of [`ddp_comm::trace`]: the trace directory of a launch, the ranks'
+//! The launcher's side of [`ddp_trace`]: the trace directory of a launch, the ranks'
 //! `DDP_TRACE`, and merging their files when the launch has ended.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::{LaunchConfig, LaunchError};
-use ddp_comm::trace::{self, MERGED_FILE, TRACE_VAR};
+use ddp_trace::{self as trace, MERGED_FILE, TRACE_VAR};
 
 /// The trace directory: [`LaunchConfig::trace`], else `DDP_TRACE` in
 /// [`LaunchConfig::extra_env`], else in our environment; made absolute (ranks may change

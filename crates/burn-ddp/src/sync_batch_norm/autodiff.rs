@@ -14,8 +14,8 @@ use burn::backend::{
 use burn::tensor::Shape;
 
 use super::backend::SyncBatchNormBackend;
-use super::stats::CombineOptions;
-use super::tensor_ops;
+use burn_ddp_batchnorm::CombineOptions;
+use burn_ddp_batchnorm::tensor_ops;
 
 #[derive(Debug)]
 struct SyncBatchNormBackward;

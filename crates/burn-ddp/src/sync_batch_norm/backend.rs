@@ -1,6 +1,7 @@
 //! The backend extension behind [`SyncBatchNorm`](super::SyncBatchNorm): four local per-channel
-//! operations, with default bodies from the tensor-op path (`tensor_ops.rs`), CubeCL kernels for
-//! the `Cube` backend (`kernels.rs`) and an `Autodiff` implementation whose backward pass makes
+//! operations, with default bodies from the tensor-op path (`burn_ddp_batchnorm::tensor_ops`),
+//! CubeCL kernels for
+//! the `Cube` backend (`cube.rs`, over `burn-ddp-batchnorm`'s kernels) and an `Autodiff` implementation whose backward pass makes
 //! the one cross-rank all-reduce (`autodiff.rs`).
 //!
 //! All operations take the input as a contiguous-or-not `[N, C, S]` tensor (`S` is the product of
@@ -25,8 +26,8 @@ use burn::tensor::Shape;
 #[cfg(feature = "cube")]
 use burn::backend::fusion::custom::TensorSpec;
 
-use super::stats::CombineOptions;
-use super::tensor_ops;
+use burn_ddp_batchnorm::CombineOptions;
+use burn_ddp_batchnorm::tensor_ops;
 
 /// Lazy-Fusion metadata of the `[rows, C]` per-channel outputs.
 #[cfg(feature = "cube")]

@@ -83,18 +83,19 @@
 
 mod autodiff;
 mod backend;
+#[cfg(test)]
+mod combine_tests;
+#[cfg(feature = "cube")]
+mod cube;
 pub(crate) mod error;
 mod exchange;
-#[cfg(feature = "cube")]
-mod kernels;
-mod stats;
-mod tensor_ops;
 mod transfer;
 
 pub use backend::SyncBatchNormBackend;
+pub use burn_ddp_batchnorm::{ChannelStats, CombineOptions};
 pub use error::SyncBatchNormError;
-pub use stats::ChannelStats;
-pub use stats::CombineOptions;
+
+use burn_ddp_batchnorm::stats;
 
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::config::Config;

@@ -375,3 +375,17 @@ mod scatter;
 
 /// Tests of the node-aware all-reduce on emulated hosts.
 mod nodes;
+
+/// A process group of one records nothing while `DDP_TRACE` is unset, and leaves no file.
+#[test]
+fn a_group_of_one_traces_nothing_without_ddp_trace() {
+    if std::env::var_os(crate::trace::TRACE_VAR).is_some() {
+        eprintln!("DDP_TRACE is set for this test run: the off path is not tested");
+        return;
+    }
+    let mut pg = crate::ProcessGroup::single();
+    pg.all_reduce(&mut [1.0f32], crate::ReduceOp::Sum).unwrap();
+    drop(pg);
+    assert!(!crate::trace::enabled());
+    assert_eq!(crate::trace::flush().unwrap(), None);
+}

@@ -65,7 +65,7 @@ impl<I, O> ShardedBatches<I, O> {
     }
 
     fn fetch(&mut self, k: usize) -> Result<O, DataError> {
-        let _span = ddp_comm::trace::span("loader_wait", "data").arg("batch", k);
+        let _span = ddp_trace::span("loader_wait", "data").arg("batch", k);
         match self
             .source
             .as_ref()

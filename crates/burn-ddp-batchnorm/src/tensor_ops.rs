@@ -1,11 +1,11 @@
-//! The tensor-op implementation of [`SyncBatchNormBackend`](super::SyncBatchNormBackend)'s
-//! operations, generic over any backend: the trait's default bodies, and the reference the
-//! CubeCL kernels are tested against.
+//! SyncBatchNorm's per-channel operations as Burn tensor operations, generic over any backend:
+//! the default bodies of burn-ddp's `SyncBatchNormBackend`, and the reference the CubeCL
+//! kernels are tested against.
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Shape, Slice};
 
-use super::stats::CombineOptions;
+use crate::stats::CombineOptions;
 
 fn dims3<B: Backend>(x: &FloatTensor<B>) -> [usize; 3] {
     let shape = x.shape();
@@ -13,7 +13,7 @@ fn dims3<B: Backend>(x: &FloatTensor<B>) -> [usize; 3] {
 }
 
 /// Row `row` of a `[k, C]` tensor as a `[C]` tensor.
-pub(crate) fn row_of<B: Backend>(t: FloatTensor<B>, row: usize, channels: usize) -> FloatTensor<B> {
+pub fn row_of<B: Backend>(t: FloatTensor<B>, row: usize, channels: usize) -> FloatTensor<B> {
     let row = B::float_slice(
         t,
         &[
@@ -47,10 +47,7 @@ fn to_f32<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
 }
 
 /// `t` in `dtype` (itself when it already is).
-pub(crate) fn to_dtype<B: Backend>(
-    t: FloatTensor<B>,
-    dtype: burn::tensor::DType,
-) -> FloatTensor<B> {
+pub fn to_dtype<B: Backend>(t: FloatTensor<B>, dtype: burn::tensor::DType) -> FloatTensor<B> {
     if t.dtype() == dtype {
         t
     } else {
@@ -58,7 +55,8 @@ pub(crate) fn to_dtype<B: Backend>(
     }
 }
 
-/// See [`SyncBatchNormBackend::sync_bn_stats`].
+/// Local statistics of `x` (`[N, C, S]`, `N·S ≥ 1`): a `[4, C]` f32 tensor of the pivot `K_c`
+/// (the channel's first element), the mean of `x − K_c`, its M2 and the count `N·S`.
 pub fn stats<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     let x = to_f32::<B>(x);
     let [n, c, s] = dims3::<B>(&x);
@@ -85,7 +83,8 @@ pub fn stats<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     B::float_cat(vec![row(pivot), row(mean), row(m2), count], 0)
 }
 
-/// See [`SyncBatchNormBackend::sync_bn_normalize`].
+/// `y = ((x − K) − m) · (γ · invstd) + β` per channel, with the channel parameters
+/// `params = [K; m; invstd; 1/N]` (`[4, C]`); `y` has `x`'s dtype.
 pub fn normalize<B: Backend>(
     x: FloatTensor<B>,
     params: FloatTensor<B>,
@@ -103,7 +102,7 @@ pub fn normalize<B: Backend>(
     to_dtype::<B>(y, dtype)
 }
 
-/// See [`SyncBatchNormBackend::sync_bn_grad_sums`].
+/// Local backward sums: a `[2, C]` f32 tensor of `Σ dy` and `Σ dy · (x − μ)` per channel.
 pub fn grad_sums<B: Backend>(
     grad: FloatTensor<B>,
     x: FloatTensor<B>,
@@ -123,7 +122,10 @@ pub fn grad_sums<B: Backend>(
     B::float_cat(vec![sum(grad), sum(weighted)], 0)
 }
 
-/// See [`SyncBatchNormBackend::sync_bn_combine`].
+/// Every rank's statistics (`gathered`, `[W, 4, C]`, zeros for a rank without samples)
+/// combined with this rank's (`local`, `[4, C]`) around a common pivot (Chan's parallel
+/// formula): `[6, C]`, the channel parameters `[K; μ − K; 1/sqrt(σ² + ε); 1/N]` and the new
+/// running mean and variance (unchanged where the channel had no sample).
 pub fn combine<B: Backend>(
     gathered: FloatTensor<B>,
     local: FloatTensor<B>,
@@ -216,7 +218,9 @@ pub fn combine<B: Backend>(
     )
 }
 
-/// See [`SyncBatchNormBackend::sync_bn_grad_input`].
+/// Input gradient `dx = γ · invstd · (dy − g0 − (x − μ) · g1)` with `g0 = Σdy / N` and
+/// `g1 = invstd² · Σdy(x − μ) / N`, from every rank's sums (`[2, C]`) and the channel
+/// parameters.
 pub fn grad_input<B: Backend>(
     grad: FloatTensor<B>,
     x: FloatTensor<B>,

@@ -66,7 +66,7 @@ pub(super) fn global() -> Option<&'static Recorder> {
 
 /// Writes the rank file if tracing is on, logging (not returning) a failure. Called when a
 /// process group is dropped.
-pub(crate) fn flush_best_effort() {
+pub fn flush_best_effort() {
     if let Some(r) = global() {
         match r.flush() {
             Ok(path) => tracing::debug!("trace written to {}", path.display()),
@@ -105,7 +105,7 @@ static PROGRAM_HANDLES_SIGTERM: std::sync::atomic::AtomicBool =
 ///
 /// ```no_run
 /// // … after installing the program's own SIGTERM handler (signal-hook, tokio, ctrlc):
-/// ddp_comm::trace::leave_sigterm_to_the_program();
+/// ddp_trace::leave_sigterm_to_the_program();
 /// ```
 pub fn leave_sigterm_to_the_program() {
     PROGRAM_HANDLES_SIGTERM.store(true, std::sync::atomic::Ordering::SeqCst);

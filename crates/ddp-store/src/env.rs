@@ -9,7 +9,7 @@
 //! (`TORCHELASTIC_USE_AGENT_STORE=True`), our store listens on `MASTER_PORT + 1`.
 //!
 //! ```
-//! use ddp_comm::env::LaunchEnv;
+//! use ddp_store::env::LaunchEnv;
 //! let vars = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")];
 //! let env = LaunchEnv::from_lookup(|k| {
 //!     vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())

@@ -21,7 +21,7 @@ use subtle::ConstantTimeEq;
 type HmacSha256 = Hmac<Sha256>;
 
 /// Length of a nonce and of a proof, in bytes.
-pub(crate) const LEN: usize = 32;
+pub const LEN: usize = 32;
 
 /// A secret key of the job, or of one role or round of it.
 #[derive(Clone, PartialEq, Eq)]
@@ -50,13 +50,14 @@ fn framed(parts: &[&[u8]]) -> Vec<u8> {
     m
 }
 
-/// Length of a public identity, and of a signature.
-pub(crate) const PUBLIC_LEN: usize = 32;
-pub(crate) const SIGNATURE_LEN: usize = 64;
+/// Length of a public identity (an Ed25519 verifying key).
+pub const PUBLIC_LEN: usize = 32;
+/// Length of a signature (Ed25519).
+pub const SIGNATURE_LEN: usize = 64;
 
 /// A rank's signing key for one rendezvous: fresh from the operating system's generator,
 /// never sent anywhere; its public half is published with the rank's address.
-pub(crate) struct Identity(SigningKey);
+pub struct Identity(SigningKey);
 
 impl std::fmt::Debug for Identity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -66,17 +67,17 @@ impl std::fmt::Debug for Identity {
 
 impl Identity {
     /// A fresh identity.
-    pub(crate) fn generate() -> Identity {
+    pub fn generate() -> Identity {
         Identity(SigningKey::from_bytes(&nonce()))
     }
 
     /// The public half, to publish.
-    pub(crate) fn public(&self) -> [u8; PUBLIC_LEN] {
+    pub fn public(&self) -> [u8; PUBLIC_LEN] {
         self.0.verifying_key().to_bytes()
     }
 
     /// The signature of `role` over `parts`.
-    pub(crate) fn sign(&self, role: &str, parts: &[&[u8]]) -> [u8; SIGNATURE_LEN] {
+    pub fn sign(&self, role: &str, parts: &[&[u8]]) -> [u8; SIGNATURE_LEN] {
         let mut all = vec![role.as_bytes()];
         all.extend_from_slice(parts);
         self.0.sign(&framed(&all)).to_bytes()
@@ -85,7 +86,7 @@ impl Identity {
 
 /// Whether `signature` is the signature of `role` over `parts` by the identity whose public
 /// half is `public` (strict verification: no malleable signatures).
-pub(crate) fn signed_by(public: &[u8], signature: &[u8], role: &str, parts: &[&[u8]]) -> bool {
+pub fn signed_by(public: &[u8], signature: &[u8], role: &str, parts: &[&[u8]]) -> bool {
     let (Ok(public), Ok(signature)) = (
         <[u8; PUBLIC_LEN]>::try_from(public),
         <[u8; SIGNATURE_LEN]>::try_from(signature),
@@ -120,18 +121,12 @@ impl Key {
 
     /// The proof that `role` holds this key in an exchange with `client` and `server` nonces
     /// (and `context`: what else both sides must agree on).
-    pub(crate) fn prove(
-        &self,
-        role: &str,
-        client: &[u8],
-        server: &[u8],
-        context: &[u8],
-    ) -> [u8; LEN] {
+    pub fn prove(&self, role: &str, client: &[u8], server: &[u8], context: &[u8]) -> [u8; LEN] {
         hmac(&self.0, &[role.as_bytes(), client, server, context])
     }
 
     /// Whether `proof` is [`Self::prove`]'s answer for the same inputs (constant time).
-    pub(crate) fn verify(
+    pub fn verify(
         &self,
         proof: &[u8],
         role: &str,
@@ -145,7 +140,7 @@ impl Key {
 }
 
 /// A fresh random nonce from the operating system.
-pub(crate) fn nonce() -> [u8; LEN] {
+pub fn nonce() -> [u8; LEN] {
     let mut n = [0u8; LEN];
     getrandom::fill(&mut n).expect("the operating system's random generator");
     n

@@ -22,8 +22,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::error::Result;
-use crate::store::{PrefixStore, Store, keys};
+use ddp_store::error::Result;
+use ddp_store::store::{PrefixStore, Store, keys};
 
 /// Ping-pong rounds per rank.
 pub(super) const ROUNDS: usize = 8;
@@ -80,7 +80,7 @@ pub struct ClockSync {
 /// left.
 ///
 /// ```
-/// use ddp_comm::trace::{estimate_offset, ClockSample};
+/// use ddp_trace::{estimate_offset, ClockSample};
 /// // This clock is 1000 µs behind rank 0's; the second round's exchange is the shortest (40 µs).
 /// let rounds = [
 ///     ClockSample { sent_us: 0, acked_us: 300, peer_us: 1_150, received_us: 600 },
@@ -148,7 +148,7 @@ pub(super) fn sync_with_rank0(
         let reply = ns.get(&keys::trace_pong(rank, round), wait)?;
         let received_us = now_us();
         let peer_us = i64::from_le_bytes(reply.as_slice().try_into().map_err(|_| {
-            crate::CommError::Store {
+            ddp_store::CommError::Store {
                 addr: "rank 0".into(),
                 msg: format!("malformed clock reply of {} bytes", reply.len()),
             }
@@ -160,7 +160,7 @@ pub(super) fn sync_with_rank0(
             received_us,
         });
     }
-    estimate_offset(&samples).ok_or_else(|| crate::CommError::Store {
+    estimate_offset(&samples).ok_or_else(|| ddp_store::CommError::Store {
         addr: "rank 0".into(),
         msg: "every clock round trip was negative (the local clock went backwards)".into(),
     })

@@ -1,5 +1,5 @@
-//! Sharded data for data-parallel training: a [`DistributedSampler`] with PyTorch's semantics
-//! and a [`ShardedDataLoader`] that turns any Burn [`Dataset`](burn::data::dataset::Dataset) and
+//! Sharded data for data-parallel training (re-exported by `burn-ddp` as `burn_ddp::data`): a
+//! [`DistributedSampler`] with PyTorch's semantics and a [`ShardedDataLoader`] that turns any Burn [`Dataset`](burn::data::dataset::Dataset) and
 //! [`Batcher`](burn::data::dataloader::batcher::Batcher) into per-rank batches.
 //!
 //! # Why not Burn's own loader
@@ -35,7 +35,7 @@
 //! use burn::data::dataloader::batcher::Batcher;
 //! use burn::data::dataset::InMemDataset;
 //! use burn::tensor::{Device, Int, Tensor, TensorData};
-//! use burn_ddp::data::ShardedDataLoaderBuilder;
+//! use burn_ddp_data::ShardedDataLoaderBuilder;
 //!
 //! #[derive(Clone, Debug)]
 //! struct Item {
@@ -73,11 +73,14 @@
 //!     // The next pass is the next epoch; checkpoint `loader.state()` to resume later.
 //!     assert_eq!(loader.state().epoch, epoch + 1);
 //! }
-//! # Ok::<(), burn_ddp::data::DataError>(())
+//! # Ok::<(), burn_ddp_data::DataError>(())
 //! ```
+
+#![warn(missing_docs)]
 
 mod error;
 mod loader;
+mod rank;
 mod sampler;
 pub mod shuffle;
 
@@ -86,4 +89,5 @@ pub use loader::{
     DEFAULT_BATCH_TIMEOUT, DEFAULT_NUM_WORKERS, DEFAULT_PREFETCH, LoaderState, ShardedBatches,
     ShardedDataLoader, ShardedDataLoaderBuilder,
 };
+pub use rank::RankOfJob;
 pub use sampler::DistributedSampler;

@@ -29,8 +29,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use ddp_comm::store::{PrefixStore, Store, StoreClient, StoreServer};
-//! # fn main() -> Result<(), ddp_comm::CommError> {
+//! use ddp_store::store::{PrefixStore, Store, StoreClient, StoreServer};
+//! # fn main() -> Result<(), ddp_store::CommError> {
 //! let server = StoreServer::bind("127.0.0.1:0", Some("secret".into()))?;
 //! let endpoint = server.local_addr().to_string();
 //! let mut a = StoreClient::connect(&endpoint, Some("secret"), Duration::from_secs(5))?;

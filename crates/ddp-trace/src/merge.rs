@@ -16,7 +16,7 @@ pub const MERGED_FILE: &str = "trace.json";
 /// `DDP_TRACE` of a restarted group there, so that no attempt overwrites an earlier one's files.
 ///
 /// ```
-/// assert_eq!(ddp_comm::trace::attempt_dir_name(2), "attempt-2");
+/// assert_eq!(ddp_trace::attempt_dir_name(2), "attempt-2");
 /// ```
 pub fn attempt_dir_name(attempt: usize) -> String {
     format!("attempt-{attempt}")
@@ -27,7 +27,7 @@ pub fn attempt_dir_name(attempt: usize) -> String {
 /// tracks of their own (named `rank R (attempt K)`), sorted after the earlier attempts'.
 ///
 /// ```
-/// use ddp_comm::trace::track_pid;
+/// use ddp_trace::track_pid;
 /// assert_eq!(track_pid(3, 0), 3);
 /// assert_eq!(track_pid(3, 2), 2_000_003);
 /// ```
@@ -133,9 +133,9 @@ pub enum TraceError {
 /// [`merge_into`].
 ///
 /// ```no_run
-/// let summary = ddp_comm::trace::merge_dir("/tmp/trace".as_ref(), &[0, 1, 2, 3])?;
+/// let summary = ddp_trace::merge_dir("/tmp/trace".as_ref(), &[0, 1, 2, 3])?;
 /// println!("{} ({} events); missing ranks {:?}", summary.path.display(), summary.events, summary.missing);
-/// # Ok::<(), ddp_comm::trace::TraceError>(())
+/// # Ok::<(), ddp_trace::TraceError>(())
 /// ```
 pub fn merge_dir(dir: &Path, expected: &[usize]) -> Result<MergeSummary, TraceError> {
     merge_into(dir, expected, &dir.join(MERGED_FILE))

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::recorder::{Event, Kind, Recorder};
 use super::*;
-use crate::store::{StoreClient, StoreServer};
+use ddp_store::store::{StoreClient, StoreServer};
 
 fn ev(name: &'static str, start_ns: u64, dur_ns: u64, tid: u32) -> Event {
     Event {
@@ -285,29 +285,33 @@ struct Far<S> {
     latency: Duration,
 }
 
-impl<S: crate::store::Store> crate::store::Store for Far<S> {
-    fn set(&mut self, key: &str, value: &[u8]) -> crate::Result<()> {
+impl<S: ddp_store::store::Store> ddp_store::store::Store for Far<S> {
+    fn set(&mut self, key: &str, value: &[u8]) -> ddp_store::Result<()> {
         std::thread::sleep(self.latency);
         let r = self.inner.set(key, value);
         std::thread::sleep(self.latency);
         r
     }
-    fn set_once(&mut self, key: &str, value: &[u8]) -> crate::Result<crate::store::CompareSet> {
+    fn set_once(
+        &mut self,
+        key: &str,
+        value: &[u8],
+    ) -> ddp_store::Result<ddp_store::store::CompareSet> {
         self.inner.set_once(key, value)
     }
-    fn get(&mut self, key: &str, timeout: Duration) -> crate::Result<Vec<u8>> {
+    fn get(&mut self, key: &str, timeout: Duration) -> ddp_store::Result<Vec<u8>> {
         std::thread::sleep(self.latency);
         let r = self.inner.get(key, timeout);
         std::thread::sleep(self.latency);
         r
     }
-    fn try_get(&mut self, key: &str) -> crate::Result<Option<Vec<u8>>> {
+    fn try_get(&mut self, key: &str) -> ddp_store::Result<Option<Vec<u8>>> {
         self.inner.try_get(key)
     }
-    fn add(&mut self, key: &str, delta: i64) -> crate::Result<i64> {
+    fn add(&mut self, key: &str, delta: i64) -> ddp_store::Result<i64> {
         self.inner.add(key, delta)
     }
-    fn wait(&mut self, keys: &[&str], timeout: Duration) -> crate::Result<()> {
+    fn wait(&mut self, keys: &[&str], timeout: Duration) -> ddp_store::Result<()> {
         self.inner.wait(keys, timeout)
     }
     fn compare_set(
@@ -315,7 +319,7 @@ impl<S: crate::store::Store> crate::store::Store for Far<S> {
         key: &str,
         expected: Option<&[u8]>,
         desired: &[u8],
-    ) -> crate::Result<crate::store::CompareSet> {
+    ) -> ddp_store::Result<ddp_store::store::CompareSet> {
         self.inner.compare_set(key, expected, desired)
     }
 }
@@ -406,10 +410,6 @@ fn off_path_records_nothing_and_writes_no_file() {
     instant("i", "y").arg("k", "v");
     init(5, 10);
     assert_eq!(flush().unwrap(), None);
-    // A process group of one traces nothing either.
-    let mut pg = crate::ProcessGroup::single();
-    pg.all_reduce(&mut [1.0f32], crate::ReduceOp::Sum).unwrap();
-    drop(pg);
     assert!(!enabled());
 }
 

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The shortest time between two summaries.
-pub(crate) const SUMMARY_EVERY: Duration = Duration::from_secs(10);
+pub const SUMMARY_EVERY: Duration = Duration::from_secs(10);
 /// Addresses named in one summary.
 const NAMED_SOURCES: usize = 4;
 /// Addresses counted separately in one summary (more are counted as "others").
@@ -28,7 +28,7 @@ struct Window {
 }
 
 /// A summary log of refused connections for one listener (the store, a rank's mesh).
-pub(crate) struct RefusalLog {
+pub struct RefusalLog {
     /// What refuses ("rendezvous store at 10.0.0.1:29500", "rank 0").
     what: String,
     window: Mutex<Window>,
@@ -37,7 +37,7 @@ pub(crate) struct RefusalLog {
 
 impl RefusalLog {
     /// A log for the listener `what`.
-    pub(crate) fn new(what: impl Into<String>) -> Self {
+    pub fn new(what: impl Into<String>) -> Self {
         RefusalLog {
             what: what.into(),
             window: Mutex::new(Window::default()),
@@ -46,13 +46,13 @@ impl RefusalLog {
     }
 
     /// Every refusal so far.
-    pub(crate) fn total(&self) -> u64 {
+    pub fn total(&self) -> u64 {
         self.total.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Counts one refusal of a connection from `source`, because of `reason`; logs at once
     /// when no summary was logged for [`SUMMARY_EVERY`].
-    pub(crate) fn note(&self, source: IpAddr, reason: &'static str) {
+    pub fn note(&self, source: IpAddr, reason: &'static str) {
         self.total
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
@@ -72,7 +72,7 @@ impl RefusalLog {
 
     /// Logs the refusals counted since the last summary, if [`SUMMARY_EVERY`] has passed
     /// (or at once with `force`, when the listener stops).
-    pub(crate) fn flush(&self, force: bool) {
+    pub fn flush(&self, force: bool) {
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         if w.count > 0 && (force || w.last_report.is_none_or(|t| now - t >= SUMMARY_EVERY)) {

@@ -459,30 +459,3 @@ fn tensor_batches_on_device() {
         v
     });
 }
-
-/// `build_for` puts batches on the device a training step needs: the Ddp device with autodiff,
-/// so a loss computed from them can be differentiated (before: the plain device).
-#[test]
-fn build_for_puts_batches_on_the_autodiff_device() {
-    /// Records the device each batch was built on.
-    #[derive(Clone)]
-    struct DeviceOf;
-    impl Batcher<usize, Device> for DeviceOf {
-        fn batch(&self, _items: Vec<usize>, device: &Device) -> Device {
-            device.clone()
-        }
-    }
-    let ddp = crate::Ddp::builder()
-        .device(Device::flex())
-        .init()
-        .expect("a world of one");
-    let loader = ShardedDataLoaderBuilder::new(DeviceOf)
-        .batch_size(4)
-        .build_for(ids(8), &ddp)
-        .unwrap();
-    let devices: Vec<Device> = loader.batches().map(|b| b.unwrap()).collect();
-    assert_eq!(devices.len(), 2);
-    for d in devices {
-        assert_eq!(d, ddp.device().clone().autodiff());
-    }
-}

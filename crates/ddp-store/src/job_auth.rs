@@ -64,7 +64,7 @@ impl JobAuth {
     /// rank 0 (see the module doc): rank 0 of a single-host job without a token writes the
     /// secret file here (removed when this value drops); the other ranks read it when
     /// connecting.
-    pub(crate) fn for_group(env: &LaunchEnv) -> Result<JobAuth> {
+    pub fn for_group(env: &LaunchEnv) -> Result<JobAuth> {
         Self::resolve(env, env.rank == 0, false)
     }
 
@@ -146,7 +146,7 @@ impl JobAuth {
 
     /// The secret to serve the store with (rank 0) and prove on the mesh; for a rank other
     /// than 0 reading the file, known once [`JobAuth::connect`] succeeded.
-    pub(crate) fn token(&self) -> Option<&str> {
+    pub fn token(&self) -> Option<&str> {
         self.token.as_deref()
     }
 

@@ -8,7 +8,7 @@ use super::*;
 /// use burn::data::dataloader::batcher::Batcher;
 /// use burn::data::dataset::InMemDataset;
 /// use burn::tensor::Device;
-/// use burn_ddp::data::ShardedDataLoaderBuilder;
+/// use burn_ddp_data::ShardedDataLoaderBuilder;
 ///
 /// #[derive(Clone)]
 /// struct Ids;
@@ -154,16 +154,17 @@ where
         ))
     }
 
-    /// Builds the loader for this rank of a [`Ddp`](crate::Ddp) job: its rank, world size
-    /// and the device a training step needs — batches land on `ddp.device().autodiff()`, where
-    /// the model trains and `loss.backward()` works. (For an evaluation loader without
-    /// autodiff, use [`Self::build`] with `ddp.device().clone()`.)
+    /// Builds the loader for this rank of a data-parallel job — `burn_ddp::Ddp` is one
+    /// ([`RankOfJob`]): its rank, world size and the device a training step needs. With a
+    /// `Ddp`, batches land on `ddp.device().autodiff()`, where the model trains and
+    /// `loss.backward()` works. (For an evaluation loader without autodiff, use [`Self::build`]
+    /// with `ddp.device().clone()`.)
     ///
     /// ```no_run
-    /// # use burn_ddp::data::ShardedDataLoaderBuilder;
+    /// # use burn_ddp_data::{RankOfJob, ShardedDataLoaderBuilder};
     /// # use burn::data::{dataloader::batcher::Batcher, dataset::Dataset};
     /// # fn demo<I: Send + 'static, O: Send + 'static>(
-    /// #     ddp: &burn_ddp::Ddp,
+    /// #     ddp: &impl RankOfJob,
     /// #     batcher: impl Batcher<I, O> + 'static,
     /// #     dataset: impl Dataset<I> + 'static,
     /// # ) {
@@ -180,13 +181,8 @@ where
     pub fn build_for(
         self,
         dataset: impl Dataset<I> + 'static,
-        ddp: &crate::Ddp,
+        ddp: &impl RankOfJob,
     ) -> Result<ShardedDataLoader<I, O>, DataError> {
-        self.build(
-            dataset,
-            ddp.rank(),
-            ddp.world_size(),
-            ddp.device().clone().autodiff(),
-        )
+        self.build(dataset, ddp.rank(), ddp.world_size(), ddp.training_device())
     }
 }

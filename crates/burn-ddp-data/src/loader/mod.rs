@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::DataError;
 use super::sampler::{DistributedSampler, check_rank};
+use crate::RankOfJob;
 
 pub use builder::ShardedDataLoaderBuilder;
 pub use pass::ShardedBatches;
@@ -305,7 +306,7 @@ where
     /// the rest of the epoch ([`DistributedSampler::indices_after`]), so its
     /// [`num_batches`](ShardedBatches::num_batches) is smaller. Without `samples_done` (a
     /// state from before it existed) a different world size is warned about and the resume
-    /// goes by batches (the checkpoint's world size, [`crate::checkpoint::Resumed::world_size`], tells
+    /// goes by batches (the checkpoint's world size, `burn_ddp::checkpoint::Resumed::world_size`, tells
     /// the program).
     pub fn load_state(&self, state: LoaderState) {
         let (b, w) = (self.config.batch_size, self.config.world_size);

@@ -1,4 +1,6 @@
-//! CubeCL kernels for [`SyncBatchNormBackend`] on the `Cube` backend (wgpu, CUDA, …).
+//! CubeCL kernels of SyncBatchNorm's per-channel operations on the `Cube` backend (wgpu, CUDA,
+//! …), and their launchers: `burn_ddp::sync_batch_norm::SyncBatchNormBackend`'s implementation
+//! for `CubeBackend` calls them.
 //!
 //! Layout: the input is made contiguous as `[N, C, S]`. The two per-channel reductions come in
 //! two layouts, chosen so that adjacent units read adjacent addresses:
@@ -22,17 +24,14 @@
 //! Longer than 600 lines because each of the five kernels sits beside its launcher, whose
 //! layout choice and f32 assertions must match the kernel's indexing line for line.
 
-use burn::backend::{TensorMetadata, cubecl::dtype_to_storage_type, tensor::FloatTensor};
+use burn::backend::{TensorMetadata, cubecl::dtype_to_storage_type};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
-    CubeBackend, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype,
-    tensor::CubeTensor,
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
-use super::backend::SyncBatchNormBackend;
-use super::stats::CombineOptions;
-use super::tensor_ops;
+use crate::stats::CombineOptions;
 
 /// Units per cube of the per-channel reductions (a power of two; the shared buffers' size).
 const BLOCK: usize = 256;
@@ -533,206 +532,185 @@ fn elementwise_launch(out: &CubeTensor) -> (CubeCount, CubeDim) {
     )
 }
 
-impl SyncBatchNormBackend for CubeBackend {
-    fn sync_bn_stats(x: FloatTensor<Self>, kernels: bool) -> FloatTensor<Self> {
-        if !kernels {
-            return tensor_ops::stats::<Self>(x);
-        }
-        let x = into_contiguous(x);
-        let channels = x.shape()[1];
-        assert!(
-            x.shape().num_elements() > 0,
-            "SyncBatchNorm per-channel reductions need at least one sample"
+/// Local statistics of `x` (`[N, C, S]`, `N·S ≥ 1`): `[4, C]` f32 rows of the pivot, the
+/// mean of `x − K`, the M2 and the count (the tensor-op reference: [`crate::tensor_ops::stats`]).
+pub fn stats(x: CubeTensor) -> CubeTensor {
+    let x = into_contiguous(x);
+    let channels = x.shape()[1];
+    assert!(
+        x.shape().num_elements() > 0,
+        "SyncBatchNorm per-channel reductions need at least one sample"
+    );
+    let out = empty_f32(&x, Shape::new([4, channels]));
+    let (count, dim) = per_channel_launch(&x);
+    let dtype = x.dtype;
+    let (client, x_arg, out_arg) = (
+        &out.client,
+        x.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+    );
+    if tiled(&x) {
+        stats_tiled_kernel::launch(
+            client,
+            count,
+            dim,
+            x_arg,
+            out_arg,
+            BLOCK,
+            dtype_to_storage_type(dtype),
         );
-        let out = empty_f32(&x, Shape::new([4, channels]));
-        let (count, dim) = per_channel_launch(&x);
-        let dtype = x.dtype;
-        let (client, x_arg, out_arg) = (
-            &out.client,
-            x.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+    } else {
+        stats_kernel::launch(
+            client,
+            count,
+            dim,
+            x_arg,
+            out_arg,
+            BLOCK,
+            dtype_to_storage_type(dtype),
         );
-        if tiled(&x) {
-            stats_tiled_kernel::launch(
-                client,
-                count,
-                dim,
-                x_arg,
-                out_arg,
-                BLOCK,
-                dtype_to_storage_type(dtype),
-            );
-        } else {
-            stats_kernel::launch(
-                client,
-                count,
-                dim,
-                x_arg,
-                out_arg,
-                BLOCK,
-                dtype_to_storage_type(dtype),
-            );
-        }
-        out
     }
+    out
+}
 
-    fn sync_bn_combine(
-        gathered: FloatTensor<Self>,
-        local: FloatTensor<Self>,
-        running_mean: FloatTensor<Self>,
-        running_var: FloatTensor<Self>,
-        options: CombineOptions,
-        kernels: bool,
-    ) -> FloatTensor<Self> {
-        if !kernels {
-            return tensor_ops::combine::<Self>(
-                gathered,
-                local,
-                running_mean,
-                running_var,
-                options,
-            );
-        }
-        let gathered = f32_arg(gathered, "the gathered statistics");
-        let local = f32_arg(local, "this rank's statistics");
-        let channels = local.shape()[1];
-        let out = empty_like(&local, Shape::new([6, channels]));
-        let elem = dtype_to_storage_type(local.dtype);
-        let cube_dim = CubeDim::new(&out.client, channels);
-        let count = calculate_cube_count_elemwise(&out.client, channels, cube_dim);
-        combine_kernel::launch(
+/// Every rank's statistics (`gathered`, `[W, 4, C]`) combined with this rank's (`local`) into
+/// the channel parameters and the new running statistics, `[6, C]` (reference:
+/// [`crate::tensor_ops::combine`]).
+pub fn combine(
+    gathered: CubeTensor,
+    local: CubeTensor,
+    running_mean: CubeTensor,
+    running_var: CubeTensor,
+    options: CombineOptions,
+) -> CubeTensor {
+    let gathered = f32_arg(gathered, "the gathered statistics");
+    let local = f32_arg(local, "this rank's statistics");
+    let channels = local.shape()[1];
+    let out = empty_like(&local, Shape::new([6, channels]));
+    let elem = dtype_to_storage_type(local.dtype);
+    let cube_dim = CubeDim::new(&out.client, channels);
+    let count = calculate_cube_count_elemwise(&out.client, channels, cube_dim);
+    combine_kernel::launch(
+        &out.client,
+        count,
+        cube_dim,
+        gathered.into_tensor_arg(),
+        local.into_tensor_arg(),
+        f32_arg(running_mean, "the running mean").into_tensor_arg(),
+        f32_arg(running_var, "the running variance").into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        InputScalar::new(options.epsilon, elem),
+        InputScalar::new(options.momentum, elem),
+        InputScalar::new(1.0 - options.momentum, elem),
+        options.unbiased,
+        elem,
+    );
+    out
+}
+
+/// `y = ((x − K) − m) · (γ · invstd) + β` per channel (reference: [`crate::tensor_ops::normalize`]).
+pub fn normalize(
+    x: CubeTensor,
+    params: CubeTensor,
+    gamma: CubeTensor,
+    beta: CubeTensor,
+) -> CubeTensor {
+    let x = into_contiguous(x);
+    let out = empty_like(&x, x.shape());
+    if x.shape().num_elements() == 0 {
+        return out;
+    }
+    let (count, dim) = elementwise_launch(&out);
+    let dtype = x.dtype;
+    normalize_kernel::launch(
+        &out.client,
+        count,
+        dim,
+        x.into_tensor_arg(),
+        f32_arg(params, "the channel parameters").into_tensor_arg(),
+        f32_arg(gamma, "γ").into_tensor_arg(),
+        f32_arg(beta, "β").into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        dtype_to_storage_type(dtype),
+    );
+    out
+}
+
+/// Local backward sums, `[2, C]`: `Σ dy` and `Σ dy · (x − μ)` per channel (reference:
+/// [`crate::tensor_ops::grad_sums`]).
+pub fn grad_sums(grad: CubeTensor, x: CubeTensor, params: CubeTensor) -> CubeTensor {
+    let x = into_contiguous(x);
+    let channels = x.shape()[1];
+    assert!(
+        x.shape().num_elements() > 0,
+        "SyncBatchNorm per-channel reductions need at least one sample"
+    );
+    let out = empty_f32(&x, Shape::new([2, channels]));
+    let (count, dim) = per_channel_launch(&x);
+    let dtype = x.dtype;
+    let is_tiled = tiled(&x);
+    let args = (
+        into_contiguous(grad).into_tensor_arg(),
+        x.into_tensor_arg(),
+        f32_arg(params, "the channel parameters").into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+    );
+    let elem = dtype_to_storage_type(dtype);
+    if is_tiled {
+        grad_sums_tiled_kernel::launch(
             &out.client,
             count,
-            cube_dim,
-            gathered.into_tensor_arg(),
-            local.into_tensor_arg(),
-            f32_arg(running_mean, "the running mean").into_tensor_arg(),
-            f32_arg(running_var, "the running variance").into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            InputScalar::new(options.epsilon, elem),
-            InputScalar::new(options.momentum, elem),
-            InputScalar::new(1.0 - options.momentum, elem),
-            options.unbiased,
+            dim,
+            args.0,
+            args.1,
+            args.2,
+            args.3,
+            BLOCK,
             elem,
         );
-        out
-    }
-
-    fn sync_bn_normalize(
-        x: FloatTensor<Self>,
-        params: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        kernels: bool,
-    ) -> FloatTensor<Self> {
-        if !kernels {
-            return tensor_ops::normalize::<Self>(x, params, gamma, beta);
-        }
-        let x = into_contiguous(x);
-        let out = empty_like(&x, x.shape());
-        if x.shape().num_elements() == 0 {
-            return out;
-        }
-        let (count, dim) = elementwise_launch(&out);
-        let dtype = x.dtype;
-        normalize_kernel::launch(
+    } else {
+        grad_sums_kernel::launch(
             &out.client,
             count,
             dim,
-            x.into_tensor_arg(),
-            f32_arg(params, "the channel parameters").into_tensor_arg(),
-            f32_arg(gamma, "γ").into_tensor_arg(),
-            f32_arg(beta, "β").into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            dtype_to_storage_type(dtype),
+            args.0,
+            args.1,
+            args.2,
+            args.3,
+            BLOCK,
+            elem,
         );
-        out
     }
+    out
+}
 
-    fn sync_bn_grad_sums(
-        grad: FloatTensor<Self>,
-        x: FloatTensor<Self>,
-        params: FloatTensor<Self>,
-        kernels: bool,
-    ) -> FloatTensor<Self> {
-        if !kernels {
-            return tensor_ops::grad_sums::<Self>(grad, x, params);
-        }
-        let x = into_contiguous(x);
-        let channels = x.shape()[1];
-        assert!(
-            x.shape().num_elements() > 0,
-            "SyncBatchNorm per-channel reductions need at least one sample"
-        );
-        let out = empty_f32(&x, Shape::new([2, channels]));
-        let (count, dim) = per_channel_launch(&x);
-        let dtype = x.dtype;
-        let is_tiled = tiled(&x);
-        let args = (
-            into_contiguous(grad).into_tensor_arg(),
-            x.into_tensor_arg(),
-            f32_arg(params, "the channel parameters").into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-        );
-        let elem = dtype_to_storage_type(dtype);
-        if is_tiled {
-            grad_sums_tiled_kernel::launch(
-                &out.client,
-                count,
-                dim,
-                args.0,
-                args.1,
-                args.2,
-                args.3,
-                BLOCK,
-                elem,
-            );
-        } else {
-            grad_sums_kernel::launch(
-                &out.client,
-                count,
-                dim,
-                args.0,
-                args.1,
-                args.2,
-                args.3,
-                BLOCK,
-                elem,
-            );
-        }
-        out
+/// The input gradient from the backward sums of every rank (reference:
+/// [`crate::tensor_ops::grad_input`]).
+pub fn grad_input(
+    grad: CubeTensor,
+    x: CubeTensor,
+    params: CubeTensor,
+    gamma: CubeTensor,
+    sums: CubeTensor,
+) -> CubeTensor {
+    let x = into_contiguous(x);
+    let out = empty_like(&x, x.shape());
+    if x.shape().num_elements() == 0 {
+        return out;
     }
-
-    fn sync_bn_grad_input(
-        grad: FloatTensor<Self>,
-        x: FloatTensor<Self>,
-        params: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        sums: FloatTensor<Self>,
-        kernels: bool,
-    ) -> FloatTensor<Self> {
-        if !kernels {
-            return tensor_ops::grad_input::<Self>(grad, x, params, gamma, sums);
-        }
-        let x = into_contiguous(x);
-        let out = empty_like(&x, x.shape());
-        if x.shape().num_elements() == 0 {
-            return out;
-        }
-        let (count, dim) = elementwise_launch(&out);
-        let dtype = x.dtype;
-        grad_input_kernel::launch(
-            &out.client,
-            count,
-            dim,
-            into_contiguous(grad).into_tensor_arg(),
-            x.into_tensor_arg(),
-            f32_arg(params, "the channel parameters").into_tensor_arg(),
-            f32_arg(gamma, "γ").into_tensor_arg(),
-            f32_arg(sums, "the backward sums").into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            dtype_to_storage_type(dtype),
-        );
-        out
-    }
+    let (count, dim) = elementwise_launch(&out);
+    let dtype = x.dtype;
+    grad_input_kernel::launch(
+        &out.client,
+        count,
+        dim,
+        into_contiguous(grad).into_tensor_arg(),
+        x.into_tensor_arg(),
+        f32_arg(params, "the channel parameters").into_tensor_arg(),
+        f32_arg(gamma, "γ").into_tensor_arg(),
+        f32_arg(sums, "the backward sums").into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        dtype_to_storage_type(dtype),
+    );
+    out
 }

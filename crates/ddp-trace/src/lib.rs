@@ -2,7 +2,7 @@
 //! multi-GPU slower than one GPU" that Horovod Timeline and the PyTorch profiler give.
 //!
 //! When the environment variable [`TRACE_VAR`] (`DDP_TRACE`) names a directory, every rank
-//! records spans — every collective of [`ProcessGroup`](crate::ProcessGroup), the rendezvous,
+//! records spans — every collective of `ddp_comm::ProcessGroup`, the rendezvous,
 //! and whatever the program marks with [`span`] — and writes them to `DIR/rank-<R>.trace.json`
 //! ([`rank_file_name`]). The launcher (`ddprun --trace DIR`, `ddprun::LaunchConfig::trace`) sets the
 //! variable for its ranks and, when the job has ended, merges the rank files into
@@ -24,7 +24,7 @@
 //!
 //! # When the file is written
 //! [`flush`] writes the file (all events so far; later flushes rewrite it). It also happens,
-//! best-effort, when a [`ProcessGroup`](crate::ProcessGroup) is dropped, when the process
+//! best-effort, when a `ddp_comm::ProcessGroup` is dropped, when the process
 //! exits normally (returning from `main`, [`std::process::exit`], a panic that ends `main`),
 //! and on SIGTERM — what the launcher sends the ranks it stops once another rank has failed —
 //! if SIGTERM had its default action when tracing turned on: a watcher thread writes the file,
@@ -65,7 +65,7 @@
 //!
 //! # Example
 //! ```
-//! use ddp_comm::trace;
+//! use ddp_trace as trace;
 //! fn train_step(step: u64) {
 //!     let _step = trace::span("step", "train").arg("step", step);
 //!     {
@@ -100,7 +100,7 @@ pub use clock::{ClockSample, ClockSync, estimate_offset};
 pub use merge::{
     MERGED_FILE, MergeSummary, TraceError, attempt_dir_name, merge_dir, merge_into, track_pid,
 };
-pub(crate) use recorder::flush_best_effort;
+pub use recorder::flush_best_effort;
 pub use recorder::leave_sigterm_to_the_program;
 
 use recorder::{Kind, Recorder};
@@ -115,7 +115,7 @@ pub const DEFAULT_MAX_EVENTS: usize = 1 << 19;
 /// The name of rank `rank`'s trace file inside the trace directory: `rank-<R>.trace.json`.
 ///
 /// ```
-/// assert_eq!(ddp_comm::trace::rank_file_name(3), "rank-3.trace.json");
+/// assert_eq!(ddp_trace::rank_file_name(3), "rank-3.trace.json");
 /// ```
 pub fn rank_file_name(rank: usize) -> String {
     format!("rank-{rank}.trace.json")
@@ -126,7 +126,7 @@ pub fn rank_file_name(rank: usize) -> String {
 ///
 /// Use it to skip computing expensive arguments:
 /// ```
-/// use ddp_comm::trace;
+/// use ddp_trace as trace;
 /// let mut span = trace::span("write_back", "ddp");
 /// if trace::enabled() {
 ///     span = span.arg("params", format!("{:?}", ["w", "b"]));
@@ -141,11 +141,11 @@ pub fn enabled() -> bool {
 /// its clock's offset to rank 0's in microseconds (added to every timestamp, also of events
 /// recorded before). A no-op when tracing is off.
 ///
-/// [`ProcessGroup::init`](crate::ProcessGroup::init) calls it (with the measured offset); the
+/// `ddp_comm::ProcessGroup::init` calls it (with the measured offset); the
 /// rank defaults to `RANK` from the environment, else 0.
 ///
 /// ```
-/// ddp_comm::trace::init(0, 0);
+/// ddp_trace::init(0, 0);
 /// ```
 pub fn init(rank: usize, clock_offset_us: i64) {
     if let Some(r) = recorder::global() {
@@ -159,7 +159,7 @@ pub fn init(rank: usize, clock_offset_us: i64) {
 /// atomically (written next to it, then renamed), so a reader never sees half a file.
 ///
 /// ```
-/// if let Some(path) = ddp_comm::trace::flush()? {
+/// if let Some(path) = ddp_trace::flush()? {
 ///     eprintln!("trace written to {}", path.display());
 /// }
 /// # Ok::<(), std::io::Error>(())
@@ -175,7 +175,7 @@ pub fn flush() -> io::Result<Option<PathBuf>> {
 /// be filtered on). It ends when the returned guard is dropped. Inert when tracing is off.
 ///
 /// ```
-/// use ddp_comm::trace;
+/// use ddp_trace as trace;
 /// {
 ///     let _wait = trace::span("loader_wait", "data").arg("batch", 17u64);
 ///     // … wait for the next batch …
@@ -195,7 +195,7 @@ pub fn span(name: &'static str, cat: &'static str) -> Span {
 /// value is dropped (at the end of the statement when not bound).
 ///
 /// ```
-/// ddp_comm::trace::instant("epoch_end", "train").arg("epoch", 3u64);
+/// ddp_trace::instant("epoch_end", "train").arg("epoch", 3u64);
 /// ```
 #[inline]
 pub fn instant(name: &'static str, cat: &'static str) -> Span {
@@ -276,7 +276,7 @@ struct Open {
 
 impl Span {
     /// A span that records nothing.
-    pub(crate) const fn inert() -> Span {
+    pub const fn inert() -> Span {
         Span { open: None }
     }
 
@@ -302,7 +302,7 @@ impl Span {
     /// use [`Span::arg_with`].
     ///
     /// ```
-    /// let _s = ddp_comm::trace::span("all_reduce", "ddp").arg("bytes", 1usize << 20).arg("dtype", "f32");
+    /// let _s = ddp_trace::span("all_reduce", "ddp").arg("bytes", 1usize << 20).arg("dtype", "f32");
     /// ```
     #[inline]
     pub fn arg(mut self, key: &'static str, value: impl Into<ArgValue>) -> Span {
@@ -313,7 +313,7 @@ impl Span {
     /// Adds an argument computed by `value`, which only runs when the span records.
     ///
     /// ```
-    /// let _s = ddp_comm::trace::span("presence", "ddp").arg_with("ranks", || format!("{:?}", [0, 1]));
+    /// let _s = ddp_trace::span("presence", "ddp").arg_with("ranks", || format!("{:?}", [0, 1]));
     /// ```
     #[inline]
     pub fn arg_with<V: Into<ArgValue>>(
@@ -330,7 +330,7 @@ impl Span {
     /// Adds an argument to a span already bound (e.g. a size known only at its end).
     ///
     /// ```
-    /// let mut s = ddp_comm::trace::span("recv", "io");
+    /// let mut s = ddp_trace::span("recv", "io");
     /// s.set_arg("bytes", 512u64);
     /// ```
     #[inline]
@@ -370,10 +370,10 @@ impl Drop for Span {
     }
 }
 
-/// Hook of [`ProcessGroup::init`](crate::ProcessGroup::init) once a group of more than one
+/// Hook of `ddp_comm::ProcessGroup::init` once a group of more than one
 /// rank is up: sets the rank and measures the clock offset to rank 0 over the store. Does
 /// nothing (not even a store request) when tracing is off; never fails the group.
-pub(crate) fn on_group_ready(rank: usize, world: usize, store: &mut impl crate::store::Store) {
+pub fn on_group_ready(rank: usize, world: usize, store: &mut impl ddp_store::store::Store) {
     let Some(rec) = recorder::global() else {
         return;
     };

@@ -28,7 +28,7 @@ use super::shuffle::permutation;
 /// the same order.
 ///
 /// ```
-/// use burn_ddp::data::DistributedSampler;
+/// use burn_ddp_data::DistributedSampler;
 ///
 /// // 10 items, 4 ranks, no shuffling: padded to 12 by repeating items 0 and 1.
 /// let shard = |rank| {
@@ -206,7 +206,7 @@ impl DistributedSampler {
     /// size it continues exactly where [`indices`](Self::indices) would have.
     ///
     /// ```
-    /// use burn_ddp::data::DistributedSampler;
+    /// use burn_ddp_data::DistributedSampler;
     ///
     /// // 12 items read by 4 ranks, 1 each (the first 4 of the order), then 2 ranks go on.
     /// let rest = |rank| {
