@@ -93,7 +93,6 @@ pub mod grad_sync;
 #[cfg_attr(docsrs, doc(cfg(feature = "learner")))]
 pub mod learner;
 mod optimizer;
-mod owner_streams;
 mod panic_report;
 mod replicate;
 mod running_state;

@@ -5,21 +5,21 @@ use super::slots::Slot;
 
 /// A run of consecutive present slots reduced in one all-reduce.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Bucket {
+pub(crate) struct Bucket {
     /// Indices into the slot list, in order.
-    pub(super) slots: Vec<usize>,
+    pub(crate) slots: Vec<usize>,
     /// Total f32 values.
-    pub(super) len: usize,
+    pub(crate) len: usize,
 }
 
 /// Packs present slots in order into buckets of at most `cap` values (a bigger slot gets a
 /// bucket of its own).
-pub(super) fn plan_buckets(slots: &[Slot], present: &[bool], cap: usize) -> Vec<Bucket> {
+pub(crate) fn plan_buckets(slots: &[Slot], present: &[bool], cap: usize) -> Vec<Bucket> {
     plan_bucket_sizes(slots.iter().map(|s| s.numel), present, cap)
 }
 
 /// [`plan_buckets`] over the slots' sizes.
-pub(super) fn plan_bucket_sizes(
+pub(crate) fn plan_bucket_sizes(
     sizes: impl Iterator<Item = usize>,
     present: &[bool],
     cap: usize,

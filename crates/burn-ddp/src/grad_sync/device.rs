@@ -18,7 +18,7 @@ impl GradientSynchronizer {
     /// [`crate::nccl`]). Same buckets, in the same order, as the host path. The packed buckets
     /// are alive together, one extra copy of the gradients (PyTorch's DDP keeps its buckets
     /// the same way).
-    pub(super) fn reduce_buckets_on_device(
+    pub(crate) fn reduce_buckets_on_device(
         &self,
         slots: &mut [Slot],
         buckets: &[Bucket],

@@ -15,7 +15,7 @@ use crate::error::{DdpError, Result};
 
 impl GradientSynchronizer {
     /// Pipelines host copies (this thread) and all-reduces (a comm thread).
-    pub(super) fn reduce_buckets(
+    pub(crate) fn reduce_buckets(
         &self,
         slots: &mut [Slot],
         buckets: &[Bucket],

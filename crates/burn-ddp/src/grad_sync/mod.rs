@@ -27,12 +27,11 @@
 //! are instead concatenated on the device, all-reduced there by NCCL and sliced back, with no
 //! host copy (same buckets, same order; see `crate::nccl` — built and linked in CI, not yet run on a GPU).
 
-mod buckets;
+pub(crate) mod buckets;
 mod device;
 mod host;
-mod owners;
 mod presence;
-mod slots;
+pub(crate) mod slots;
 #[cfg(test)]
 mod tests;
 
@@ -48,7 +47,6 @@ use crate::error::Result;
 
 use buckets::plan_buckets;
 pub(crate) use host::IN_PLACE_MIN_ELEMS;
-pub(crate) use owners::OwnedGradients;
 use slots::{SlotCollector, SlotWriter};
 
 /// Default largest bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
@@ -79,21 +77,21 @@ pub struct SyncStats {
 /// averaged gradients itself (e.g. for gradient clipping by global norm).
 #[derive(Debug, Clone)]
 pub struct GradientSynchronizer {
-    group: SharedGroup,
-    world_size: usize,
-    bucket_cap_elems: usize,
+    pub(crate) group: SharedGroup,
+    pub(crate) world_size: usize,
+    pub(crate) bucket_cap_elems: usize,
     /// Return the gradients untouched in a world of one (off only in unit tests, to run the
     /// whole pipeline in-process).
-    skip_when_alone: bool,
+    pub(crate) skip_when_alone: bool,
     /// Overlap host copies with communication on a comm thread.
     overlap: bool,
     /// How buckets travel on the host path.
-    compression: Compression,
-    last: SyncStats,
+    pub(crate) compression: Compression,
+    pub(crate) last: SyncStats,
     /// NCCL on a CUDA device, for buckets on that device (never in builds without `cuda`).
-    device_comm: Option<DeviceComm>,
+    pub(crate) device_comm: Option<DeviceComm>,
     /// Whether the last sync took the device (NCCL) path.
-    last_on_device: bool,
+    pub(crate) last_on_device: bool,
 }
 
 /// Whether a comm thread can run beside the calling thread: it needs a core besides the
@@ -280,7 +278,7 @@ impl GradientSynchronizer {
 /// The wire format of the host path: `requested`, except in a group whose every link is
 /// shared memory, where 16-bit values save no wire time and their casts only cost memory
 /// bandwidth (measured: shm 10.7 ms → 14.3 ms with bf16), so f32 travels — said once.
-fn host_wire(requested: Compression, any_tcp: bool) -> Compression {
+pub(crate) fn host_wire(requested: Compression, any_tcp: bool) -> Compression {
     if requested == Compression::None || any_tcp {
         return requested;
     }
@@ -297,8 +295,8 @@ fn host_wire(requested: Compression, any_tcp: bool) -> Compression {
 
 /// Where the calling thread and the comm thread spent a sync.
 #[derive(Debug, Default)]
-struct PipelineTimes {
-    all_reduce: Duration,
-    fill: Duration,
-    write_back: Duration,
+pub(crate) struct PipelineTimes {
+    pub(crate) all_reduce: Duration,
+    pub(crate) fill: Duration,
+    pub(crate) write_back: Duration,
 }

@@ -12,7 +12,7 @@ impl GradientSynchronizer {
     /// This rank's vote for the device (NCCL) path: `None` without a communicator (the
     /// exchange then carries no vote, as always in builds without `cuda`), else whether every
     /// gradient lives on the communicator's CUDA device.
-    pub(super) fn device_vote(&self, slots: &[Slot]) -> Option<bool> {
+    pub(crate) fn device_vote(&self, slots: &[Slot]) -> Option<bool> {
         let device_comm = self.device_comm.as_ref()?;
         Some(slots.iter().all(|s| device_comm.holds(&s.device)))
     }
@@ -25,7 +25,7 @@ impl GradientSynchronizer {
     /// [`DdpError::GradientLayoutMismatch`] when the layouts differ; a
     /// [`ddp_comm::CommError::Mismatch`] when the ranks' wire formats (compression) differ —
     /// on every rank, before any bucket travels.
-    pub(super) fn exchange_presence(
+    pub(crate) fn exchange_presence(
         &self,
         slots: &[Slot],
         device_vote: Option<bool>,
@@ -82,13 +82,13 @@ impl GradientSynchronizer {
 
 /// What every rank learns from the presence exchange.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Presence {
+pub(crate) struct Presence {
     /// Which slots have a gradient on at least one rank.
-    pub(super) present: Vec<bool>,
+    pub(crate) present: Vec<bool>,
     /// Whether every rank voted for the device (NCCL) path.
-    pub(super) on_device: bool,
+    pub(crate) on_device: bool,
     /// Whether some rank reaches a peer over TCP (else every link is shared memory).
-    pub(super) any_tcp: bool,
+    pub(crate) any_tcp: bool,
 }
 
 /// One byte naming a wire format in the presence exchange.
@@ -103,7 +103,7 @@ fn wire_code(c: ddp_comm::Compression) -> u8 {
 
 /// Logs, once per process, which path gradient buckets take (builds with `cuda` only: other
 /// builds have a single path).
-pub(super) fn log_path_once(device_vote: Option<bool>, on_device: bool) {
+pub(crate) fn log_path_once(device_vote: Option<bool>, on_device: bool) {
     if crate::cuda::ENABLED {
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| {

@@ -6,23 +6,23 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 
 /// One trainable float parameter in visit order.
-pub(super) struct Slot {
-    pub(super) id: ParamId,
-    pub(super) shape: Shape,
-    pub(super) numel: usize,
-    pub(super) dtype: DType,
-    pub(super) device: Device,
+pub(crate) struct Slot {
+    pub(crate) id: ParamId,
+    pub(crate) shape: Shape,
+    pub(crate) numel: usize,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
     /// This rank's gradient, flattened (taken out of the `GradientsParams`).
-    pub(super) grad: Option<Tensor<1>>,
+    pub(crate) grad: Option<Tensor<1>>,
     /// The averaged gradient (flat, f32, possibly a view into its bucket's tensor), once its
     /// bucket came back.
-    pub(super) reduced: Option<Tensor<1>>,
+    pub(crate) reduced: Option<Tensor<1>>,
 }
 
 impl Slot {
     /// Takes this rank's gradient to the host as f32 (zeros when this rank has none): the
     /// host buffer a host-side reduction reads and writes in place.
-    pub(super) fn take_host_f32(&mut self) -> TensorData {
+    pub(crate) fn take_host_f32(&mut self) -> TensorData {
         match self.grad.take() {
             None => TensorData::new(vec![0f32; self.numel], [self.numel]),
             Some(g) => {
@@ -38,9 +38,9 @@ impl Slot {
 }
 
 /// Visits trainable float params and takes their gradients out.
-pub(super) struct SlotCollector<'a> {
-    pub(super) grads: &'a mut GradientsParams,
-    pub(super) slots: Vec<Slot>,
+pub(crate) struct SlotCollector<'a> {
+    pub(crate) grads: &'a mut GradientsParams,
+    pub(crate) slots: Vec<Slot>,
 }
 
 impl ModuleVisitor for SlotCollector<'_> {
@@ -70,9 +70,9 @@ impl ModuleVisitor for SlotCollector<'_> {
 }
 
 /// Registers averaged gradients back with the right rank `D`.
-pub(super) struct SlotWriter<'a> {
-    pub(super) grads: &'a mut GradientsParams,
-    pub(super) slots: std::slice::IterMut<'a, Slot>,
+pub(crate) struct SlotWriter<'a> {
+    pub(crate) grads: &'a mut GradientsParams,
+    pub(crate) slots: std::slice::IterMut<'a, Slot>,
 }
 
 impl ModuleVisitor for SlotWriter<'_> {
@@ -103,7 +103,7 @@ impl ModuleVisitor for SlotWriter<'_> {
 }
 
 /// FNV-1a over the slot sizes and ranks: equal on ranks with the same trainable layout.
-pub(super) fn layout_fingerprint(slots: &[Slot]) -> u64 {
+pub(crate) fn layout_fingerprint(slots: &[Slot]) -> u64 {
     let mut h = crate::fingerprint::Fnv::default();
     h.write_u64(slots.len() as u64);
     for s in slots {

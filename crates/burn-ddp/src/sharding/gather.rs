@@ -16,11 +16,11 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData};
 
 use super::error::ShardingError;
+use super::owner_streams::OwnerStreams;
 use super::plan::ShardPlan;
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
 use crate::grad_sync::IN_PLACE_MIN_ELEMS;
-use crate::owner_streams::OwnerStreams;
 
 /// Parameters of at least this many bytes (f32) are broadcast in place; smaller ones travel in
 /// the buckets, where one call carries many of them. The gradient path's threshold.

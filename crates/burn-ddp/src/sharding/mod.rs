@@ -41,9 +41,17 @@
 //! ids), so a sharded run resumes unsharded, an unsharded run resumes sharded, and either
 //! resumes at another world size; on load each rank keeps the entries of the parameters it
 //! owns under the new world size.
+//!
+//! The module holds the whole sharded path: the owners ([`assign_owners`], `plan.rs`), the
+//! owner-major layout of what moves (`owner_streams.rs`), the gradients' reduce-scatter to
+//! their owners (`owned_gradients.rs`, over the gradient synchroniser's slots and buckets), the
+//! parameters' gather (`gather.rs`) and the state's merge and split for checkpoints
+//! (`state.rs`). [`crate::DdpOptimizer`] only chooses between it and the unsharded step.
 
 pub(crate) mod error;
 mod gather;
+mod owned_gradients;
+mod owner_streams;
 mod plan;
 pub(crate) mod state;
 
@@ -53,7 +61,7 @@ use burn::tensor::Bytes;
 
 use crate::comm::{self, SharedGroup};
 use crate::error::Result;
-use crate::grad_sync::OwnedGradients;
+use owned_gradients::OwnedGradients;
 
 pub use error::ShardingError;
 pub use plan::assign_owners;

@@ -20,12 +20,12 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
 use ddp_comm::{Compression, ReduceOp};
 
-use super::buckets::plan_buckets;
-use super::slots::{Slot, SlotCollector, SlotWriter};
-use super::{GradientSynchronizer, SyncStats, host_wire};
+use super::owner_streams::OwnerStreams;
 use crate::comm;
 use crate::error::{DdpError, Result};
-use crate::owner_streams::OwnerStreams;
+use crate::grad_sync::buckets::plan_buckets;
+use crate::grad_sync::slots::{Slot, SlotCollector, SlotWriter};
+use crate::grad_sync::{GradientSynchronizer, SyncStats, host_wire};
 
 /// What [`GradientSynchronizer::sync_to_owners`] returns.
 pub(crate) struct OwnedGradients {
