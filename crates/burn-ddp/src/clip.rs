@@ -124,9 +124,10 @@ pub(crate) fn check_max_norm(max_norm: f64) -> Result<()> {
     if max_norm.is_finite() && max_norm > 0.0 {
         Ok(())
     } else {
-        Err(DdpError::InvalidSetting(format!(
-            "gradient clipping by the global norm needs a finite max_norm above 0, got {max_norm}"
-        )))
+        Err(DdpError::InvalidSetting {
+            setting: "DdpOptimizer::with_global_norm_clipping",
+            reason: format!("max_norm must be finite and above 0, got {max_norm}"),
+        })
     }
 }
 
@@ -182,7 +183,7 @@ mod tests {
         assert!(check_max_norm(1.0).is_ok());
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let e = check_max_norm(bad).unwrap_err().to_string();
-            assert!(e.contains("max_norm above 0"), "{e}");
+            assert!(e.contains("max_norm must be finite and above 0"), "{e}");
         }
     }
 }

@@ -168,10 +168,10 @@ impl DdpBuilder {
             None => compression_from_env()?,
         };
         if self.bucket_cap_bytes < 4 {
-            return Err(DdpError::InvalidSetting(format!(
-                "bucket cap of {} bytes is below one f32",
-                self.bucket_cap_bytes
-            )));
+            return Err(DdpError::InvalidSetting {
+                setting: "DdpBuilder::bucket_cap_bytes",
+                reason: format!("{} bytes is below one f32", self.bucket_cap_bytes),
+            });
         }
         let env = match self.env {
             Some(env) => env,
@@ -196,12 +196,14 @@ impl DdpBuilder {
                 // that would silently ignore them.
                 match comm::joined_with() {
                     Some(first) if *first != joining => {
-                        return Err(DdpError::InvalidSetting(format!(
-                            "burn_ddp::init was called again with other settings ({} {:?}) \
-                             than the group this process joined ({} {:?}); a process joins \
-                             one group",
-                            joining.job, joining.options, first.job, first.options
-                        )));
+                        return Err(DdpError::InvalidSetting {
+                            setting: "burn_ddp::init",
+                            reason: format!(
+                                "called again with other settings ({} {:?}) than the group \
+                                 this process joined ({} {:?}); a process joins one group",
+                                joining.job, joining.options, first.job, first.options
+                            ),
+                        });
                     }
                     Some(_) => {}
                     // Installed by hand (`comm::install`): the first `init` sets the rule.
@@ -258,10 +260,10 @@ pub const COMPRESSION_VAR: &str = "DDP_COMPRESSION";
 /// [`COMPRESSION_VAR`]'s value (none when unset or empty).
 fn compression_from_env() -> Result<Compression> {
     match std::env::var(COMPRESSION_VAR) {
-        Ok(v) if !v.trim().is_empty() => v
-            .trim()
-            .parse()
-            .map_err(|e| DdpError::InvalidSetting(format!("{COMPRESSION_VAR}={v:?}: {e}"))),
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|e| DdpError::InvalidSetting {
+            setting: COMPRESSION_VAR,
+            reason: format!("{v:?}: {e}"),
+        }),
         _ => Ok(Compression::None),
     }
 }

@@ -32,8 +32,17 @@ pub enum DdpError {
     },
     /// The ranks' gradients do not line up (a different number or shape of trainable
     /// parameters, e.g. a model changed on one rank after [`crate::Ddp::replicate_model`]).
-    #[error("the trainable parameters differ across ranks at gradient synchronisation: {0}")]
-    GradientLayoutMismatch(String),
+    #[error(
+        "the trainable parameters differ across ranks at gradient synchronisation: this rank \
+         has {parameters} trainable parameters with {values} values in total, and at least one \
+         other rank has a different set (same model type and configuration on every rank?)"
+    )]
+    GradientLayoutMismatch {
+        /// This rank's number of trainable parameters.
+        parameters: usize,
+        /// The number of values of those parameters.
+        values: usize,
+    },
     /// A tensor could not be read back from the device or converted.
     #[error("tensor data of `{what}`: {msg}")]
     TensorData {
@@ -59,9 +68,15 @@ pub enum DdpError {
     /// A SyncBatchNorm layer failed ([`crate::sync_batch_norm`]).
     #[error(transparent)]
     SyncBatchNorm(#[from] crate::sync_batch_norm::error::SyncBatchNormError),
-    /// An invalid setting was passed to a builder.
-    #[error("invalid setting: {0}")]
-    InvalidSetting(String),
+    /// A setting that cannot work, passed to a builder or read from the environment.
+    #[error("invalid setting {setting}: {reason}")]
+    InvalidSetting {
+        /// The setting: a builder method (`DdpBuilder::bucket_cap_bytes`), an environment
+        /// variable (`DDP_COMPRESSION`) or a layer's placement.
+        setting: &'static str,
+        /// Why it cannot work.
+        reason: String,
+    },
     /// NCCL was required (`NcclPolicy::Required`) but can't be used on some
     /// rank: no CUDA device, libcuda or libnccl missing, or the communicator failed (feature
     /// `cuda`).

@@ -218,7 +218,9 @@ impl Ddp {
                 })
                 .collect();
             let err = first_mismatch(&all).unwrap_or_else(|| {
-                DdpError::GradientLayoutMismatch("model fingerprints differ across ranks".into())
+                DdpError::Comm(ddp_comm::CommError::Mismatch(
+                    "the ranks' model fingerprints differ, but their descriptions agree".into(),
+                ))
             });
             tracing::error!(%err, "model replication refused");
             return Err(err);

@@ -22,11 +22,17 @@ fn a_second_init_shares_the_group_with_the_same_settings_and_refuses_other_ones(
         .timeout(Duration::from_secs(7))
         .init()
         .unwrap_err();
-    assert!(matches!(err, DdpError::InvalidSetting(_)), "{err:?}");
-    let msg = err.to_string();
     assert!(
-        msg.contains("burn_ddp::init was called again with other settings"),
-        "{msg}"
+        matches!(
+            err,
+            DdpError::InvalidSetting {
+                setting: "burn_ddp::init",
+                ..
+            }
+        ),
+        "{err:?}"
     );
+    let msg = err.to_string();
+    assert!(msg.contains("called again with other settings"), "{msg}");
     assert!(msg.contains("7s"), "{msg}");
 }

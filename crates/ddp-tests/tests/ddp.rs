@@ -420,7 +420,9 @@ fn an_unknown_compression_is_a_clear_error_on_every_rank() {
     for r in &run.result.ranks {
         assert!(!r.success(), "rank {} succeeded", r.rank);
         assert!(
-            r.stderr.contains("DDP_COMPRESSION=\"int4\""),
+            r.stderr.contains(
+                "invalid setting DDP_COMPRESSION: \"int4\": invalid argument: unknown compression"
+            ),
             "rank {}: {}",
             r.rank,
             r.stderr

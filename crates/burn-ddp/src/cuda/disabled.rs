@@ -19,9 +19,10 @@ pub(super) fn auto_device(_local_rank: usize, _local_world_size: usize) -> Resul
 /// # Errors
 /// Always.
 pub(super) fn cuda_device(_local_rank: usize, _local_world_size: usize) -> Result<Device> {
-    Err(DdpError::InvalidSetting(format!(
-        "CUDA was asked for (DdpBuilder::cuda), but {WITHOUT_CUDA}"
-    )))
+    Err(DdpError::InvalidSetting {
+        setting: "DdpBuilder::cuda",
+        reason: format!("CUDA was asked for, but {WITHOUT_CUDA}"),
+    })
 }
 
 /// A device chosen by the caller: any device this build can make is usable.

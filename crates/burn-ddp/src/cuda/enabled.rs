@@ -100,12 +100,11 @@ impl NcclComm {
     ) -> Result<FloatTensor<B>> {
         let dtype = local.dtype();
         let [rows, channels] = local.shape().dims();
-        let cube = downcast::<B, Cube>(local).map_err(|_| {
-            DdpError::InvalidSetting(
-                "NCCL carries SyncBatchNorm's collectives, but this layer runs on a non-CUDA \
-                 backend; every rank must train on its CUDA device"
-                    .into(),
-            )
+        let cube = downcast::<B, Cube>(local).map_err(|_| DdpError::InvalidSetting {
+            setting: "SyncBatchNorm's device",
+            reason: "NCCL carries SyncBatchNorm's collectives, but this layer runs on a \
+                         non-CUDA backend; every rank must train on its CUDA device"
+                .into(),
         })?;
         let flat = Tensor::<2>::from_primitive::<Cube>(cube)
             .cast(DType::F32)

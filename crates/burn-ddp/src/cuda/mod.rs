@@ -240,7 +240,7 @@ mod tests {
                 "{e}"
             ),
             (false, Err(e)) => {
-                assert!(matches!(e, DdpError::InvalidSetting(_)), "{e:?}");
+                assert!(matches!(e, DdpError::InvalidSetting { .. }), "{e:?}");
                 assert!(e.to_string().contains("`cuda` feature"), "{e}");
             }
             (false, Ok(device)) => panic!("a build without cuda gave {device:?}"),

@@ -30,9 +30,10 @@ impl std::str::FromStr for NcclPolicy {
             "auto" => Ok(NcclPolicy::Auto),
             "off" | "disabled" => Ok(NcclPolicy::Disabled),
             "required" => Ok(NcclPolicy::Required),
-            other => Err(DdpError::InvalidSetting(format!(
-                "NCCL policy {other:?}: expected auto, off or required"
-            ))),
+            other => Err(DdpError::InvalidSetting {
+                setting: "NcclPolicy",
+                reason: format!("{other:?}: expected auto, off or required"),
+            }),
         }
     }
 }
@@ -47,10 +48,13 @@ impl NcclPolicy {
     /// The variable holds something else than `auto`, `off` or `required`.
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var(NCCL_POLICY_VAR) {
-            Ok(v) => v
-                .parse()
-                .map(Some)
-                .map_err(|e| DdpError::InvalidSetting(format!("{NCCL_POLICY_VAR}: {e}"))),
+            Ok(v) => v.parse().map(Some).map_err(|e| match e {
+                DdpError::InvalidSetting { reason, .. } => DdpError::InvalidSetting {
+                    setting: NCCL_POLICY_VAR,
+                    reason,
+                },
+                other => other,
+            }),
             Err(_) => Ok(None),
         }
     }

@@ -25,9 +25,10 @@ impl GradientSynchronizer {
     ) -> Result<PipelineTimes> {
         let mut times = PipelineTimes::default();
         let Some(device_comm) = &self.device_comm else {
-            return Err(DdpError::InvalidSetting(
-                "device path chosen without an NCCL communicator".into(),
-            ));
+            return Err(DdpError::InvalidSetting {
+                setting: "GradientSynchronizer's device path",
+                reason: "chosen without an NCCL communicator".into(),
+            });
         };
         let t = Instant::now();
         let packed: Vec<Tensor<1>> = buckets

@@ -55,11 +55,10 @@ impl GradientSynchronizer {
         let (bits, tail) = buf.split_at(n);
         let agree = (0..8).all(|i| u16::from(tail[i]) + u16::from(tail[8 + i]) == 255);
         if !agree {
-            return Err(DdpError::GradientLayoutMismatch(format!(
-                "this rank has {n} trainable parameters with {} values in total, and at least one \
-                 other rank has a different set (same model type and configuration on every rank?)",
-                slots.iter().map(|s| s.numel).sum::<usize>()
-            )));
+            return Err(DdpError::GradientLayoutMismatch {
+                parameters: n,
+                values: slots.iter().map(|s| s.numel).sum(),
+            });
         }
         if u16::from(tail[16]) + u16::from(tail[17]) != 255 {
             return Err(ddp_comm::CommError::Mismatch(format!(

@@ -60,11 +60,14 @@ impl GradientSynchronizer {
         module.visit(&mut collector);
         let mut slots = collector.slots;
         if slots.len() != owners.len() {
-            return Err(DdpError::InvalidSetting(format!(
-                "the owner table has {} entries for {} trainable parameters",
-                owners.len(),
-                slots.len()
-            )));
+            return Err(DdpError::InvalidSetting {
+                setting: "the sharded optimizer's owner table",
+                reason: format!(
+                    "{} entries for {} trainable parameters",
+                    owners.len(),
+                    slots.len()
+                ),
+            });
         }
         if self.world_size == 1 && self.skip_when_alone {
             let present: Vec<bool> = slots.iter().map(|s| s.grad.is_some()).collect();

@@ -285,9 +285,10 @@ fn run_optimizers(ddp: &Ddp, args: &Args, transport: &str) -> Result<(), burn_dd
     }
     for o in &args.optimizers {
         if o != "unsharded" && o != "sharded" {
-            return Err(burn_ddp::DdpError::InvalidSetting(format!(
-                "--optimizers: unknown mode {o:?} (unsharded or sharded)"
-            )));
+            return Err(burn_ddp::DdpError::InvalidSetting {
+                setting: "--optimizers",
+                reason: format!("unknown mode {o:?} (unsharded or sharded)"),
+            });
         }
     }
     let device = ddp.device().clone().autodiff();
