@@ -2,6 +2,8 @@
 //!
 //! - [`group`]: the process group and its collectives (all-reduce, broadcast, all-gather,
 //!   barrier) over TCP between hosts and shared memory between ranks of one host.
+//! - [`collectives`]: [`Collectives`], the one interface of every process group (c10d's
+//!   shape): this crate's host group implements it, and so does `ddp-nccl`'s NCCL group.
 //! - [`log`]: whether log lines may be coloured (a terminal at the end, no `NO_COLOR`).
 //!
 //! Re-exported so that one dependency reaches the whole transport:
@@ -25,12 +27,14 @@
 
 #![warn(missing_docs)]
 
+pub mod collectives;
 pub mod group;
 pub mod log;
 
 pub use ddp_store::{auth, env, error, job_auth, refusals, store, wire};
 pub use ddp_trace as trace;
 
+pub use collectives::Collectives;
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
 pub use group::{Compression, Element, GroupOptions, ProcessGroup, ReduceOp};

@@ -22,6 +22,7 @@ use ddp_comm::env::LaunchEnv;
 use ddp_comm::error::{CommError, Result};
 use ddp_comm::store::StoreClient;
 
+pub(crate) mod collectives;
 mod host;
 mod raw;
 mod shards;

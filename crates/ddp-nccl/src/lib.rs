@@ -71,6 +71,7 @@ pub use cudarc::driver::{CudaView, CudaViewMut};
 pub use device::{check_cuda_device, cuda_device_for_local_rank, visible_cuda_devices};
 pub use element::NcclElement;
 pub use group::NcclGroup;
+pub use group::collectives::{DeviceBuffer, DeviceElement};
 pub use library::{Libraries, MIN_NCCL_VERSION, NcclVersion, check_libraries};
 pub use options::{NcclOptions, TIMEOUT_VAR};
 pub use result::NcclError;

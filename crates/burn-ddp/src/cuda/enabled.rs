@@ -87,6 +87,16 @@ impl NcclComm {
     }
 
     /// Every rank's f32 tensor (the same length everywhere), concatenated in rank order.
+    pub(crate) fn reduce_scatter(
+        &self,
+        packed: Tensor<1>,
+        counts: &[usize],
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Result<Tensor<1>> {
+        nccl::reduce_scatter(&mut nccl::lock(&self.nccl), packed, counts, op, compression)
+    }
+
     pub(crate) fn all_gather(&self, local: Tensor<1>) -> Result<Tensor<1>> {
         nccl::all_gather(&mut nccl::lock(&self.nccl), local)
     }

@@ -1,13 +1,14 @@
 //! Unit tests' stand-in for NCCL: [`HostStaged`] makes the device communicator's calls through
 //! the host process group, so that the device path's own logic (gradient buckets packed,
 //! reduced and sliced as tensors; SyncBatchNorm's device exchange) runs on CPU ranks and can
-//! be compared with the host path. The group sums in rank order, as the host path does, so
-//! the two give the same bits.
+//! be compared with the host path. Its calls are those of the NCCL communicator, made through
+//! the same interface, [`Collectives`], on the host group's buffers instead of device ones.
+//! The group sums in rank order, as the host path does, so the two give the same bits.
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{Device, Tensor, TensorData};
-use ddp_comm::{Compression, ReduceOp};
+use ddp_comm::{Collectives, Compression, ReduceOp};
 
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
@@ -59,15 +60,37 @@ impl HostStaged {
                 let device = t.device();
                 let mut values = host_f32("bucket (host-staged device path)", t)?;
                 let n = values.len();
-                let mut g = comm::lock(&self.group);
-                if compression == Compression::None {
-                    g.all_reduce(&mut values, op)?;
-                } else {
-                    g.all_reduce_compressed(&mut values, op, compression)?;
-                }
+                Collectives::all_reduce(
+                    &mut *comm::lock(&self.group),
+                    &mut values,
+                    op,
+                    compression,
+                )?;
                 Ok(Tensor::from_data(TensorData::new(values, [n]), &device))
             })
             .collect()
+    }
+
+    /// `packed` read to the host, reduce-scattered by the group (with `compression` on the
+    /// wire), and made a tensor again on its device.
+    pub(crate) fn reduce_scatter(
+        &self,
+        packed: Tensor<1>,
+        counts: &[usize],
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Result<Tensor<1>> {
+        let device = packed.device();
+        let mut values = host_f32("bucket (host-staged reduce-scatter)", packed)?;
+        let n = values.len();
+        Collectives::reduce_scatter(
+            &mut *comm::lock(&self.group),
+            &mut values,
+            counts,
+            op,
+            compression,
+        )?;
+        Ok(Tensor::from_data(TensorData::new(values, [n]), &device))
     }
 
     /// Every rank's tensor, gathered by the group in rank order.
@@ -75,8 +98,10 @@ impl HostStaged {
         let device = local.device();
         let mine = host_f32("statistics (host-staged device path)", local)?;
         let mut g = comm::lock(&self.group);
-        let mut all = vec![0f32; mine.len() * g.world_size()];
-        g.all_gather(&mine, &mut all)?;
+        let (rank, world, n) = (g.rank(), g.world_size(), mine.len());
+        let mut all = vec![0f32; n * world];
+        all[rank * n..(rank + 1) * n].copy_from_slice(&mine);
+        Collectives::all_gather_into(&mut *g, &mut all, &vec![n; world])?;
         let n = all.len();
         Ok(Tensor::from_data(TensorData::new(all, [n]), &device))
     }
@@ -101,7 +126,12 @@ impl HostStaged {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| err(format!("{e:?}")))?;
-        comm::lock(&self.group).all_reduce(&mut values, ReduceOp::Sum)?;
+        Collectives::all_reduce(
+            &mut *comm::lock(&self.group),
+            &mut values,
+            ReduceOp::Sum,
+            Compression::None,
+        )?;
         let data = TensorData::new(values, shape).convert_dtype(dtype);
         Ok(B::float_from_data(data, &device))
     }

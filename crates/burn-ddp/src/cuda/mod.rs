@@ -1,6 +1,8 @@
 //! The CUDA glue of burn-ddp, in one module: NCCL on device memory ([`nccl`]), the choice of
 //! each rank's device with the CUDA toolkit files its kernels need, and [`DeviceComm`], the
-//! communicator through which gradient sync and SyncBatchNorm reach device memory.
+//! communicator through which gradient sync, the sharded optimizer's reduce-scatter and
+//! SyncBatchNorm reach device memory. Both of its implementations make their calls through
+//! [`ddp_comm::Collectives`]: NCCL's on device buffers, the stand-in's on the host group.
 //!
 //! The module is compiled in every build. [`DeviceComm`] has one variant per implementation:
 //! NCCL (feature `cuda`) and, in unit tests, a host-staged stand-in over the process group, so
@@ -189,6 +191,25 @@ impl DeviceComm {
             DeviceComm::Nccl(ref n) => n.all_reduce_many(tensors, op, compression),
             #[cfg(test)]
             DeviceComm::Host(ref h) => h.all_reduce_many(tensors, op, compression),
+        }
+    }
+
+    /// The f32 tensor `packed`, one shard per rank in rank order (rank `p`'s of `counts[p]`
+    /// values), reduced (`op`) across ranks with this rank's shard kept: returns `packed`'s
+    /// length with this rank's shard reduced (the rest unspecified), values on the wire as
+    /// `compression` says.
+    pub(crate) fn reduce_scatter(
+        &self,
+        packed: Tensor<1>,
+        counts: &[usize],
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Result<Tensor<1>> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.reduce_scatter(packed, counts, op, compression),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.reduce_scatter(packed, counts, op, compression),
         }
     }
 

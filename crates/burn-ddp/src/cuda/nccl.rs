@@ -60,8 +60,8 @@ use burn_cubecl::{
 };
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
-use ddp_comm::{GroupOptions, LaunchEnv, ReduceOp};
-use ddp_nccl::{NcclGroup, NcclOptions, check_libraries};
+use ddp_comm::{Collectives, Compression, GroupOptions, LaunchEnv, ReduceOp};
+use ddp_nccl::{DeviceBuffer, DeviceElement, NcclGroup, NcclOptions, check_libraries};
 
 use crate::comm::{self, SharedGroup};
 use crate::error::{DdpError, Result};
@@ -262,50 +262,100 @@ pub(crate) fn all_reduce_many(
     tensors: Vec<Tensor<1>>,
     op: ReduceOp,
 ) -> Result<Vec<Tensor<1>>> {
-    all_reduce_many_as(nccl, tensors, op, ddp_comm::Compression::None)
+    all_reduce_many_as(nccl, tensors, op, Compression::None)
 }
 
 /// [`all_reduce_many`] with the f32 tensors on the wire as `compression` says: cast to bf16 or
 /// fp16 on the device, all-reduced by NCCL's native 16-bit all-reduce (which, like PyTorch's
 /// compression hooks, keeps its partial sums in 16 bits between ring steps), cast back to f32.
+/// The buffers go to NCCL through [`Collectives::all_reduce_many`], one NCCL group call.
 pub(crate) fn all_reduce_many_as(
     nccl: &mut NcclGroup,
     tensors: Vec<Tensor<1>>,
     op: ReduceOp,
-    compression: ddp_comm::Compression,
+    compression: Compression,
 ) -> Result<Vec<Tensor<1>>> {
-    let what = "all-reduced tensor (NCCL path)";
-    let dtype = match compression {
-        ddp_comm::Compression::Bf16 => DType::BF16,
-        ddp_comm::Compression::Fp16 => DType::F16,
+    let dtype = wire_dtype(compression);
+    let tensors = tensors.into_iter().map(|t| in_dtype(t, dtype)).collect();
+    let reduced = on_device_buffers(
+        nccl,
+        tensors,
+        dtype,
+        "all-reduced tensor (NCCL path)",
+        |nccl, buffers| {
+            let mut views: Vec<DeviceBuffer> = buffers
+                .iter()
+                // SAFETY: per `on_device_buffers`' contract for every (pointer, length) pair
+                // of `dtype` values; the buffers are distinct allocations (`exclusive_buffer`).
+                .map(|&(ptr, len)| unsafe {
+                    DeviceBuffer::from_raw(ptr, len, DeviceElement::of(compression))
+                })
+                .collect();
+            let mut refs: Vec<&mut DeviceBuffer> = views.iter_mut().collect();
+            Collectives::all_reduce_many(nccl, &mut refs, op, compression)
+        },
+    )?;
+    Ok(reduced
+        .into_iter()
+        .map(|t| in_dtype(t, DType::F32))
+        .collect())
+}
+
+/// Reduces the f32 tensor `packed` (one shard per rank in rank order, rank `p`'s of
+/// `counts[p]` values) across ranks with NCCL in device memory, values on the wire as
+/// `compression` says, and returns it with this rank's shard reduced (the rest unspecified),
+/// through [`Collectives::reduce_scatter`].
+///
+/// # Errors
+/// As [`all_reduce`]; `counts` that do not fit.
+pub(crate) fn reduce_scatter(
+    nccl: &mut NcclGroup,
+    packed: Tensor<1>,
+    counts: &[usize],
+    op: ReduceOp,
+    compression: Compression,
+) -> Result<Tensor<1>> {
+    let dtype = wire_dtype(compression);
+    let mut out = on_device_buffers(
+        nccl,
+        vec![in_dtype(packed, dtype)],
+        dtype,
+        "reduce-scattered tensor (NCCL path)",
+        |nccl, buffers| {
+            let &[(ptr, len)] = buffers else {
+                unreachable!("one tensor in");
+            };
+            // SAFETY: per `on_device_buffers`' contract: `ptr` holds `len` values of `dtype`.
+            let mut buf =
+                unsafe { DeviceBuffer::from_raw(ptr, len, DeviceElement::of(compression)) };
+            Collectives::reduce_scatter(nccl, &mut buf, counts, op, compression)
+        },
+    )?;
+    Ok(in_dtype(
+        out.pop().expect("one tensor in, one out"),
+        DType::F32,
+    ))
+}
+
+/// `t` in `dtype`: itself when it already is (no cast, no new tensor).
+fn in_dtype(t: Tensor<1>, dtype: DType) -> Tensor<1> {
+    if t.dtype() == dtype { t } else { t.cast(dtype) }
+}
+
+/// The dtype of the values NCCL reduces for `compression`.
+fn wire_dtype(compression: Compression) -> DType {
+    match compression {
+        Compression::Bf16 => DType::BF16,
+        Compression::Fp16 => DType::F16,
         _ => DType::F32,
-    };
-    if dtype == DType::F32 {
-        return on_device_buffers(nccl, tensors, dtype, what, |nccl, buffers| {
-            // SAFETY: per `on_device_buffers`' contract for every (pointer, length) pair; the
-            // buffers are distinct allocations (`exclusive_buffer`).
-            unsafe { nccl.all_reduce_many_raw::<f32>(buffers, op) }
-        });
     }
-    let tensors = tensors.into_iter().map(|t| t.cast(dtype)).collect();
-    let reduced = on_device_buffers(nccl, tensors, dtype, what, |nccl, buffers| {
-        // SAFETY: as above, for pairs of `dtype` values.
-        unsafe {
-            if dtype == DType::BF16 {
-                nccl.all_reduce_many_raw::<half::bf16>(buffers, op)
-            } else {
-                nccl.all_reduce_many_raw::<half::f16>(buffers, op)
-            }
-        }
-    })?;
-    Ok(reduced.into_iter().map(|t| t.cast(DType::F32)).collect())
 }
 
 /// All-gathers every rank's f32 tensor `local` (the same length `n` on every rank, on
 /// `nccl`'s CUDA device) into one `[W · n]` tensor in rank order, by NCCL in device memory.
 ///
-/// The output buffer is allocated by Burn, this rank's slot filled with `local`, and NCCL's
-/// in-place all-gather fills the others.
+/// The output buffer is allocated by Burn, this rank's slot filled with `local`, and
+/// [`Collectives::all_gather_into`] fills the others.
 ///
 /// # Errors
 /// As [`all_reduce`].
@@ -325,10 +375,9 @@ pub(crate) fn all_gather(nccl: &mut NcclGroup, local: Tensor<1>) -> Result<Tenso
                 unreachable!("one tensor in");
             };
             debug_assert_eq!(total, world * n);
-            let mine = ptr + (rank * n * std::mem::size_of::<f32>()) as u64;
-            // SAFETY: per `on_device_buffers`' contract: `ptr` holds `world · n` f32 values,
-            // and `mine` is this rank's slot inside it (NCCL's in-place all-gather).
-            unsafe { nccl.all_gather_raw::<f32>(mine, n, ptr) }
+            // SAFETY: per `on_device_buffers`' contract: `ptr` holds `world · n` f32 values.
+            let mut buf = unsafe { DeviceBuffer::from_raw(ptr, total, DeviceElement::F32) };
+            Collectives::all_gather_into(nccl, &mut buf, &vec![n; world])
         },
     )?;
     Ok(out.pop().expect("one tensor in, one out"))

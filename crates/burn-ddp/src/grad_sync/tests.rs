@@ -203,6 +203,67 @@ fn the_device_path_equals_the_host_path_on_two_ranks() {
     assert_eq!(results, [0, 1]);
 }
 
+/// The sharded optimizer's gradient path on the device communicator (owner-major buckets
+/// packed on the device and reduce-scattered, here through the host-staged stand-in) on two
+/// CPU ranks: each rank keeps bitwise the averaged gradients the host path keeps, of the
+/// parameters it owns and of no other, for several owner tables and bucket caps.
+#[test]
+fn the_sharded_device_path_keeps_the_host_paths_gradients_on_two_ranks() {
+    let results = crate::test_ranks::run_ranks(2, |group, rank| {
+        let device = Device::flex().autodiff();
+        let net = Net::new(&device);
+        // The trainable parameters in visit order (the frozen layer has none).
+        let ids = [
+            (net.a.weight.id, 2),
+            (net.a.bias.as_ref().unwrap().id, 1),
+            (net.b.weight.id, 2),
+            (net.b.bias.as_ref().unwrap().id, 1),
+            (net.unused.weight.id, 2),
+            (net.unused.bias.as_ref().unwrap().id, 1),
+        ];
+        let mut kept = 0;
+        for owners in [vec![0, 1, 0, 1, 0, 1], vec![1, 1, 1, 0, 1, 1]] {
+            for cap in [4, 24, 1 << 20] {
+                let mut host = GradientSynchronizer::new(group.clone(), cap).with_overlap(false);
+                let on_host = host
+                    .sync_to_owners(&net, rank_grads(&net, &device, rank), &owners)
+                    .unwrap();
+                assert!(!host.last_sync_on_device());
+                let mut dev = GradientSynchronizer::new(group.clone(), cap)
+                    .with_device_comm(Some(crate::cuda::DeviceComm::host_staged(group.clone())));
+                let on_dev = dev
+                    .sync_to_owners(&net, rank_grads(&net, &device, rank), &owners)
+                    .unwrap();
+                assert!(dev.last_sync_on_device(), "cap {cap}: took the host path");
+                assert_eq!(on_host.present, on_dev.present);
+                for (slot, (id, dims)) in ids.into_iter().enumerate() {
+                    let get = |g: &GradientsParams| {
+                        if dims == 2 {
+                            values::<2>(g, id)
+                        } else {
+                            values::<1>(g, id)
+                        }
+                    };
+                    let (h, d) = (get(&on_host.grads), get(&on_dev.grads));
+                    let mine = owners[slot] == rank && on_host.present[slot];
+                    assert_eq!(d.is_some(), mine, "rank {rank}, slot {slot}, cap {cap}");
+                    assert_eq!(h.is_some(), d.is_some(), "rank {rank}, slot {slot}");
+                    if let (Some(h), Some(d)) = (h, d) {
+                        kept += 1;
+                        assert!(
+                            h.iter().zip(&d).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "rank {rank}, slot {slot}, cap {cap}: {h:?} vs {d:?}"
+                        );
+                    }
+                }
+            }
+        }
+        kept
+    });
+    // Each rank kept gradients under both tables (the unused layer has none anywhere).
+    assert!(results.iter().all(|&k| k > 0), "{results:?}");
+}
+
 /// The device path with a real NCCL communicator (`#[ignore]`d: they need a GPU).
 #[cfg(feature = "cuda")]
 mod nccl_path {

@@ -3,7 +3,9 @@
 //!
 //! Where every pair of ranks shares memory (one host), the gradients are all-reduced as by
 //! [`GradientSynchronizer::sync`] and each rank keeps its own: there the all-reduce's second
-//! half costs what the copies into owner-major buckets would. Otherwise (TCP), the present
+//! half costs what the copies into owner-major buckets would. On the device communicator
+//! (NCCL) the owner-major buckets below are packed on the device and reduce-scattered there.
+//! Otherwise (TCP), the present
 //! gradients are laid out owner by owner (each owner's parameters in visit
 //! order: its *stream*) and reduce-scattered over the process group, so each rank receives,
 //! averages and keeps `1/n` of the gradient bytes instead of all of them: half the traffic of
@@ -17,7 +19,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use ddp_comm::{Compression, ReduceOp};
 
 use super::owner_streams::OwnerStreams;
@@ -25,7 +27,7 @@ use crate::comm;
 use crate::error::{DdpError, Result};
 use crate::grad_sync::buckets::plan_buckets;
 use crate::grad_sync::slots::{Slot, SlotCollector, SlotWriter};
-use crate::grad_sync::{GradientSynchronizer, SyncStats, host_wire};
+use crate::grad_sync::{GradientSynchronizer, PipelineTimes, SyncStats, host_wire};
 
 /// What [`GradientSynchronizer::sync_to_owners`] returns.
 pub(crate) struct OwnedGradients {
@@ -90,20 +92,32 @@ impl GradientSynchronizer {
             presence: presence_time,
             ..SyncStats::default()
         };
-        if presence.on_device || !presence.any_tcp {
-            // NCCL, or shared memory between every pair of ranks: the all-reduce of every
-            // bucket (the unsharded path, which reduces a large gradient in the buffer its
-            // tensor hands over), then this rank keeps its own. On shared memory the
-            // all-reduce's second half is a copy the reduce-scatter's owner-major buckets
-            // would cost anyway (docs/benchmarks.md measures both); over TCP the
-            // reduce-scatter below sends half the bytes. Both sum in rank order: the same bits.
-            self.last_on_device = presence.on_device;
+        if presence.on_device {
+            // NCCL: the owner-major buckets of the TCP path below, packed on the device and
+            // reduce-scattered there (each rank receives and keeps 1/n of the bytes).
+            self.last_on_device = true;
+            let sizes: Vec<usize> = slots.iter().map(|s| s.numel).collect();
+            let plan = OwnerStreams::new(&sizes, &present, owners, self.world_size);
+            let owned: Vec<bool> = (0..slots.len())
+                .map(|i| present[i] && owners[i] == rank)
+                .collect();
+            let (buckets, times) =
+                self.reduce_scatter_on_device(&mut slots, &plan, &owned, rank)?;
+            stats.all_reduce = times.all_reduce;
+            stats.fill = times.fill;
+            stats.write_back = times.write_back;
+            stats.buckets = buckets;
+            stats.elements = plan.total();
+        } else if !presence.any_tcp {
+            // Shared memory between every pair of ranks: the all-reduce of every bucket (the
+            // unsharded path, which reduces a large gradient in the buffer its tensor hands
+            // over), then this rank keeps its own. There the all-reduce's second half is a
+            // copy the reduce-scatter's owner-major buckets would cost anyway
+            // (docs/benchmarks.md measures both); over TCP the reduce-scatter below sends half
+            // the bytes. Both sum in rank order: the same bits.
+            self.last_on_device = false;
             let buckets = plan_buckets(&slots, &present, self.bucket_cap_elems);
-            let times = if presence.on_device {
-                self.reduce_buckets_on_device(&mut slots, &buckets)?
-            } else {
-                self.reduce_buckets(&mut slots, &buckets, Compression::None)?
-            };
+            let times = self.reduce_buckets(&mut slots, &buckets, Compression::None)?;
             for (i, s) in slots.iter_mut().enumerate() {
                 if owners[i] != rank {
                     s.reduced = None;
@@ -173,6 +187,83 @@ impl GradientSynchronizer {
         stats.total = start.elapsed();
         self.last = stats;
         Ok(OwnedGradients { grads, present })
+    }
+}
+
+impl GradientSynchronizer {
+    /// The sharded gradient path on the device communicator: bucket `k` of the owner-major
+    /// layout `plan` (every owner's `k`-th part, this rank's gradients, zeros where it has
+    /// none) concatenated on the device, reduce-scattered by the device communicator
+    /// (`DeviceComm::reduce_scatter`) with Mean, and this rank's reduced pieces
+    /// joined into the gradients of the parameters it `owned`. Returns the number of buckets
+    /// and the times.
+    fn reduce_scatter_on_device(
+        &self,
+        slots: &mut [Slot],
+        plan: &OwnerStreams,
+        owned: &[bool],
+        rank: usize,
+    ) -> Result<(usize, PipelineTimes)> {
+        let mut times = PipelineTimes::default();
+        let Some(device_comm) = &self.device_comm else {
+            return Err(DdpError::InvalidSetting {
+                setting: "the sharded optimizer's device path",
+                reason: "chosen without a device communicator".into(),
+            });
+        };
+        let t = Instant::now();
+        // Every gradient flat in f32 on its device (zeros where this rank has none).
+        let flat: Vec<Tensor<1>> = slots
+            .iter_mut()
+            .map(|slot| match slot.grad.take() {
+                Some(g) => g.cast(DType::F32),
+                None => Tensor::<1>::zeros([slot.numel], (&slot.device, DType::F32)),
+            })
+            .collect();
+        times.fill += t.elapsed();
+        let buckets = plan.buckets(self.bucket_cap_elems);
+        // This rank's reduced pieces of each owned gradient, in order.
+        let mut pieces: Vec<Vec<Tensor<1>>> = vec![Vec::new(); slots.len()];
+        for k in 0..buckets {
+            let t = Instant::now();
+            let counts = plan.counts(buckets, k);
+            let mut parts = Vec::new();
+            for p in 0..counts.len() {
+                let part = plan.part(p, buckets, k);
+                for (i, range, _) in plan.overlaps(p, &part) {
+                    parts.push(flat[i].clone().slice(range));
+                }
+            }
+            times.fill += t.elapsed();
+            if parts.is_empty() {
+                continue;
+            }
+            let t = Instant::now();
+            let packed = Tensor::cat(parts, 0);
+            let reduced =
+                device_comm.reduce_scatter(packed, &counts, ReduceOp::Mean, self.compression)?;
+            times.all_reduce += t.elapsed();
+            let t = Instant::now();
+            let at: usize = counts[..rank].iter().sum();
+            let part = plan.part(rank, buckets, k);
+            for (i, range, off) in plan.overlaps(rank, &part) {
+                if owned[i] {
+                    pieces[i].push(reduced.clone().slice(at + off..at + off + range.len()));
+                }
+            }
+            times.write_back += t.elapsed();
+        }
+        let t = Instant::now();
+        for (slot, mut mine) in slots.iter_mut().zip(pieces) {
+            slot.reduced = match mine.len() {
+                0 => None,
+                1 => mine.pop(),
+                _ => Some(Tensor::cat(mine, 0)),
+            }
+            .map(|g| g.cast(slot.dtype));
+        }
+        times.write_back += t.elapsed();
+        Ok((buckets, times))
     }
 }
 

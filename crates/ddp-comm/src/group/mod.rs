@@ -675,4 +675,4 @@ impl Drop for ProcessGroup {
 const _: () = assert!(HDR.is_multiple_of(8));
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

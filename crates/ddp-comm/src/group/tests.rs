@@ -23,7 +23,7 @@ fn env(rank: usize, world: usize, port: u16, token: &str) -> LaunchEnv {
     }
 }
 
-fn opts(shm: bool) -> GroupOptions {
+pub(crate) fn opts(shm: bool) -> GroupOptions {
     GroupOptions {
         timeout: Duration::from_secs(20),
         connect_timeout: Duration::from_secs(10),
@@ -32,7 +32,7 @@ fn opts(shm: bool) -> GroupOptions {
 }
 
 /// Runs `f(pg)` on `world` threads that form a group; returns each rank's result.
-fn run_ranks<R: Send + 'static>(
+pub(crate) fn run_ranks<R: Send + 'static>(
     world: usize,
     o: GroupOptions,
     f: impl Fn(&mut ProcessGroup) -> R + Send + Sync + 'static,
