@@ -259,7 +259,13 @@ impl DdpOptimizer {
                     owned.grads = grads;
                     self.last_grad_norm = Some(norm);
                 }
-                sharding.step(&mut self.optim, lr.into(), module, owned)
+                sharding.step(
+                    &mut self.optim,
+                    lr.into(),
+                    module,
+                    owned,
+                    self.sync.device_comm.as_ref(),
+                )
             }
             None => {
                 let mut grads = self.sync.sync(&module, grads)?;
@@ -359,5 +365,77 @@ mod tests {
         assert_eq!(ddp.average_scalar(2.5).unwrap(), 2.5);
         assert_eq!(ddp.run_on_main(|| 7).unwrap(), Some(7));
         ddp.barrier().unwrap();
+    }
+
+    #[derive(burn::module::Module, Debug)]
+    struct TwoLayers {
+        a: Linear,
+        b: Linear,
+    }
+
+    /// The sharded optimizer with a device communicator (here the host-staged stand-in for
+    /// NCCL): gradients reduce-scattered and parameters all-gathered as tensors, on two CPU
+    /// ranks, three Adam steps. Every rank ends with bitwise the parameters of the sharded
+    /// optimizer on the host path, and the same on both ranks.
+    #[test]
+    fn the_sharded_step_on_the_device_communicator_is_the_host_paths_bitwise() {
+        use burn::nn::Initializer;
+        let results = crate::test_ranks::run_ranks(2, |group, rank| {
+            let device = burn::tensor::Device::flex().autodiff();
+            let init = |i, o, v| {
+                LinearConfig::new(i, o)
+                    .with_initializer(Initializer::Constant { value: v })
+                    .init(&device)
+            };
+            let run = |device_comm: bool| {
+                let mut model = TwoLayers {
+                    a: init(5, 4, 0.25),
+                    b: init(4, 3, -0.5),
+                };
+                let mut sync = GradientSynchronizer::new(group.clone(), 40).with_overlap(false);
+                if device_comm {
+                    sync = sync.with_device_comm(Some(crate::cuda::DeviceComm::host_staged(
+                        group.clone(),
+                    )));
+                }
+                let mut optim = DdpOptimizer {
+                    optim: AdamConfig::new().init(),
+                    sync,
+                    sharding: None,
+                    max_grad_norm: None,
+                    last_grad_norm: None,
+                }
+                .into_sharded();
+                for step in 0..3 {
+                    let x = Tensor::<2>::from_data(
+                        burn::tensor::TensorData::new(
+                            (0..20)
+                                .map(|i| ((i * 7 + step * 3 + rank * 11) % 13) as f32 * 0.1 - 0.6)
+                                .collect::<Vec<f32>>(),
+                            [4, 5],
+                        ),
+                        &device,
+                    );
+                    let loss = model.b.forward(model.a.forward(x)).powi_scalar(2).mean();
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    model = optim.try_step(0.05, model, grads).unwrap();
+                }
+                assert_eq!(optim.sync.last_sync_on_device(), device_comm);
+                let mut all = flat(&model.a);
+                all.extend(flat(&model.b));
+                all
+            };
+            let on_host = run(false);
+            let on_device = run(true);
+            assert!(
+                on_host
+                    .iter()
+                    .zip(&on_device)
+                    .all(|(h, d)| h.to_bits() == d.to_bits()),
+                "rank {rank}: {on_host:?} vs {on_device:?}"
+            );
+            on_device
+        });
+        assert_eq!(results[0], results[1], "the ranks' parameters differ");
     }
 }

@@ -97,6 +97,10 @@ impl NcclComm {
         nccl::reduce_scatter(&mut nccl::lock(&self.nccl), packed, counts, op, compression)
     }
 
+    pub(crate) fn all_gather_into(&self, buf: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
+        nccl::all_gather_into(&mut nccl::lock(&self.nccl), buf, counts)
+    }
+
     pub(crate) fn all_gather(&self, local: Tensor<1>) -> Result<Tensor<1>> {
         nccl::all_gather(&mut nccl::lock(&self.nccl), local)
     }

@@ -93,6 +93,15 @@ impl HostStaged {
         Ok(Tensor::from_data(TensorData::new(values, [n]), &device))
     }
 
+    /// `buf` read to the host, its shards all-gathered by the group, and made a tensor again.
+    pub(crate) fn all_gather_into(&self, buf: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
+        let device = buf.device();
+        let mut values = host_f32("parameters (host-staged all-gather)", buf)?;
+        let n = values.len();
+        Collectives::all_gather_into(&mut *comm::lock(&self.group), &mut values, counts)?;
+        Ok(Tensor::from_data(TensorData::new(values, [n]), &device))
+    }
+
     /// Every rank's tensor, gathered by the group in rank order.
     pub(crate) fn all_gather(&self, local: Tensor<1>) -> Result<Tensor<1>> {
         let device = local.device();

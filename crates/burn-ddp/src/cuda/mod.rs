@@ -213,6 +213,17 @@ impl DeviceComm {
         }
     }
 
+    /// Every rank's shard of the f32 tensor `buf` (rank `p`'s of `counts[p]` values, in rank
+    /// order) gathered into every rank's copy: returns `buf` with every shard its owner's.
+    pub(crate) fn all_gather_into(&self, buf: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(ref n) => n.all_gather_into(buf, counts),
+            #[cfg(test)]
+            DeviceComm::Host(ref h) => h.all_gather_into(buf, counts),
+        }
+    }
+
     /// Every rank's f32 tensor (the same length everywhere), concatenated in rank order.
     pub(crate) fn all_gather(&self, local: Tensor<1>) -> Result<Tensor<1>> {
         match *self {

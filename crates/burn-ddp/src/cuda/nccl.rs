@@ -342,6 +342,34 @@ fn in_dtype(t: Tensor<1>, dtype: DType) -> Tensor<1> {
     if t.dtype() == dtype { t } else { t.cast(dtype) }
 }
 
+/// Gathers every rank's shard of the f32 tensor `buf` (rank `p`'s of `counts[p]` values, in
+/// rank order) into every rank's copy, with NCCL in device memory, through
+/// [`Collectives::all_gather_into`].
+///
+/// # Errors
+/// As [`all_reduce`]; `counts` that do not fit.
+pub(crate) fn all_gather_into(
+    nccl: &mut NcclGroup,
+    buf: Tensor<1>,
+    counts: &[usize],
+) -> Result<Tensor<1>> {
+    let mut out = on_device_buffers(
+        nccl,
+        vec![buf],
+        DType::F32,
+        "all-gathered shards (NCCL path)",
+        |nccl, buffers| {
+            let &[(ptr, len)] = buffers else {
+                unreachable!("one tensor in");
+            };
+            // SAFETY: per `on_device_buffers`' contract: `ptr` holds `len` f32 values.
+            let mut view = unsafe { DeviceBuffer::from_raw(ptr, len, DeviceElement::F32) };
+            Collectives::all_gather_into(nccl, &mut view, counts)
+        },
+    )?;
+    Ok(out.pop().expect("one tensor in, one out"))
+}
+
 /// The dtype of the values NCCL reduces for `compression`.
 fn wire_dtype(compression: Compression) -> DType {
     match compression {

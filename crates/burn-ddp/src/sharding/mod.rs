@@ -10,16 +10,17 @@
 //!    [`ddp_comm::ProcessGroup::reduce_scatter_compressed`] and kept only by its owner. The
 //!    group sums every element in rank order, as its all-reduce does, so an owner's gradients
 //!    are bitwise those [`crate::DdpOptimizer::new`] averages (bf16/fp16 wire compression
-//!    applies here as there). Where every pair of ranks shares memory, and on the NCCL device
-//!    path, the buckets are all-reduced instead and each rank keeps its own: on shared memory
-//!    that costs less than the copies into owner-major buckets (NCCL's reduce order is its own:
-//!    see docs/zero.md);
+//!    applies here as there). Where every pair of ranks shares memory, the buckets are
+//!    all-reduced instead and each rank keeps its own: there that costs less than the copies
+//!    into owner-major buckets. On the NCCL device path the owner-major buckets are packed and
+//!    reduce-scattered in device memory (NCCL's reduce order is its own: see docs/zero.md);
 //! 2. each rank steps the wrapped Burn optimizer with its own gradients only, so the
 //!    optimizer creates and updates state only for its own parameters;
 //! 3. the updated parameters go from their owners to every rank as raw bytes in their own
 //!    dtype: a large f32 parameter broadcast in its own buffer, the others all-gathered in
 //!    buckets ([`ddp_comm::ProcessGroup::all_gather_into`], shards of any sizes), so every rank
-//!    ends the step with bitwise the owner's values.
+//!    ends the step with bitwise the owner's values. On the NCCL device path they are
+//!    all-gathered in device memory as f32 (`gather_on_device.rs`).
 //!
 //! For an element-wise optimizer (SGD with or without momentum and weight decay, Adam,
 //! AdamW, …) the arithmetic of each parameter is the unsharded one, run on its owner: the
@@ -50,6 +51,7 @@
 
 pub(crate) mod error;
 mod gather;
+mod gather_on_device;
 mod owned_gradients;
 mod owner_streams;
 mod plan;
@@ -60,6 +62,7 @@ use burn::optim::ModuleOptimizer;
 use burn::tensor::Bytes;
 
 use crate::comm::{self, SharedGroup};
+use crate::cuda::DeviceComm;
 use crate::error::Result;
 use owned_gradients::OwnedGradients;
 
@@ -128,6 +131,7 @@ impl Sharding {
         lr: burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate,
         module: M,
         owned: OwnedGradients,
+        device_comm: Option<&DeviceComm>,
     ) -> Result<M> {
         let plan = self
             .plan
@@ -138,8 +142,18 @@ impl Sharding {
         let module = optim.step(lr, module, owned.grads);
         let optimizer_step = t.elapsed();
         let t = std::time::Instant::now();
-        let (module, g) =
-            gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?;
+        let (module, g) = match device_comm {
+            Some(comm) if owned.on_device && gather_on_device::fits_f32(&module) => {
+                gather_on_device::all_gather_params_on_device(
+                    module,
+                    plan,
+                    &stepped,
+                    comm,
+                    self.cap_bytes,
+                )?
+            }
+            _ => gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?,
+        };
         let gather = t.elapsed();
         let owned: Vec<usize> = (0..plan.params.len()).filter(|&i| plan.owns(i)).collect();
         self.last = ShardStats {

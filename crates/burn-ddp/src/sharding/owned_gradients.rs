@@ -36,6 +36,9 @@ pub(crate) struct OwnedGradients {
     /// Per trainable parameter (visit order): whether it has a gradient on some rank, i.e.
     /// whether its owner steps it (the same on every rank).
     pub(crate) present: Vec<bool>,
+    /// Whether the gradients went through the device communicator (then every rank's
+    /// parameters are on its device, and the parameters' gather can stay there too).
+    pub(crate) on_device: bool,
 }
 
 impl GradientSynchronizer {
@@ -81,7 +84,11 @@ impl GradientSynchronizer {
                 total: start.elapsed(),
                 ..SyncStats::default()
             };
-            return Ok(OwnedGradients { grads, present });
+            return Ok(OwnedGradients {
+                grads,
+                present,
+                on_device: false,
+            });
         }
         let rank = comm::lock(&self.group).rank();
         let presence_start = Instant::now();
@@ -186,7 +193,11 @@ impl GradientSynchronizer {
         stats.write_back += t.elapsed();
         stats.total = start.elapsed();
         self.last = stats;
-        Ok(OwnedGradients { grads, present })
+        Ok(OwnedGradients {
+            grads,
+            present,
+            on_device: self.last_on_device,
+        })
     }
 }
 
