@@ -12,15 +12,13 @@
 //! .gpu-bin/xtask gpu-check run [--bundle DIR] [--budget-secs S] [--only TEXT]…
 //! ```
 
-use std::process::{Command, ExitCode};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::process::ExitCode;
 
-use cargo_tasks::{cargo, run, target_dir, workspace_root};
+use cargo_tasks::workspace_root;
 use clap::{Parser, Subcommand};
 use cuda_tools::{cuda_build, gpu_check, ptx_check};
 use train_cnn_runs::{compare, train};
 
-mod bench_zero;
 mod ci;
 #[cfg(test)]
 mod import_cycles;
@@ -153,10 +151,10 @@ fn main() -> ExitCode {
                     compression,
                     extra,
                 },
-        } => bench_ddp(nproc, &transport, &compression, &extra),
+        } => ddp_bench_runs::ddp::run_ddp(nproc, &transport, &compression, &extra),
         Cmd::Bench {
             what: Bench::Syncbn { extra },
-        } => bench_program(
+        } => ddp_bench_runs::program::run_program(
             &[
                 "-p",
                 "ddp-bench",
@@ -170,17 +168,17 @@ fn main() -> ExitCode {
         ),
         Cmd::Bench {
             what: Bench::Zero { nproc, extra },
-        } => bench_zero::run(&nproc, &extra),
+        } => ddp_bench_runs::zero::run(&nproc, &extra),
         Cmd::Bench {
             what: Bench::Data { extra },
-        } => bench_program(
+        } => ddp_bench_runs::program::run_program(
             &["-p", "ddp-bench", "--bin", "data_bench"],
             "data_bench",
             &extra,
         ),
         Cmd::Bench {
             what: Bench::Handshake { extra },
-        } => bench_program(
+        } => ddp_bench_runs::program::run_program(
             &[
                 "-p",
                 "ddp-bench",
@@ -208,7 +206,15 @@ fn main() -> ExitCode {
                     pin,
                     nodes,
                 },
-        } => bench_allreduce(&nproc, &sizes, &transport, &compression, iters, pin, &nodes),
+        } => ddp_bench_runs::allreduce::run_allreduce(
+            &nproc,
+            &sizes,
+            &transport,
+            &compression,
+            iters,
+            pin,
+            &nodes,
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -217,158 +223,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn bench_allreduce(
-    nprocs: &[u32],
-    sizes: &[String],
-    transports: &[String],
-    compression: &[String],
-    iters: Option<usize>,
-    pin: bool,
-    nodes: &[String],
-) -> Result<(), String> {
-    let layouts = nodes
-        .iter()
-        .map(|l| {
-            l.split_once('x')
-                .and_then(|(k, l)| Some((k.parse::<u32>().ok()?, l.parse::<u32>().ok()?)))
-                .filter(|&(k, l)| k >= 1 && l >= 1)
-                .ok_or_else(|| format!("--nodes {l:?}: expected KxL, e.g. 2x4"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    for t in transports {
-        if t != "shm" && t != "tcp" {
-            return Err(format!("unknown transport {t:?} (shm or tcp)"));
-        }
-    }
-    let root = workspace_root();
-    run(cargo().current_dir(&root).args([
-        "build",
-        "--release",
-        "-p",
-        "ddp-bench",
-        "--no-default-features",
-        "--bin",
-        "allreduce_bench",
-        "-p",
-        "ddprun",
-        "--bin",
-        "ddprun",
-    ]))?;
-    let release = target_dir(&root).join("release");
-    let ddprun = release.join("ddprun");
-    let bench = release.join("allreduce_bench");
-    let runs: Vec<(u32, &str, Option<u32>)> = if layouts.is_empty() {
-        transports
-            .iter()
-            .flat_map(|t| nprocs.iter().map(move |&n| (n, t.as_str(), None)))
-            .collect()
-    } else {
-        layouts
-            .iter()
-            .map(|&(k, l)| (k * l, "shm", Some(l)))
-            .collect()
-    };
-    for (n, t, per_node) in runs {
-        println!();
-        let launch_ns = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_err(|e| e.to_string())?
-            .as_nanos();
-        let mut cmd = Command::new(&ddprun);
-        cmd.arg("--nproc-per-node")
-            .arg(n.to_string())
-            .arg("--no-prefix")
-            .arg("--");
-        if let Some(l) = per_node {
-            // Host j holds ranks j·L … j·L + L − 1: each its own host identity.
-            cmd.args([
-                "sh",
-                "-c",
-                &format!("DDP_HOST_ID=emulated-node-$((RANK / {l})) exec \"$@\""),
-                "sh",
-            ]);
-        }
-        cmd.arg(&bench)
-            .arg("--sizes")
-            .arg(sizes.join(","))
-            .arg("--transport")
-            .arg(t)
-            .arg("--compression")
-            .arg(compression.join(","))
-            .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
-        if let Some(i) = iters {
-            cmd.arg("--iters").arg(i.to_string());
-        }
-        if pin {
-            cmd.arg("--pin");
-        }
-        run(&mut cmd)?;
-    }
-    Ok(())
-}
-
-/// Builds `build_args` in release and runs `binary` (relative to `target/release`).
-fn bench_program(build_args: &[&str], binary: &str, extra: &[String]) -> Result<(), String> {
-    let root = workspace_root();
-    run(cargo()
-        .current_dir(&root)
-        .args(["build", "--release"])
-        .args(build_args))?;
-    run(Command::new(target_dir(&root).join("release").join(binary))
-        .current_dir(&root)
-        .args(extra))
-}
-
-/// `cargo xtask bench ddp`: the same rank program alone (the baseline) and on `nproc` ranks,
-/// per transport; every run compares the `compression` wire formats.
-fn bench_ddp(
-    nproc: u32,
-    transports: &[String],
-    compression: &[String],
-    extra: &[String],
-) -> Result<(), String> {
-    for t in transports {
-        if t != "shm" && t != "tcp" {
-            return Err(format!("unknown transport {t:?} (shm or tcp)"));
-        }
-    }
-    let root = workspace_root();
-    run(cargo().current_dir(&root).args([
-        "build",
-        "--release",
-        "-p",
-        "ddp-bench",
-        "--bin",
-        "ddp_bench",
-        "-p",
-        "ddprun",
-        "--bin",
-        "ddprun",
-    ]))?;
-    let release = target_dir(&root).join("release");
-    let bench = release.join("ddp_bench");
-    let wire = ["--compression".to_string(), compression.join(",")];
-    println!("\n## 1 rank (no communication: the compute baseline)\n");
-    run(Command::new(&bench).args(&wire).args(extra))?;
-    for t in transports {
-        println!("\n## {nproc} ranks, {t}\n");
-        let mut cmd = Command::new(release.join("ddprun"));
-        cmd.arg("--nproc-per-node")
-            .arg(nproc.to_string())
-            .arg("--no-prefix")
-            .arg("--");
-        if t == "tcp" {
-            // Every rank its own host identity: the group connects them over TCP (loopback).
-            cmd.args([
-                "sh",
-                "-c",
-                "DDP_HOST_ID=emulated-host-$RANK exec \"$@\"",
-                "sh",
-            ]);
-        }
-        run(cmd.arg(&bench).args(&wire).args(extra))?;
-    }
-    Ok(())
 }

@@ -1,0 +1,102 @@
+//! `cargo xtask bench allreduce`: `allreduce_bench` built in release and launched through
+//! `ddprun` per transport and world size, or on emulated nodes (`--nodes KxL`: each node's
+//! ranks share a host identity, so only cross-node traffic touches TCP).
+
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use cargo_tasks::{cargo, run, target_dir, workspace_root};
+
+/// Runs the all-reduce benchmark: `nprocs` ranks per transport, or the `nodes` layouts.
+///
+/// # Errors
+/// An unknown transport or layout, a failed build or a failed run.
+pub fn run_allreduce(
+    nprocs: &[u32],
+    sizes: &[String],
+    transports: &[String],
+    compression: &[String],
+    iters: Option<usize>,
+    pin: bool,
+    nodes: &[String],
+) -> Result<(), String> {
+    let layouts = nodes
+        .iter()
+        .map(|l| {
+            l.split_once('x')
+                .and_then(|(k, l)| Some((k.parse::<u32>().ok()?, l.parse::<u32>().ok()?)))
+                .filter(|&(k, l)| k >= 1 && l >= 1)
+                .ok_or_else(|| format!("--nodes {l:?}: expected KxL, e.g. 2x4"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for t in transports {
+        if t != "shm" && t != "tcp" {
+            return Err(format!("unknown transport {t:?} (shm or tcp)"));
+        }
+    }
+    let root = workspace_root();
+    run(cargo().current_dir(&root).args([
+        "build",
+        "--release",
+        "-p",
+        "ddp-bench",
+        "--no-default-features",
+        "--bin",
+        "allreduce_bench",
+        "-p",
+        "ddprun",
+        "--bin",
+        "ddprun",
+    ]))?;
+    let release = target_dir(&root).join("release");
+    let ddprun = release.join("ddprun");
+    let bench = release.join("allreduce_bench");
+    let runs: Vec<(u32, &str, Option<u32>)> = if layouts.is_empty() {
+        transports
+            .iter()
+            .flat_map(|t| nprocs.iter().map(move |&n| (n, t.as_str(), None)))
+            .collect()
+    } else {
+        layouts
+            .iter()
+            .map(|&(k, l)| (k * l, "shm", Some(l)))
+            .collect()
+    };
+    for (n, t, per_node) in runs {
+        println!();
+        let launch_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_err(|e| e.to_string())?
+            .as_nanos();
+        let mut cmd = Command::new(&ddprun);
+        cmd.arg("--nproc-per-node")
+            .arg(n.to_string())
+            .arg("--no-prefix")
+            .arg("--");
+        if let Some(l) = per_node {
+            // Host j holds ranks j·L … j·L + L − 1: each its own host identity.
+            cmd.args([
+                "sh",
+                "-c",
+                &format!("DDP_HOST_ID=emulated-node-$((RANK / {l})) exec \"$@\""),
+                "sh",
+            ]);
+        }
+        cmd.arg(&bench)
+            .arg("--sizes")
+            .arg(sizes.join(","))
+            .arg("--transport")
+            .arg(t)
+            .arg("--compression")
+            .arg(compression.join(","))
+            .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
+        if let Some(i) = iters {
+            cmd.arg("--iters").arg(i.to_string());
+        }
+        if pin {
+            cmd.arg("--pin");
+        }
+        run(&mut cmd)?;
+    }
+    Ok(())
+}
