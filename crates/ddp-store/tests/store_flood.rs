@@ -5,7 +5,7 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use ddp_comm::{StoreClient, StoreServer};
+use ddp_store::{StoreClient, StoreServer};
 
 /// The tests count this process's threads: one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
