@@ -299,7 +299,14 @@ fn time_size(
         min: times[0],
         max: times[times.len() - 1],
         cpu: cpu[0],
-        algo: match (hosts.len() > 1, pg.node_aware()) {
+        algo: match (
+            hosts.len() > 1,
+            if wire == Compression::None {
+                pg.node_aware()
+            } else {
+                pg.compressed_node_aware()
+            },
+        ) {
             (false, _) => "-",
             (true, true) => "node-aware",
             (true, false) => "flat",

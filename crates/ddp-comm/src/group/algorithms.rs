@@ -244,9 +244,36 @@ impl ProcessGroup {
             let everything = 0..len;
             return self.reduce_inline_half(&hdr, buf, everything, h, div);
         }
+        // `root` says which algorithm runs: every rank must agree.
+        let nodes = self
+            .compressed_node_aware()
+            .then(|| self.mesh.as_ref().and_then(|m| m.nodes.clone()))
+            .flatten();
+        let mut hdr = hdr;
+        hdr.root = u32::from(nodes.is_some());
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
         let wait = self.waiting();
+        if let Some(nodes) = nodes {
+            let round = direct::Round {
+                rank: r,
+                world: n,
+                wait: &wait,
+                what: &what,
+            };
+            let mut wire = std::mem::take(&mut self.mesh_mut().half);
+            let res = hierarchical::all_reduce_compressed(
+                self.mesh_mut(),
+                &round,
+                &nodes,
+                buf,
+                op,
+                h,
+                &mut wire,
+            );
+            self.mesh_mut().half = wire;
+            return res;
+        }
         let plan = SegmentPlan {
             rank: r,
             world: n,

@@ -32,6 +32,7 @@
 
 use std::ops::Range;
 
+use super::compression::{self, Half};
 use super::direct::{Round, bytes_of};
 use super::engine::{Op, drive};
 use super::nodes::Nodes;
@@ -75,6 +76,61 @@ pub(super) fn all_reduce<T: Element>(
     };
     chain.result_across(mesh, bytes, &channel_bytes)?;
     chain.result_inside(mesh, bytes, &channel_bytes)
+}
+
+/// The node-aware compressed all-reduce of `buf`, f32 values that travel as `h` (after the
+/// header exchange; taken where [`Nodes::compressed_chain_pays`]): bitwise the flat
+/// compressed all-reduce's result, whose arithmetic is every contribution rounded to 16 bits,
+/// the `n` of them added in rank order in f32 and the result (divided by `n` for a mean)
+/// rounded to 16 bits once.
+///
+/// So: every rank rounds its values to `h` first; the chain reduce adds them in rank order in
+/// f32, as for a plain all-reduce (the partial sums cross nodes in f32: rounding them would
+/// round more than once); the last node rounds each channel's result to `h` once, and the
+/// result crosses nodes and reaches each node's ranks as 16-bit values. `wire` is scratch
+/// space for those (two bytes per value).
+pub(super) fn all_reduce_compressed(
+    mesh: &mut Mesh,
+    round: &Round<'_>,
+    nodes: &Nodes,
+    buf: &mut [f32],
+    op: ReduceOp,
+    h: Half,
+    wire: &mut Vec<u8>,
+) -> Result<()> {
+    wire.resize(2 * buf.len(), 0);
+    // Each contribution rounded to the format, as the flat path encodes it.
+    compression::encode(h, buf, wire);
+    compression::decode(h, wire, buf);
+    let me = Place::of(round.rank, nodes);
+    let channels = Shards::even(buf.len(), nodes.channels());
+    let rounds = channels.rounds(4);
+    for t in 0..rounds {
+        let pieces = channels.pieces(rounds, t);
+        chain_round::<f32>(mesh, round, nodes, &me, buf, &pieces, op)?;
+    }
+    if let Some(c) = me.channel
+        && me.node + 1 == nodes.count()
+    {
+        let range = channels.range(c);
+        if op == ReduceOp::Mean {
+            element::divide(&mut buf[range.clone()], round.world);
+        }
+        // The one rounding of the result.
+        compression::encode(h, &buf[range.clone()], &mut wire[bytes_of(&range, 2)]);
+    }
+    let channel_bytes: Vec<Range<usize>> = (0..nodes.channels())
+        .map(|c| bytes_of(&channels.range(c), 2))
+        .collect();
+    let chain = Chain {
+        round,
+        nodes,
+        me: &me,
+    };
+    chain.result_across(mesh, wire, &channel_bytes)?;
+    chain.result_inside(mesh, wire, &channel_bytes)?;
+    compression::decode(h, wire, buf);
+    Ok(())
 }
 
 /// What the phases after the chain reduce share: the collective, the layout and this rank's

@@ -454,6 +454,19 @@ impl ProcessGroup {
         self.mesh.as_ref().is_some_and(|m| m.node_aware)
     }
 
+    /// Whether large compressed all-reduces take the node-aware path: [`Self::node_aware`],
+    /// and nodes wide enough that it sends fewer bytes across than the flat path (its partial
+    /// sums cross in f32, twice the 16-bit wire: from about four ranks per node on). Either
+    /// way the results are bitwise the same.
+    pub fn compressed_node_aware(&self) -> bool {
+        self.mesh.as_ref().is_some_and(|m| {
+            m.node_aware
+                && m.nodes
+                    .as_ref()
+                    .is_some_and(nodes::Nodes::compressed_chain_pays)
+        })
+    }
+
     /// The rendezvous store client (for exchanging extra setup data, e.g. an NCCL id);
     /// `None` in a group of one.
     pub fn store(&mut self) -> Option<&mut StoreClient> {
@@ -492,6 +505,12 @@ impl ProcessGroup {
     /// grows with the world size. Small buffers (at most 64 KiB of 16-bit data per peer)
     /// travel inline in one round: every rank sends its whole rounded buffer to every peer and
     /// each reduces all `n` rounded contributions the same way.
+    ///
+    /// Across hosts with several ranks each, where [`Self::compressed_node_aware`] says it
+    /// sends fewer bytes, the same arithmetic runs as the node-aware chain of nodes: the
+    /// rounded contributions summed in rank order in f32 (the partial sums cross hosts in
+    /// f32), the result rounded once on the last host and sent on as 16-bit values; the
+    /// result is bitwise the flat path's.
     ///
     /// # Error bound
     /// With `u` the format's unit roundoff (2^-8 for bf16, 2^-11 for fp16), `σ` its smallest

@@ -63,11 +63,56 @@ impl Nodes {
     pub(crate) fn worth_it(&self) -> bool {
         self.count() >= 2 && (0..self.count()).any(|j| self.ranks(j).len() >= 2)
     }
+
+    /// Whether the node-aware *compressed* all-reduce sends fewer bytes across than the flat
+    /// one. Its partial sums cross nodes in f32 (twice the 16-bit wire: a partial sum of
+    /// 16-bit values is not one, and rounding it would change the result), so the busiest node
+    /// sends about `2 + (k−2)/(k−1)` times the 16-bit buffer; the flat one about
+    /// `L·(N−L)/N + (N−1)/N` times (its raw values to the other nodes' reducers, then its ring
+    /// edge across), `L` the largest node's ranks. The chain pays from about four ranks per
+    /// node on.
+    pub(crate) fn compressed_chain_pays(&self) -> bool {
+        let k = self.count();
+        if !self.worth_it() {
+            return false;
+        }
+        let n = self.starts.last().copied().unwrap_or(1) as f64;
+        let l = (0..k).map(|j| self.ranks(j).len()).max().unwrap_or(1) as f64;
+        let kf = k as f64;
+        let chain = 2.0 + (kf - 2.0) / (kf - 1.0);
+        let flat = l * (n - l) / n + (n - 1.0) / n;
+        chain < flat
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn layout(sizes: &[usize]) -> Nodes {
+        let hosts: Vec<String> = sizes
+            .iter()
+            .enumerate()
+            .flat_map(|(j, &l)| std::iter::repeat_n(format!("h{j}"), l))
+            .collect();
+        Nodes::from_hosts(&hosts).unwrap()
+    }
+
+    #[test]
+    fn the_compressed_chain_is_taken_from_about_four_ranks_per_node() {
+        for (sizes, pays) in [
+            (&[1, 1][..], false),
+            (&[2, 2], false),
+            (&[4, 4], true),
+            (&[8, 8], true),
+            (&[2, 2, 2], false),
+            (&[4, 4, 4], true),
+            (&[1, 1, 1, 1], false),
+            (&[3, 1], false),
+        ] {
+            assert_eq!(layout(sizes).compressed_chain_pays(), pays, "{sizes:?}");
+        }
+    }
 
     #[test]
     fn contiguous_hosts_make_nodes() {

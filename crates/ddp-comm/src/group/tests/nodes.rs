@@ -192,3 +192,75 @@ fn ranks_that_disagree_on_the_algorithm_fail_together() {
         "{errors:?}"
     );
 }
+
+/// The compressed all-reduce, node-aware (taken from about four ranks per node on) and flat:
+/// bitwise the same result at even and uneven layouts, bf16 and fp16, sum and mean, and the
+/// same on every rank.
+#[test]
+fn the_compressed_node_aware_path_equals_the_flat_one() {
+    for layout in [&[4, 4][..], &[5, 3], &[2, 2]] {
+        let chain = layout != [2, 2];
+        let seen = run_ranks_on(&hosts(layout), opts(true), move |pg| {
+            let r = pg.rank();
+            let input: Vec<f32> = (0..LEN).map(|i| sample(r, i, false)).collect();
+            let mut out = Vec::new();
+            for c in [Compression::Bf16, Compression::Fp16] {
+                for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                    let mut pair = [input.clone(), input.clone()];
+                    for (on, buf) in [true, false].into_iter().zip(&mut pair) {
+                        pg.set_node_aware(on);
+                        pg.all_reduce_compressed(buf, op, c).unwrap();
+                    }
+                    pg.set_node_aware(true);
+                    out.push(pair);
+                }
+            }
+            out
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, runs) in seen.iter().enumerate() {
+            for (i, [aware, flat]) in runs.iter().enumerate() {
+                assert!(
+                    bits(aware) == bits(flat),
+                    "{layout:?} (chain {chain}) run {i}: rank {r}'s node-aware result differs"
+                );
+                assert!(bits(aware) == bits(&seen[0][i][0]), "rank {r} run {i}");
+            }
+        }
+    }
+}
+
+/// Bytes each node sends across in one compressed all-reduce on 2 × 4 ranks: the node-aware
+/// path's partial sums cross in f32 (twice the 16-bit buffer) and its result in 16 bits, so
+/// the busiest node sends about twice the 16-bit buffer, where the flat one sends about
+/// `4·4/8 + 7/8 = 2.875` times it.
+#[test]
+fn the_compressed_node_aware_path_sends_fewer_bytes_across_from_four_ranks_per_node() {
+    let len = 1 << 18;
+    let s16 = (2 * len) as f64;
+    let per_rank = run_ranks_on(&hosts(&[4, 4]), opts(true), move |pg| {
+        let mut buf = vec![1.0f32; len];
+        let mut sent = [0u64; 2];
+        for (on, s) in [true, false].into_iter().zip(&mut sent) {
+            pg.set_node_aware(on);
+            let before = pg.bytes_sent_across_hosts();
+            pg.all_reduce_compressed(&mut buf, ReduceOp::Sum, Compression::Bf16)
+                .unwrap();
+            *s = pg.bytes_sent_across_hosts() - before;
+        }
+        sent
+    });
+    let node = |j: usize, path: usize| -> f64 {
+        per_rank[4 * j..4 * j + 4]
+            .iter()
+            .map(|s| s[path] as f64)
+            .sum()
+    };
+    let aware = node(0, 0).max(node(1, 0));
+    let flat = node(0, 1).max(node(1, 1));
+    assert!(
+        aware <= 2.0 * s16 * 1.001 + 8192.0,
+        "node-aware busiest {aware}, S16 {s16}"
+    );
+    assert!(flat > 1.3 * aware, "flat {flat}, node-aware {aware}");
+}
