@@ -216,6 +216,21 @@ fn run(args: &Args) -> Result<(), String> {
     ddp.barrier().map_err(|e| e.to_string())
 }
 
+/// README.md's burn-train block, compiled here against this program's model and loaders
+/// (`build.rs` copies it out of the README): a README edit that no longer compiles fails this
+/// build. Never called: it would train for ten epochs.
+#[allow(dead_code, unused_variables)]
+fn readme_snippet(
+    device: Device,
+    train: Arc<burn_ddp::data::ShardedDataLoader<usize, Points>>,
+    valid: Arc<burn_ddp::data::ShardedDataLoader<usize, Points>>,
+) -> Result<(), burn_ddp::DdpError> {
+    use burn::optim::AdamConfig;
+    type MyModel = Mlp;
+    include!(concat!(env!("OUT_DIR"), "/readme_learner.rs"));
+    Ok(())
+}
+
 fn main() -> ExitCode {
     burn_ddp::report_panics_as_errors("train-learner");
     let args = Args::parse();
