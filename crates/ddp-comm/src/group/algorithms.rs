@@ -553,7 +553,12 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
                 s += ", node-aware";
             }
         }
-        Kind::AllReduceCompressed => s += &format!("{} × f32 as {dtype}, {}", h.len, op_name(h.op)),
+        Kind::AllReduceCompressed => {
+            s += &format!("{} × f32 as {dtype}, {}", h.len, op_name(h.op));
+            if h.root == 1 {
+                s += ", node-aware";
+            }
+        }
         Kind::Broadcast | Kind::BroadcastBytes => {
             s += &format!("{} × {dtype}, root {}", h.len, h.root)
         }
@@ -564,7 +569,10 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
                 h.len,
                 op_name(h.op),
                 h.root
-            )
+            );
+            if h.op & NODE_AWARE_OP != 0 {
+                s += ", node-aware";
+            }
         }
         Kind::ReduceScatterCompressed => {
             s += &format!(

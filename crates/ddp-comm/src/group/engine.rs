@@ -21,7 +21,7 @@ use super::link::{Link, LinkError, ZEROS, link_err, link_of, skip};
 use super::ordered::OrderedReduce;
 use crate::error::CommError;
 
-pub(crate) use super::header::{HDR, Header, Kind, op_code, op_name};
+pub(crate) use super::header::{HDR, Header, Kind, NODE_AWARE_OP, op_code, op_name};
 
 /// Busy-spin this long before yielding (only when ranks are not oversubscribed).
 const SPIN: Duration = Duration::from_micros(3);

@@ -153,8 +153,11 @@ pub(crate) fn op_code(op: ReduceOp) -> u8 {
     }
 }
 
+/// The bit of a reduce-scatter header's `op` that says the node-aware path runs.
+pub(crate) const NODE_AWARE_OP: u8 = 0x80;
+
 pub(crate) fn op_name(code: u8) -> &'static str {
-    match code {
+    match code & !NODE_AWARE_OP {
         1 => "sum",
         2 => "mean",
         3 => "max",

@@ -133,6 +133,82 @@ pub(super) fn all_reduce_compressed(
     Ok(())
 }
 
+/// The node-aware reduce-scatter of `buf` into `shards` (after the header exchange; taken
+/// where [`Nodes::reduce_scatter_chain_pays`]): the chain reduce of [`all_reduce`], every
+/// element summed in rank order (so each shard is bitwise the flat reduce-scatter's), then
+/// each channel's finished values go from their owner on the last node straight to the ranks
+/// whose shards they fall in. A node sends across one buffer of partial sums per boundary, and
+/// the last node the other nodes' shards, where the flat reduce-scatter sends every rank's
+/// pieces for every rank on the other nodes.
+pub(super) fn reduce_scatter<T: Element>(
+    mesh: &mut Mesh,
+    round: &Round<'_>,
+    nodes: &Nodes,
+    buf: &mut [T],
+    shards: &Shards,
+    op: ReduceOp,
+) -> Result<()> {
+    let sz = std::mem::size_of::<T>();
+    let me = Place::of(round.rank, nodes);
+    let channels = Shards::even(buf.len(), nodes.channels());
+    let rounds = channels.rounds(sz);
+    for t in 0..rounds {
+        let pieces = channels.pieces(rounds, t);
+        chain_round::<T>(mesh, round, nodes, &me, buf, &pieces, op)?;
+    }
+    let last = nodes.count() - 1;
+    if let Some(c) = me.channel
+        && me.node == last
+        && op == ReduceOp::Mean
+    {
+        element::divide(&mut buf[channels.range(c)], round.world);
+    }
+    // Every (channel, shard) overlap whose owner on the last node is not the shard's rank is
+    // one message. What this rank sends lies in its channel outside its shard, what it
+    // receives in its shard outside its channel: disjoint ranges of `buf`.
+    let mut moves: Vec<(Range<usize>, bool, usize)> = Vec::new();
+    for c in 0..nodes.channels() {
+        let owner = nodes.owner(last, c);
+        let chan = channels.range(c);
+        for p in (0..round.world).filter(|&p| p != owner) {
+            let shard = shards.range(p);
+            let overlap = chan.start.max(shard.start)..chan.end.min(shard.end);
+            if overlap.is_empty() {
+                continue;
+            }
+            if owner == round.rank {
+                moves.push((bytes_of(&overlap, sz), true, p));
+            } else if p == round.rank {
+                moves.push((bytes_of(&overlap, sz), false, owner));
+            }
+        }
+    }
+    moves.sort_by_key(|(r, _, _)| r.start);
+    let ranges: Vec<Range<usize>> = moves.iter().map(|(r, _, _)| r.clone()).collect();
+    let parts = split_mut(bytemuck::cast_slice_mut(buf), &ranges);
+    let mut ops: Vec<Op<'_>> = moves
+        .iter()
+        .zip(parts)
+        .map(|(&(_, send, peer), part)| {
+            if send {
+                Op::Send {
+                    peer,
+                    hdr: None,
+                    data: part,
+                    done: 0,
+                }
+            } else {
+                Op::Recv {
+                    peer,
+                    dst: part,
+                    done: 0,
+                }
+            }
+        })
+        .collect();
+    drive(&mut mesh.links, &mut ops, round.wait, round.what)
+}
+
 /// What the phases after the chain reduce share: the collective, the layout and this rank's
 /// place in it.
 struct Chain<'a> {

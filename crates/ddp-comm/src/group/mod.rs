@@ -62,7 +62,7 @@ use crate::job_auth::JobAuth;
 use crate::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
 
 pub use compression::Compression;
-use engine::{HDR, Header, Kind, Msg, Op, Waiting, drive, op_code, op_name};
+use engine::{HDR, Header, Kind, Msg, NODE_AWARE_OP, Op, Waiting, drive, op_code, op_name};
 use link::Link;
 use mesh::{MeshConfig, PeerInfo};
 

@@ -64,6 +64,23 @@ impl Nodes {
         self.count() >= 2 && (0..self.count()).any(|j| self.ranks(j).len() >= 2)
     }
 
+    /// Whether the node-aware reduce-scatter sends fewer bytes across than the flat one: the
+    /// chain sends one buffer `S` of partial sums per node boundary and the last node each
+    /// other node's shards, where the flat reduce-scatter sends every rank's pieces for the
+    /// other nodes' ranks, `L·(N−L)/N · S` from a node of `L` ranks. From three ranks per
+    /// node on at two nodes, two at three.
+    pub(crate) fn reduce_scatter_chain_pays(&self) -> bool {
+        if !self.worth_it() {
+            return false;
+        }
+        let n = self.starts.last().copied().unwrap_or(1) as f64;
+        let l = (0..self.count())
+            .map(|j| self.ranks(j).len())
+            .max()
+            .unwrap_or(1) as f64;
+        l * (n - l) / n > 1.0
+    }
+
     /// Whether the node-aware *compressed* all-reduce sends fewer bytes across than the flat
     /// one. Its partial sums cross nodes in f32 (twice the 16-bit wire: a partial sum of
     /// 16-bit values is not one, and rounding it would change the result), so the busiest node

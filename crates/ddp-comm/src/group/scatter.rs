@@ -5,7 +5,7 @@
 
 use super::compression::Compression;
 use super::direct;
-use super::engine::{Header, Kind, op_code};
+use super::engine::{Header, Kind, NODE_AWARE_OP, op_code};
 use super::shards::Shards;
 use super::{Element, INLINE_BYTES, ProcessGroup, ReduceOp, element};
 use crate::error::{CommError, Result};
@@ -14,7 +14,8 @@ impl ProcessGroup {
     /// Reduces `buf` element-wise across ranks, leaving on each rank only **its own shard**
     /// reduced: `buf` holds one shard per rank in rank order, rank `p`'s of `counts[p]`
     /// elements (any sizes, zero included; they add up to `buf.len()`). On return this rank's
-    /// shard holds the reduction over all ranks; the rest of `buf` is unchanged.
+    /// shard holds the reduction over all ranks; the rest of `buf` is unchanged, except on the
+    /// node-aware path, where it is unspecified.
     ///
     /// Every element is reduced **in rank order**, exactly as [`Self::all_reduce`] reduces it,
     /// so a shard is bitwise the all-reduce's values of those elements, whatever the shard
@@ -22,6 +23,13 @@ impl ProcessGroup {
     /// [`CommError::Mismatch`] on every rank (a fingerprint of the sizes is in the header), as
     /// do other mismatched calls. Each rank sends and receives `(n-1)/n` of the buffer at
     /// even sizes — half an all-reduce.
+    ///
+    /// Across hosts with several ranks each ([`Self::set_node_aware`]), where it sends fewer
+    /// bytes across (from three ranks per host at two hosts, two at three), a large
+    /// reduce-scatter runs as the node-aware all-reduce's chain of nodes, then each finished
+    /// value goes from the last host straight to its shard's rank: a host sends one buffer of
+    /// partial sums across instead of every rank's pieces for the other hosts' ranks. The
+    /// shards are bitwise the same.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), ddp_comm::CommError> {
@@ -68,6 +76,17 @@ impl ProcessGroup {
                 g.reduce_inline(buf, mine, op);
                 return Ok(());
             }
+            // Whether the node-aware path runs travels in the op's high bit: every rank must
+            // agree (a mismatch fails the call on every rank).
+            let nodes = g
+                .mesh
+                .as_ref()
+                .filter(|m| m.node_aware)
+                .and_then(|m| m.nodes.clone())
+                .filter(super::nodes::Nodes::reduce_scatter_chain_pays);
+            if nodes.is_some() {
+                hdr.op |= NODE_AWARE_OP;
+            }
             g.exchange(&hdr, &[])?;
             let what = g.what(&hdr);
             let wait = g.waiting();
@@ -77,7 +96,17 @@ impl ProcessGroup {
                 wait: &wait,
                 what: &what,
             };
-            direct::reduce_scatter(g.mesh_mut(), &round, buf, &shards, op)
+            match nodes {
+                Some(nodes) => super::hierarchical::reduce_scatter(
+                    g.mesh_mut(),
+                    &round,
+                    &nodes,
+                    buf,
+                    &shards,
+                    op,
+                ),
+                None => direct::reduce_scatter(g.mesh_mut(), &round, buf, &shards, op),
+            }
         })
     }
 

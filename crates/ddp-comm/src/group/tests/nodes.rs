@@ -264,3 +264,119 @@ fn the_compressed_node_aware_path_sends_fewer_bytes_across_from_four_ranks_per_n
     );
     assert!(flat > 1.3 * aware, "flat {flat}, node-aware {aware}");
 }
+
+/// The reduce-scatter, node-aware (where the chain sends fewer bytes: 3 + 3, 3 + 2, 2 + 2 + 2,
+/// 4 + 4) and flat: every rank's shard bitwise the same, for even and uneven shards (one of
+/// them empty), sum, mean and max; at 3 + 1 the flat path runs either way.
+#[test]
+fn the_node_aware_reduce_scatter_equals_the_flat_one() {
+    for layout in [&[3, 3][..], &[3, 2], &[2, 2, 2], &[4, 4], &[3, 1]] {
+        let world: usize = layout.iter().sum();
+        let seen = run_ranks_on(&hosts(layout), opts(true), move |pg| {
+            let r = pg.rank();
+            let input: Vec<f32> = (0..LEN).map(|i| sample(r, i, false)).collect();
+            let mut counts = vec![LEN / world; world];
+            counts[0] += LEN % world;
+            let mut skewed: Vec<usize> =
+                (0..world).map(|p| if p == 1 { 0 } else { p + 1 }).collect();
+            let total: usize = skewed.iter().sum();
+            let mut given = 0;
+            for c in &mut skewed {
+                *c = LEN * *c / total;
+                given += *c;
+            }
+            skewed[0] += LEN - given;
+            let mut out = Vec::new();
+            for counts in [counts, skewed] {
+                let at: usize = counts[..r].iter().sum();
+                let mine = at..at + counts[r];
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                    let mut pair = [input.clone(), input.clone()];
+                    for (on, buf) in [true, false].into_iter().zip(&mut pair) {
+                        pg.set_node_aware(on);
+                        pg.reduce_scatter(buf, &counts, op).unwrap();
+                    }
+                    pg.set_node_aware(true);
+                    let [aware, flat] = pair;
+                    out.push((aware[mine.clone()].to_vec(), flat[mine.clone()].to_vec()));
+                }
+            }
+            out
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, runs) in seen.iter().enumerate() {
+            for (i, (aware, flat)) in runs.iter().enumerate() {
+                assert!(
+                    bits(aware) == bits(flat),
+                    "{layout:?} run {i}: rank {r}'s node-aware shard differs from the flat one"
+                );
+            }
+        }
+    }
+}
+
+/// Bytes each node sends across in one reduce-scatter of even shards on 2 × 4 ranks: the
+/// chain's busiest node one buffer `S` (partial sums, or the last node's shards for the other
+/// node: S/2), the flat one `4·4/8 = 2` S.
+#[test]
+fn the_node_aware_reduce_scatter_sends_fewer_bytes_across() {
+    let len = 1 << 18;
+    let s = (4 * len) as f64;
+    let per_rank = run_ranks_on(&hosts(&[4, 4]), opts(true), move |pg| {
+        let mut sent = [0u64; 2];
+        let counts = vec![len / 8; 8];
+        for (on, s) in [true, false].into_iter().zip(&mut sent) {
+            let mut buf = vec![1.0f32; len];
+            pg.set_node_aware(on);
+            let before = pg.bytes_sent_across_hosts();
+            pg.reduce_scatter(&mut buf, &counts, ReduceOp::Sum).unwrap();
+            *s = pg.bytes_sent_across_hosts() - before;
+        }
+        sent
+    });
+    let node = |j: usize, path: usize| -> f64 {
+        per_rank[4 * j..4 * j + 4]
+            .iter()
+            .map(|s| s[path] as f64)
+            .sum()
+    };
+    let aware = node(0, 0).max(node(1, 0));
+    let flat = node(0, 1).max(node(1, 1));
+    assert!(
+        aware <= s * 1.001 + 8192.0,
+        "node-aware busiest {aware}, S {s}"
+    );
+    assert!(flat >= 1.9 * s, "flat busiest {flat}, S {s}");
+}
+
+/// A rank that takes the flat reduce-scatter against node-aware peers: every rank fails, and
+/// one names the disagreement.
+#[test]
+fn ranks_that_disagree_on_the_reduce_scatter_fail_together() {
+    let res = run_ranks_on(&hosts(&[3, 3]), opts(true), |pg| {
+        pg.set_node_aware(pg.rank() != 4);
+        let mut buf = vec![1.0f32; 100_000];
+        pg.reduce_scatter(
+            &mut buf,
+            &[20_000, 20_000, 20_000, 20_000, 10_000, 10_000],
+            ReduceOp::Sum,
+        )
+    });
+    let errors: Vec<CommError> = res
+        .into_iter()
+        .enumerate()
+        .map(|(r, e)| e.expect_err(&format!("rank {r} must fail")))
+        .collect();
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(e, CommError::Mismatch(_) | CommError::PeerClosed { .. }),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(
+        errors
+            .iter()
+            .any(|e| matches!(e, CommError::Mismatch(m) if m.contains("node-aware"))),
+        "{errors:?}"
+    );
+}
