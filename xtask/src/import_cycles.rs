@@ -325,6 +325,8 @@ fn the_libraries_have_no_import_cycles() {
         "crates/ddp-comm",
         "crates/ddp-nccl",
         "crates/ddprun",
+        "crates/burn-ddp-data",
+        "crates/burn-ddp-batchnorm",
         "crates/burn-ddp",
         "crates/ddp-testkit",
         "tools/cuda-standin",

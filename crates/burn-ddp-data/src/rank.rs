@@ -15,3 +15,31 @@ pub trait RankOfJob {
     /// its device with autodiff, so that a loss computed from a batch can be differentiated).
     fn training_device(&self) -> Device;
 }
+
+impl<T: RankOfJob + ?Sized> RankOfJob for &T {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn training_device(&self) -> Device {
+        (**self).training_device()
+    }
+}
+
+impl<T: RankOfJob + ?Sized> RankOfJob for std::sync::Arc<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn training_device(&self) -> Device {
+        (**self).training_device()
+    }
+}

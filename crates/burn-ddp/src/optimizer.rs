@@ -105,7 +105,8 @@ impl DdpOptimizer {
     /// Wraps `optim` with its state sharded across the ranks (ZeRO stage 1): each rank keeps
     /// and updates the state of the parameters it owns only, and the updated parameters are
     /// all-gathered from their owners after every step. For element-wise optimizers (SGD,
-    /// momentum, Adam, AdamW) the training is bitwise that of [`Self::new`]; see
+    /// momentum, Adam, AdamW) the training is bitwise that of [`Self::new`] on the host path
+    /// (on NCCL, whose reduction order is its own, it is not promised); see
     /// [`crate::sharding`] for the rule, the exceptions and checkpoints.
     ///
     /// ```no_run

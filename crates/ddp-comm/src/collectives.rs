@@ -24,7 +24,10 @@ pub trait Collectives {
 
     /// Reduces `buf` element-wise across ranks, in place; every rank gets the result. The
     /// values travel as `compression` says (16-bit values for `Bf16`/`Fp16`, which only
-    /// [`ReduceOp::Sum`] and [`ReduceOp::Mean`] support).
+    /// [`ReduceOp::Sum`] and [`ReduceOp::Mean`] support). How is the implementation's:
+    /// [`ProcessGroup`] takes f32 values, sends them as 16 bits and sums in f32; NCCL takes a
+    /// buffer already holding 16-bit values (the caller casts on the device) and sums in 16
+    /// bits.
     ///
     /// # Errors
     /// Any failure of the group (a dead peer, a timeout, mismatched calls), which breaks it.

@@ -57,6 +57,7 @@ pub const SIGNATURE_LEN: usize = 64;
 
 /// A rank's signing key for one rendezvous: fresh from the operating system's generator,
 /// never sent anywhere; its public half is published with the rank's address.
+#[doc(hidden)]
 pub struct Identity(SigningKey);
 
 impl std::fmt::Debug for Identity {
@@ -86,6 +87,7 @@ impl Identity {
 
 /// Whether `signature` is the signature of `role` over `parts` by the identity whose public
 /// half is `public` (strict verification: no malleable signatures).
+#[doc(hidden)]
 pub fn signed_by(public: &[u8], signature: &[u8], role: &str, parts: &[&[u8]]) -> bool {
     let (Ok(public), Ok(signature)) = (
         <[u8; PUBLIC_LEN]>::try_from(public),
@@ -140,6 +142,7 @@ impl Key {
 }
 
 /// A fresh random nonce from the operating system.
+#[doc(hidden)]
 pub fn nonce() -> [u8; LEN] {
     let mut n = [0u8; LEN];
     getrandom::fill(&mut n).expect("the operating system's random generator");

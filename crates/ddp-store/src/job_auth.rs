@@ -64,6 +64,7 @@ impl JobAuth {
     /// rank 0 (see the module doc): rank 0 of a single-host job without a token writes the
     /// secret file here (removed when this value drops); the other ranks read it when
     /// connecting.
+    #[doc(hidden)]
     pub fn for_group(env: &LaunchEnv) -> Result<JobAuth> {
         Self::resolve(env, env.rank == 0, false)
     }

@@ -9,8 +9,10 @@
 //!   publishes its id through the store).
 //! - [`error`]: [`CommError`], the one error type of the store and of every collective
 //!   (`ddp-comm` returns it too).
-//! - [`refusals`]: the rate-limited log of refused connections, shared by the store and the
-//!   process groups' listeners.
+//!
+//! A few items are public only for ddp-comm's process groups, which share the store's
+//! handshake and refusal log, and are hidden from these docs (`refusals`, the frame I/O of
+//! [`wire`], the rank identities of [`auth`]).
 //!
 //! Most programs reach these through `ddp-comm`, which re-exports every module.
 //!
@@ -30,6 +32,7 @@ pub mod auth;
 pub mod env;
 pub mod error;
 pub mod job_auth;
+#[doc(hidden)]
 pub mod refusals;
 pub mod store;
 pub mod wire;

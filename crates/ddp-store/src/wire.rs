@@ -131,6 +131,7 @@ impl<'a> Reader<'a> {
 /// Writes one frame: `payload`'s length as a `u32`, then `payload`, in one write.
 ///
 /// Fails with [`io::ErrorKind::InvalidInput`] when `payload` is over `max` bytes.
+#[doc(hidden)]
 pub fn write_frame(w: &mut impl Write, payload: &[u8], max: usize) -> io::Result<()> {
     if payload.len() > max {
         return Err(io::Error::new(
@@ -149,6 +150,7 @@ pub fn write_frame(w: &mut impl Write, payload: &[u8], max: usize) -> io::Result
 
 /// Reads one frame of at most `max` bytes. `Ok(None)`: the peer closed the connection cleanly
 /// between frames.
+#[doc(hidden)]
 pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Option<Vec<u8>>> {
     let mut len = [0u8; 4];
     let mut got = 0;
@@ -176,6 +178,7 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Option<Vec<u8>>> 
 /// Reads from a socket with one deadline for the whole exchange: each read's timeout is what
 /// is left of it, so a peer that trickles one byte now and then cannot stretch a handshake
 /// past its limit (a per-read timeout would let it hold the connection for hours).
+#[doc(hidden)]
 pub struct ReadBy<'a> {
     stream: &'a std::net::TcpStream,
     deadline: std::time::Instant,

@@ -83,6 +83,8 @@
 //! ```
 //!
 
+#![warn(missing_docs)]
+
 mod clock;
 mod event;
 mod merge;
@@ -100,6 +102,7 @@ pub use clock::{ClockSample, ClockSync, estimate_offset};
 pub use merge::{
     MERGED_FILE, MergeSummary, TraceError, attempt_dir_name, merge_dir, merge_into, track_pid,
 };
+#[doc(hidden)]
 pub use recorder::flush_best_effort;
 pub use recorder::leave_sigterm_to_the_program;
 
@@ -276,6 +279,7 @@ struct Open {
 
 impl Span {
     /// A span that records nothing.
+    #[doc(hidden)]
     pub const fn inert() -> Span {
         Span { open: None }
     }
@@ -373,6 +377,7 @@ impl Drop for Span {
 /// Hook of `ddp_comm::ProcessGroup::init` once a group of more than one
 /// rank is up: sets the rank and measures the clock offset to rank 0 over the store. Does
 /// nothing (not even a store request) when tracing is off; never fails the group.
+#[doc(hidden)]
 pub fn on_group_ready(rank: usize, world: usize, store: &mut impl ddp_store::store::Store) {
     let Some(rec) = recorder::global() else {
         return;

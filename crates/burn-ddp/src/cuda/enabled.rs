@@ -86,7 +86,7 @@ impl NcclComm {
         nccl::all_reduce_many_as(&mut nccl::lock(&self.nccl), tensors, op, compression)
     }
 
-    /// Every rank's f32 tensor (the same length everywhere), concatenated in rank order.
+    /// `packed` reduce-scattered by NCCL (see `DeviceComm::reduce_scatter`).
     pub(crate) fn reduce_scatter(
         &self,
         packed: Tensor<1>,
@@ -97,10 +97,12 @@ impl NcclComm {
         nccl::reduce_scatter(&mut nccl::lock(&self.nccl), packed, counts, op, compression)
     }
 
+    /// `buf`'s shards all-gathered by NCCL (see `DeviceComm::all_gather_into`).
     pub(crate) fn all_gather_into(&self, buf: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
         nccl::all_gather_into(&mut nccl::lock(&self.nccl), buf, counts)
     }
 
+    /// Every rank's f32 tensor (the same length everywhere), concatenated in rank order.
     pub(crate) fn all_gather(&self, local: Tensor<1>) -> Result<Tensor<1>> {
         nccl::all_gather(&mut nccl::lock(&self.nccl), local)
     }

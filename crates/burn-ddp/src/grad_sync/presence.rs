@@ -11,10 +11,17 @@ use crate::error::{DdpError, Result};
 impl GradientSynchronizer {
     /// This rank's vote for the device (NCCL) path: `None` without a communicator (the
     /// exchange then carries no vote, as always in builds without `cuda`), else whether every
-    /// gradient lives on the communicator's CUDA device.
+    /// gradient lives on the communicator's CUDA device as f32, f16 or bf16 (values f32 holds
+    /// exactly: the device paths reduce and gather in f32).
     pub(crate) fn device_vote(&self, slots: &[Slot]) -> Option<bool> {
         let device_comm = self.device_comm.as_ref()?;
-        Some(slots.iter().all(|s| device_comm.holds(&s.device)))
+        Some(slots.iter().all(|s| {
+            device_comm.holds(&s.device)
+                && matches!(
+                    s.dtype,
+                    burn::tensor::DType::F32 | burn::tensor::DType::F16 | burn::tensor::DType::BF16
+                )
+        }))
     }
 
     /// All-reduces (Max) the presence bitmap plus a layout fingerprint, the wire format (and,

@@ -2,8 +2,9 @@
 //! flat in f32 on their device (exact for f32, f16 and bf16 values), laid out owner by owner
 //! as on the host ([`OwnerStreams`]), all-gathered in device memory bucket by bucket
 //! ([`DeviceComm::all_gather_into`]) and turned back into each parameter in its own dtype: no
-//! host copy. Every value is the owner's, bitwise. A model with a parameter of another dtype
-//! (f64) takes the host gather, which moves raw bytes.
+//! host copy. Every value is the owner's, bitwise. Only taken when every rank voted for the
+//! device path, whose vote requires f32, f16 or bf16 gradients (an f64 model takes the host
+//! path, which moves raw bytes).
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor};
@@ -14,25 +15,9 @@ use super::plan::ShardPlan;
 use crate::cuda::DeviceComm;
 use crate::error::Result;
 
-/// Whether every trainable parameter of `module` converts to f32 and back exactly.
-pub(crate) fn fits_f32<M: Module>(module: &M) -> bool {
-    struct Check(bool);
-    impl ModuleVisitor for Check {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.is_require_grad() {
-                let dtype = param.val().dtype();
-                self.0 &= matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
-            }
-        }
-    }
-    let mut check = Check(true);
-    module.visit(&mut check);
-    check.0
-}
-
 /// Every rank's `module` with the values the owners of the `stepped` parameters (visit
 /// order; the same on every rank) computed, gathered by `comm` in buckets of about
-/// `cap_bytes` (see the [module docs](self)). Callers check [`fits_f32`] first.
+/// `cap_bytes` (see the [module docs](self)).
 ///
 /// # Errors
 /// A collective failed.

@@ -24,7 +24,8 @@
 //!
 //! For an element-wise optimizer (SGD with or without momentum and weight decay, Adam,
 //! AdamW, …) the arithmetic of each parameter is the unsharded one, run on its owner: the
-//! training is bitwise the same as with [`crate::DdpOptimizer::new`]. Burn's gradient clipping
+//! training is bitwise the same as with [`crate::DdpOptimizer::new`] on the host group (NCCL's
+//! reduction order is its own: there it is not promised). Burn's gradient clipping
 //! (`with_grad_clipping`) clips each parameter's gradient by its own value or norm and is
 //! therefore exact too. Clipping by the *global* norm of all gradients
 //! ([`crate::DdpOptimizer::with_global_norm_clipping`], PyTorch's `clip_grad_norm_`) needs one
@@ -143,15 +144,15 @@ impl Sharding {
         let optimizer_step = t.elapsed();
         let t = std::time::Instant::now();
         let (module, g) = match device_comm {
-            Some(comm) if owned.on_device && gather_on_device::fits_f32(&module) => {
-                gather_on_device::all_gather_params_on_device(
-                    module,
-                    plan,
-                    &stepped,
-                    comm,
-                    self.cap_bytes,
-                )?
-            }
+            // `on_device` is agreed by every rank: their gradients, and so their parameters,
+            // are f32, f16 or bf16 on the communicator's device.
+            Some(comm) if owned.on_device => gather_on_device::all_gather_params_on_device(
+                module,
+                plan,
+                &stepped,
+                comm,
+                self.cap_bytes,
+            )?,
             _ => gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?,
         };
         let gather = t.elapsed();

@@ -1,11 +1,11 @@
 //! The sharded optimizer's gradient path: every gradient averaged over all ranks and kept
 //! only on the rank that owns its parameter ([`GradientSynchronizer::sync_to_owners`]).
 //!
-//! Where every pair of ranks shares memory (one host), the gradients are all-reduced as by
+//! On the device communicator (NCCL, when every rank voted for it) the owner-major buckets
+//! below are packed on the device and reduce-scattered there. Otherwise, where every pair of
+//! ranks shares memory (one host), the gradients are all-reduced as by
 //! [`GradientSynchronizer::sync`] and each rank keeps its own: there the all-reduce's second
-//! half costs what the copies into owner-major buckets would. On the device communicator
-//! (NCCL) the owner-major buckets below are packed on the device and reduce-scattered there.
-//! Otherwise (TCP), the present
+//! half costs what the copies into owner-major buckets would. Otherwise (TCP), the present
 //! gradients are laid out owner by owner (each owner's parameters in visit
 //! order: its *stream*) and reduce-scattered over the process group, so each rank receives,
 //! averages and keeps `1/n` of the gradient bytes instead of all of them: half the traffic of

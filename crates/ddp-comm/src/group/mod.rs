@@ -456,7 +456,7 @@ impl ProcessGroup {
 
     /// Whether large compressed all-reduces take the node-aware path: [`Self::node_aware`],
     /// and nodes wide enough that it sends fewer bytes across than the flat path (its partial
-    /// sums cross in f32, twice the 16-bit wire: from about four ranks per node on). Either
+    /// sums cross in f32, twice the 16-bit wire: from three ranks per node on). Either
     /// way the results are bitwise the same.
     pub fn compressed_node_aware(&self) -> bool {
         self.mesh.as_ref().is_some_and(|m| {

@@ -86,7 +86,7 @@ impl Nodes {
     /// 16-bit values is not one, and rounding it would change the result), so the busiest node
     /// sends about `2 + (k−2)/(k−1)` times the 16-bit buffer; the flat one about
     /// `L·(N−L)/N + (N−1)/N` times (its raw values to the other nodes' reducers, then its ring
-    /// edge across), `L` the largest node's ranks. The chain pays from about four ranks per
+    /// edge across), `L` the largest node's ranks. The chain pays from three ranks per
     /// node on.
     pub(crate) fn compressed_chain_pays(&self) -> bool {
         let k = self.count();
@@ -116,10 +116,11 @@ mod tests {
     }
 
     #[test]
-    fn the_compressed_chain_is_taken_from_about_four_ranks_per_node() {
+    fn the_compressed_chain_is_taken_from_three_ranks_per_node() {
         for (sizes, pays) in [
             (&[1, 1][..], false),
             (&[2, 2], false),
+            (&[3, 3], true),
             (&[4, 4], true),
             (&[8, 8], true),
             (&[2, 2, 2], false),

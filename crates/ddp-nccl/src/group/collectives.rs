@@ -36,7 +36,9 @@ impl DeviceElement {
 
 /// Values in device memory of an [`NcclGroup`]'s device, owned elsewhere (a Burn/CubeCL
 /// tensor's buffer): a pointer, a length and an element type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Neither `Clone` nor `Copy`: the one value made by [`DeviceBuffer::from_raw`] is the one the
+/// collectives may write through.
+#[derive(Debug, PartialEq, Eq)]
 pub struct DeviceBuffer {
     ptr: CUdeviceptr,
     len: usize,
@@ -151,16 +153,16 @@ impl Collectives for NcclGroup {
         }
     }
 
+    /// Equal shards (SyncBatchNorm's statistics) as one in-place `ncclAllGather`; shards of
+    /// other sizes as grouped `ncclBroadcast` calls.
     fn all_gather_into(&mut self, buf: &mut DeviceBuffer, counts: &[usize]) -> Result<()> {
         let g = self;
         // SAFETY: as in `all_reduce_many`.
         unsafe {
             match buf.element {
-                DeviceElement::F32 => g.all_gather_into_raw::<f32>(buf.ptr, buf.len, counts),
-                DeviceElement::Bf16 => {
-                    g.all_gather_into_raw::<half::bf16>(buf.ptr, buf.len, counts)
-                }
-                DeviceElement::F16 => g.all_gather_into_raw::<half::f16>(buf.ptr, buf.len, counts),
+                DeviceElement::F32 => gather::<f32>(g, buf, counts),
+                DeviceElement::Bf16 => gather::<half::bf16>(g, buf, counts),
+                DeviceElement::F16 => gather::<half::f16>(g, buf, counts),
             }
         }
     }
@@ -179,5 +181,29 @@ impl Collectives for NcclGroup {
 
     fn barrier(&mut self) -> Result<()> {
         NcclGroup::barrier(self)
+    }
+}
+
+/// [`Collectives::all_gather_into`] of `buf`'s values as `T`.
+///
+/// # Safety
+/// As [`DeviceBuffer::from_raw`], with `T` the buffer's element type.
+unsafe fn gather<T: crate::NcclElement>(
+    g: &mut NcclGroup,
+    buf: &DeviceBuffer,
+    counts: &[usize],
+) -> Result<()> {
+    let n = g.world_size();
+    let each = counts.first().copied().unwrap_or(0);
+    let equal =
+        counts.len() == n && each > 0 && counts.iter().all(|&c| c == each) && each * n == buf.len;
+    if equal {
+        let mine = buf.ptr + (g.rank() * each * std::mem::size_of::<T>()) as CUdeviceptr;
+        // SAFETY: `mine` is this rank's slot of the buffer (NCCL's in-place all-gather), per
+        // this function's contract.
+        unsafe { g.all_gather_raw::<T>(mine, each, buf.ptr) }
+    } else {
+        // SAFETY: per this function's contract.
+        unsafe { g.all_gather_into_raw::<T>(buf.ptr, buf.len, counts) }
     }
 }

@@ -193,7 +193,7 @@ fn ranks_that_disagree_on_the_algorithm_fail_together() {
     );
 }
 
-/// The compressed all-reduce, node-aware (taken from about four ranks per node on) and flat:
+/// The compressed all-reduce, node-aware (taken from three ranks per node on) and flat:
 /// bitwise the same result at even and uneven layouts, bf16 and fp16, sum and mean, and the
 /// same on every rank.
 #[test]
