@@ -167,6 +167,20 @@ fn wait_for_pid_files(n: usize) -> String {
     )
 }
 
+/// `ddprun --version` prints the package's version and starts nothing (what `cargo install
+/// --path crates/ddprun` users check first).
+#[test]
+fn version_prints_the_package_version() {
+    let r = run(&mut ddprun_cmd(&["--version"]));
+    assert!(r.status.success(), "{}", r.stderr);
+    assert_eq!(
+        r.stdout.trim(),
+        format!("ddprun {}", env!("CARGO_PKG_VERSION")),
+        "{}",
+        r.stderr
+    );
+}
+
 #[test]
 fn launch_env_reaches_every_rank_for_one_to_four_ranks() {
     let cores = std::thread::available_parallelism().unwrap().get();

@@ -53,18 +53,7 @@ pub(super) fn all_reduce<T: Element>(
 ) -> Result<()> {
     let sz = std::mem::size_of::<T>();
     let me = Place::of(round.rank, nodes);
-    let channels = Shards::even(buf.len(), nodes.channels());
-    let rounds = channels.rounds(sz);
-    for t in 0..rounds {
-        let pieces = channels.pieces(rounds, t);
-        chain_round::<T>(mesh, round, nodes, &me, buf, &pieces, op)?;
-    }
-    if let Some(c) = me.channel
-        && me.node + 1 == nodes.count()
-        && op == ReduceOp::Mean
-    {
-        element::divide(&mut buf[channels.range(c)], round.world);
-    }
+    let channels = chain_reduce(mesh, round, nodes, &me, buf, op)?;
     let channel_bytes: Vec<Range<usize>> = (0..nodes.channels())
         .map(|c| bytes_of(&channels.range(c), sz))
         .collect();
@@ -103,20 +92,12 @@ pub(super) fn all_reduce_compressed(
     compression::encode(h, buf, wire);
     compression::decode(h, wire, buf);
     let me = Place::of(round.rank, nodes);
-    let channels = Shards::even(buf.len(), nodes.channels());
-    let rounds = channels.rounds(4);
-    for t in 0..rounds {
-        let pieces = channels.pieces(rounds, t);
-        chain_round::<f32>(mesh, round, nodes, &me, buf, &pieces, op)?;
-    }
+    let channels = chain_reduce(mesh, round, nodes, &me, buf, op)?;
     if let Some(c) = me.channel
         && me.node + 1 == nodes.count()
     {
-        let range = channels.range(c);
-        if op == ReduceOp::Mean {
-            element::divide(&mut buf[range.clone()], round.world);
-        }
         // The one rounding of the result.
+        let range = channels.range(c);
         compression::encode(h, &buf[range.clone()], &mut wire[bytes_of(&range, 2)]);
     }
     let channel_bytes: Vec<Range<usize>> = (0..nodes.channels())
@@ -150,19 +131,8 @@ pub(super) fn reduce_scatter<T: Element>(
 ) -> Result<()> {
     let sz = std::mem::size_of::<T>();
     let me = Place::of(round.rank, nodes);
-    let channels = Shards::even(buf.len(), nodes.channels());
-    let rounds = channels.rounds(sz);
-    for t in 0..rounds {
-        let pieces = channels.pieces(rounds, t);
-        chain_round::<T>(mesh, round, nodes, &me, buf, &pieces, op)?;
-    }
+    let channels = chain_reduce(mesh, round, nodes, &me, buf, op)?;
     let last = nodes.count() - 1;
-    if let Some(c) = me.channel
-        && me.node == last
-        && op == ReduceOp::Mean
-    {
-        element::divide(&mut buf[channels.range(c)], round.world);
-    }
     // Every (channel, shard) overlap whose owner on the last node is not the shard's rank is
     // one message. What this rank sends lies in its channel outside its shard, what it
     // receives in its shard outside its channel: disjoint ranges of `buf`.
@@ -207,6 +177,32 @@ pub(super) fn reduce_scatter<T: Element>(
         })
         .collect();
     drive(&mut mesh.links, &mut ops, round.wait, round.what)
+}
+
+/// Phase 1, the chain reduce of every channel, round by round: afterwards each channel's owner
+/// on the last node holds the channel's rank-order reduction (divided by the world size for a
+/// mean). Returns the channels.
+fn chain_reduce<T: Element>(
+    mesh: &mut Mesh,
+    round: &Round<'_>,
+    nodes: &Nodes,
+    me: &Place,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<Shards> {
+    let channels = Shards::even(buf.len(), nodes.channels());
+    let rounds = channels.rounds(std::mem::size_of::<T>());
+    for t in 0..rounds {
+        let pieces = channels.pieces(rounds, t);
+        chain_round::<T>(mesh, round, nodes, me, buf, &pieces, op)?;
+    }
+    if let Some(c) = me.channel
+        && me.node + 1 == nodes.count()
+        && op == ReduceOp::Mean
+    {
+        element::divide(&mut buf[channels.range(c)], round.world);
+    }
+    Ok(channels)
 }
 
 /// What the phases after the chain reduce share: the collective, the layout and this rank's
