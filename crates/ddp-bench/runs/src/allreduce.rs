@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use cargo_tasks::{cargo, run, target_dir, workspace_root};
+use cargo_tasks::run;
 
 /// Runs the all-reduce benchmark: `nprocs` ranks per transport, or the `nodes` layouts.
 ///
@@ -29,26 +29,8 @@ pub fn run_allreduce(
                 .ok_or_else(|| format!("--nodes {l:?}: expected KxL, e.g. 2x4"))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    for t in transports {
-        if t != "shm" && t != "tcp" {
-            return Err(format!("unknown transport {t:?} (shm or tcp)"));
-        }
-    }
-    let root = workspace_root();
-    run(cargo().current_dir(&root).args([
-        "build",
-        "--release",
-        "-p",
-        "ddp-bench",
-        "--no-default-features",
-        "--bin",
-        "allreduce_bench",
-        "-p",
-        "ddprun",
-        "--bin",
-        "ddprun",
-    ]))?;
-    let release = target_dir(&root).join("release");
+    crate::check_transports(transports)?;
+    let release = crate::build_with_ddprun("allreduce_bench", true)?;
     let ddprun = release.join("ddprun");
     let bench = release.join("allreduce_bench");
     let runs: Vec<(u32, &str, Option<u32>)> = if layouts.is_empty() {

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use cargo_tasks::{cargo, run, target_dir, workspace_root};
+use cargo_tasks::run;
 
 /// `cargo xtask bench ddp`: the same rank program alone (the baseline) and on `nproc` ranks,
 /// per transport; every run compares the `compression` wire formats.
@@ -16,25 +16,8 @@ pub fn run_ddp(
     compression: &[String],
     extra: &[String],
 ) -> Result<(), String> {
-    for t in transports {
-        if t != "shm" && t != "tcp" {
-            return Err(format!("unknown transport {t:?} (shm or tcp)"));
-        }
-    }
-    let root = workspace_root();
-    run(cargo().current_dir(&root).args([
-        "build",
-        "--release",
-        "-p",
-        "ddp-bench",
-        "--bin",
-        "ddp_bench",
-        "-p",
-        "ddprun",
-        "--bin",
-        "ddprun",
-    ]))?;
-    let release = target_dir(&root).join("release");
+    crate::check_transports(transports)?;
+    let release = crate::build_with_ddprun("ddp_bench", false)?;
     let bench = release.join("ddp_bench");
     let wire = ["--compression".to_string(), compression.join(",")];
     println!("\n## 1 rank (no communication: the compute baseline)\n");

@@ -29,20 +29,7 @@ struct Measured {
 
 /// Runs `zero_bench` unsharded then sharded at each of `nprocs` ranks and prints the table.
 pub fn run(nprocs: &[u32], extra: &[String]) -> Result<(), String> {
-    let root = cargo_tasks::workspace_root();
-    cargo_tasks::run(cargo_tasks::cargo().current_dir(&root).args([
-        "build",
-        "--release",
-        "-p",
-        "ddp-bench",
-        "--bin",
-        "zero_bench",
-        "-p",
-        "ddprun",
-        "--bin",
-        "ddprun",
-    ]))?;
-    let release = cargo_tasks::target_dir(&root).join("release");
+    let release = crate::build_with_ddprun("zero_bench", false)?;
     let mut rows = Vec::new();
     for &n in nprocs {
         for shard in [false, true] {

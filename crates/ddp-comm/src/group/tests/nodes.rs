@@ -107,13 +107,25 @@ fn node_aware_equals_flat_on_uneven_layouts() {
 /// Bytes each node sends to other nodes in one all-reduce of `len` f32 values, node-aware and
 /// flat.
 fn bytes_across(layout: &[usize], len: usize) -> (Vec<u64>, Vec<u64>) {
+    bytes_across_in(layout, len, |pg, buf| {
+        pg.all_reduce(buf, ReduceOp::Sum).unwrap()
+    })
+}
+
+/// Bytes each node sends to other nodes in one `call` on a buffer of `len` ones, node-aware
+/// and flat.
+fn bytes_across_in(
+    layout: &[usize],
+    len: usize,
+    call: impl Fn(&mut ProcessGroup, &mut [f32]) + Send + Sync + 'static,
+) -> (Vec<u64>, Vec<u64>) {
     let per_rank = run_ranks_on(&hosts(layout), opts(true), move |pg| {
-        let mut buf = vec![1.0f32; len];
         let mut sent = [0u64; 2];
         for (on, s) in [true, false].into_iter().zip(&mut sent) {
+            let mut buf = vec![1.0f32; len];
             pg.set_node_aware(on);
             let before = pg.bytes_sent_across_hosts();
-            pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            call(pg, &mut buf);
             *s = pg.bytes_sent_across_hosts() - before;
         }
         sent
@@ -235,29 +247,15 @@ fn the_compressed_node_aware_path_equals_the_flat_one() {
 /// the busiest node sends about twice the 16-bit buffer, where the flat one sends about
 /// `4·4/8 + 7/8 = 2.875` times it.
 #[test]
-fn the_compressed_node_aware_path_sends_fewer_bytes_across_from_four_ranks_per_node() {
+fn the_compressed_node_aware_path_sends_fewer_bytes_across_at_two_by_four() {
     let len = 1 << 18;
     let s16 = (2 * len) as f64;
-    let per_rank = run_ranks_on(&hosts(&[4, 4]), opts(true), move |pg| {
-        let mut buf = vec![1.0f32; len];
-        let mut sent = [0u64; 2];
-        for (on, s) in [true, false].into_iter().zip(&mut sent) {
-            pg.set_node_aware(on);
-            let before = pg.bytes_sent_across_hosts();
-            pg.all_reduce_compressed(&mut buf, ReduceOp::Sum, Compression::Bf16)
-                .unwrap();
-            *s = pg.bytes_sent_across_hosts() - before;
-        }
-        sent
+    let (aware, flat) = bytes_across_in(&[4, 4], len, |pg, buf| {
+        pg.all_reduce_compressed(buf, ReduceOp::Sum, Compression::Bf16)
+            .unwrap()
     });
-    let node = |j: usize, path: usize| -> f64 {
-        per_rank[4 * j..4 * j + 4]
-            .iter()
-            .map(|s| s[path] as f64)
-            .sum()
-    };
-    let aware = node(0, 0).max(node(1, 0));
-    let flat = node(0, 1).max(node(1, 1));
+    let aware = *aware.iter().max().unwrap() as f64;
+    let flat = *flat.iter().max().unwrap() as f64;
     assert!(
         aware <= 2.0 * s16 * 1.001 + 8192.0,
         "node-aware busiest {aware}, S16 {s16}"
@@ -322,26 +320,12 @@ fn the_node_aware_reduce_scatter_equals_the_flat_one() {
 fn the_node_aware_reduce_scatter_sends_fewer_bytes_across() {
     let len = 1 << 18;
     let s = (4 * len) as f64;
-    let per_rank = run_ranks_on(&hosts(&[4, 4]), opts(true), move |pg| {
-        let mut sent = [0u64; 2];
-        let counts = vec![len / 8; 8];
-        for (on, s) in [true, false].into_iter().zip(&mut sent) {
-            let mut buf = vec![1.0f32; len];
-            pg.set_node_aware(on);
-            let before = pg.bytes_sent_across_hosts();
-            pg.reduce_scatter(&mut buf, &counts, ReduceOp::Sum).unwrap();
-            *s = pg.bytes_sent_across_hosts() - before;
-        }
-        sent
+    let (aware, flat) = bytes_across_in(&[4, 4], len, move |pg, buf| {
+        pg.reduce_scatter(buf, &[len / 8; 8], ReduceOp::Sum)
+            .unwrap()
     });
-    let node = |j: usize, path: usize| -> f64 {
-        per_rank[4 * j..4 * j + 4]
-            .iter()
-            .map(|s| s[path] as f64)
-            .sum()
-    };
-    let aware = node(0, 0).max(node(1, 0));
-    let flat = node(0, 1).max(node(1, 1));
+    let aware = *aware.iter().max().unwrap() as f64;
+    let flat = *flat.iter().max().unwrap() as f64;
     assert!(
         aware <= s * 1.001 + 8192.0,
         "node-aware busiest {aware}, S {s}"
