@@ -656,11 +656,15 @@ fn logs_into_a_pipe_are_not_coloured_and_ranks_are_told() {
 fn a_signal_during_the_grace_period_after_a_failure_ends_the_job() {
     for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
         let scratch = Scratch::new(name);
-        // Rank 1 fails at once (and says so); rank 0 ignores SIGTERM, so the group is stopping
+        // Rank 1 fails (and says so) once rank 0 ignores SIGTERM (its PID file is written after
+        // the trap: a SIGTERM before it would end rank 0 at once), so the group is stopping
         // for the whole grace period.
         let script = format!(
             r#"touch "$DIR/attempt.$DDP_RESTART_COUNT"
-            if [ "$RANK" = 1 ]; then touch "$DIR/failed.$DDP_RESTART_COUNT"; exit 3; fi
+            if [ "$RANK" = 1 ]; then
+              while [ ! -e "$DIR/pid.0" ]; do sleep 0.01; done
+              touch "$DIR/failed.$DDP_RESTART_COUNT"; exit 3
+            fi
             trap '' TERM INT; {RECORD_PID}
             while :; do sleep 0.05; done"#
         );
