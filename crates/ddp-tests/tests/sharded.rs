@@ -393,6 +393,38 @@ fn over_tcp_with_bf16_gradients_sharded_is_bitwise_unsharded() {
     }
 }
 
+/// Two emulated hosts of three and two ranks (`DDP_HOST_ID` per host: shared memory inside a
+/// host, TCP across), where the group's node-aware reduce-scatter carries the sharded
+/// optimizer's gradients and its node-aware all-gather the parameters' buckets: the training
+/// is still bitwise the unsharded one (whose all-reduce is node-aware too).
+#[test]
+fn on_emulated_nodes_sharded_is_bitwise_unsharded() {
+    let world = 5;
+    let run = |shard: bool| {
+        let mut args = vec!["--optim", "adam", "--steps", "4", "--hidden", "600"];
+        if shard {
+            args.push("--shard");
+        }
+        launch_job(
+            world,
+            &fresh_dir(&format!("nodes-{shard}")),
+            &args,
+            |mut job| {
+                for r in 0..world {
+                    job = job.rank_env(r, "DDP_HOST_ID", format!("node-{}", r / 3));
+                }
+                job
+            },
+        )
+    };
+    let sharded = run(true).params(world);
+    let plain = run(false).params(world);
+    assert!(
+        same_bits(&sharded, &plain),
+        "on 3 + 2 emulated nodes: sharded differs from unsharded"
+    );
+}
+
 /// A rank SIGKILLed in the middle of sharded Adam training with SyncBatchNorm (wherever the
 /// kill lands: SyncBatchNorm's collectives inside forward or backward, the gradients'
 /// reduce-scatter, the parameters' all-gather): every other rank exits non-zero within

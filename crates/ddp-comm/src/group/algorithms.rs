@@ -583,7 +583,10 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
             )
         }
         Kind::AllGatherShards => {
-            s += &format!("own shard {} × {dtype}, shard sizes #{:08x}", h.len, h.root)
+            s += &format!("own shard {} × {dtype}, shard sizes #{:08x}", h.len, h.root);
+            if h.op & NODE_AWARE_OP != 0 {
+                s += ", node-aware";
+            }
         }
     }
     s += &format!(") as call #{}", h.seq);

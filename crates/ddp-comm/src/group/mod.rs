@@ -47,6 +47,7 @@ mod hierarchical;
 mod link;
 pub(crate) mod mesh;
 pub use mesh::host_identity;
+mod node_gather;
 mod nodes;
 mod ordered;
 mod scatter;
@@ -464,6 +465,19 @@ impl ProcessGroup {
                 && m.nodes
                     .as_ref()
                     .is_some_and(nodes::Nodes::compressed_chain_pays)
+        })
+    }
+
+    /// Whether large reduce-scatters take the node-aware path: [`Self::node_aware`], and
+    /// nodes wide enough that its chain sends fewer bytes across than the flat path (from three
+    /// ranks per node at two nodes, two at three). Either way the shards are bitwise the same.
+    /// (Large all-gathers of shards take theirs whenever [`Self::node_aware`].)
+    pub fn reduce_scatter_node_aware(&self) -> bool {
+        self.mesh.as_ref().is_some_and(|m| {
+            m.node_aware
+                && m.nodes
+                    .as_ref()
+                    .is_some_and(nodes::Nodes::reduce_scatter_chain_pays)
         })
     }
 

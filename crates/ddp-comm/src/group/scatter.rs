@@ -195,6 +195,12 @@ impl ProcessGroup {
     /// rank's values. The other half of [`Self::reduce_scatter`] (a ring all-gather, as in
     /// [`Self::all_reduce`]).
     ///
+    /// Across hosts with several ranks on one of them ([`Self::set_node_aware`]), each host's
+    /// shards cross the network once per other host, spread over its ranks, and reach the
+    /// host's other ranks through shared memory: `S·(k−1)/k` per host for even shards (`k`
+    /// hosts), where the ring sends `S·(N−1)/N` across every host boundary. The result is the
+    /// same bytes.
+    ///
     /// ```no_run
     /// # fn main() -> Result<(), ddp_comm::CommError> {
     /// use ddp_comm::ProcessGroup;
@@ -230,6 +236,19 @@ impl ProcessGroup {
                 0,
             );
             hdr.inline = mine.len() <= INLINE_BYTES;
+            // Whether every shard travels in the headers (then nothing else moves), and
+            // whether the node-aware path runs: in the op's high bit, so ranks that disagree
+            // fail together.
+            let all_inline = counts.iter().all(|&c| c * sz <= INLINE_BYTES);
+            let nodes = g
+                .mesh
+                .as_ref()
+                .filter(|m| m.node_aware && !all_inline)
+                .and_then(|m| m.nodes.clone())
+                .filter(super::nodes::Nodes::worth_it);
+            if nodes.is_some() {
+                hdr.op |= NODE_AWARE_OP;
+            }
             let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
             g.exchange(&hdr, if hdr.inline { &bytes[mine] } else { &[] })?;
             for (p, &count) in counts.iter().enumerate() {
@@ -241,7 +260,24 @@ impl ProcessGroup {
                     )));
                 }
             }
-            g.gather_ring(&hdr, bytes, &shards.byte_offsets(sz))
+            let offs = shards.byte_offsets(sz);
+            let Some(nodes) = nodes else {
+                return g.gather_ring(&hdr, bytes, &offs);
+            };
+            let inline: Vec<bool> = counts.iter().map(|&c| c * sz <= INLINE_BYTES).collect();
+            let me = g.rank;
+            for p in (0..n).filter(|&p| p != me && inline[p]) {
+                bytes[offs[p]..offs[p + 1]].copy_from_slice(&g.mesh_mut().msgs[p].payload);
+            }
+            let what = g.what(&hdr);
+            let wait = g.waiting();
+            let round = direct::Round {
+                rank: g.rank,
+                world: n,
+                wait: &wait,
+                what: &what,
+            };
+            super::node_gather::all_gather_into(g.mesh_mut(), &round, &nodes, bytes, &offs, &inline)
         })
     }
 }

@@ -176,16 +176,10 @@ fn each_node_sends_at_most_the_chains_bound_across() {
     }
 }
 
-#[test]
-fn ranks_that_disagree_on_the_algorithm_fail_together() {
-    let res = run_ranks_on(&hosts(&[2, 2]), opts(true), |pg| {
-        pg.set_node_aware(pg.rank() != 3);
-        let mut buf = vec![1.0f32; 100_000];
-        pg.all_reduce(&mut buf, ReduceOp::Sum)
-    });
-    // Every rank fails. A rank that has not read the odd header yet may first see a peer that
-    // already failed close its links (the cascade that ends a broken group fast): that, or the
-    // mismatch itself, and at least one rank names the disagreement.
+/// Every rank fails. A rank that has not read the odd header yet may first see a peer that
+/// already failed close its links (the cascade that ends a broken group fast): that, or the
+/// mismatch itself, and at least one rank names the disagreement.
+fn fail_together<T: std::fmt::Debug>(res: Vec<Result<T>>) {
     let errors: Vec<CommError> = res
         .into_iter()
         .enumerate()
@@ -203,6 +197,16 @@ fn ranks_that_disagree_on_the_algorithm_fail_together() {
             .any(|e| matches!(e, CommError::Mismatch(m) if m.contains("node-aware"))),
         "{errors:?}"
     );
+}
+
+#[test]
+fn ranks_that_disagree_on_the_algorithm_fail_together() {
+    let res = run_ranks_on(&hosts(&[2, 2]), opts(true), |pg| {
+        pg.set_node_aware(pg.rank() != 3);
+        let mut buf = vec![1.0f32; 100_000];
+        pg.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    fail_together(res);
 }
 
 /// The compressed all-reduce, node-aware (taken from three ranks per node on) and flat:
@@ -346,21 +350,94 @@ fn ranks_that_disagree_on_the_reduce_scatter_fail_together() {
             ReduceOp::Sum,
         )
     });
-    let errors: Vec<CommError> = res
-        .into_iter()
-        .enumerate()
-        .map(|(r, e)| e.expect_err(&format!("rank {r} must fail")))
-        .collect();
-    for (r, e) in errors.iter().enumerate() {
-        assert!(
-            matches!(e, CommError::Mismatch(_) | CommError::PeerClosed { .. }),
-            "rank {r}: {e}"
-        );
+    fail_together(res);
+}
+
+/// The all-gather of shards, node-aware and flat: every rank ends with the same bytes at
+/// even and uneven layouts, for even shards and skewed ones (one empty, one small enough to
+/// travel in the header), over shared memory and TCP.
+#[test]
+fn the_node_aware_all_gather_equals_the_flat_one() {
+    for (layout, shm) in [
+        (&[2, 2][..], true),
+        (&[4, 4], true),
+        (&[3, 1], true),
+        (&[2, 1, 3], true),
+        (&[2, 2, 2], true),
+        (&[3, 1], false),
+    ] {
+        let world: usize = layout.iter().sum();
+        let seen = run_ranks_on(&hosts(layout), opts(shm), move |pg| {
+            let r = pg.rank();
+            // Shards above the header's inline size, but for two in the skewed split.
+            let even = vec![200_003 / world; world];
+            let skewed: Vec<usize> = (0..world)
+                .map(|p| match p {
+                    1 => 0,
+                    2 => 5,
+                    _ => 20_000 + 3_000 * p,
+                })
+                .collect();
+            let mut out = Vec::new();
+            for counts in [even, skewed] {
+                let len: usize = counts.iter().sum();
+                let at: usize = counts[..r].iter().sum();
+                let mut pair = [vec![f32::NAN; len], vec![f32::NAN; len]];
+                for (on, buf) in [true, false].into_iter().zip(&mut pair) {
+                    for (i, v) in buf[at..at + counts[r]].iter_mut().enumerate() {
+                        *v = sample(r, i, false);
+                    }
+                    pg.set_node_aware(on);
+                    pg.all_gather_into(buf, &counts).unwrap();
+                }
+                pg.set_node_aware(true);
+                out.push(pair);
+            }
+            out
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, runs) in seen.iter().enumerate() {
+            for (i, [aware, flat]) in runs.iter().enumerate() {
+                assert!(
+                    aware.iter().all(|v| !v.is_nan()),
+                    "{layout:?} run {i}: rank {r} misses values"
+                );
+                assert!(
+                    bits(aware) == bits(flat),
+                    "{layout:?} run {i}: rank {r}'s node-aware gather differs from the flat one"
+                );
+                assert!(bits(aware) == bits(&seen[0][i][0]), "rank {r} run {i}");
+            }
+        }
     }
+}
+
+/// Bytes each node sends across in one all-gather of even shards on 2 × 4 ranks: node-aware,
+/// its block once to the other node (S/2, the bound); flat, the ring's edge (7/8 S).
+#[test]
+fn the_node_aware_all_gather_sends_the_bound_across() {
+    let len = 1 << 18;
+    let s = (4 * len) as f64;
+    let (aware, flat) = bytes_across_in(&[4, 4], len, move |pg, buf| {
+        pg.all_gather_into(buf, &[len / 8; 8]).unwrap()
+    });
+    let aware = *aware.iter().max().unwrap() as f64;
+    let flat = *flat.iter().max().unwrap() as f64;
     assert!(
-        errors
-            .iter()
-            .any(|e| matches!(e, CommError::Mismatch(m) if m.contains("node-aware"))),
-        "{errors:?}"
+        aware <= s / 2.0 * 1.001 + 8192.0,
+        "node-aware busiest {aware}, S {s}"
     );
+    assert!(flat >= 0.85 * s, "flat busiest {flat}, S {s}");
+}
+
+/// A rank that takes the flat all-gather against node-aware peers: every rank fails, and one
+/// names the disagreement.
+#[test]
+fn ranks_that_disagree_on_the_all_gather_fail_together() {
+    let res = run_ranks_on(&hosts(&[2, 2]), opts(true), |pg| {
+        pg.set_node_aware(pg.rank() != 2);
+        let mut buf = vec![1.0f32; 100_000];
+        pg.all_gather_into(&mut buf, &[25_000; 4])
+    });
+    fail_together(res);
 }
