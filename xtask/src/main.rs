@@ -8,6 +8,7 @@
 //! cargo xtask bench ddp|syncbn|data|handshake
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--compression none,bf16] [--iters N] [--pin]
+//!                             [--nodes 2x4,…] [--collectives all-reduce,reduce-scatter,all-gather]
 //! cargo xtask gpu-check build [--out DIR] [--dry] [--add FILE]…
 //! .gpu-bin/xtask gpu-check run [--bundle DIR] [--budget-secs S] [--only TEXT]…
 //! ```
@@ -132,6 +133,10 @@ enum Bench {
         /// Pin each rank to one core (LOCAL_RANK % cores).
         #[arg(long)]
         pin: bool,
+        /// Collectives, one table each: all-reduce, reduce-scatter, all-gather (the
+        /// sharded optimizer's two halves of an all-reduce).
+        #[arg(long, value_delimiter = ',', default_value = "all-reduce")]
+        collectives: Vec<String>,
         /// Emulated hosts instead: layouts KxL (K hosts of L ranks, each host its own
         /// `DDP_HOST_ID`), each timed node-aware and flat with the bytes sent across hosts,
         /// e.g. `2x1,2x2,2x4,3x2,4x1`.
@@ -202,19 +207,21 @@ fn main() -> ExitCode {
                     sizes,
                     transport,
                     compression,
+                    collectives,
                     iters,
                     pin,
                     nodes,
                 },
-        } => ddp_bench_runs::allreduce::run_allreduce(
-            &nproc,
-            &sizes,
-            &transport,
-            &compression,
+        } => ddp_bench_runs::allreduce::run_allreduce(&ddp_bench_runs::allreduce::AllreduceRuns {
+            nprocs: nproc,
+            sizes,
+            transports: transport,
+            compression,
+            collectives,
             iters,
             pin,
-            &nodes,
-        ),
+            nodes,
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,19 +7,42 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use cargo_tasks::run;
 
+/// What `cargo xtask bench allreduce` runs.
+#[derive(Debug, Clone, Default)]
+pub struct AllreduceRuns {
+    /// Ranks per run (without `nodes`).
+    pub nprocs: Vec<u32>,
+    /// Message sizes (`8K`, `25M`, …).
+    pub sizes: Vec<String>,
+    /// `shm` and/or `tcp` (without `nodes`).
+    pub transports: Vec<String>,
+    /// Wire formats (`none`, `bf16`, `fp16`).
+    pub compression: Vec<String>,
+    /// Collectives (`all-reduce`, `reduce-scatter`, `all-gather`), one table each.
+    pub collectives: Vec<String>,
+    /// Timed iterations per size (`None`: scaled to the size).
+    pub iters: Option<usize>,
+    /// Pin each rank to a core.
+    pub pin: bool,
+    /// Emulated node layouts `KxL` instead of `nprocs` × `transports`.
+    pub nodes: Vec<String>,
+}
+
 /// Runs the all-reduce benchmark: `nprocs` ranks per transport, or the `nodes` layouts.
 ///
 /// # Errors
 /// An unknown transport or layout, a failed build or a failed run.
-pub fn run_allreduce(
-    nprocs: &[u32],
-    sizes: &[String],
-    transports: &[String],
-    compression: &[String],
-    iters: Option<usize>,
-    pin: bool,
-    nodes: &[String],
-) -> Result<(), String> {
+pub fn run_allreduce(runs: &AllreduceRuns) -> Result<(), String> {
+    let AllreduceRuns {
+        nprocs,
+        sizes,
+        transports,
+        compression,
+        collectives,
+        iters,
+        pin,
+        nodes,
+    } = runs;
     let layouts = nodes
         .iter()
         .map(|l| {
@@ -71,11 +94,13 @@ pub fn run_allreduce(
             .arg(t)
             .arg("--compression")
             .arg(compression.join(","))
+            .arg("--collectives")
+            .arg(collectives.join(","))
             .env("DDP_BENCH_LAUNCH_NS", launch_ns.to_string());
         if let Some(i) = iters {
             cmd.arg("--iters").arg(i.to_string());
         }
-        if pin {
+        if *pin {
             cmd.arg("--pin");
         }
         run(&mut cmd)?;

@@ -1,6 +1,7 @@
 //! All-reduce benchmark: a rank program (launch it with `ddprun`, or `cargo xtask bench
 //! allreduce`). Rank 0 prints a table of size, median/min/max time, algbw and busbw
-//! (busbw = algbw · 2(n−1)/n, the nccl-tests convention). Each timed call is preceded by a
+//! (busbw = algbw · 2(n−1)/n for an all-reduce, (n−1)/n for a reduce-scatter or an all-gather,
+//! the nccl-tests convention). Each timed call is preceded by a
 //! barrier; its time is the slowest rank's.
 //!
 //! ```text
@@ -20,6 +21,11 @@
 //! flat one the `vs first` baseline), and two more columns give the bytes the busiest node and
 //! the average node sent to other hosts per call, over the buffer's bytes `S` (the
 //! transport's own counters), next to `2(k−1)/k`, the bound of any all-reduce on `k` nodes.
+//!
+//! `--collectives all-reduce,reduce-scatter,all-gather` times the two halves of an all-reduce
+//! too, as the sharded optimizer runs them (`ProcessGroup::reduce_scatter_compressed` and
+//! `all_gather_into`, even shards), one table each; their bound across hosts is `(k−1)/k`. The
+//! all-gather has no compressed form: it runs once per size, as `none`.
 //!
 //! If `DDP_BENCH_LAUNCH_NS` holds the launch time (Unix nanoseconds), rank 0 also reports the
 //! time from launch to the end of the first barrier.
@@ -47,9 +53,72 @@ struct Args {
     /// Wire formats to compare (none, bf16, fp16); the first is the `vs first` baseline.
     #[arg(long, value_delimiter = ',', default_value = "none")]
     compression: Vec<Compression>,
+    /// Collectives to time, one table each: all-reduce, reduce-scatter, all-gather.
+    #[arg(long, value_delimiter = ',', default_value = "all-reduce")]
+    collectives: Vec<Collective>,
     /// Pin rank r to CPU core `LOCAL_RANK % cores` (as `numactl`/`taskset` would).
     #[arg(long)]
     pin: bool,
+}
+
+/// A collective the benchmark times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Collective {
+    /// `all_reduce_compressed` (the plain all-reduce for `none`).
+    AllReduce,
+    /// `reduce_scatter_compressed` into even shards.
+    ReduceScatter,
+    /// `all_gather_into` of even shards.
+    AllGather,
+}
+
+impl Collective {
+    fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllGather => "all_gather_into",
+        }
+    }
+
+    /// What any algorithm must send across per node, over the buffer, on `k` nodes.
+    fn bound(self, k: usize) -> f64 {
+        let share = (k - 1) as f64 / k as f64;
+        match self {
+            Collective::AllReduce => 2.0 * share,
+            Collective::ReduceScatter | Collective::AllGather => share,
+        }
+    }
+
+    /// Runs it once on `buf` (`counts`: even shards).
+    fn call(
+        self,
+        pg: &mut ProcessGroup,
+        buf: &mut [f32],
+        counts: &[usize],
+        wire: Compression,
+    ) -> ddp_comm::Result<()> {
+        match self {
+            Collective::AllReduce => pg.all_reduce_compressed(buf, ReduceOp::Sum, wire),
+            Collective::ReduceScatter => {
+                pg.reduce_scatter_compressed(buf, counts, ReduceOp::Sum, wire)
+            }
+            Collective::AllGather => pg.all_gather_into(buf, counts),
+        }
+    }
+
+    /// Whether this call takes the node-aware path.
+    fn node_aware(self, pg: &ProcessGroup, wire: Compression) -> bool {
+        match (self, wire) {
+            (Collective::AllReduce, Compression::None) | (Collective::AllGather, _) => {
+                pg.node_aware()
+            }
+            (Collective::AllReduce, _) => pg.compressed_node_aware(),
+            (Collective::ReduceScatter, Compression::None) => pg.reduce_scatter_node_aware(),
+            // The compressed reduce-scatter has no node-aware path.
+            (Collective::ReduceScatter, _) => false,
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -146,6 +215,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("wrong all_reduce result: {} != {want}", check[0]).into());
     }
 
+    for &collective in &args.collectives {
+        time_collective(&mut pg, collective, &sizes, &args)?;
+    }
+    pg.barrier()?;
+    Ok(())
+}
+
+/// One table: `collective` at every size and wire format (every rank calls it).
+fn time_collective(
+    pg: &mut ProcessGroup,
+    collective: Collective,
+    sizes: &[usize],
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (n, rank) = (pg.world_size(), pg.rank());
     if rank == 0 {
         let kinds = pg.transports();
         let shm_peers = kinds
@@ -153,17 +237,29 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .filter(|k| **k == ddp_comm::group::Transport::SharedMemory)
             .count();
         println!(
-            "all_reduce(f32, sum): {n} ranks, transport {} ({} shared-memory peers of rank 0)",
-            args.transport, shm_peers
+            "\n{}(f32{}): {n} ranks, transport {} ({} shared-memory peers of rank 0)",
+            collective.name(),
+            if collective == Collective::AllGather {
+                ""
+            } else {
+                ", sum"
+            },
+            args.transport,
+            shm_peers
         );
         if let Some(h) = pg.hosts().filter(|h| h.len() > 1) {
             let layout: Vec<String> = h.iter().map(|r| r.len().to_string()).collect();
             println!(
                 "{} hosts ({} ranks each); across/S: bytes sent to other hosts per call over \
-                 the buffer's, busiest node and mean; bound 2(k-1)/k = {:.3}",
+                 the buffer's, busiest node and mean; bound {} = {:.3}",
                 h.len(),
                 layout.join(" + "),
-                2.0 * (h.len() - 1) as f64 / h.len() as f64
+                if collective == Collective::AllReduce {
+                    "2(k-1)/k"
+                } else {
+                    "(k-1)/k"
+                },
+                collective.bound(h.len())
             );
         }
         println!(
@@ -189,20 +285,26 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         &[false]
     };
-    for &bytes in &sizes {
+    // The all-gather has no compressed form.
+    let wires: &[Compression] = if collective == Collective::AllGather {
+        &[Compression::None]
+    } else {
+        &args.compression
+    };
+    for &bytes in sizes {
         let mut first = None;
-        for &wire in &args.compression {
+        for &wire in wires {
             for &aware in algos {
                 pg.set_node_aware(aware);
-                let t = time_size(&mut pg, bytes, wire, &args)?;
+                let t = time_size(pg, collective, bytes, wire, args)?;
                 if rank == 0 {
                     let base = *first.get_or_insert(t.median);
-                    t.print(bytes, n, wire, base);
+                    t.print(collective, bytes, n, wire, base);
                 }
             }
         }
     }
-    pg.barrier()?;
+    pg.set_node_aware(algos.contains(&true));
     Ok(())
 }
 
@@ -221,9 +323,22 @@ struct Timing {
 }
 
 impl Timing {
-    fn print(&self, bytes: usize, n: usize, wire: Compression, first_median: f64) {
+    fn print(
+        &self,
+        collective: Collective,
+        bytes: usize,
+        n: usize,
+        wire: Compression,
+        first_median: f64,
+    ) {
         let algbw = (self.count * 4) as f64 / self.median / 1e9;
-        let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
+        // nccl-tests' factors: 2(n−1)/n for an all-reduce, (n−1)/n for its halves.
+        let share = (n - 1) as f64 / n as f64;
+        let busbw = algbw
+            * match collective {
+                Collective::AllReduce => 2.0 * share,
+                Collective::ReduceScatter | Collective::AllGather => share,
+            };
         let of_s = |b: f64| {
             if self.algo == "-" {
                 "-".to_string()
@@ -250,15 +365,19 @@ impl Timing {
     }
 }
 
-/// Times all-reduces of `bytes` of f32 data in the `wire` format (every rank calls it).
+/// Times `collective` on `bytes` of f32 data in the `wire` format (every rank calls it).
 fn time_size(
     pg: &mut ProcessGroup,
+    collective: Collective,
     bytes: usize,
     wire: Compression,
     args: &Args,
 ) -> Result<Timing, Box<dyn std::error::Error>> {
     let count = bytes / 4;
     let mut buf = vec![0.0f32; count];
+    let n = pg.world_size();
+    let mut counts = vec![count / n; n];
+    counts[0] += count % n;
     let iters = args
         .iters
         .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(10, 1000));
@@ -275,7 +394,7 @@ fn time_size(
             pg.barrier()?;
         }
         let t = Instant::now();
-        pg.all_reduce_compressed(&mut buf, ReduceOp::Sum, wire)?;
+        collective.call(pg, &mut buf, &counts, wire)?;
         let dt = t.elapsed();
         if i >= warmup {
             times.push(dt.as_secs_f64());
@@ -299,14 +418,7 @@ fn time_size(
         min: times[0],
         max: times[times.len() - 1],
         cpu: cpu[0],
-        algo: match (
-            hosts.len() > 1,
-            if wire == Compression::None {
-                pg.node_aware()
-            } else {
-                pg.compressed_node_aware()
-            },
-        ) {
+        algo: match (hosts.len() > 1, collective.node_aware(pg, wire)) {
             (false, _) => "-",
             (true, true) => "node-aware",
             (true, false) => "flat",

@@ -28,12 +28,13 @@
 //!
 //! All times are medians over the timed steps, in milliseconds.
 //!
-//! A second table compares the **sharded optimizer state** (ZeRO stage 1) with the unsharded
-//! one on each model, with Adam (`--optimizers`, default `unsharded,sharded`): `step ms`, a
-//! whole training step (forward, backward, [`DdpOptimizer::try_step`], between barriers),
-//! `vs unsharded` (this step time over the unsharded one of the same run), and the optimizer
-//! state each rank holds (the largest over ranks), with its ratio to the unsharded state.
-//! Peak memory per rank needs one process per mode: `cargo xtask bench zero`.
+//! The last columns compare the **sharded optimizer state** (ZeRO stage 1) with the unsharded
+//! one at the row's bucket cap and wire format, with Adam (its state is what sharding divides;
+//! `--no-sharded` leaves them out): `Adam step ms`, a whole training step (forward, backward,
+//! [`DdpOptimizer::try_step`], between barriers) unsharded and sharded, `sharded vs
+//! unsharded` (the sharded step time over the unsharded one, measured in the same run), and
+//! the optimizer state each rank holds (the largest over ranks), unsharded → sharded. Peak
+//! memory per rank needs one process per mode: `cargo xtask bench zero`.
 
 use std::time::{Duration, Instant};
 
@@ -79,13 +80,9 @@ struct Args {
     /// `vs first` column, measured in the same run.
     #[arg(long, value_delimiter = ',', default_values = ["none"])]
     compression: Vec<Compression>,
-    /// Optimizer-state modes of the second table (unsharded, sharded; empty: no table), with
-    /// Adam; the first is the baseline of its `vs` columns.
-    #[arg(long, value_delimiter = ',', default_values = ["unsharded", "sharded"])]
-    optimizers: Vec<String>,
-    /// Bucket cap of the second table, in MiB.
-    #[arg(long, default_value_t = 25.0)]
-    optimizer_bucket_mib: f64,
+    /// Leave out the sharded-optimizer columns (Adam unsharded and sharded per row).
+    #[arg(long)]
+    no_sharded: bool,
 }
 
 #[derive(Module, Debug)]
@@ -169,6 +166,8 @@ struct Row {
     /// Median over steps of sync ÷ raw of the same step.
     ratio: Option<f64>,
     buckets: usize,
+    /// Adam, unsharded then sharded: step ms and optimizer state MiB per rank (the largest).
+    adam: Option<[(f64, f64); 2]>,
 }
 
 fn bench<M: Module>(
@@ -246,19 +245,21 @@ fn bench<M: Module>(
         },
         optim: median(opts),
         buckets,
+        adam: None,
     })
 }
 
-/// One mode of the second table: median step time and this rank's optimizer-state bytes.
+/// Adam, sharded or not: the median step time (ms) and the optimizer state per rank (MiB, the
+/// largest over ranks).
 fn bench_optimizer<M: Module>(
     ddp: &Ddp,
     args: &Args,
+    (cap, compression): (usize, Compression),
     sharded: bool,
     mut model: M,
     loss: impl Fn(&M) -> Tensor<1>,
-) -> Result<(f64, usize), burn_ddp::DdpError> {
-    let cap = (args.optimizer_bucket_mib * 1024.0 * 1024.0) as usize;
-    let sync = GradientSynchronizer::new(ddp.group().clone(), cap);
+) -> Result<(f64, f64), burn_ddp::DdpError> {
+    let sync = GradientSynchronizer::new(ddp.group().clone(), cap).with_compression(compression);
     let mut optim = DdpOptimizer::with_synchronizer(AdamConfig::new().init(), sync);
     if sharded {
         optim = optim.into_sharded();
@@ -275,66 +276,32 @@ fn bench_optimizer<M: Module>(
             steps.push(t.elapsed());
         }
     }
-    Ok((median(steps), optim.state_size_bytes()?))
+    let mut largest = [optim.state_size_bytes()? as i64];
+    ddp.with_group(|pg| pg.all_reduce(&mut largest, ReduceOp::Max))?;
+    Ok((median(steps), largest[0] as f64 / (1024.0 * 1024.0)))
 }
 
-/// The second table: unsharded vs sharded optimizer state on each model.
-fn run_optimizers(ddp: &Ddp, args: &Args, transport: &str) -> Result<(), burn_ddp::DdpError> {
-    if args.optimizers.is_empty() {
-        return Ok(());
-    }
-    for o in &args.optimizers {
-        if o != "unsharded" && o != "sharded" {
-            return Err(burn_ddp::DdpError::InvalidSetting {
-                setting: "--optimizers",
-                reason: format!("unknown mode {o:?} (unsharded or sharded)"),
-            });
+/// One row: the gradient sync with SGD, then (unless `--no-sharded`) Adam unsharded and
+/// sharded, each from the same replicated model. Returns the row and the parameter count.
+fn measure<M: Module>(
+    ddp: &Ddp,
+    args: &Args,
+    setting: (usize, Compression),
+    make: impl Fn() -> M,
+    loss: impl Fn(&M) -> Tensor<1>,
+) -> Result<(Row, usize), burn_ddp::DdpError> {
+    let model = ddp.replicate_model(make())?;
+    let params = model.num_params();
+    let mut row = bench(ddp, args, setting.0, setting.1, model, &loss)?;
+    if !args.no_sharded {
+        let mut adam = [(0.0, 0.0); 2];
+        for (sharded, out) in [false, true].into_iter().zip(&mut adam) {
+            let model = ddp.replicate_model(make())?;
+            *out = bench_optimizer(ddp, args, setting, sharded, model, &loss)?;
         }
+        row.adam = Some(adam);
     }
-    let device = ddp.device().clone().autodiff();
-    if ddp.is_main() {
-        println!();
-        println!(
-            "| model | params | ranks | transport | optimizer (Adam) | bucket MiB | step ms | vs {first} | state MiB per rank (max) | vs {first} |",
-            first = args.optimizers[0]
-        );
-        println!("|---|---|---|---|---|---|---|---|---|---|");
-    }
-    for &model in &args.models {
-        let mut first: Option<(f64, f64)> = None;
-        for mode in &args.optimizers {
-            let sharded = mode == "sharded";
-            device.seed(7);
-            let ((step, state), params) = match model {
-                Model::Mlp => {
-                    let m = ddp.replicate_model(Mlp::new(&device))?;
-                    let p = m.num_params();
-                    let loss = |m: &Mlp| m.loss(args.batch, &device);
-                    (bench_optimizer(ddp, args, sharded, m, loss)?, p)
-                }
-                Model::Cnn => {
-                    let m = ddp.replicate_model(Cnn::new(&device))?;
-                    let p = m.num_params();
-                    let loss = |m: &Cnn| m.loss(args.batch, &device);
-                    (bench_optimizer(ddp, args, sharded, m, loss)?, p)
-                }
-            };
-            let mut largest = [state as i64];
-            ddp.with_group(|pg| pg.all_reduce(&mut largest, ReduceOp::Max))?;
-            let state_mib = largest[0] as f64 / (1024.0 * 1024.0);
-            let (base_step, base_state) = *first.get_or_insert((step, state_mib));
-            if ddp.is_main() {
-                println!(
-                    "| {model:?} | {params} | {} | {transport} | {mode} | {} | {step:.1} | {:.3} | {state_mib:.2} | {:.3} |",
-                    ddp.world_size(),
-                    args.optimizer_bucket_mib,
-                    step / base_step,
-                    state_mib / base_state,
-                );
-            }
-        }
-    }
-    Ok(())
+    Ok((row, params))
 }
 
 fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
@@ -353,29 +320,40 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     };
     if ddp.is_main() {
         println!(
-            "| model | params | ranks | transport | wire | bucket MiB | buckets | compute ms | skew ms | sync ms | sync vs first | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % |"
+            "| model | params | ranks | transport | wire | bucket MiB | buckets | compute ms | skew ms | sync ms | sync vs first | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % | Adam step ms, unsharded → sharded | sharded vs unsharded | Adam state MiB per rank, unsharded → sharded |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!(
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        );
     }
     for &model in &args.models {
         for &mib in &args.bucket_mib {
             let cap = (mib * 1024.0 * 1024.0) as usize;
             let mut first_sync = None;
             for &compression in &args.compression {
-                device.seed(7);
+                let setting = (cap, compression);
+                // Every model of a row starts from the same seed.
                 let (row, params) = match model {
-                    Model::Mlp => {
-                        let m = ddp.replicate_model(Mlp::new(&device))?;
-                        let p = m.num_params();
-                        let loss = |m: &Mlp| m.loss(args.batch, &device);
-                        (bench(&ddp, args, cap, compression, m, loss)?, p)
-                    }
-                    Model::Cnn => {
-                        let m = ddp.replicate_model(Cnn::new(&device))?;
-                        let p = m.num_params();
-                        let loss = |m: &Cnn| m.loss(args.batch, &device);
-                        (bench(&ddp, args, cap, compression, m, loss)?, p)
-                    }
+                    Model::Mlp => measure(
+                        &ddp,
+                        args,
+                        setting,
+                        || {
+                            device.seed(7);
+                            Mlp::new(&device)
+                        },
+                        |m: &Mlp| m.loss(args.batch, &device),
+                    )?,
+                    Model::Cnn => measure(
+                        &ddp,
+                        args,
+                        setting,
+                        || {
+                            device.seed(7);
+                            Cnn::new(&device)
+                        },
+                        |m: &Cnn| m.loss(args.batch, &device),
+                    )?,
                 };
                 let base = *first_sync.get_or_insert(row.sync);
                 if ddp.is_main() {
@@ -389,8 +367,14 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
                     } else {
                         "—".to_string()
                     };
+                    let sharded = row.adam.map_or_else(
+                        || "— | — | —".to_string(),
+                        |[(u, us), (s, ss)]| {
+                            format!("{u:.1} → {s:.1} | {:.3} | {us:.1} → {ss:.1}", s / u)
+                        },
+                    );
                     println!(
-                        "| {model:?} | {params} | {} | {transport} | {compression} | {mib} | {} | {:.1} | {:.1} | {:.1} | {speedup} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} |",
+                        "| {model:?} | {params} | {} | {transport} | {compression} | {mib} | {} | {:.1} | {:.1} | {:.1} | {speedup} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} | {sharded} |",
                         ddp.world_size(),
                         row.buckets,
                         row.compute,
@@ -406,7 +390,6 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
             }
         }
     }
-    run_optimizers(&ddp, args, &transport)?;
     ddp.barrier()
 }
 
