@@ -15,8 +15,33 @@ use std::time::{Duration, Instant};
 /// (see [`RankJob::new`]).
 pub const BIN_DIR_VAR: &str = "DDP_TESTS_BIN_DIR";
 
-/// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
+/// A free TCP port on 127.0.0.1 for a process the test starts to bind later (bound here and
+/// released).
+///
+/// It is taken **below the kernel's ephemeral range** (`ip_local_port_range`, 32768–60999 by
+/// default) where that leaves room: the ports the kernel hands out for a bind to port 0 — every
+/// rank's listeners and stores, in this test and the ones running beside it — come from that
+/// range, so they cannot take this port between its release here and the bind it is meant for
+/// (a port from the range itself could be, and once was: "Address already in use"). The
+/// candidates are spread by process id and call, and each is checked by binding it.
 pub fn free_port() -> u16 {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(32768);
+    const LOWEST: u64 = 10_000;
+    if ephemeral_start > LOWEST + 1000 {
+        let span = ephemeral_start - LOWEST;
+        let seed = u64::from(std::process::id()).wrapping_mul(7919);
+        for _ in 0..64 {
+            let call = CALLS.fetch_add(1, Ordering::Relaxed);
+            let port = LOWEST + (seed + call.wrapping_mul(104_729)) % span;
+            if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -476,5 +501,30 @@ impl JobResult {
     /// Panics with [`JobResult::report`] unless every rank exited with code 0.
     pub fn assert_success(&self) {
         assert!(self.success(), "a rank failed:\n{}", self.report());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ports are outside the range the kernel hands out for port 0, different from call
+    /// to call, and bindable when returned.
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range_and_bindable() {
+        let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok());
+        let ports: Vec<u16> = (0..20).map(|_| free_port()).collect();
+        for &p in &ports {
+            if let Some(start) = start.filter(|&s| s > 11_000) {
+                assert!(p < start, "port {p} is in the ephemeral range from {start}");
+            }
+            assert!(TcpListener::bind(("127.0.0.1", p)).is_ok(), "port {p}");
+        }
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
     }
 }
