@@ -49,6 +49,8 @@ const PUBLISHED: &[&str] = &[
     "-p",
     "burn-ddp-batchnorm",
     "-p",
+    "burn-ddp-checkpoint",
+    "-p",
     "burn-ddp",
     "-p",
     "ddprun",

@@ -327,6 +327,7 @@ fn the_libraries_have_no_import_cycles() {
         "crates/ddprun",
         "crates/burn-ddp-data",
         "crates/burn-ddp-batchnorm",
+        "crates/burn-ddp-checkpoint",
         "crates/burn-ddp",
         "crates/ddp-testkit",
         "tools/cuda-standin",

@@ -58,7 +58,7 @@ pub enum DdpError {
     Device(CommError),
     /// A checkpoint could not be saved, read or restored ([`crate::checkpoint`]).
     #[error(transparent)]
-    Checkpoint(#[from] crate::checkpoint::error::CheckpointError),
+    Checkpoint(#[from] burn_ddp_checkpoint::CheckpointError),
     /// The sampler or the sharded data loader failed ([`crate::data`]).
     #[error(transparent)]
     Data(#[from] crate::data::DataError),

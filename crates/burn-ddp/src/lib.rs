@@ -87,7 +87,6 @@ pub use burn_ddp_data as data;
 #[cfg(feature = "learner")]
 mod epoch_renderer;
 mod error;
-mod fingerprint;
 pub mod grad_sync;
 #[cfg(feature = "learner")]
 #[cfg_attr(docsrs, doc(cfg(feature = "learner")))]
@@ -95,7 +94,6 @@ pub mod learner;
 mod optimizer;
 mod panic_report;
 mod replicate;
-mod running_state;
 pub mod sharding;
 pub mod sync_batch_norm;
 #[cfg(test)]

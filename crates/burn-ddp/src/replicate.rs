@@ -7,7 +7,9 @@ use burn::tensor::{Bool, DType, Int, Shape, Tensor, TensorData};
 use crate::comm;
 use crate::context::Ddp;
 use crate::error::{DdpError, Result};
-use crate::fingerprint::Fnv;
+use std::hash::Hasher;
+
+use fnv::FnvHasher;
 
 /// What a module tensor is, for the cross-rank comparison.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,13 +150,13 @@ impl ModuleMapper for Unpacker<'_> {
 }
 
 fn fingerprint(lines: &[String]) -> i64 {
-    let mut h = Fnv::default();
-    h.write_u64(lines.len() as u64);
+    let mut h = FnvHasher::default();
+    h.write(&(lines.len() as u64).to_le_bytes());
     for l in lines {
         h.write(l.as_bytes());
         h.write(&[0]);
     }
-    h.0 as i64
+    h.finish() as i64
 }
 
 /// Finds the first rank and tensor that differ from rank 0 (deterministic on every rank).
@@ -198,7 +200,7 @@ impl Ddp {
         }
         // Rank 0 sends its newest running statistics; the others' pending updates must not
         // overwrite what they receive.
-        crate::running_state::commit_running_states(&model);
+        burn_ddp_checkpoint::commit_running_states(&model);
         let lines = describe(&model);
         let fp = fingerprint(&lines);
         let group = self.group().clone();

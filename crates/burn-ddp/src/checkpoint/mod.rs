@@ -48,143 +48,27 @@
 //! ([`Checkpoint::own_buffers`]). `Ddp::replicate_model` copies rank 0's buffers to every rank:
 //! call it before [`Checkpointer::load`], as above, not after.
 
-mod atomic;
-mod buffers;
-pub(crate) mod error;
-mod file;
-
+use std::hash::Hasher;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
-use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 
-pub use buffers::restore_buffers;
-pub use error::CheckpointError;
-pub use file::{WRITE_PAUSE_VAR, write_atomic};
+pub use burn_ddp_checkpoint::{
+    Checkpoint, CheckpointError, Progress, Resumed, WRITE_PAUSE_VAR, restore_buffers, write_atomic,
+};
 
 use crate::comm::{self, GroupHandle};
-use crate::data::LoaderState;
 use crate::error::{DdpError, Result};
 use crate::optimizer::DdpOptimizer;
 
 /// The checkpoint's file name under the directory given to [`Checkpointer::new`].
 pub const DEFAULT_FILE_NAME: &str = "checkpoint.bin";
-
-/// Where a training run stands: saved with every checkpoint, returned on resume.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Progress {
-    /// Optimizer steps taken so far (the global step).
-    pub step: u64,
-    /// Epochs completed.
-    pub epochs_done: u64,
-    /// The sharded loader's position ([`crate::data::ShardedDataLoader::state`]), to continue
-    /// the data order at the exact batch; `None` when the program doesn't use the loader.
-    pub loader: Option<LoaderState>,
-}
-
-/// One checkpoint in memory: progress, metadata of type `T`, and the two records.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Checkpoint<T> {
-    /// Where the run stood.
-    pub progress: Progress,
-    /// The world size of the job that wrote it.
-    pub world_size: usize,
-    /// The program's own metadata.
-    pub metadata: T,
-    /// The model record (burnpack bytes, [`Module::into_record`]).
-    pub model: Vec<u8>,
-    /// The optimizer state (burnpack bytes, [`OptimizerState::state_bytes`]).
-    pub optimizer: Vec<u8>,
-    /// Every rank's buffers (float tensors without gradient, in visit order, as bytes) when
-    /// they differ between ranks — per-rank BatchNorm's running statistics; empty when every
-    /// rank's equal rank 0's, which [`Self::model`] holds (SyncBatchNorm, one rank).
-    pub rank_buffers: Vec<Vec<u8>>,
-    /// The rank and world size of the process that read it ([`Checkpointer::read`]): whose
-    /// buffers [`Checkpointer::restore`] takes from [`Self::rank_buffers`].
-    reader: Option<(usize, usize)>,
-}
-
-impl<T> Checkpoint<T> {
-    /// Captures `model` and `optim` now.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Encode`] when a record can't be serialised.
-    pub fn capture<M: Module>(
-        model: &M,
-        optim: &impl OptimizerState,
-        progress: Progress,
-        world_size: usize,
-        metadata: T,
-    ) -> Result<Self, CheckpointError> {
-        Self::capture_with_state(model, optim.state_bytes()?, progress, world_size, metadata)
-    }
-
-    /// [`Self::capture`] with the optimizer state given as bytes (e.g. a sharded optimizer's
-    /// state gathered to rank 0, [`OptimizerState::gather_state_bytes`]).
-    ///
-    /// # Errors
-    /// [`CheckpointError::Encode`] when the model record can't be serialised.
-    pub fn capture_with_state<M: Module>(
-        model: &M,
-        optimizer: Vec<u8>,
-        progress: Progress,
-        world_size: usize,
-        metadata: T,
-    ) -> Result<Self, CheckpointError> {
-        // The newest running statistics, not the ones before the last step's update.
-        crate::running_state::commit_running_states(model);
-        let model = model
-            .clone()
-            .into_record()
-            .into_bytes()
-            .map_err(|e| CheckpointError::Encode(format!("the model record: {e}")))?
-            .to_vec();
-        Ok(Self {
-            progress,
-            world_size,
-            metadata,
-            model,
-            optimizer,
-            rank_buffers: Vec::new(),
-            reader: None,
-        })
-    }
-
-    /// The buffers [`Checkpointer::restore`] gives the rank that read this checkpoint: its
-    /// own, when the checkpoint holds every rank's and the job has the world size that wrote
-    /// it; `None` otherwise (every rank then has rank 0's, from the model record).
-    pub fn own_buffers(&self) -> Option<&[u8]> {
-        let (rank, world) = self.reader?;
-        (self.rank_buffers.len() == world && world == self.world_size)
-            .then(|| self.rank_buffers[rank].as_slice())
-    }
-
-    /// `model` with the checkpoint's parameters and buffers; `origin` names the checkpoint in
-    /// errors.
-    ///
-    /// # Errors
-    /// [`CheckpointError::DoesNotFit`] when the record is not one of this model.
-    pub fn restore_model<M: Module>(&self, model: M, origin: &Path) -> Result<M, CheckpointError> {
-        let misfit = |reason: String| CheckpointError::DoesNotFit {
-            path: origin.to_path_buf(),
-            reason,
-        };
-        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(self.model.clone()))
-            .map_err(|e| misfit(format!("the model record: {e}")))?;
-        // A pending update of the model's own would overwrite the loaded running statistics
-        // at the next forward.
-        crate::running_state::commit_running_states(&model);
-        model
-            .try_load_record(record)
-            .map_err(|e| misfit(format!("the model record does not fit the model: {e}")))
-    }
-}
 
 /// An optimizer whose state a checkpoint can hold: Burn's [`ModuleOptimizer`] and the
 /// [`DdpOptimizer`] wrapping one.
@@ -272,17 +156,6 @@ impl OptimizerState for DdpOptimizer {
             None => Ok(None),
         }
     }
-}
-
-/// What [`Checkpointer::load`] resumed, besides the model.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Resumed<T> {
-    /// Where the run stood.
-    pub progress: Progress,
-    /// The world size of the job that wrote the checkpoint.
-    pub world_size: usize,
-    /// The program's metadata.
-    pub metadata: T,
 }
 
 /// Saves and resumes a job's checkpoint (see the [module docs](self)).
@@ -471,12 +344,12 @@ impl Checkpointer {
         // they differ (per-rank BatchNorm): equal buffers — SyncBatchNorm, frozen parameters —
         // cost one number per rank.
         let rank_buffers = if world_size > 1 {
-            let mine = buffers::pack(model);
-            let mut h = crate::fingerprint::Fnv::default();
+            let mine = burn_ddp_checkpoint::pack_buffers(model);
+            let mut h = fnv::FnvHasher::default();
             h.write(&mine);
             let mut all_h = vec![0i64; world_size];
             let mut pg = comm::lock(g);
-            pg.all_gather(&[h.0 as i64], &mut all_h)?;
+            pg.all_gather(&[h.finish() as i64], &mut all_h)?;
             if all_h.iter().all(|x| *x == all_h[0]) {
                 Vec::new()
             } else {
@@ -493,7 +366,10 @@ impl Checkpointer {
                 .and_then(|state| {
                     Checkpoint::capture_with_state(model, state, progress, world_size, metadata)
                 })
-                .and_then(|ck| Checkpoint { rank_buffers, ..ck }.write(&self.path))
+                .and_then(|mut ck| {
+                    ck.rank_buffers = rank_buffers;
+                    ck.write(&self.path)
+                })
                 .map_err(DdpError::from),
             Ok(_) => Ok(()),
             // A failed collective broke the group: nothing more to wait for.
@@ -572,9 +448,12 @@ impl Checkpointer {
             Vec::new()
         } else {
             // Also when no checkpoint exists yet: a first save killed half-way left one.
-            atomic::remove_stale_temporaries(&self.path);
-            let found = presence(&self.path)
-                .and_then(|found| found.then(|| file::read_file(&self.path)).transpose());
+            burn_ddp_checkpoint::remove_stale_temporaries(&self.path);
+            let found = presence(&self.path).and_then(|found| {
+                found
+                    .then(|| burn_ddp_checkpoint::read_file(&self.path))
+                    .transpose()
+            });
             match found {
                 Ok(None) => vec![NONE],
                 Ok(Some(b)) => [&[FOUND][..], &b].concat(),
@@ -600,9 +479,8 @@ impl Checkpointer {
         match tag {
             NONE => Ok(None),
             FOUND => {
-                let mut ck = Checkpoint::<T>::from_bytes(body, &self.path)?;
-                ck.reader = Some((rank, world));
-                Ok(Some(ck))
+                let ck = Checkpoint::<T>::from_bytes(body, &self.path)?;
+                Ok(Some(ck.read_by(rank, world)))
             }
             _ => Err(CheckpointError::OnRankZero(String::from_utf8_lossy(body).into()).into()),
         }

@@ -1,6 +1,8 @@
 //! A slot per trainable float parameter, in module visit order: its gradient taken out of
 //! Burn's `GradientsParams`, and the averaged gradient registered back.
 
+use std::hash::Hasher;
+
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
@@ -104,13 +106,13 @@ impl ModuleVisitor for SlotWriter<'_> {
 
 /// FNV-1a over the slot sizes and ranks: equal on ranks with the same trainable layout.
 pub(crate) fn layout_fingerprint(slots: &[Slot]) -> u64 {
-    let mut h = crate::fingerprint::Fnv::default();
-    h.write_u64(slots.len() as u64);
+    let mut h = fnv::FnvHasher::default();
+    h.write(&(slots.len() as u64).to_le_bytes());
     for s in slots {
-        h.write_u64(s.shape.num_dims() as u64);
+        h.write(&(s.shape.num_dims() as u64).to_le_bytes());
         for &d in s.shape.iter() {
-            h.write_u64(d as u64);
+            h.write(&(d as u64).to_le_bytes());
         }
     }
-    h.0
+    h.finish()
 }

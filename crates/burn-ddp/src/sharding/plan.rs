@@ -3,7 +3,9 @@
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
-use crate::fingerprint::Fnv;
+use std::hash::Hasher;
+
+use fnv::FnvHasher;
 
 /// The owner rank of each parameter, for parameters of `sizes` bytes (in module visit order)
 /// shared among `world_size` ranks.
@@ -71,16 +73,16 @@ pub(crate) fn trainable_params<M: Module>(module: &M) -> Vec<ParamInfo> {
 /// Fingerprint of a parameter layout: the shapes and byte sizes, not the ids (which differ
 /// from rank to rank).
 pub(crate) fn layout_fingerprint(params: &[ParamInfo]) -> u64 {
-    let mut h = Fnv::default();
-    h.write_u64(params.len() as u64);
+    let mut h = FnvHasher::default();
+    h.write(&(params.len() as u64).to_le_bytes());
     for p in params {
-        h.write_u64(p.bytes as u64);
-        h.write_u64(p.shape.len() as u64);
+        h.write(&(p.bytes as u64).to_le_bytes());
+        h.write(&(p.shape.len() as u64).to_le_bytes());
         for &d in &p.shape {
-            h.write_u64(d as u64);
+            h.write(&(d as u64).to_le_bytes());
         }
     }
-    h.0
+    h.finish()
 }
 
 /// A rank's view of the sharding of one model layout.

@@ -150,7 +150,7 @@ fn sync_dir(path: &Path) -> io::Result<()> {
 /// Removes the temporaries next to `path` that no live writer holds (their lock can be taken):
 /// what saves killed half-way left. A temporary being written — by this process or any
 /// other, on any host — is left alone. Returns how many were removed.
-pub(super) fn remove_stale_temporaries(path: &Path) -> usize {
+pub fn remove_stale_temporaries(path: &Path) -> usize {
     let (Some(dir), Some(prefix)) = (path.parent(), prefix(path)) else {
         return 0;
     };

@@ -34,7 +34,7 @@ pub enum CheckpointError {
     #[error("cannot encode the checkpoint: {0}")]
     Encode(String),
     /// The other ranks waited for rank 0's save or read longer than the checkpoint deadline
-    /// ([`super::Checkpointer::io_timeout`], `DDP_CHECKPOINT_TIMEOUT_SECS`).
+    /// (burn-ddp's `Checkpointer::io_timeout`, `DDP_CHECKPOINT_TIMEOUT_SECS`).
     #[error(
         "checkpoint {path}: rank 0's {what} did not finish within {after:.0?} (the checkpoint \
          deadline: Checkpointer::io_timeout or DDP_CHECKPOINT_TIMEOUT_SECS, not the collective \

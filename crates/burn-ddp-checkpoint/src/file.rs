@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{Checkpoint, CheckpointError, atomic};
+use crate::{Checkpoint, CheckpointError, atomic};
 
 const MAGIC: &[u8; 8] = b"BURNDDPC";
 const VERSION: u32 = 1;
@@ -25,7 +25,7 @@ pub const WRITE_PAUSE_VAR: &str = "DDP_CHECKPOINT_WRITE_PAUSE_MS";
 /// The header section: everything but the two records.
 #[derive(Serialize, serde::Deserialize)]
 struct Header<T> {
-    progress: super::Progress,
+    progress: crate::Progress,
     world_size: usize,
     metadata: T,
     /// Every rank's buffers when they differ (absent in files of earlier versions).
@@ -145,8 +145,11 @@ impl<T: DeserializeOwned> Checkpoint<T> {
     }
 }
 
-/// The raw bytes of the file at `path`.
-pub(super) fn read_file(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+/// The raw bytes of the file at `path` (what [`Checkpoint::from_bytes`] decodes).
+///
+/// # Errors
+/// [`CheckpointError::Io`] naming the file.
+pub fn read_file(path: &Path) -> Result<Vec<u8>, CheckpointError> {
     std::fs::read(path).map_err(|source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
@@ -175,9 +178,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Progress;
     use super::*;
-    use crate::data::LoaderState;
+    use crate::Progress;
+    use burn_ddp_data::LoaderState;
 
     fn sample() -> Checkpoint<Vec<String>> {
         Checkpoint {

@@ -20,6 +20,6 @@ use burn::module::Module;
 /// `RunningState` syncs its shared state, then copies it); the copy it returns is dropped.
 /// Committing averages the pending values of every thread into the state, as the next forward
 /// would have; with one training thread per rank that is exactly the last update.
-pub(crate) fn commit_running_states<M: Module>(module: &M) {
+pub fn commit_running_states<M: Module>(module: &M) {
     let _committed = module.valid();
 }

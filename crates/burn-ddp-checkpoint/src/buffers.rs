@@ -1,12 +1,12 @@
 //! A model's buffers — its float tensors that take no gradient: BatchNorm's running mean and
-//! variance, frozen parameters — as bytes ([`pack`]) and back ([`restore_buffers`]). With
+//! variance, frozen parameters — as bytes ([`pack_buffers`]) and back ([`restore_buffers`]). With
 //! per-rank BatchNorm every rank's running statistics differ; a checkpoint keeps each rank's,
 //! so that a resume at the same world size continues exactly where every rank was.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
 
-use super::CheckpointError;
+use crate::CheckpointError;
 
 /// Collects the bytes of every buffer in visit order.
 struct Packer {
@@ -22,8 +22,9 @@ impl ModuleVisitor for Packer {
     }
 }
 
-/// The bytes of `model`'s buffers in visit order, with its newest running statistics.
-pub(crate) fn pack<M: Module>(model: &M) -> Vec<u8> {
+/// The bytes of `model`'s buffers (its float tensors that take no gradient) in visit order,
+/// with its newest running statistics: what [`restore_buffers`] puts back.
+pub fn pack_buffers<M: Module>(model: &M) -> Vec<u8> {
     crate::running_state::commit_running_states(model);
     let mut p = Packer { bytes: Vec::new() };
     model.visit(&mut p);
@@ -55,7 +56,7 @@ impl ModuleMapper for Unpacker<'_> {
     }
 }
 
-/// `model` with its buffers replaced by `bytes` (what `pack` made of a model of the same
+/// `model` with its buffers replaced by `bytes` (what [`pack_buffers`] made of a model of the same
 /// shape).
 ///
 /// # Errors
@@ -76,7 +77,7 @@ pub fn restore_buffers<M: Module>(model: M, bytes: &[u8]) -> Result<M, Checkpoin
             reason: format!(
                 "this rank's buffers: {} bytes saved, the model's buffers take {}",
                 bytes.len(),
-                pack(&model).len()
+                pack_buffers(&model).len()
             ),
         });
     }
@@ -120,7 +121,7 @@ mod tests {
             &device,
         );
         let _ = trained.forward(x);
-        let bytes = pack(&trained);
+        let bytes = pack_buffers(&trained);
         assert_eq!(bytes.len(), 2 * 3 * 4, "mean and var, 3 channels of f32");
         let fresh: BatchNorm = BatchNormConfig::new(3).init(&device);
         let gamma = fresh.gamma.val().into_data();
