@@ -25,11 +25,18 @@
 //! compiled. A separate `cargo clippy` step would check every dependency (Burn, CubeCL, wgpu)
 //! a second time, in check mode: 17 minutes of a cold run here.
 //!
+//! **Beside the tests.** The libraries' no-GPU lint (a check of Burn's stack without GPU
+//! features: minutes cold) runs in a target directory of its own, at the lowest CPU priority,
+//! while the tests run: they keep about one of the two cores busy (163 CPU seconds in 170 s,
+//! measured 2026-12-05), so the lint takes the other one instead of minutes of its own. Its
+//! output is printed when the documentation step, which reads its metadata, waits for it.
+//!
 //! Disk: the bins have no test-harness builds (`test = false`), and on a nearly full disk
 //! what an earlier run left (test executables, check-only metadata) is deleted before the
 //! build (a CI run once died of a full disk in a link).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Instant;
 
 use cargo_tasks::{BURN_DEFAULT_DEVICE, FEATURES, LINT_MARKER, lint_with_clippy};
@@ -70,6 +77,18 @@ enum Lint {
     Subcommand,
 }
 
+/// When a step runs next to the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Timing {
+    /// After the step before it has ended.
+    InTurn,
+    /// Started, and left running beside the steps after it at the lowest CPU priority, its
+    /// output kept in a log; a [`Timing::AfterBackground`] step waits for it first.
+    Background,
+    /// Waits for the background step (and fails if it failed), then runs.
+    AfterBackground,
+}
+
 /// One CI step: a description and the cargo arguments.
 struct Step {
     what: &'static str,
@@ -79,7 +98,15 @@ struct Step {
     lint: Lint,
     /// Variables for the step's command.
     env: &'static [(&'static str, &'static str)],
+    timing: Timing,
+    /// Builds in the target directory of the libraries' no-GPU build ([`NO_GPU_TARGET`]), not
+    /// the test build's: a second cargo can then run beside the tests without waiting for
+    /// their build directory's lock.
+    no_gpu_target: bool,
 }
+
+/// The no-GPU build's target directory, under the workspace's.
+const NO_GPU_TARGET: &str = "no-gpu";
 
 fn steps() -> Vec<Step> {
     let step = |what, parts: &[&[&'static str]]| Step {
@@ -88,6 +115,8 @@ fn steps() -> Vec<Step> {
         needs_room: false,
         lint: Lint::Build,
         env: &[],
+        timing: Timing::InTurn,
+        no_gpu_target: false,
     };
     vec![
         Step {
@@ -98,18 +127,29 @@ fn steps() -> Vec<Step> {
             needs_room: true,
             env: &[BURN_DEFAULT_DEVICE],
             ..step(
-                "the workspace with its CUDA code built (clippy's lints, warnings denied) and linked; every test (unit, multi-process integration, doc, CUDA without a GPU)",
-                &[&["test", "--workspace", "--timings", "--features", FEATURES]],
+                "the workspace with its CUDA code built (clippy's lints, warnings denied) and linked, every test target",
+                &[&[
+                    "test",
+                    "--workspace",
+                    "--no-run",
+                    "--timings",
+                    "--features",
+                    FEATURES,
+                ]],
             )
         },
         // The libraries as a user builds them: default features (no GPU) plus burn-train's
         // integration, checked with clippy's lints (check mode: no code generated, so Burn's
         // stack costs its metadata only). The test build above has every GPU feature on, so
-        // without this step a build without `cuda` would never be compiled.
+        // without this step a build without `cuda` would never be compiled. It runs beside
+        // the tests, niced: they use about one of two cores (measured: 163 CPU seconds in
+        // 170 s), and a cold check of Burn's stack takes minutes.
         Step {
             lint: Lint::No,
+            timing: Timing::Background,
+            no_gpu_target: true,
             ..step(
-                "the libraries without GPU features, linted (cargo clippy)",
+                "the libraries without GPU features, linted (cargo clippy, beside the tests)",
                 &[
                     &["clippy"],
                     PUBLISHED,
@@ -118,11 +158,20 @@ fn steps() -> Vec<Step> {
                 ],
             )
         },
+        Step {
+            env: &[BURN_DEFAULT_DEVICE],
+            ..step(
+                "every test (unit, multi-process integration, doc, CUDA without a GPU)",
+                &[&["test", "--workspace", "--features", FEATURES]],
+            )
+        },
         // Their documentation, warnings denied (broken links, missing docs), from the metadata
-        // the step above left.
+        // the no-GPU step left.
         Step {
             lint: Lint::No,
             env: &[RUSTDOC_DENY_WARNINGS],
+            timing: Timing::AfterBackground,
+            no_gpu_target: true,
             ..step(
                 "the libraries' documentation, warnings denied (cargo doc)",
                 &[
@@ -244,7 +293,100 @@ fn free_bytes(path: &Path) -> Option<u64> {
     Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
-/// Runs every step; stops at the first failure.
+/// A step running in the background: its process (killed and reaped if CI stops before it
+/// is joined), its log and when it started.
+struct Background {
+    what: &'static str,
+    child: std::process::Child,
+    log: PathBuf,
+    started: Instant,
+}
+
+impl Background {
+    /// Waits for it; its log is printed either way, and its failure is CI's.
+    fn join(mut self) -> Result<(), String> {
+        let status = self
+            .child
+            .wait()
+            .map_err(|e| format!("{}: waiting: {e}", self.what))?;
+        match std::fs::read_to_string(&self.log) {
+            Ok(out) => eprint!("{out}"),
+            Err(e) => eprintln!("==> {}: its log {}: {e}", self.what, self.log.display()),
+        }
+        if !status.success() {
+            return Err(format!("{} failed ({status})", self.what));
+        }
+        eprintln!(
+            "==> {} passed ({:.0?} beside the steps in between)",
+            self.what,
+            self.started.elapsed()
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The cargo command of step `s`.
+fn command(root: &Path, s: &Step) -> Result<Command, String> {
+    let mut cmd = cargo_tasks::cargo();
+    cmd.args(&s.args)
+        .current_dir(root)
+        .envs(s.env.iter().copied());
+    if s.no_gpu_target {
+        cmd.env(
+            "CARGO_TARGET_DIR",
+            cargo_tasks::target_dir(root).join(NO_GPU_TARGET),
+        );
+    }
+    match s.lint {
+        Lint::No => {}
+        Lint::Build => lint_with_clippy(&mut cmd)?,
+        Lint::Subcommand => {
+            cmd.env(LINT_MARKER, "1");
+        }
+    }
+    Ok(cmd)
+}
+
+/// Starts `s` in the background at the lowest CPU priority, its output into a log.
+fn start_background(root: &Path, s: &Step) -> Result<Background, String> {
+    use std::os::unix::process::CommandExt;
+    let dir = cargo_tasks::target_dir(root);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let log = dir.join("ci-background.log");
+    let out = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut cmd = command(root, s)?;
+    cmd.stdout(out).stderr(err);
+    // SAFETY: setpriority is async-signal-safe; the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setpriority(libc::PRIO_PROCESS, 0, 19);
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("could not run cargo: {e}"))?;
+    Ok(Background {
+        what: s.what,
+        child,
+        log,
+        started: Instant::now(),
+    })
+}
+
+/// Runs every step; stops at the first failure (a background step still running is killed).
 pub fn run(root: &Path) -> Result<(), String> {
     let all = Instant::now();
     if let Err(e) = cuda_tools::cuda_build::check(root) {
@@ -253,36 +395,39 @@ pub fn run(root: &Path) -> Result<(), String> {
              `cargo xtask setup-cuda-build` first)"
         );
     }
-    for (i, s) in steps().iter().enumerate() {
+    let steps = steps();
+    let mut background: Option<Background> = None;
+    for (i, s) in steps.iter().enumerate() {
         if s.needs_room {
             make_room(root);
+        }
+        if s.timing == Timing::AfterBackground
+            && let Some(b) = background.take()
+        {
+            b.join()?;
         }
         let t = Instant::now();
         eprintln!(
             "==> [{}/{}] {}: cargo {}",
             i + 1,
-            steps().len(),
+            steps.len(),
             s.what,
             s.args.join(" ")
         );
-        let mut cmd = cargo_tasks::cargo();
-        cmd.args(&s.args)
-            .current_dir(root)
-            .envs(s.env.iter().copied());
-        match s.lint {
-            Lint::No => {}
-            Lint::Build => lint_with_clippy(&mut cmd)?,
-            Lint::Subcommand => {
-                cmd.env(LINT_MARKER, "1");
-            }
+        if s.timing == Timing::Background {
+            background = Some(start_background(root, s)?);
+            continue;
         }
-        let status = cmd
+        let status = command(root, s)?
             .status()
             .map_err(|e| format!("could not run cargo: {e}"))?;
         if !status.success() {
             return Err(format!("{} failed ({status})", s.what));
         }
         eprintln!("==> {} passed in {:.0?}", s.what, t.elapsed());
+    }
+    if let Some(b) = background {
+        b.join()?;
     }
     eprintln!("==> CI passed in {:.0?}", all.elapsed());
     Ok(())
@@ -292,6 +437,36 @@ pub fn run(root: &Path) -> Result<(), String> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The background step and the step that waits for it share the no-GPU target (the
+    /// documentation reads the metadata the lint left); every step between them builds in the
+    /// test build's target, so neither cargo waits for the other's lock; and each background
+    /// step is joined by a later step or at the end (one at a time).
+    #[test]
+    fn the_background_step_is_alone_in_its_target_and_joined() {
+        let steps = steps();
+        let mut open: Option<usize> = None;
+        for (i, s) in steps.iter().enumerate() {
+            match s.timing {
+                Timing::Background => {
+                    assert!(open.is_none(), "step {i}: a second background step");
+                    assert!(s.no_gpu_target, "step {i}");
+                    open = Some(i);
+                }
+                Timing::AfterBackground => {
+                    assert!(open.take().is_some(), "step {i} waits for nothing");
+                    assert!(s.no_gpu_target, "step {i}");
+                }
+                Timing::InTurn => {
+                    assert!(
+                        !(open.is_some() && s.no_gpu_target),
+                        "step {i} would wait for the background step's lock"
+                    );
+                }
+            }
+        }
+        assert!(steps.iter().any(|s| s.timing == Timing::Background));
+    }
 
     #[test]
     fn only_test_executables_and_check_only_metadata_are_removed() {
