@@ -35,6 +35,29 @@ impl ProcessGroup {
         }
     }
 
+    /// The node layout when this group is node-aware and `pays` says the node-aware path of
+    /// a call sends fewer bytes across; `None` for the flat path.
+    pub(super) fn nodes_where(
+        &self,
+        pays: impl Fn(&super::nodes::Nodes) -> bool,
+    ) -> Option<super::nodes::Nodes> {
+        self.mesh
+            .as_ref()
+            .filter(|m| m.node_aware)
+            .and_then(|m| m.nodes.clone())
+            .filter(|n| pays(n))
+    }
+
+    /// This rank's view of one collective's data round.
+    pub(super) fn round<'a>(&self, wait: &'a Waiting, what: &'a str) -> direct::Round<'a> {
+        direct::Round {
+            rank: self.rank,
+            world: self.world_size,
+            wait,
+            what,
+        }
+    }
+
     pub(super) fn what(&self, hdr: &Header) -> String {
         format!(
             "{} #{} on rank {} ({} × {})",
@@ -114,21 +137,12 @@ impl ProcessGroup {
             return Ok(());
         }
         // `root` of an all-reduce header says which algorithm runs: every rank must agree.
-        let nodes = self
-            .mesh
-            .as_ref()
-            .filter(|m| m.node_aware)
-            .and_then(|m| m.nodes.clone());
+        let nodes = self.nodes_where(|_| true);
         hdr.root = u32::from(nodes.is_some());
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
         let wait = self.waiting();
-        let round = direct::Round {
-            rank: self.rank,
-            world: n,
-            wait: &wait,
-            what: &what,
-        };
+        let round = self.round(&wait, &what);
         if let Some(nodes) = nodes {
             return hierarchical::all_reduce(self.mesh_mut(), &round, &nodes, buf, op);
         }
@@ -245,22 +259,14 @@ impl ProcessGroup {
             return self.reduce_inline_half(&hdr, buf, everything, h, div);
         }
         // `root` says which algorithm runs: every rank must agree.
-        let nodes = self
-            .compressed_node_aware()
-            .then(|| self.mesh.as_ref().and_then(|m| m.nodes.clone()))
-            .flatten();
+        let nodes = self.nodes_where(super::nodes::Nodes::compressed_chain_pays);
         let mut hdr = hdr;
         hdr.root = u32::from(nodes.is_some());
         self.exchange(&hdr, &[])?;
         let what = self.what(&hdr);
         let wait = self.waiting();
         if let Some(nodes) = nodes {
-            let round = direct::Round {
-                rank: r,
-                world: n,
-                wait: &wait,
-                what: &what,
-            };
+            let round = self.round(&wait, &what);
             let mut wire = std::mem::take(&mut self.mesh_mut().half);
             let res = hierarchical::all_reduce_compressed(
                 self.mesh_mut(),

@@ -186,22 +186,13 @@ fn exchange(
 mod tests {
     use super::*;
 
-    fn layout(sizes: &[usize]) -> Nodes {
-        let hosts: Vec<String> = sizes
-            .iter()
-            .enumerate()
-            .flat_map(|(j, &l)| std::iter::repeat_n(format!("h{j}"), l))
-            .collect();
-        Nodes::from_hosts(&hosts).unwrap()
-    }
-
     /// Every rank ends with every byte: what it holds, what it receives, once each, and each
     /// message received is sent by its sender (the two sides agree), in rounds where no rank
     /// sends two messages to one peer.
     #[test]
     fn every_byte_reaches_every_rank_once() {
         for sizes in [&[2, 2][..], &[4, 4], &[3, 1], &[2, 1, 3], &[2, 2, 2]] {
-            let nodes = layout(sizes);
+            let nodes = Nodes::of_sizes(sizes);
             let world: usize = sizes.iter().sum();
             let counts: Vec<usize> = (0..world).map(|p| 7 * p + 3 * (p % 2)).collect();
             let mut offs = vec![0];

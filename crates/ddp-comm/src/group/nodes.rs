@@ -103,16 +103,24 @@ impl Nodes {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn layout(sizes: &[usize]) -> Nodes {
+impl Nodes {
+    /// `sizes[j]` ranks on node `j`.
+    pub(crate) fn of_sizes(sizes: &[usize]) -> Nodes {
         let hosts: Vec<String> = sizes
             .iter()
             .enumerate()
             .flat_map(|(j, &l)| std::iter::repeat_n(format!("h{j}"), l))
             .collect();
-        Nodes::from_hosts(&hosts).unwrap()
+        Nodes::from_hosts(&hosts).expect("contiguous hosts")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(sizes: &[usize]) -> Nodes {
+        Nodes::of_sizes(sizes)
     }
 
     #[test]

@@ -78,24 +78,14 @@ impl ProcessGroup {
             }
             // Whether the node-aware path runs travels in the op's high bit: every rank must
             // agree (a mismatch fails the call on every rank).
-            let nodes = g
-                .mesh
-                .as_ref()
-                .filter(|m| m.node_aware)
-                .and_then(|m| m.nodes.clone())
-                .filter(super::nodes::Nodes::reduce_scatter_chain_pays);
+            let nodes = g.nodes_where(super::nodes::Nodes::reduce_scatter_chain_pays);
             if nodes.is_some() {
                 hdr.op |= NODE_AWARE_OP;
             }
             g.exchange(&hdr, &[])?;
             let what = g.what(&hdr);
             let wait = g.waiting();
-            let round = direct::Round {
-                rank: g.rank,
-                world: n,
-                wait: &wait,
-                what: &what,
-            };
+            let round = g.round(&wait, &what);
             match nodes {
                 Some(nodes) => super::hierarchical::reduce_scatter(
                     g.mesh_mut(),
@@ -174,12 +164,7 @@ impl ProcessGroup {
             g.exchange(&hdr, &[])?;
             let what = g.what(&hdr);
             let wait = g.waiting();
-            let round = direct::Round {
-                rank: r,
-                world: n,
-                wait: &wait,
-                what: &what,
-            };
+            let round = g.round(&wait, &what);
             let rounds = shards.rounds(4);
             for k in 0..rounds {
                 let pieces = shards.pieces(rounds, k);
@@ -241,11 +226,8 @@ impl ProcessGroup {
             // fail together.
             let all_inline = counts.iter().all(|&c| c * sz <= INLINE_BYTES);
             let nodes = g
-                .mesh
-                .as_ref()
-                .filter(|m| m.node_aware && !all_inline)
-                .and_then(|m| m.nodes.clone())
-                .filter(super::nodes::Nodes::worth_it);
+                .nodes_where(super::nodes::Nodes::worth_it)
+                .filter(|_| !all_inline);
             if nodes.is_some() {
                 hdr.op |= NODE_AWARE_OP;
             }
@@ -271,12 +253,7 @@ impl ProcessGroup {
             }
             let what = g.what(&hdr);
             let wait = g.waiting();
-            let round = direct::Round {
-                rank: g.rank,
-                world: n,
-                wait: &wait,
-                what: &what,
-            };
+            let round = g.round(&wait, &what);
             super::node_gather::all_gather_into(g.mesh_mut(), &round, &nodes, bytes, &offs, &inline)
         })
     }

@@ -233,15 +233,24 @@ fn the_compressed_node_aware_path_equals_the_flat_one() {
             }
             out
         });
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (r, runs) in seen.iter().enumerate() {
-            for (i, [aware, flat]) in runs.iter().enumerate() {
-                assert!(
-                    bits(aware) == bits(flat),
-                    "{layout:?} (chain {chain}) run {i}: rank {r}'s node-aware result differs"
-                );
-                assert!(bits(aware) == bits(&seen[0][i][0]), "rank {r} run {i}");
-            }
+        same_on_both_paths_and_ranks(&format!("{layout:?} (chain {chain})"), &seen);
+    }
+}
+
+/// Every rank's runs (`seen[rank][run]`, the node-aware result and the flat one): the two
+/// bitwise equal, and equal to rank 0's.
+fn same_on_both_paths_and_ranks(what: &str, seen: &[Vec<[Vec<f32>; 2]>]) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (r, runs) in seen.iter().enumerate() {
+        for (i, [aware, flat]) in runs.iter().enumerate() {
+            assert!(
+                bits(aware) == bits(flat),
+                "{what} run {i}: rank {r}'s node-aware result differs from the flat one"
+            );
+            assert!(
+                bits(aware) == bits(&seen[0][i][0]),
+                "{what}: rank {r} run {i}"
+            );
         }
     }
 }
@@ -395,20 +404,15 @@ fn the_node_aware_all_gather_equals_the_flat_one() {
             }
             out
         });
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (r, runs) in seen.iter().enumerate() {
-            for (i, [aware, flat]) in runs.iter().enumerate() {
+            for (i, [aware, _]) in runs.iter().enumerate() {
                 assert!(
                     aware.iter().all(|v| !v.is_nan()),
                     "{layout:?} run {i}: rank {r} misses values"
                 );
-                assert!(
-                    bits(aware) == bits(flat),
-                    "{layout:?} run {i}: rank {r}'s node-aware gather differs from the flat one"
-                );
-                assert!(bits(aware) == bits(&seen[0][i][0]), "rank {r} run {i}");
             }
         }
+        same_on_both_paths_and_ranks(&format!("{layout:?}"), &seen);
     }
 }
 
