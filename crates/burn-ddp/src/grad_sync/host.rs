@@ -5,7 +5,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Tensor, TensorData};
-use ddp_comm::{Compression, ReduceOp};
+use ddp_comm::{Collectives, Compression, ReduceOp};
 
 use super::buckets::Bucket;
 use super::slots::Slot;
@@ -31,7 +31,7 @@ impl GradientSynchronizer {
                 let mut parts = fill_bucket(slots, bucket)?;
                 times.fill += t.elapsed();
                 let t = Instant::now();
-                reduce_parts(&mut comm::lock(&self.group), &mut parts, wire)?;
+                reduce_parts(&mut *comm::lock(&self.group), &mut parts, wire)?;
                 times.all_reduce += t.elapsed();
                 let t = Instant::now();
                 unpack_bucket(slots, parts);
@@ -50,7 +50,7 @@ impl GradientSynchronizer {
                 let mut busy = Duration::ZERO;
                 for mut parts in comm_in {
                     let t = Instant::now();
-                    reduce_parts(&mut g, &mut parts, compression)?;
+                    reduce_parts(&mut *g, &mut parts, compression)?;
                     busy += t.elapsed();
                     if comm_out.send(parts).is_err() {
                         break;
@@ -129,14 +129,15 @@ impl Part {
 }
 
 /// All-reduces a bucket's parts in order, averaging (Mean: the ring divides each chunk once,
-/// as it finishes reducing it), on the wire as `compression` says.
-fn reduce_parts(
-    group: &mut ddp_comm::ProcessGroup,
+/// as it finishes reducing it), on the wire as `compression` says. Written against
+/// [`Collectives`] on host memory: the host group in every job.
+fn reduce_parts<C: Collectives<Buffer = [f32]>>(
+    group: &mut C,
     parts: &mut [Part],
     compression: Compression,
 ) -> Result<()> {
     for part in parts {
-        group.all_reduce_compressed(part.values()?, ReduceOp::Mean, compression)?;
+        group.all_reduce(part.values()?, ReduceOp::Mean, compression)?;
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData};
-use ddp_comm::{Compression, ReduceOp};
+use ddp_comm::{Collectives, Compression, ReduceOp};
 
 use super::owner_streams::OwnerStreams;
 use crate::comm;
@@ -158,7 +158,9 @@ impl GradientSynchronizer {
                 )?;
                 stats.fill += t.elapsed();
                 let t = Instant::now();
-                comm::lock(&self.group).reduce_scatter_compressed(
+                // The host group through the interface the device path uses too.
+                Collectives::reduce_scatter(
+                    &mut *comm::lock(&self.group),
                     &mut buf,
                     &counts,
                     ReduceOp::Mean,
