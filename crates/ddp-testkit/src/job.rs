@@ -15,30 +15,35 @@ use std::time::{Duration, Instant};
 /// (see [`RankJob::new`]).
 pub const BIN_DIR_VAR: &str = "DDP_TESTS_BIN_DIR";
 
-/// A free TCP port on 127.0.0.1 for a process the test starts to bind later (bound here and
-/// released).
+/// A free TCP port on 127.0.0.1 for a process the test starts to bind later (checked here,
+/// not held).
 ///
-/// It is taken **below the kernel's ephemeral range** (`ip_local_port_range`, 32768–60999 by
-/// default) where that leaves room: the ports the kernel hands out for a bind to port 0 — every
-/// rank's listeners and stores, in this test and the ones running beside it — come from that
-/// range, so they cannot take this port between its release here and the bind it is meant for
-/// (a port from the range itself could be, and once was: "Address already in use"). The
-/// candidates are spread by process id and call, and each is checked by binding it.
+/// - **Below the kernel's ephemeral range** (`ip_local_port_range`, 32768–60999 by default),
+///   where that leaves room. The kernel hands out that range for every bind to port 0 and
+///   every outgoing connection: a rank's listeners and stores, a flood test's hundreds of
+///   connections a second. A port from the range can be taken by one of those between its
+///   release here and the bind it is meant for. That happened once in CI: "Address already in
+///   use" on a launchers' rendezvous port.
+/// - **A slice of its own per process**, 1/32 of the room chosen by process id, taken in turn
+///   call by call. A test binary's ports then differ from those of a test process still
+///   shutting down beside it.
+/// - **Nothing on the port at all**: the check binds it without `SO_REUSEADDR`, so a port
+///   still holding a connection (even one closing, or in TIME_WAIT) is passed over.
 pub fn free_port() -> u16 {
     static CALLS: AtomicU64 = AtomicU64::new(0);
+    const LOWEST: u64 = 10_000;
+    const SLICES: u64 = 32;
     let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
         .unwrap_or(32768);
-    const LOWEST: u64 = 10_000;
-    if ephemeral_start > LOWEST + 1000 {
-        let span = ephemeral_start - LOWEST;
-        let seed = u64::from(std::process::id()).wrapping_mul(7919);
-        for _ in 0..64 {
-            let call = CALLS.fetch_add(1, Ordering::Relaxed);
-            let port = LOWEST + (seed + call.wrapping_mul(104_729)) % span;
-            if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
-                return port as u16;
+    if ephemeral_start > LOWEST + 64 * SLICES {
+        let width = (ephemeral_start - LOWEST) / SLICES;
+        let slice = LOWEST + u64::from(std::process::id()) % SLICES * width;
+        for _ in 0..width {
+            let port = (slice + CALLS.fetch_add(1, Ordering::Relaxed) % width) as u16;
+            if nothing_on(port) {
+                return port;
             }
         }
     }
@@ -46,6 +51,16 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("binding 127.0.0.1:0")
+}
+
+/// Whether 127.0.0.1:`port` can be bound without `SO_REUSEADDR`: no socket of any state is on
+/// it.
+fn nothing_on(port: u16) -> bool {
+    use socket2::{Domain, Socket, Type};
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    Socket::new(Domain::IPV4, Type::STREAM, None)
+        .and_then(|s| s.bind(&addr.into()))
+        .is_ok()
 }
 
 /// A job token unique to this process and call.

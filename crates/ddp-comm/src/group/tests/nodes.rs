@@ -445,3 +445,42 @@ fn ranks_that_disagree_on_the_all_gather_fail_together() {
     });
     fail_together(res);
 }
+
+/// A rank that leaves (drops its group) before a node-aware collective: every other rank's
+/// call fails with a dead connection well within the collective timeout, for the all-reduce,
+/// the reduce-scatter and the all-gather, whether the rank that left owns a channel or not.
+#[test]
+fn a_departed_rank_fails_every_node_aware_collective_at_once() {
+    for call in 0..3 {
+        for leaver in [1, 5] {
+            let res = run_ranks_on(&hosts(&[3, 3]), opts(true), move |pg| {
+                assert!(pg.node_aware());
+                if pg.rank() == leaver {
+                    return None;
+                }
+                // Give the leaver time to drop its group.
+                std::thread::sleep(Duration::from_millis(100));
+                let mut buf = vec![1.0f32; 300_000];
+                let counts = [50_000; 6];
+                let t = Instant::now();
+                let result = match call {
+                    0 => pg.all_reduce(&mut buf, ReduceOp::Sum),
+                    1 => pg.reduce_scatter(&mut buf, &counts, ReduceOp::Sum),
+                    _ => pg.all_gather_into(&mut buf, &counts),
+                };
+                Some((result.expect_err("a rank left"), t.elapsed()))
+            });
+            for (r, seen) in res.iter().enumerate().filter(|&(r, _)| r != leaver) {
+                let (e, took) = seen.as_ref().expect("a rank that stayed");
+                assert!(
+                    matches!(e, CommError::PeerClosed { .. }),
+                    "rank {r}, call {call}, rank {leaver} left: {e}"
+                );
+                assert!(
+                    *took < Duration::from_secs(10),
+                    "rank {r}, call {call}: {took:?}"
+                );
+            }
+        }
+    }
+}
