@@ -1,7 +1,7 @@
 //! The thesis on burn-train's path: two ranks with batch b take the steps one process takes
 //! with batch 2b (tanh and plain SGD: no ReLU kinks or Adam normalisation to amplify the
 //! rounding of a batch mean taken in two halves). Rank 0's console has one line per epoch and
-//! split; rank 1's has nothing.
+//! split; rank 1's has nothing. And the program runs as a user launches it, under `ddprun`.
 
 use std::time::Duration;
 
@@ -57,5 +57,72 @@ fn two_ranks_of_batch_10_train_as_one_process_of_batch_20() {
     assert!(
         dir.path().join("one/rank0/checkpoint").exists(),
         "rank 0 writes checkpoints"
+    );
+}
+
+/// The program as a user launches it: `ddprun --nproc-per-node 2 -- train-learner …` exits 0,
+/// its prefixed output has rank 0's line per epoch and split and nothing of rank 1, and the
+/// parameters are bitwise those of the same two ranks started without the launcher.
+#[test]
+fn under_ddprun_two_ranks_train_as_they_do_without_it() {
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let (direct, _) = train(2, 10, &dir.path().join("direct"));
+
+    let ddprun = std::path::Path::new(PROGRAM).with_file_name("ddprun");
+    assert!(
+        ddprun.exists(),
+        "{} is missing: `cargo test --workspace` builds it",
+        ddprun.display()
+    );
+    let out = dir.path().join("ddprun");
+    let port = ddp_testkit::free_port().to_string();
+    let mut child = Command::new(&ddprun)
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--",
+            PROGRAM,
+        ])
+        .args(["--epochs", "2", "--train-size", "600", "--batch-size", "10"])
+        .arg("--out")
+        .arg(&out)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ddprun");
+    let stdout = ddp_testkit::collect(child.stdout.take().unwrap());
+    let stderr = ddp_testkit::collect(child.stderr.take().unwrap());
+    let mut launcher = ddp_testkit::Launchers(vec![child]);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(s) = launcher.0[0].try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "ddprun overran 240 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    assert!(status.success(), "ddprun: {status}\n{stdout}\n{stderr}");
+
+    let rank0 = ddp_testkit::rank_lines(&stdout, 0);
+    assert!(
+        rank0.iter().any(|l| l.starts_with("epoch 2/2 train:"))
+            && rank0.iter().any(|l| l.starts_with("epoch 2/2 valid:")),
+        "rank 0 prints a line per epoch and split:\n{stdout}"
+    );
+    assert!(
+        ddp_testkit::rank_lines(&stdout, 1).is_empty(),
+        "rank 1 stays quiet:\n{stdout}"
+    );
+    assert_eq!(
+        read_f32(&out.join("params.f32")),
+        direct,
+        "ddprun's ranks and the same ranks started directly differ"
     );
 }
