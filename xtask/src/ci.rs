@@ -31,6 +31,10 @@
 //! measured 2026-12-05), so the lint takes the other one instead of minutes of its own. Its
 //! output is printed when the documentation step, which reads its metadata, waits for it.
 //!
+//! **The launcher installed.** `cargo install --path crates/ddprun`, the README's install line,
+//! runs into `target/ci-install` and its `ddprun --version` is checked; it reuses the release
+//! dependencies of `cargo xtask`'s own build.
+//!
 //! Disk: the bins have no test-harness builds (`test = false`), and on a nearly full disk
 //! what an earlier run left (test executables, check-only metadata) is deleted before the
 //! build (a CI run once died of a full disk in a link).
@@ -89,6 +93,9 @@ enum Timing {
     AfterBackground,
 }
 
+/// A check of a step's result, given the workspace root.
+type Check = fn(&Path) -> Result<(), String>;
+
 /// One CI step: a description and the cargo arguments.
 struct Step {
     what: &'static str,
@@ -103,6 +110,8 @@ struct Step {
     /// the test build's: a second cargo can then run beside the tests without waiting for
     /// their build directory's lock.
     no_gpu_target: bool,
+    /// A check of what the step made, run after it passed.
+    then: Option<Check>,
 }
 
 /// The no-GPU build's target directory, under the workspace's.
@@ -117,6 +126,7 @@ fn steps() -> Vec<Step> {
         env: &[],
         timing: Timing::InTurn,
         no_gpu_target: false,
+        then: None,
     };
     vec![
         Step {
@@ -190,6 +200,27 @@ fn steps() -> Vec<Step> {
                 &[&["package"], PUBLISHED, &["--no-verify", "--allow-dirty"]],
             )
         },
+        // The launcher as the README installs it: `cargo install --path crates/ddprun` (release),
+        // into a folder under target; its dependencies are those the release build of xtask
+        // compiled (`cargo xtask` is a release build), so this compiles ddprun's own crates.
+        Step {
+            lint: Lint::No,
+            then: Some(installed_ddprun_prints_its_version),
+            ..step(
+                "the launcher installs (cargo install --path crates/ddprun) and prints its version",
+                &[&[
+                    "install",
+                    "--quiet",
+                    "--locked",
+                    "--path",
+                    "crates/ddprun",
+                    "--root",
+                    INSTALL_ROOT,
+                    "--target-dir",
+                    "target",
+                ]],
+            )
+        },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX
         // assembled by ptxas for sm_90a (the stand-in itself builds in seconds).
         Step {
@@ -227,6 +258,30 @@ fn steps() -> Vec<Step> {
             )
         },
     ]
+}
+
+/// Where the install step puts `ddprun` (`bin/ddprun` below it), relative to the workspace.
+const INSTALL_ROOT: &str = "target/ci-install";
+
+/// `INSTALL_ROOT/bin/ddprun --version` prints `ddprun <the workspace's version>`.
+fn installed_ddprun_prints_its_version(root: &Path) -> Result<(), String> {
+    let bin = root.join(INSTALL_ROOT).join("bin").join("ddprun");
+    let out = Command::new(&bin)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("{}: {e}", bin.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let want = format!("ddprun {}", env!("CARGO_PKG_VERSION"));
+    if !out.status.success() || text.trim() != want {
+        return Err(format!(
+            "{} --version: {} printed {:?}, expected {want:?}",
+            bin.display(),
+            out.status,
+            text.trim()
+        ));
+    }
+    eprintln!("==> {} --version: {want}", bin.display());
+    Ok(())
 }
 
 /// Free space below which [`make_room`] deletes what an earlier run left. The two builds of
@@ -423,6 +478,9 @@ pub fn run(root: &Path) -> Result<(), String> {
             .map_err(|e| format!("could not run cargo: {e}"))?;
         if !status.success() {
             return Err(format!("{} failed ({status})", s.what));
+        }
+        if let Some(check) = s.then {
+            check(root).map_err(|e| format!("{} failed: {e}", s.what))?;
         }
         eprintln!("==> {} passed in {:.0?}", s.what, t.elapsed());
     }
