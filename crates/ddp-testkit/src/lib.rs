@@ -31,7 +31,7 @@ pub mod syncbn_case;
 
 pub use flood::{Flood, connect_from};
 pub use job::{BIN_DIR_VAR, JobResult, RankJob, RankResult, RunningJob, free_port, job_token};
-pub use launchers::Launchers;
+pub use launchers::{Finished, Launched, Launchers};
 pub use output::{collect, rank_lines};
 
 /// The little-endian f32 values of the file at `path` (what the rank programs write their

@@ -76,56 +76,39 @@ fn matrix_world_4_two_hosts() {
 /// are right; both launchers exit 0.
 #[test]
 fn matrix_two_launchers_of_two_ranks_node_aware() {
-    use std::process::{Command, Stdio};
+    use std::process::Command;
     use std::time::Instant;
     let ddprun = std::path::Path::new(WORKER).with_file_name("ddprun");
     let port = ddp_testkit::free_port().to_string();
     let start = |node: usize| {
-        Command::new(&ddprun)
-            .args(["--nnodes", "2", "--node-rank", &node.to_string()])
-            .args(["--nproc-per-node", "2", "--master-port", &port, "--"])
-            .args([WORKER, "matrix"])
-            .env("DDP_JOB_TOKEN", "node-aware-matrix")
-            .env("DDP_HOST_ID", format!("host-{node}"))
-            .env_remove("DDP_NODE_AWARE")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start ddprun")
+        ddp_testkit::Launched::spawn(
+            Command::new(&ddprun)
+                .args(["--nnodes", "2", "--node-rank", &node.to_string()])
+                .args(["--nproc-per-node", "2", "--master-port", &port, "--"])
+                .args([WORKER, "matrix"])
+                .env("DDP_JOB_TOKEN", "node-aware-matrix")
+                .env("DDP_HOST_ID", format!("host-{node}"))
+                .env_remove("DDP_NODE_AWARE"),
+        )
+        .expect("start ddprun")
     };
-    let mut nodes = ddp_testkit::Launchers(vec![start(0), start(1)]);
-    let outputs: Vec<_> = nodes
-        .0
-        .iter_mut()
-        .map(|c| {
-            (
-                ddp_testkit::collect(c.stdout.take().unwrap()),
-                ddp_testkit::collect(c.stderr.take().unwrap()),
-            )
+    let nodes = [start(0), start(1)];
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let text: Vec<(String, String)> = nodes
+        .into_iter()
+        .enumerate()
+        .map(|(node, launcher)| {
+            let ended = launcher.wait_until(deadline);
+            assert!(
+                ended.status.success(),
+                "launcher {node}: {}\n{}\n{}",
+                ended.status,
+                ended.stdout,
+                ended.stderr
+            );
+            (ended.stdout, ended.stderr)
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let mut status = [None, None];
-    while status.iter().any(Option::is_none) {
-        for (s, c) in status.iter_mut().zip(&mut nodes.0) {
-            if s.is_none() {
-                *s = c.try_wait().unwrap();
-            }
-        }
-        assert!(Instant::now() < deadline, "the launchers overran 240 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let text: Vec<(String, String)> = outputs
-        .into_iter()
-        .map(|(o, e)| (o.join().unwrap(), e.join().unwrap()))
-        .collect();
-    for (node, (s, (out, err))) in status.iter().zip(&text).enumerate() {
-        assert!(
-            s.is_some_and(|s| s.success()),
-            "launcher {node}: {s:?}\n{out}\n{err}"
-        );
-    }
     let all: String = text.iter().map(|(o, _)| o.as_str()).collect();
     for rank in 0..4 {
         let lines = ddp_testkit::rank_lines(&all, rank);

@@ -128,28 +128,12 @@ fn ddprun_cmd(args: &[&str]) -> Command {
 }
 
 /// Waits for `child` with the test deadline; SIGKILLs it (and so its ranks) past it.
-fn finish(mut child: Child) -> Run {
-    let out = ddp_testkit::collect(child.stdout.take().unwrap());
-    let err = ddp_testkit::collect(child.stderr.take().unwrap());
-    let deadline = Instant::now() + DEADLINE;
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "ddprun ran past the {DEADLINE:?} deadline; stderr so far is lost with it: {}",
-                err.join().unwrap()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
+fn finish(child: Child) -> Run {
+    let ended = ddp_testkit::Launched::adopt(child).wait_for(DEADLINE);
     Run {
-        status,
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
+        status: ended.status,
+        stdout: ended.stdout,
+        stderr: ended.stderr,
     }
 }
 

@@ -65,8 +65,6 @@ fn two_ranks_of_batch_10_train_as_one_process_of_batch_20() {
 /// parameters are bitwise those of the same two ranks started without the launcher.
 #[test]
 fn under_ddprun_two_ranks_train_as_they_do_without_it() {
-    use std::process::{Command, Stdio};
-    use std::time::Instant;
     let dir = tempfile::tempdir().unwrap();
     let (direct, _) = train(2, 10, &dir.path().join("direct"));
 
@@ -78,36 +76,18 @@ fn under_ddprun_two_ranks_train_as_they_do_without_it() {
     );
     let out = dir.path().join("ddprun");
     let port = ddp_testkit::free_port().to_string();
-    let mut child = Command::new(&ddprun)
-        .args([
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            &port,
-            "--",
-            PROGRAM,
-        ])
-        .args(["--epochs", "2", "--train-size", "600", "--batch-size", "10"])
-        .arg("--out")
-        .arg(&out)
-        .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start ddprun");
-    let stdout = ddp_testkit::collect(child.stdout.take().unwrap());
-    let stderr = ddp_testkit::collect(child.stderr.take().unwrap());
-    let mut launcher = ddp_testkit::Launchers(vec![child]);
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let status = loop {
-        if let Some(s) = launcher.0[0].try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "ddprun overran 240 s");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    let ended = ddp_testkit::Launched::spawn(
+        std::process::Command::new(&ddprun)
+            .args(["--nproc-per-node", "2", "--master-port", &port, "--"])
+            .arg(PROGRAM)
+            .args(["--epochs", "2", "--train-size", "600", "--batch-size", "10"])
+            .arg("--out")
+            .arg(&out)
+            .env("RAYON_NUM_THREADS", "1"),
+    )
+    .expect("start ddprun")
+    .wait_for(Duration::from_secs(240));
+    let (status, stdout, stderr) = (ended.status, ended.stdout, ended.stderr);
     assert!(status.success(), "ddprun: {status}\n{stdout}\n{stderr}");
 
     let rank0 = ddp_testkit::rank_lines(&stdout, 0);
