@@ -32,7 +32,7 @@
 //! output is printed when the documentation step, which reads its metadata, waits for it.
 //!
 //! **The launcher installed.** `cargo install --path crates/ddprun`, the README's install line,
-//! runs into `target/ci-install` and its `ddprun --version` is checked; it reuses the release
+//! runs into `ci-install` in the target directory and its `ddprun --version` is checked; it reuses the release
 //! dependencies of `cargo xtask`'s own build.
 //!
 //! Disk: the bins have no test-harness builds (`test = false`), and on a nearly full disk
@@ -110,6 +110,8 @@ struct Step {
     /// the test build's: a second cargo can then run beside the tests without waiting for
     /// their build directory's lock.
     no_gpu_target: bool,
+    /// A `cargo install`: into [`install_root`], compiled in the build's target directory.
+    installs: bool,
     /// A check of what the step made, run after it passed.
     then: Option<Check>,
 }
@@ -126,6 +128,7 @@ fn steps() -> Vec<Step> {
         env: &[],
         timing: Timing::InTurn,
         no_gpu_target: false,
+        installs: false,
         then: None,
     };
     vec![
@@ -205,20 +208,11 @@ fn steps() -> Vec<Step> {
         // compiled (`cargo xtask` is a release build), so this compiles ddprun's own crates.
         Step {
             lint: Lint::No,
+            installs: true,
             then: Some(installed_ddprun_prints_its_version),
             ..step(
                 "the launcher installs (cargo install --path crates/ddprun) and prints its version",
-                &[&[
-                    "install",
-                    "--quiet",
-                    "--locked",
-                    "--path",
-                    "crates/ddprun",
-                    "--root",
-                    INSTALL_ROOT,
-                    "--target-dir",
-                    "target",
-                ]],
+                &[&["install", "--quiet", "--locked", "--path", "crates/ddprun"]],
             )
         },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX
@@ -260,12 +254,15 @@ fn steps() -> Vec<Step> {
     ]
 }
 
-/// Where the install step puts `ddprun` (`bin/ddprun` below it), relative to the workspace.
-const INSTALL_ROOT: &str = "target/ci-install";
+/// Where the install step puts what it installs (`bin/` below it): `ci-install` in the
+/// workspace's target directory.
+fn install_root(root: &Path) -> PathBuf {
+    cargo_tasks::target_dir(root).join("ci-install")
+}
 
-/// `INSTALL_ROOT/bin/ddprun --version` prints `ddprun <the workspace's version>`.
+/// `bin/ddprun --version` below [`install_root`] prints `ddprun <the workspace's version>`.
 fn installed_ddprun_prints_its_version(root: &Path) -> Result<(), String> {
-    let bin = root.join(INSTALL_ROOT).join("bin").join("ddprun");
+    let bin = install_root(root).join("bin").join("ddprun");
     let out = Command::new(&bin)
         .arg("--version")
         .output()
@@ -401,6 +398,12 @@ fn command(root: &Path, s: &Step) -> Result<Command, String> {
             cargo_tasks::target_dir(root).join(NO_GPU_TARGET),
         );
     }
+    if s.installs {
+        // `cargo install` builds in a temporary directory unless told the target's.
+        cmd.env("CARGO_TARGET_DIR", cargo_tasks::target_dir(root))
+            .arg("--root")
+            .arg(install_root(root));
+    }
     match s.lint {
         Lint::No => {}
         Lint::Build => lint_with_clippy(&mut cmd)?,
@@ -524,6 +527,32 @@ mod tests {
             }
         }
         assert!(steps.iter().any(|s| s.timing == Timing::Background));
+    }
+
+    /// The install step builds in the workspace's target directory (reusing its release
+    /// dependencies, not a temporary one) and installs below it, where its check looks.
+    #[test]
+    fn the_install_step_builds_and_installs_in_the_target_directory() {
+        let root = Path::new("/workspace");
+        let s = steps()
+            .into_iter()
+            .find(|s| s.installs)
+            .expect("an install step");
+        let cmd = command(root, &s).unwrap();
+        let args: Vec<_> = cmd.get_args().collect();
+        assert!(
+            args.windows(2)
+                .any(|w| w[0] == "--root" && Path::new(w[1]) == install_root(root)),
+            "{args:?}"
+        );
+        let target = cargo_tasks::target_dir(root);
+        assert!(
+            cmd.get_envs()
+                .any(|(k, v)| k == "CARGO_TARGET_DIR" && v.map(Path::new) == Some(&target)),
+            "{:?}",
+            cmd.get_envs().collect::<Vec<_>>()
+        );
+        assert!(install_root(root).starts_with(&target));
     }
 
     #[test]
