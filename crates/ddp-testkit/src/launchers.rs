@@ -71,6 +71,11 @@ impl Launched {
         }
     }
 
+    /// When it was started (or adopted).
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     /// The program's process id.
     pub fn id(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)

@@ -4,9 +4,10 @@
 
 #![allow(dead_code)] // each test file uses its part
 
-use std::process::{Child, Command, Stdio};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use ddp_testkit::Launched;
 
 const DDPRUN: &str = env!("CARGO_BIN_EXE_ddprun");
 pub const DEADLINE: Duration = Duration::from_secs(60);
@@ -14,13 +15,8 @@ pub const DEADLINE: Duration = Duration::from_secs(60);
 /// loaded 2-core CI machine (beats every 400 ms).
 pub const HEARTBEAT: &str = "2";
 
-/// One launcher ("node") of a test job.
-pub struct Node {
-    child: Option<Child>,
-    stdout: Option<JoinHandle<String>>,
-    stderr: Option<JoinHandle<String>>,
-    started: Instant,
-}
+/// One launcher ("node") of a test job (SIGKILLed and reaped when dropped).
+pub struct Node(Launched);
 
 /// How a node ended.
 #[derive(Debug)]
@@ -48,8 +44,6 @@ impl Ended {
         ddp_testkit::rank_lines(&self.stdout, rank)
     }
 }
-
-use ddp_testkit::collect;
 
 /// A free port for a job's rendezvous, as ddprun's `--master-port` takes it.
 pub fn free_port() -> String {
@@ -81,21 +75,12 @@ impl Node {
             .env_remove("RUST_LOG")
             .env_remove("OMP_NUM_THREADS")
             .env_remove("RAYON_NUM_THREADS")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .envs(vars.iter().copied());
-        let mut child = cmd.spawn().expect("start ddprun");
-        Node {
-            stdout: Some(collect(child.stdout.take().unwrap())),
-            stderr: Some(collect(child.stderr.take().unwrap())),
-            child: Some(child),
-            started: Instant::now(),
-        }
+        Node(Launched::spawn(&mut cmd).expect("start ddprun"))
     }
 
     pub fn pid(&self) -> i32 {
-        self.child.as_ref().unwrap().id() as i32
+        self.0.id() as i32
     }
 
     pub fn signal(&self, sig: i32) {
@@ -103,37 +88,15 @@ impl Node {
         unsafe { libc::kill(self.pid(), sig) };
     }
 
-    /// Waits for the launcher with the test deadline (SIGKILLed past it).
-    pub fn wait(mut self) -> Ended {
-        let mut child = self.child.take().unwrap();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if self.started.elapsed() > DEADLINE {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!(
-                    "ddprun ran past the {DEADLINE:?} deadline: {}",
-                    self.stderr.take().unwrap().join().unwrap()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+    /// Waits for the launcher, at most the test deadline after its start (SIGKILLed past it).
+    pub fn wait(self) -> Ended {
+        let deadline = self.0.started() + DEADLINE;
+        let ended = self.0.wait_until(deadline);
         Ended {
-            code: status.code(),
-            after: self.started.elapsed(),
-            stdout: self.stdout.take().unwrap().join().unwrap(),
-            stderr: self.stderr.take().unwrap().join().unwrap(),
-        }
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            code: ended.status.code(),
+            after: ended.after,
+            stdout: ended.stdout,
+            stderr: ended.stderr,
         }
     }
 }
