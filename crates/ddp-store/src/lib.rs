@@ -9,6 +9,7 @@
 //!   publishes its id through the store).
 //! - [`error`]: [`CommError`], the one error type of the store and of every collective
 //!   (`ddp-comm` returns it too).
+//! - [`failure_note`]: how a rank tells `ddprun` that its failure only relayed a peer's.
 //!
 //! A few items are public only for ddp-comm's process groups, which share the store's
 //! handshake and refusal log, and are hidden from these docs (`refusals`, the frame I/O of
@@ -31,6 +32,7 @@
 pub mod auth;
 pub mod env;
 pub mod error;
+pub mod failure_note;
 pub mod job_auth;
 #[doc(hidden)]
 pub mod refusals;

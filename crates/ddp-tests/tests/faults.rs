@@ -1,6 +1,8 @@
 //! Failure behaviour with real rank processes: a rank killed with SIGKILL mid all-reduce, a
 //! rank that never arrives, a wrong job token, mismatched calls and a stalled rank. Every
-//! surviving rank must report an error (exit code 3 from `comm_worker`), never hang.
+//! surviving rank must report an error (exit code 3 from `comm_worker`), never hang; a rank
+//! that fails on a killed peer notes the peer in its `DDP_FAILURE_FILE` (what `ddprun` reads
+//! to name the cause).
 
 use std::time::{Duration, Instant};
 
@@ -31,11 +33,29 @@ fn kill_mid_allreduce(world: usize, tcp: bool) {
     if tcp {
         job = job.arg("--tcp");
     }
+    // Each rank's failure note (as ddprun sets DDP_FAILURE_FILE): a survivor fails on a
+    // peer's failure, and says so.
+    let notes = tempfile::tempdir().unwrap();
+    let note = |r: usize| notes.path().join(format!("rank-{r}"));
+    for r in 0..world {
+        job = job.rank_env(
+            r,
+            ddp_comm::failure_note::FAILURE_FILE_VAR,
+            note(r).display().to_string(),
+        );
+    }
     let mut job = job.spawn().expect("spawning ranks");
     wait_for_iteration_2(&mut job, world);
     let killed_at = job.kill(victim).expect("kill");
     let res = job.wait();
     for r in res.ranks.iter().filter(|r| r.rank != victim) {
+        let relayed = ddp_comm::failure_note::relayed_from(&note(r.rank)).unwrap();
+        assert!(
+            relayed.is_some_and(|p| p != r.rank),
+            "rank {} noted {relayed:?}:\n{}",
+            r.rank,
+            res.report()
+        );
         assert_eq!(
             r.code(),
             Some(3),

@@ -310,10 +310,8 @@ impl Checkpointer {
         match answer.split_first() {
             Some((&FOUND, _)) => Ok(true),
             Some((&NONE, _)) => Ok(false),
-            Some((_, msg)) => {
-                Err(CheckpointError::OnRankZero(String::from_utf8_lossy(msg).into()).into())
-            }
-            None => Err(CheckpointError::OnRankZero("sent nothing".into()).into()),
+            Some((_, msg)) => Err(rank_zero_failed(String::from_utf8_lossy(msg).into())),
+            None => Err(rank_zero_failed("sent nothing".into())),
         }
     }
 
@@ -388,9 +386,7 @@ impl Checkpointer {
         }
         outcome?;
         if !status.is_empty() {
-            return Err(
-                CheckpointError::OnRankZero(String::from_utf8_lossy(&status).into()).into(),
-            );
+            return Err(rank_zero_failed(String::from_utf8_lossy(&status).into()));
         }
         if rank == 0 {
             tracing::info!(
@@ -474,7 +470,7 @@ impl Checkpointer {
             return Err(e.into());
         }
         let Some((&tag, body)) = bytes.split_first() else {
-            return Err(CheckpointError::OnRankZero("sent nothing".into()).into());
+            return Err(rank_zero_failed("sent nothing".into()));
         };
         match tag {
             NONE => Ok(None),
@@ -482,7 +478,7 @@ impl Checkpointer {
                 let ck = Checkpoint::<T>::from_bytes(body, &self.path)?;
                 Ok(Some(ck.read_by(rank, world)))
             }
-            _ => Err(CheckpointError::OnRankZero(String::from_utf8_lossy(body).into()).into()),
+            _ => Err(rank_zero_failed(String::from_utf8_lossy(body).into())),
         }
     }
 
@@ -562,6 +558,13 @@ fn presence(path: &Path) -> std::result::Result<bool, CheckpointError> {
             source,
         }),
     }
+}
+
+/// Rank 0's checkpoint error as every other rank returns it: this rank fails on rank 0's
+/// failure, and says so to its launcher (which then names rank 0's own error as the cause).
+fn rank_zero_failed(msg: String) -> DdpError {
+    ddp_comm::failure_note::note_peer_failure(0, &msg);
+    CheckpointError::OnRankZero(msg).into()
 }
 
 #[cfg(test)]

@@ -670,6 +670,10 @@ impl ProcessGroup {
         tracing::error!(rank = self.rank, "process group broken: {err}");
         self.poisoned = Some(err.to_string());
         let blame = err.peer();
+        if let Some(peer) = blame {
+            // This rank fails on a peer's failure: the launcher names the peer's instead.
+            crate::failure_note::note_peer_failure(peer, &err.to_string());
+        }
         if let Some(m) = &self.mesh {
             for l in m.links.iter().flatten() {
                 l.abort(blame);

@@ -75,7 +75,7 @@ impl StoreClient {
         let start = Instant::now();
         let deadline = start + timeout;
         let mut backoff = CONNECT_BACKOFF_START;
-        let mut last_err;
+        let mut last_err = String::new();
         let mut attempts = 0u32;
         let mut next_progress = start + CONNECT_PROGRESS_EVERY;
         loop {
@@ -86,6 +86,11 @@ impl StoreClient {
                     return Ok(client);
                 }
                 Err(AttemptError::Fatal(e)) => return Err(e),
+                // An attempt started at the deadline tries no address; keep the one before.
+                Err(AttemptError::Retry(msg)) if msg.is_empty() && !last_err.is_empty() => {}
+                Err(AttemptError::Retry(msg)) if msg.is_empty() => {
+                    last_err = "no attempt finished before the deadline".into();
+                }
                 Err(AttemptError::Retry(msg)) => last_err = msg,
             }
             let now = Instant::now();

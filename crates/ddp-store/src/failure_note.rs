@@ -1,0 +1,78 @@
+//! How a rank tells its launcher that its failure only relayed a peer's: the launcher names
+//! the rank whose own error it was as the job's cause, not the first rank that exited.
+//!
+//! `ddprun` sets [`FAILURE_FILE_VAR`] to a file of each rank's own. A rank whose process group
+//! broke on a peer (the peer closed its connection, an I/O error or a timeout on it, rank 0's
+//! checkpoint error sent to every rank) writes the peer's rank there with
+//! [`note_peer_failure`], once, before it returns the error; the launcher reads it with
+//! [`relayed_from`] when the rank has exited non-zero. Without the variable (a rank not
+//! started by `ddprun`) nothing is written.
+
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::path::Path;
+
+/// The variable naming the file a rank writes its relayed failure to (set by `ddprun`).
+pub const FAILURE_FILE_VAR: &str = "DDP_FAILURE_FILE";
+
+/// Notes that this rank fails because rank `peer` failed (`what`: the error, for the file's
+/// reader). The first note stays; later ones are ignored. A file that cannot be written is
+/// logged and skipped: the rank's own error is what it returns either way.
+pub fn note_peer_failure(peer: usize, what: &str) {
+    let Some(path) = std::env::var_os(FAILURE_FILE_VAR).filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let written = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .and_then(|mut f| writeln!(f, "{peer}\t{what}"));
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => tracing::warn!(
+            "cannot note this rank's relayed failure in {} ({FAILURE_FILE_VAR}): {e}",
+            Path::new(&path).display()
+        ),
+    }
+}
+
+/// The peer whose failure the rank that owns `path` relayed, if it wrote one (`Ok(None)`: the
+/// file does not exist, the failure was the rank's own).
+pub fn relayed_from(path: &Path) -> io::Result<Option<usize>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let peer = text.split('\t').next().unwrap_or_default().trim();
+    peer.parse().map(Some).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{FAILURE_FILE_VAR} file holds {text:?}, not a rank"),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_note_stays_and_an_absent_file_is_an_own_failure() {
+        let dir = std::env::temp_dir().join(format!("ddp-failure-note-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rank-1");
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(relayed_from(&path).unwrap(), None);
+        // SAFETY: this test is the only one in this binary that touches the variable.
+        unsafe { std::env::set_var(FAILURE_FILE_VAR, &path) };
+        note_peer_failure(3, "rank 3 closed its connection");
+        note_peer_failure(0, "later");
+        unsafe { std::env::remove_var(FAILURE_FILE_VAR) };
+        assert_eq!(relayed_from(&path).unwrap(), Some(3));
+        std::fs::write(&path, "garbage").unwrap();
+        assert!(relayed_from(&path).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
