@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::config::ranks_token;
+use super::failure_notes::FailureNotes;
 use super::rendezvous::host::Host;
 use super::rendezvous::member::{Joined, Member, RoundWatch, Seen};
 use super::rendezvous::messages::{
@@ -31,6 +32,7 @@ const CAUSE_SETTLE: Duration = Duration::from_millis(500);
 /// [`super::config::common_env`] worked out.
 pub(super) fn launch_nodes(
     cfg: &LaunchConfig,
+    notes: &FailureNotes,
     env: &BTreeMap<String, String>,
     program: &OsStr,
     args: &[impl AsRef<OsStr>],
@@ -70,6 +72,8 @@ pub(super) fn launch_nodes(
         max_restarts: cfg.max_restarts,
         min_nodes: cfg.min_nodes.unwrap_or(cfg.nnodes),
         max_nodes: cfg.nnodes,
+        heartbeat_ms: millis(cfg.rdzv_heartbeat),
+        join_timeout_ms: millis(cfg.rdzv_join_timeout),
     };
     let host = match cfg.node_rank {
         0 => Some(Host::start(
@@ -82,6 +86,7 @@ pub(super) fn launch_nodes(
     };
     let node = Node {
         cfg,
+        notes,
         env,
         program,
         trace_dir,
@@ -108,9 +113,9 @@ pub(super) fn launch_nodes(
         local_addr.as_deref(),
         host.as_ref().map(Host::failure_cell),
     );
-    let result = member
+    let mut result = member
         .map_err(LaunchError::from)
-        .and_then(|m| node.run_rounds(m, &endpoint, &token, args));
+        .and_then(|m| node.run_rounds(m, &token, args));
     if let Some(h) = host {
         // Interrupted, the host leaves at once (the others have read the end by then, or see
         // the host gone: they stop either way).
@@ -119,14 +124,39 @@ pub(super) fn launch_nodes(
             Err(LaunchError::Rendezvous(RendezvousError::Interrupted { .. })) => true,
             Err(_) => false,
         };
-        h.finish(quick);
+        // A signal while the host waits for the others to read the job's end ends the wait
+        // and this launcher, with 128 + the signal, after the job's own line.
+        if let Some(sig) = h.finish(quick, forwarding.is_some())
+            && let Ok(report) = &mut result
+            && report.interrupted.is_none()
+        {
+            if let Some(line) = report.summary() {
+                eprintln!("{line}");
+            }
+            report.first_failure = None;
+            report.interrupted = Some((sig, 0));
+            report.job_stop = Some(JobStop {
+                line: format!(
+                    "ddprun: {} (the rendezvous host) received {} while the other nodes were reading the job's end; it stopped waiting for them",
+                    node.label,
+                    signal_name(sig)
+                ),
+                exit_code: 128 + sig,
+            });
+        }
     }
     result
+}
+
+/// `d` in whole milliseconds (saturating).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// This node's part of the job.
 struct Node<'a> {
     cfg: &'a LaunchConfig,
+    notes: &'a FailureNotes,
     env: &'a BTreeMap<String, String>,
     program: &'a OsStr,
     trace_dir: Option<PathBuf>,
@@ -140,7 +170,6 @@ impl Node<'_> {
     fn run_rounds(
         &self,
         mut member: Member,
-        endpoint: &str,
         token: &str,
         args: &[impl AsRef<OsStr>],
     ) -> Result<LaunchReport, LaunchError> {
@@ -149,15 +178,16 @@ impl Node<'_> {
         loop {
             let info = match member.join()? {
                 Joined::Started(info) => info,
-                Joined::Finished(end) => {
+                Joined::Finished(end, completed) => {
                     member.ack();
-                    return Ok(self.ended_without_a_round(end, restarts));
+                    return Ok(self.ended_without_a_round(end, completed, restarts));
                 }
                 Joined::Missed(info, end) => {
                     // The round ended before this node started its ranks: the same rule.
                     if let After::Finish(code) = after(&end, &info, cfg.max_restarts) {
                         member.ack();
-                        let mut report = self.ended_without_a_round(end, restarts);
+                        // Its ranks never ran in that round: not a completion for this node.
+                        let mut report = self.ended_without_a_round(end, false, restarts);
                         report.job_stop = report.job_stop.map(|s| JobStop {
                             exit_code: code,
                             ..s
@@ -198,13 +228,17 @@ impl Node<'_> {
                 seen: None,
                 claim_error: None,
             };
-            let mut report = super::launch_once(
+            let shared = super::Shared {
                 cfg,
+                notes: self.notes,
+                forwarding: self.forwarding,
+            };
+            let mut report = super::launch_once(
+                shared,
                 &round_env,
                 first_rank,
                 self.program,
                 args,
-                self.forwarding,
                 &mut hooks,
             )?;
             report.attempt = info.round as usize;
@@ -215,13 +249,7 @@ impl Node<'_> {
             }
             let end = hooks.round_end(&info, &report, self.is_host);
             drop(hooks);
-            let end = end.map_err(|e| match e {
-                RendezvousError::HostGone { detail, .. } => RendezvousError::HostGone {
-                    endpoint: endpoint.to_string(),
-                    detail,
-                },
-                e => e,
-            })?;
+            let end = end?;
             // This node was interrupted: it leaves with 128 + the signal, whatever the others
             // do (the host's interruption ended the job for all).
             let finish = match (report.interrupted, after(&end, &info, cfg.max_restarts)) {
@@ -303,13 +331,37 @@ impl Node<'_> {
     }
 
     /// The report of a launcher that got no round before the job ended (it came late, or
-    /// waited for room in a full job): the job's line, and its exit code.
-    fn ended_without_a_round(&self, end: RoundEnd, restarts: Vec<AttemptEnd>) -> LaunchReport {
-        let line = format!(
-            "ddprun: {}: the job ended before this node got a round: {}",
-            self.label, end.line
-        );
-        if end.exit_code == 0 {
+    /// waited for room in a full job): the job's line and its exit code. It exits 0 only when
+    /// the job `completed` (a round ran with every node's ranks exiting 0), and says so; any
+    /// other end is non-zero here, whatever code it carries.
+    fn ended_without_a_round(
+        &self,
+        end: RoundEnd,
+        completed: bool,
+        restarts: Vec<AttemptEnd>,
+    ) -> LaunchReport {
+        let (line, exit_code) = if completed {
+            (
+                format!(
+                    "ddprun: {}: the job completed without this node (it waited for a round that never had room): {}",
+                    self.label, end.line
+                ),
+                0,
+            )
+        } else {
+            (
+                format!(
+                    "ddprun: {}: the job ended before this node got a round, and did not complete: {}",
+                    self.label, end.line
+                ),
+                if end.exit_code & 0xff == 0 {
+                    1
+                } else {
+                    end.exit_code
+                },
+            )
+        };
+        if exit_code == 0 {
             eprintln!("{line}");
         }
         LaunchReport {
@@ -320,10 +372,7 @@ impl Node<'_> {
             elapsed: Duration::ZERO,
             attempt: 0,
             restarts,
-            job_stop: (end.exit_code != 0).then_some(JobStop {
-                line,
-                exit_code: end.exit_code,
-            }),
+            job_stop: (exit_code != 0).then_some(JobStop { line, exit_code }),
         }
     }
 }
@@ -380,7 +429,7 @@ impl Hooks<'_> {
             return;
         }
         let (end, _) = self.held.take().expect("checked above");
-        if let Err(e) = self.member.claim(self.round, &end) {
+        if let Err(e) = self.member.claim_failure(self.round, &end) {
             self.claim_error = Some(e);
         }
     }
@@ -425,11 +474,11 @@ impl Hooks<'_> {
         }
         // A failure held back: wait for it to be due, or for the round to end first.
         while self.held.is_some() {
-            if let Some(Seen::Ended(_)) = self.look() {
+            if self.look().is_some() {
                 self.held = None;
                 break;
             }
-            if self.member.host_gone().is_some() {
+            if self.member.host_gone_error().is_some() {
                 break;
             }
             self.claim_if_due();
@@ -439,14 +488,17 @@ impl Hooks<'_> {
             return Err(e);
         }
         match self.look() {
-            Some(Seen::Ended(end)) => return Ok(end),
-            Some(Seen::HostGone(detail)) => {
-                return Err(RendezvousError::HostGone {
-                    endpoint: String::new(),
-                    detail: self.member.host_gone().unwrap_or(detail),
-                });
+            // As the state says now: a failure of this node's noted at the same moment as a
+            // scale-up takes its place.
+            // (The watch's copy if the host is gone by now.)
+            Some(Seen::Ended(seen)) => {
+                return Ok(self.member.end_of(round).ok().flatten().unwrap_or(seen));
             }
+            Some(Seen::Broken(line)) => return Err(RendezvousError::Refused { line }),
             None => {}
+        }
+        if let Some(e) = self.member.host_gone_error() {
+            return Err(e);
         }
         if report.first_failure.is_none() && report.job_stop.is_none() {
             self.member.mark_done(round)?;
@@ -467,11 +519,24 @@ impl RoundHooks for Hooks<'_> {
             ),
             exit_code: failure.exit.shell_code(),
         };
+        let cause = super::cause_of(failure);
+        // Noted at once, so that nothing but a failure can end the round from now on (a
+        // scale-up that comes with it becomes this failure) — unless this node already saw
+        // the round end: then its ranks failed on the stop.
+        if !matches!(self.look(), Some(Seen::Ended(_)))
+            && let Err(e) = self.member.note_failure(self.round, &end, cause)
+        {
+            self.claim_error = Some(e);
+        }
         let wait = match failure.exit {
             RankExit::Signal(_) => Duration::ZERO,
-            _ => CAUSE_SETTLE,
+            _ => super::rendezvous::fault::settle(CAUSE_SETTLE),
         };
-        self.held = Some((end, Instant::now() + wait));
+        // A better cause seen later (a rank's own error after a relay) keeps the first due
+        // time: the settle counts from the first failure.
+        let due = Instant::now() + wait;
+        let due = self.held.as_ref().map_or(due, |(_, at)| (*at).min(due));
+        self.held = Some((end, due));
         self.claim_if_due();
     }
 
@@ -484,21 +549,16 @@ impl RoundHooks for Hooks<'_> {
                     exit_code: end.exit_code,
                 });
             }
-            Some(Seen::HostGone(detail)) => {
-                let gone = self.member.host_gone().unwrap_or(detail);
-                return Some(JobStop {
-                    line: format!("ddprun: lost the launchers' rendezvous host ({gone})"),
-                    exit_code: 1,
-                });
+            Some(Seen::Broken(line)) => {
+                return Some(JobStop { line, exit_code: 1 });
             }
             None => {}
         }
         self.claim_if_due();
-        let gone = self.member.host_gone()?;
-        self.seen = Some(Seen::HostGone(gone.clone()));
+        let gone = self.member.host_gone_error()?;
         Some(JobStop {
-            line: format!("ddprun: lost the launchers' rendezvous host ({gone})"),
-            exit_code: 1,
+            line: gone.to_string(),
+            exit_code: gone.exit_code(),
         })
     }
 }

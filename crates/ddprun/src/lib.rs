@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 mod config;
+mod failure_notes;
 mod job;
 mod net;
 mod output;
@@ -52,11 +53,16 @@ pub use signals::signal_name;
 
 use config::{attempt_env, common_env};
 
+use failure_notes::FailureNotes;
 use output::Sink;
+use rendezvous::messages::Cause;
 use signals::{SignalForwarding, kill_group};
 
 /// How often the watch loop checks the ranks.
 const POLL: Duration = Duration::from_millis(5);
+/// After a rank failed only on a peer's failure (it said so through `DDP_FAILURE_FILE`), how
+/// long the others keep running so that the rank whose own error it was can exit and be named.
+const RELAY_SETTLE: Duration = Duration::from_millis(500);
 /// How long to wait for a rank's output to drain after all ranks exited.
 pub(crate) const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
 
@@ -110,8 +116,17 @@ pub fn launch(
         None
     };
     let trace_dir = trace::trace_dir(cfg);
+    let notes = FailureNotes::create()?;
     if cfg.nnodes > 1 {
-        return job::launch_nodes(cfg, &env, program, args, forwarding.as_ref(), trace_dir);
+        return job::launch_nodes(
+            cfg,
+            &notes,
+            &env,
+            program,
+            args,
+            forwarding.as_ref(),
+            trace_dir,
+        );
     }
     let node_ranks = 0..cfg.nproc_per_node;
     let mut restarts = Vec::new();
@@ -120,15 +135,12 @@ pub fn launch(
         if let Some(dir) = &trace_dir {
             trace::prepare(dir, attempt, node_ranks.clone(), &mut env)?;
         }
-        let mut report = launch_once(
+        let shared = Shared {
             cfg,
-            &env,
-            0,
-            program,
-            args,
-            forwarding.as_ref(),
-            &mut NoHooks,
-        )?;
+            notes: &notes,
+            forwarding: forwarding.as_ref(),
+        };
+        let mut report = launch_once(shared, &env, 0, program, args, &mut NoHooks)?;
         report.attempt = attempt;
         // A signal to the launcher ends the job whenever it came, even after the last rank
         // had exited (between the watch and this line).
@@ -180,17 +192,27 @@ impl RoundHooks for NoHooks {
     }
 }
 
+/// What every attempt of one launch shares.
+#[derive(Clone, Copy)]
+struct Shared<'a> {
+    cfg: &'a LaunchConfig,
+    /// Where the ranks note a failure that only relayed a peer's.
+    notes: &'a FailureNotes,
+    /// The caught SIGINT/SIGTERM, with `forward_signals`.
+    forwarding: Option<&'a SignalForwarding>,
+}
+
 /// One attempt: starts the ranks with `env` (global ranks from `first_rank`), watches them
 /// until all have ended, reaps them.
 fn launch_once(
-    cfg: &LaunchConfig,
+    shared: Shared<'_>,
     env: &BTreeMap<String, String>,
     first_rank: usize,
     program: &std::ffi::OsStr,
     args: &[impl AsRef<std::ffi::OsStr>],
-    forwarding: Option<&SignalForwarding>,
     hooks: &mut dyn RoundHooks,
 ) -> Result<LaunchReport, LaunchError> {
+    let Shared { cfg, notes, .. } = shared;
     let start = Instant::now();
     tracing::info!(
         program = ?program,
@@ -207,8 +229,19 @@ fn launch_once(
     let mut ranks: Vec<Rank> = Vec::with_capacity(cfg.nproc_per_node);
     for local in 0..cfg.nproc_per_node {
         let rank = first_rank + local;
+        let (note_var, note_file) = match notes.for_rank(rank) {
+            Ok(v) => v,
+            Err(e) => {
+                for r in &mut ranks {
+                    kill_group(r.child.id(), libc::SIGKILL);
+                    let _ = r.child.wait();
+                }
+                return Err(e);
+            }
+        };
         let mut cmd = Command::new(program);
         cmd.args(args)
+            .env(note_var, note_file)
             .envs(env)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())
@@ -296,7 +329,7 @@ fn launch_once(
     }
     drop(done_tx);
 
-    let report = watch(cfg, &mut ranks, forwarding, start, first_rank, hooks);
+    let report = watch(shared, &mut ranks, start, first_rank, hooks);
 
     // Every rank is reaped. Kill what is left of each rank's process group (a background
     // grandchild would otherwise outlive the job and hold the output pipe open).
@@ -328,13 +361,17 @@ fn launch_once(
 /// Polls the ranks until all have exited; stops the others on the first failure or on a
 /// forwarded signal.
 fn watch(
-    cfg: &LaunchConfig,
+    shared: Shared<'_>,
     ranks: &mut [Rank],
-    forwarding: Option<&SignalForwarding>,
     start: Instant,
     first_rank: usize,
     hooks: &mut dyn RoundHooks,
 ) -> LaunchReport {
+    let Shared {
+        cfg,
+        notes,
+        forwarding,
+    } = shared;
     let mut first_failure: Option<Failure> = None;
     let mut job_stop: Option<JobStop> = None;
     let mut interrupted: Option<(i32, usize)> = None;
@@ -343,9 +380,13 @@ fn watch(
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
 
+    // When set: the others are stopped at this instant (at once after a rank's own failure,
+    // after RELAY_SETTLE when the first failure only relayed a peer's).
+    let mut stop_at: Option<Instant> = None;
+
     loop {
         let mut running = 0;
-        let mut newly_failed: Option<(usize, RankExit)> = None;
+        let mut newly_failed: Option<Failure> = None;
         for r in ranks.iter_mut() {
             if r.exit.is_some() {
                 continue;
@@ -355,18 +396,27 @@ fn watch(
                     let exit = RankExit::from_status(status);
                     r.exit = Some(exit);
                     tracing::debug!(rank = r.rank, %exit, "rank exited");
-                    // Several ranks seen failed in one poll (5 ms): a rank killed by a
-                    // signal is the likelier cause (its peers then fail on the closed
-                    // connection with an error code), else the lowest rank.
-                    let more_likely_cause = match newly_failed {
-                        None => true,
-                        Some((_, earlier)) => {
-                            matches!(exit, RankExit::Signal(_))
-                                && matches!(earlier, RankExit::Code(_))
-                        }
+                    if exit.success() || kill_at.is_some() {
+                        continue;
+                    }
+                    let failure = Failure {
+                        rank: r.rank,
+                        exit,
+                        elapsed: start.elapsed(),
+                        stopped: 0,
+                        relayed_from: match exit {
+                            RankExit::Code(_) => notes.relayed_from(r.rank),
+                            RankExit::Signal(_) => None,
+                        },
                     };
-                    if !exit.success() && kill_at.is_none() && more_likely_cause {
-                        newly_failed = Some((r.rank, exit));
+                    // Several ranks seen failed in one poll (5 ms): the likelier cause (a
+                    // rank killed by a signal, then a rank's own error, then one that only
+                    // relayed a peer's), else the lowest rank.
+                    if newly_failed
+                        .as_ref()
+                        .is_none_or(|n| cause_of(&failure) < cause_of(n))
+                    {
+                        newly_failed = Some(failure);
                     }
                 }
                 Ok(None) => running += 1,
@@ -379,18 +429,30 @@ fn watch(
             }
         }
         // Record a failure before deciding that the launch is over: the rank that failed may
-        // be the last one to exit (one rank per node, or every rank failing together).
-        if let Some((rank, exit)) = newly_failed {
-            let failure = Failure {
-                rank,
-                exit,
-                elapsed: start.elapsed(),
-                stopped: running,
-            };
+        // be the last one to exit (one rank per node, or every rank failing together). A
+        // failure that relayed a peer's is replaced by a rank's own that follows it.
+        if let Some(failure) = newly_failed
+            && first_failure
+                .as_ref()
+                .is_none_or(|f| cause_of(&failure) < cause_of(f))
+        {
+            let relayed = failure.relayed_from.is_some();
             hooks.local_failure(&failure);
+            let due = if relayed {
+                Instant::now() + RELAY_SETTLE
+            } else {
+                Instant::now()
+            };
+            stop_at = Some(stop_at.map_or(due, |t| t.min(due)));
             first_failure = Some(failure);
+        }
+        if let (Some(t), Some(failure)) = (stop_at, first_failure.as_mut())
+            && kill_at.is_none()
+            && Instant::now() >= t
+        {
+            failure.stopped = running;
             if running > 0 {
-                tracing::info!(rank, %exit, "rank failed; stopping the other {running} rank(s)");
+                tracing::info!(rank = failure.rank, exit = %failure.exit, "rank failed; stopping the other {running} rank(s)");
                 stop(ranks, libc::SIGTERM);
                 kill_at = Some(Instant::now() + cfg.grace);
             }
@@ -456,6 +518,15 @@ fn watch(
         attempt: 0,
         restarts: Vec::new(),
         job_stop,
+    }
+}
+
+/// How likely `failure` is the root cause (see [`Cause`]).
+pub(crate) fn cause_of(failure: &Failure) -> Cause {
+    match (failure.exit, failure.relayed_from) {
+        (RankExit::Signal(_), _) => Cause::Signal,
+        (RankExit::Code(_), None) => Cause::Own,
+        (RankExit::Code(_), Some(_)) => Cause::Relayed,
     }
 }
 

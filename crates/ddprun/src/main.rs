@@ -64,11 +64,14 @@ struct Args {
           value_parser = parse_secs, value_name = "SECS")]
     rdzv_last_call: f64,
     /// A node whose ddprun sends no heartbeat for this long is lost (its round ends); when
-    /// node 0's ddprun stops answering for this long, every other node fails.
+    /// node 0's ddprun stops answering for this long (plus half a beat and a last try: at most
+    /// 1.3 × this + 1 s), every other node fails. The same on every node (one that differs
+    /// is refused).
     #[arg(long = "rdzv-heartbeat-secs", visible_alias = "rdzv_heartbeat_secs",
           default_value_t = 10.0, value_parser = parse_secs, value_name = "SECS")]
     rdzv_heartbeat_secs: f64,
-    /// How long a round waits for the fewest nodes it needs before the job fails.
+    /// How long a round waits for the fewest nodes it needs before the job fails (the same on
+    /// every node).
     #[arg(long = "rdzv-join-timeout", visible_alias = "rdzv_join_timeout",
           default_value_t = 300.0, value_parser = parse_secs, value_name = "SECS")]
     rdzv_join_timeout: f64,

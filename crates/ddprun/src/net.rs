@@ -9,3 +9,34 @@ pub(crate) fn free_port(host: &str) -> io::Result<u16> {
     let probe = |h: &str| TcpListener::bind((h, 0)).and_then(|l| l.local_addr().map(|a| a.port()));
     probe(host).or_else(|_| probe("127.0.0.1"))
 }
+
+/// What a TCP connection to an endpoint found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Listening {
+    /// A connection was accepted: something listens (a stopped process's listening socket
+    /// still accepts: the kernel completes the handshake).
+    Yes,
+    /// Refused, unreachable, unresolvable: nothing listens there now.
+    No,
+    /// No answer within half a second (a full backlog of a process that does not accept, or
+    /// packets dropped on the way): nothing learnt.
+    Unknown,
+}
+
+/// Whether something listens at `endpoint` (`host:port`), which tells "not started, or gone"
+/// from "there, not answering".
+pub(crate) fn listening(endpoint: &str) -> Listening {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let Ok(addrs) = endpoint.to_socket_addrs() else {
+        return Listening::No;
+    };
+    let mut seen = Listening::No;
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, std::time::Duration::from_millis(500)) {
+            Ok(_) => return Listening::Yes,
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => seen = Listening::Unknown,
+            Err(_) => {}
+        }
+    }
+    seen
+}

@@ -123,6 +123,10 @@ pub struct Failure {
     pub elapsed: Duration,
     /// How many other ranks were still running and had to be stopped.
     pub stopped: usize,
+    /// The rank whose failure this rank only relayed, when it said so (`DDP_FAILURE_FILE`):
+    /// its error was a peer's, and the launcher names a rank with an error of its own
+    /// instead when one fails too.
+    pub relayed_from: Option<usize>,
 }
 
 /// Why a job over several nodes stopped this node's ranks: what happened on another node (or
@@ -223,8 +227,12 @@ impl Failure {
                 format!("was killed by signal {s} ({})", signal_name(s))
             }
         };
+        let relayed = match self.relayed_from {
+            Some(peer) => format!(" (on rank {peer}'s failure)"),
+            None => String::new(),
+        };
         format!(
-            "rank {} {how} after {:.2} s",
+            "rank {} {how} after {:.2} s{relayed}",
             self.rank,
             self.elapsed.as_secs_f64()
         )

@@ -144,6 +144,7 @@ fn report_exit_codes_and_summaries() {
     assert_eq!(ok.summary(), None);
     let failed = LaunchReport {
         first_failure: Some(Failure {
+            relayed_from: None,
             rank: 1,
             exit: RankExit::Code(3),
             elapsed: Duration::from_millis(420),
@@ -158,6 +159,7 @@ fn report_exit_codes_and_summaries() {
     );
     let killed = LaunchReport {
         first_failure: Some(Failure {
+            relayed_from: None,
             rank: 2,
             exit: RankExit::Signal(9),
             elapsed: Duration::from_millis(1500),
@@ -172,6 +174,7 @@ fn report_exit_codes_and_summaries() {
     );
     let wraps = LaunchReport {
         first_failure: Some(Failure {
+            relayed_from: None,
             rank: 0,
             exit: RankExit::Code(256),
             elapsed: Duration::ZERO,

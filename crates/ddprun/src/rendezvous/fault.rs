@@ -2,9 +2,14 @@
 //! after the `N`-th (default first) rendezvous change named `STEP` was written, so that tests
 //! can kill a launcher between any two steps of the rendezvous and check that no half state is
 //! left. The steps: `start` (the host wrote the first state), `join`, `leave`, `close` (the
-//! coordinator closed a round), `claim` (an end of a round was written), `done`, `lost` (the
+//! coordinator closed a round), `note` (a rank's failure was noted), `claim` (an end of a round
+//! was written), `done`, `lost` (the
 //! coordinator ended a round for a lost node), `scale-up`, `drop` (the coordinator removed a
 //! dead waiting launcher), `refuse`, `finish` (the job's end written outside a round), `ack`.
+//!
+//! `DDP_RDZV_FAULT=settle-ms:N` instead holds a rank's failure back for `N` ms before it is
+//! written as its round's end (0.5 s otherwise), so that a test can make another event (a
+//! scale-up, a joiner) come inside that window every time.
 //!
 //! Unset, it costs one environment look-up per process. It is not a user setting: the variable
 //! is documented here only.
@@ -28,6 +33,21 @@ fn parse(value: &str) -> Option<(String, u64)> {
         Some((step, n)) => Some((step.to_string(), n.parse().ok().filter(|n| *n > 0)?)),
         None => Some((rest.to_string(), 1)),
     }
+}
+
+/// How long a rank's failure is held back before it is written as its round's end:
+/// `default`, unless the knob says `settle-ms:N`.
+pub(crate) fn settle(default: std::time::Duration) -> std::time::Duration {
+    static SETTLE: OnceLock<Option<u64>> = OnceLock::new();
+    SETTLE
+        .get_or_init(|| {
+            std::env::var(FAULT_VAR)
+                .ok()?
+                .strip_prefix("settle-ms:")?
+                .parse()
+                .ok()
+        })
+        .map_or(default, std::time::Duration::from_millis)
 }
 
 /// Called after every rendezvous change named `step` was written: kills this process when the

@@ -9,9 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::clock::RunningClock;
 use super::messages::{EndKind, NodeSpec, RoundEnd, RoundInfo};
 use super::state::{Phase, State};
-use super::{RendezvousError, TICK, Timing, change, read_state};
+use super::{RendezvousError, StateError, TICK, Timing, change, read_state, read_written_state};
+use crate::signals::caught;
 use ddp_comm::error::{CommError, Result};
 use ddp_comm::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
 
@@ -70,7 +72,9 @@ impl Host {
                     let mut c = Coordinator {
                         store: client,
                         host_id: spec.id.clone(),
+                        host_label: spec.label(),
                         timing,
+                        clock: RunningClock::start(),
                         stop,
                         liveness: Liveness::default(),
                         logged_refusals: 0,
@@ -115,13 +119,27 @@ impl Host {
 
     /// After the job's end: waits until every member owed the end has read it or is gone (at
     /// most the longest any of them takes to stop its ranks, the heartbeat timeout and a
-    /// margin; `quick`: one second), then stops the coordinator and the store.
-    pub fn finish(mut self, quick: bool) {
-        self.wait_for_acks(quick);
+    /// margin; `quick`: one second), then stops the coordinator and the store. With
+    /// `signals`, a SIGINT or SIGTERM that arrives meanwhile ends the wait at once and is
+    /// returned.
+    pub fn finish(mut self, quick: bool, signals: bool) -> Option<i32> {
+        let signal = self.wait_for_acks(quick, signals);
         self.shut_down();
+        signal
     }
 
-    fn wait_for_acks(&self, quick: bool) {
+    fn wait_for_acks(&self, quick: bool, signals: bool) -> Option<i32> {
+        let before = caught().map_or(0, |(_, n)| n);
+        let signal = || {
+            caught()
+                .filter(|(_, n)| signals && *n > before)
+                .map(|(sig, _)| sig)
+        };
+        self.wait_for_acks_until(quick, &signal);
+        signal()
+    }
+
+    fn wait_for_acks_until(&self, quick: bool, signal: &dyn Fn() -> Option<i32>) {
         let Ok(mut client) =
             StoreClient::connect(&self.endpoint, Some(&self.token), Duration::from_secs(1))
         else {
@@ -130,7 +148,9 @@ impl Host {
         client.set_io_timeout(Duration::from_secs(1));
         let started = Instant::now();
         let mut watch = Liveness::default();
+        let mut clock = RunningClock::start();
         loop {
+            clock.advance(self.timing.beat());
             let Ok(Some((_, state))) = read_state(&mut client) else {
                 return;
             };
@@ -147,13 +167,13 @@ impl Host {
             }
             let mut owed = false;
             for id in state.unacked() {
-                match watch.lost(&mut client, &id, self.timing.heartbeat) {
+                match watch.lost(&mut client, &id, self.timing.heartbeat, clock.now()) {
                     Ok(None) => owed = true,
                     Ok(Some(_)) => {}
                     Err(_) => return,
                 }
             }
-            if !owed {
+            if !owed || signal().is_some() {
                 return;
             }
             std::thread::sleep(TICK);
@@ -175,10 +195,10 @@ impl Drop for Host {
     }
 }
 
-/// When a launcher's heartbeat counter last changed.
+/// When a launcher's heartbeat counter last changed, on the judge's [`RunningClock`].
 struct Beat {
     count: i64,
-    changed: Instant,
+    changed: Duration,
 }
 
 /// What the host knows of the launchers' liveness.
@@ -189,13 +209,15 @@ struct Liveness {
 
 impl Liveness {
     /// `Some(why)` once launcher `id` is lost: every heartbeat connection it opened has ended
-    /// (killed: seen at once), or its heartbeat did not advance for `timeout` (stopped, cut
-    /// off).
+    /// (killed: seen at once), or its heartbeat did not advance for `timeout` of the judge's
+    /// running time `now` (stopped, cut off): a judge that was itself stopped does not count
+    /// that time against the others.
     fn lost(
         &mut self,
         client: &mut StoreClient,
         id: &str,
         timeout: Duration,
+        now: Duration,
     ) -> Result<Option<String>> {
         let mut ns = PrefixStore::new(client, keys::LAUNCHERS);
         // `gone` first: a launcher that replaces its connection counts the new one before the
@@ -208,7 +230,6 @@ impl Liveness {
             ));
         }
         let count = ns.add(&keys::launcher_heartbeat(id), 0)?;
-        let now = Instant::now();
         let beat = self.beats.entry(id.to_string()).or_insert(Beat {
             count,
             changed: now,
@@ -219,7 +240,7 @@ impl Liveness {
                 changed: now,
             };
         }
-        let silence = now - beat.changed;
+        let silence = now.saturating_sub(beat.changed);
         Ok((silence > timeout).then(|| {
             format!(
                 "it sent no heartbeat for {:.1} s (its ddprun was stopped or cut off)",
@@ -232,7 +253,10 @@ impl Liveness {
 struct Coordinator {
     store: StoreClient,
     host_id: String,
+    host_label: String,
     timing: Timing,
+    /// The coordinator's running time: what liveness is judged on.
+    clock: RunningClock,
     stop: Arc<AtomicBool>,
     liveness: Liveness,
     logged_refusals: u64,
@@ -246,19 +270,15 @@ struct Coordinator {
 
 impl Coordinator {
     /// Watches and moves the state until the job is over or the host stops it.
-    fn run(&mut self) -> Result<()> {
-        let endpoint = self.store.endpoint().to_string();
+    fn run(&mut self) -> Result<(), StateError> {
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
+            // First, before judging anyone: was this process running all along?
+            self.stalled_since_last_look()?;
             PrefixStore::new(&mut self.store, keys::LAUNCHERS).add(keys::COORDINATOR_BEAT, 1)?;
-            let Some((_, state)) = read_state(&mut self.store)? else {
-                return Err(CommError::Store {
-                    addr: endpoint,
-                    msg: "the launchers' rendezvous state is missing".into(),
-                });
-            };
+            let state = read_written_state(&mut self.store)?;
             for (seq, line) in &state.refusals {
                 if *seq >= self.logged_refusals {
                     tracing::warn!("{line}");
@@ -281,17 +301,59 @@ impl Coordinator {
         }
     }
 
-    fn lost(&mut self, id: &str) -> Result<Option<String>> {
+    fn lost(&mut self, id: &str) -> Result<Option<String>, StateError> {
         if id == self.host_id {
             // The host's own launcher is this process.
             return Ok(None);
         }
-        self.liveness
-            .lost(&mut self.store, id, self.timing.heartbeat)
+        let verdict =
+            self.liveness
+                .lost(&mut self.store, id, self.timing.heartbeat, self.clock.now())?;
+        // What the judgement just read may be the doing of this process's own stop (a node
+        // that gave the host up and left): look again at whether it was running meanwhile.
+        if verdict.is_some() && self.stalled_since_last_look()? {
+            return Ok(None);
+        }
+        Ok(verdict)
+    }
+
+    /// Whether this process was not running for longer than the heartbeat timeout since the
+    /// coordinator last looked; if so the job has just been ended as the host's loss.
+    fn stalled_since_last_look(&mut self) -> Result<bool, StateError> {
+        let gap = self.clock.advance(self.timing.beat());
+        if gap > self.timing.heartbeat {
+            self.stalled(gap)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// This process was not running for `gap`, longer than the heartbeat timeout: every other
+    /// launcher has given the host up for lost (or will, having seen no beat of its
+    /// coordinator), so the host treats itself as lost and ends the job — it does not go on
+    /// judging the others by the time it was stopped. Every node still there reads the same
+    /// line and exit code (1).
+    fn stalled(&mut self, gap: Duration) -> Result<(), StateError> {
+        let end = RoundEnd {
+            kind: EndKind::HostLost,
+            line: format!(
+                "ddprun: lost the launchers' rendezvous host at {} ({}): it was not running for {:.1} s, past the heartbeat timeout ({:.1} s); the job stops",
+                self.store.endpoint(),
+                self.host_label,
+                gap.as_secs_f64(),
+                self.timing.heartbeat.as_secs_f64()
+            ),
+            exit_code: 1,
+        };
+        tracing::error!("{}", end.line);
+        change(&mut self.store, "finish", |s| {
+            s.finish(end.clone()).then_some(())
+        })?;
+        Ok(())
     }
 
     /// Removes waiting launchers that are gone; whether it removed any.
-    fn drop_dead_waiters(&mut self, state: &State) -> Result<bool> {
+    fn drop_dead_waiters(&mut self, state: &State) -> Result<bool, StateError> {
         if matches!(state.phase, Phase::Finished { .. }) {
             return Ok(false);
         }
@@ -309,7 +371,7 @@ impl Coordinator {
     /// Closes the round being gathered when it is full, or when `MIN` wait and the last call
     /// passed (and no node of the previous round is still stopping its ranks); ends the job
     /// when `MIN` did not gather within the join timeout.
-    fn gather(&mut self, state: &State) -> Result<()> {
+    fn gather(&mut self, state: &State) -> Result<(), StateError> {
         let (min, max) = (state.job.min_nodes, state.job.max_nodes);
         let now = Instant::now();
         let (round, since, min_since) = match self.gathering {
@@ -381,7 +443,7 @@ impl Coordinator {
     /// Whether a node of the previous round is alive, not back yet, and within the time its
     /// ranks may take to stop: the last call waits for it, so that a slow stop does not leave
     /// a node out of the next round.
-    fn previous_still_stopping(&mut self, state: &State) -> Result<bool> {
+    fn previous_still_stopping(&mut self, state: &State) -> Result<bool, StateError> {
         let Some((info, ended)) = self.previous.clone() else {
             return Ok(false);
         };
@@ -398,7 +460,7 @@ impl Coordinator {
 
     /// Ends the running round for a lost launcher, or for a scale-up when one waits and the
     /// round has room.
-    fn monitor(&mut self, state: &State, info: &RoundInfo) -> Result<()> {
+    fn monitor(&mut self, state: &State, info: &RoundInfo) -> Result<(), StateError> {
         self.last_running = Some(info.clone());
         for (id, label) in info.nodes.iter().zip(&info.labels) {
             if let Some(why) = self.lost(id)? {
@@ -413,7 +475,11 @@ impl Coordinator {
                 return Ok(());
             }
         }
-        if info.nodes.len() < state.job.max_nodes
+        // A rank failure noted in the round ends it as a failure once its cause has settled:
+        // no scale-up meanwhile.
+        let failing = matches!(&state.phase, Phase::Running { failed, .. } if !failed.is_empty());
+        if !failing
+            && info.nodes.len() < state.job.max_nodes
             && let Some(j) = state.waiting.first()
         {
             let end = RoundEnd {

@@ -7,9 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::messages::{EndKind, NodeSpec, RoundEnd, RoundInfo};
+use super::clock::RunningClock;
+use super::messages::{Cause, EndKind, NodeSpec, RoundEnd, RoundInfo};
 use super::state::{Joiner, Phase, State};
-use super::{RendezvousError, TICK, Timing, change, read_state};
+use super::{RendezvousError, StateError, TICK, Timing, change, read_state, read_written_state};
+use crate::net::Listening;
 use crate::signals::{caught, signal_name};
 use ddp_comm::error::{CommError, Result};
 use ddp_comm::store::{PrefixStore, Store, StoreClient, keys};
@@ -22,8 +24,9 @@ const POLL: Duration = Duration::from_millis(25);
 pub(crate) enum Joined {
     /// A round with this launcher in it.
     Started(RoundInfo),
-    /// The job is over (it ended before this launcher got a round).
-    Finished(RoundEnd),
+    /// The job is over (it ended before this launcher got a round), and whether it
+    /// completed: its last round ran with every node's ranks exiting 0.
+    Finished(RoundEnd, bool),
     /// A round with this launcher in it started and ended before this launcher looked.
     Missed(RoundInfo, RoundEnd),
 }
@@ -62,13 +65,18 @@ impl Member {
             endpoint: endpoint.to_string(),
             source,
         };
-        // In slices, so that a signal ends the wait for a host that is not up yet.
+        // In slices, so that a signal ends the wait for a host that is not up yet. A host that
+        // is not listening may still be starting: it gets the join timeout (with a line once
+        // the heartbeat timeout has passed). A host that accepts connections but does not
+        // answer them for the heartbeat timeout is stopped, or not a ddprun: gone.
         let started = Instant::now();
+        let mut said_waiting = false;
+        let mut silent_since: Option<Instant> = None;
         let mut client = loop {
             let slice = Duration::from_millis(500);
             match StoreClient::connect(endpoint, Some(token), slice) {
                 Ok(c) => break c,
-                Err(CommError::Timeout { .. }) if started.elapsed() < timing.join_timeout => {
+                Err(CommError::Timeout { op, .. }) if started.elapsed() < timing.join_timeout => {
                     if signals && let Some((sig, _)) = caught() {
                         return Err(RendezvousError::Interrupted {
                             signal: sig,
@@ -79,11 +87,36 @@ impl Member {
                             ),
                         });
                     }
+                    let listening = crate::net::listening(endpoint);
+                    if listening == Listening::Yes
+                        || (listening == Listening::Unknown && silent_since.is_some())
+                    {
+                        let since = *silent_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() > timing.heartbeat {
+                            return Err(RendezvousError::HostGone {
+                                endpoint: endpoint.to_string(),
+                                detail: format!(
+                                    "it accepts connections but answered none for {:.1} s ({op})",
+                                    since.elapsed().as_secs_f64()
+                                ),
+                            });
+                        }
+                    } else {
+                        silent_since = None;
+                        if !said_waiting && started.elapsed() > timing.heartbeat {
+                            said_waiting = true;
+                            eprintln!(
+                                "ddprun: {}: nothing listens at {endpoint} yet (node 0's ddprun not started yet, or gone); waiting up to the join timeout ({:.0} s)",
+                                spec.label(),
+                                timing.join_timeout.as_secs_f64()
+                            );
+                        }
+                    }
                 }
                 Err(e) => return Err(unreachable(e)),
             }
         };
-        client.set_io_timeout(timing.heartbeat);
+        client.set_io_timeout(timing.request());
         let addr = match local_addr {
             Some(a) => a.to_string(),
             None => client
@@ -113,9 +146,9 @@ impl Member {
         &self.spec
     }
 
-    /// Why the host is gone, if the heartbeat found out.
-    pub fn host_gone(&self) -> Option<String> {
-        self.heartbeat.gone()
+    /// The host is gone, as the heartbeat found (on the host itself: its rendezvous broke).
+    pub fn host_gone_error(&self) -> Option<RendezvousError> {
+        self.heartbeat.gone().map(|d| self.gone(d))
     }
 
     fn gone(&self, detail: impl std::fmt::Display) -> RendezvousError {
@@ -134,6 +167,13 @@ impl Member {
         }
     }
 
+    /// The state itself is unusable (malformed, missing): one line naming it, on every node.
+    fn broken(&self, e: &StateError) -> RendezvousError {
+        RendezvousError::Refused {
+            line: format!("ddprun: {}: {e}; the job stops", self.spec.label()),
+        }
+    }
+
     /// What ends a wait besides its own condition: a signal, the host gone, the coordinator
     /// failed. `what` says what was waited for.
     fn interrupted(&self, what: &str) -> Option<RendezvousError> {
@@ -149,28 +189,62 @@ impl Member {
                 ),
             });
         }
-        if let Some(cell) = &self.coordinator
-            && let Some(line) = cell.lock().unwrap_or_else(|p| p.into_inner()).clone()
-        {
-            return Some(RendezvousError::Refused { line });
+        self.coordinator_failure()
+            .or_else(|| self.heartbeat.gone().map(|d| self.gone(d)))
+    }
+
+    /// On the host: the coordinator's failure, once it failed.
+    fn coordinator_failure(&self) -> Option<RendezvousError> {
+        let cell = self.coordinator.as_ref()?;
+        let line = cell.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+        Some(RendezvousError::Refused { line })
+    }
+
+    /// Runs `op` on the rendezvous connection. A store error (a timeout, a closed connection)
+    /// is tried again on a new connection until the heartbeat gives the host up: whether the
+    /// host is gone is the heartbeat's judgement alone, made on this launcher's running time,
+    /// so that one slow reply or this launcher's own stop does not decide it. A signal (this
+    /// launcher is leaving) or the coordinator's failure ends the retries; a broken state
+    /// ends them at once.
+    fn retrying<T>(
+        &mut self,
+        mut op: impl FnMut(&mut StoreClient) -> Result<T, StateError>,
+    ) -> Result<T, RendezvousError> {
+        loop {
+            let e = match op(&mut self.client) {
+                Ok(v) => return Ok(v),
+                Err(StateError::Store(e)) => e,
+                Err(e) => return Err(self.broken(&e)),
+            };
+            if let Some(failed) = self.coordinator_failure() {
+                return Err(failed);
+            }
+            if let Some(d) = self.heartbeat.gone() {
+                return Err(self.gone(d));
+            }
+            if self.signals && caught().is_some() {
+                return Err(self.gone(e));
+            }
+            tracing::debug!("the launchers' rendezvous did not answer ({e}); trying again");
+            std::thread::sleep(POLL);
+            let request = self.timing.request();
+            if let Ok(mut c) = StoreClient::connect(&self.endpoint, Some(&self.token), request) {
+                c.set_io_timeout(request);
+                self.client = c;
+            }
         }
-        self.heartbeat.gone().map(|d| self.gone(d))
     }
 
     fn read(&mut self) -> Result<State, RendezvousError> {
-        match read_state(&mut self.client) {
-            Ok(Some((_, s))) => Ok(s),
-            Ok(None) => Err(self.gone("the launchers' rendezvous state is missing")),
-            Err(e) => Err(self.gone(e)),
-        }
+        self.retrying(read_written_state)
     }
 
     fn change<T>(
         &mut self,
         step: &'static str,
-        f: impl FnMut(&mut State) -> Option<T>,
+        mut f: impl FnMut(&mut State) -> Option<T>,
     ) -> Result<(Option<T>, State), RendezvousError> {
-        change(&mut self.client, step, f).map_err(|e| self.gone(e))
+        self.retrying(|c| change(c, step, &mut f))
     }
 
     /// Waits for the job's state (the host writes it as it starts) and refuses this launcher
@@ -178,11 +252,15 @@ impl Member {
     fn admit(&mut self) -> Result<(), RendezvousError> {
         let deadline = Instant::now() + self.timing.heartbeat;
         let state = loop {
-            match read_state(&mut self.client) {
-                Ok(Some((_, s))) => break s,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-                Ok(None) => return Err(self.gone("the launchers' rendezvous state is missing")),
-                Err(e) => return Err(self.gone(e)),
+            match self.retrying(read_state)? {
+                Some((_, s)) => break s,
+                None if Instant::now() < deadline => std::thread::sleep(POLL),
+                None => {
+                    return Err(self.broken(&StateError::Broken {
+                        addr: self.endpoint.clone(),
+                        what: "is missing".into(),
+                    }));
+                }
             }
         };
         let why = if self.spec.id != state.job.id && self.spec.requested_node_rank == 0 {
@@ -218,7 +296,7 @@ impl Member {
         loop {
             let state = self.read()?;
             if let Phase::Finished { end, .. } = &state.phase {
-                return Ok(Joined::Finished(end.clone()));
+                return Ok(Joined::Finished(end.clone(), state.completed()));
             }
             if let Some(info) = state.running()
                 && info.node_rank(&self.spec.id).is_some()
@@ -287,6 +365,41 @@ impl Member {
     pub fn claim(&mut self, round: u64, end: &RoundEnd) -> Result<RoundEnd, RendezvousError> {
         let (_, state) = self.change("claim", |s| s.end_round(round, end.clone()).then_some(()))?;
         Ok(state.end_of(round).cloned().unwrap_or_else(|| end.clone()))
+    }
+
+    /// Notes a failure of this node's ranks in `round` the moment it is seen (see
+    /// [`State::note_failure`]); its end is claimed later, once the cause has settled.
+    pub fn note_failure(
+        &mut self,
+        round: u64,
+        end: &RoundEnd,
+        cause: Cause,
+    ) -> Result<(), RendezvousError> {
+        let id = self.spec.id.clone();
+        self.change("note", |s| {
+            s.note_failure(round, &id, end.clone(), cause).then_some(())
+        })?;
+        Ok(())
+    }
+
+    /// Ends `round` with the likeliest cause among the failures noted in it (this node's
+    /// `end` if none is) unless the round already ended; returns the round's end as it
+    /// stands.
+    pub fn claim_failure(
+        &mut self,
+        round: u64,
+        end: &RoundEnd,
+    ) -> Result<RoundEnd, RendezvousError> {
+        let (_, state) = self.change("claim", |s| {
+            s.end_with_failure(round, end.clone()).then_some(())
+        })?;
+        Ok(state.end_of(round).cloned().unwrap_or_else(|| end.clone()))
+    }
+
+    /// How `round` ended as the state says now (a failure noted at the same moment as a
+    /// scale-up takes its place), if it has.
+    pub fn end_of(&mut self, round: u64) -> Result<Option<RoundEnd>, RendezvousError> {
+        Ok(self.read()?.end_of(round).cloned())
     }
 
     /// Counts this node's ranks as done in `round` (the last node ends the round as done).
@@ -365,7 +478,14 @@ impl Member {
 
     /// Starts watching for the end of `round` on a connection of its own.
     pub fn watch(&self, round: u64) -> Result<RoundWatch, RendezvousError> {
-        RoundWatch::start(&self.endpoint, &self.token, round, self.timing).map_err(|e| self.gone(e))
+        RoundWatch::start(
+            &self.endpoint,
+            &self.token,
+            round,
+            self.timing,
+            self.spec.label(),
+        )
+        .map_err(|e| self.gone(e))
     }
 }
 
@@ -407,49 +527,10 @@ impl Heartbeat {
             std::thread::Builder::new()
                 .name("ddprun-heartbeat".into())
                 .spawn(move || {
-                    let mut last_ok = Instant::now();
-                    let mut coordinator = (i64::MIN, Instant::now());
-                    let why = loop {
-                        std::thread::park_timeout(timing.beat());
-                        if stop.load(Ordering::Relaxed) {
-                            return;
-                        }
-                        let mut ns = PrefixStore::new(&mut client, keys::LAUNCHERS);
-                        let beat = ns
-                            .add(&key, 1)
-                            .and_then(|_| ns.add(keys::COORDINATOR_BEAT, 0));
-                        match beat {
-                            Ok(c) => {
-                                last_ok = Instant::now();
-                                if c != coordinator.0 {
-                                    coordinator = (c, Instant::now());
-                                } else if coordinator.1.elapsed() > timing.heartbeat {
-                                    break "node 0's rendezvous coordinator stopped".to_string();
-                                }
-                            }
-                            Err(e) => {
-                                tracing::debug!("heartbeat to the rendezvous host failed: {e}");
-                                let left = timing.heartbeat.saturating_sub(last_ok.elapsed());
-                                let refused_at_once = !matches!(e, CommError::Timeout { .. });
-                                let retry = if refused_at_once {
-                                    Duration::from_millis(200).min(left)
-                                } else {
-                                    left
-                                };
-                                match heartbeat_connection(
-                                    &endpoint,
-                                    &token,
-                                    &id,
-                                    retry.max(Duration::from_millis(1)),
-                                ) {
-                                    Ok(c) => client = c,
-                                    Err(_) if !refused_at_once && !left.is_zero() => {}
-                                    Err(_) => break format!("its heartbeat failed: {e}"),
-                                }
-                            }
-                        }
-                    };
-                    *gone.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                    let why = beat_until_gone(&mut client, &stop, &endpoint, &token, &id, timing);
+                    if let Some(why) = why {
+                        *gone.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                    }
                 })
                 .map_err(|e| CommError::io("starting the heartbeat thread", None, e))?
         };
@@ -462,6 +543,89 @@ impl Heartbeat {
 
     fn gone(&self) -> Option<String> {
         self.gone.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// How much longer than intended a sleep may take before the difference counts as time this
+/// launcher was not running (stopped, starved).
+const SLEEP_SLACK: Duration = Duration::from_millis(250);
+
+/// The heartbeat loop: adds to this launcher's counter every beat and watches the
+/// coordinator's. Returns why the host is gone, or `None` when stopped. Every silence is
+/// counted on this launcher's [`RunningClock`] (a sleep that overslept by more than
+/// [`SLEEP_SLACK`] counts as intended), against [`Timing::host_silence`]:
+/// - the store answers but the coordinator's counter does not move for that long: the
+///   coordinator stopped;
+/// - nothing answers for that long, and a last try on a new connection fails too: the host
+///   was stopped or cut off (this launcher's own stop makes requests fail without the host
+///   being gone; the last try, made while this launcher runs, tells the two apart);
+/// - the connection breaks and a new one is refused: the host's process is gone (at once).
+fn beat_until_gone(
+    client: &mut StoreClient,
+    stop: &AtomicBool,
+    endpoint: &str,
+    token: &str,
+    id: &str,
+    timing: Timing,
+) -> Option<String> {
+    let key = keys::launcher_heartbeat(id);
+    let budget = timing.host_silence();
+    let probe = timing.beat();
+    let mut clock = RunningClock::start();
+    let mut answered = clock.now();
+    let mut coordinator = (i64::MIN, clock.now());
+    loop {
+        std::thread::park_timeout(timing.beat());
+        clock.advance(timing.beat() + SLEEP_SLACK);
+        if stop.load(Ordering::Relaxed) {
+            return None;
+        }
+        let wait = budget.saturating_sub(clock.now() - answered).max(probe);
+        client.set_io_timeout(wait);
+        let mut ns = PrefixStore::new(client, keys::LAUNCHERS);
+        let beat = ns
+            .add(&key, 1)
+            .and_then(|_| ns.add(keys::COORDINATOR_BEAT, 0));
+        clock.advance(wait + SLEEP_SLACK);
+        let e = match beat {
+            Ok(c) => {
+                answered = clock.now();
+                if c != coordinator.0 {
+                    coordinator = (c, clock.now());
+                } else if clock.now() - coordinator.1 > budget {
+                    return Some(format!(
+                        "node 0's rendezvous coordinator did not move for {:.1} s while its store answered",
+                        (clock.now() - coordinator.1).as_secs_f64()
+                    ));
+                }
+                continue;
+            }
+            Err(e) => e,
+        };
+        tracing::debug!("heartbeat to the rendezvous host failed: {e}");
+        let broke = !matches!(e, CommError::Timeout { .. });
+        let wait = if broke {
+            Duration::from_millis(200)
+        } else {
+            budget.saturating_sub(clock.now() - answered).max(probe)
+        };
+        let retried = heartbeat_connection(endpoint, token, id, wait);
+        // The store's handshake waits at least 1 s.
+        clock.advance(wait.max(Duration::from_secs(1)) + SLEEP_SLACK);
+        match retried {
+            Ok(c) => {
+                *client = c;
+                answered = clock.now();
+            }
+            Err(_) if broke => return Some(format!("its heartbeat failed: {e}")),
+            Err(_) if clock.now() - answered > budget => {
+                return Some(format!(
+                    "it did not answer for {:.1} s: {e}",
+                    (clock.now() - answered).as_secs_f64()
+                ));
+            }
+            Err(_) => {}
+        }
     }
 }
 
@@ -480,12 +644,13 @@ impl Drop for Heartbeat {
 pub(crate) enum Seen {
     /// The round ended.
     Ended(RoundEnd),
-    /// The host stopped answering.
-    HostGone(String),
+    /// The state is unusable (malformed, missing): the line says so.
+    Broken(String),
 }
 
 /// A thread that reads the state until one round ends, so that the launcher's watch loop
-/// learns of it within milliseconds.
+/// learns of it within milliseconds. A read that fails is tried again on a new connection:
+/// whether the host is gone is the heartbeat's judgement.
 pub(crate) struct RoundWatch {
     seen: Arc<Mutex<Option<Seen>>>,
     stop: Arc<AtomicBool>,
@@ -493,11 +658,19 @@ pub(crate) struct RoundWatch {
 }
 
 impl RoundWatch {
-    fn start(endpoint: &str, token: &str, round: u64, timing: Timing) -> Result<Self> {
+    fn start(
+        endpoint: &str,
+        token: &str,
+        round: u64,
+        timing: Timing,
+        label: String,
+    ) -> Result<Self> {
+        let request = timing.request();
         let mut client = StoreClient::connect(endpoint, Some(token), timing.heartbeat)?;
-        client.set_io_timeout(timing.heartbeat);
+        client.set_io_timeout(request);
         let seen = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
+        let (endpoint, token) = (endpoint.to_string(), token.to_string());
         let thread = {
             let (seen, stop) = (Arc::clone(&seen), Arc::clone(&stop));
             std::thread::Builder::new()
@@ -507,16 +680,24 @@ impl RoundWatch {
                         if stop.load(Ordering::Relaxed) {
                             return;
                         }
-                        match read_state(&mut client) {
-                            Ok(Some((_, s))) => {
+                        match read_written_state(&mut client) {
+                            Ok(s) => {
                                 if let Some(end) = s.end_of(round) {
                                     break Seen::Ended(end.clone());
                                 }
                             }
-                            Ok(None) => {
-                                break Seen::HostGone("the rendezvous state is missing".into());
+                            Err(StateError::Store(e)) => {
+                                tracing::debug!("reading the rendezvous state failed: {e}");
+                                if let Ok(mut c) =
+                                    StoreClient::connect(&endpoint, Some(&token), request)
+                                {
+                                    c.set_io_timeout(request);
+                                    client = c;
+                                }
                             }
-                            Err(e) => break Seen::HostGone(e.to_string()),
+                            Err(e) => {
+                                break Seen::Broken(format!("ddprun: {label}: {e}; the job stops"));
+                            }
                         }
                         std::thread::sleep(TICK);
                     };

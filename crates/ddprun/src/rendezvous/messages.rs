@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 use ddp_comm::error::{CommError, Result};
 
 /// One launcher's configuration, published when it first joins. Every launcher of a job must
-/// agree on everything but `id`, `host`, `pid` and `requested_node_rank`.
+/// agree on everything but `id`, `host`, `pid` and `requested_node_rank`: the heartbeat and
+/// join timeouts too. The grace period is each node's own (the host waits for the longest
+/// a round's nodes announced, [`RoundInfo::stop_within_ms`]); the last call is the host's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct NodeSpec {
     /// Random, unique for this launcher process.
@@ -28,6 +30,11 @@ pub(crate) struct NodeSpec {
     pub min_nodes: usize,
     /// `--nnodes MIN:MAX`, the MAX.
     pub max_nodes: usize,
+    /// `--rdzv-heartbeat-secs`, in ms: every launcher judges the others, and is judged, by
+    /// the same timeout.
+    pub heartbeat_ms: u64,
+    /// `--rdzv-join-timeout`, in ms.
+    pub join_timeout_ms: u64,
 }
 
 impl NodeSpec {
@@ -64,6 +71,17 @@ impl NodeSpec {
             "--nnodes",
             format!("{}:{}", self.min_nodes, self.max_nodes),
             format!("{}:{}", reference.min_nodes, reference.max_nodes),
+        );
+        let secs = |ms: u64| format!("{}", ms as f64 / 1000.0);
+        differ(
+            "--rdzv-heartbeat-secs",
+            secs(self.heartbeat_ms),
+            secs(reference.heartbeat_ms),
+        );
+        differ(
+            "--rdzv-join-timeout",
+            secs(self.join_timeout_ms),
+            secs(reference.join_timeout_ms),
         );
         differ(
             "the program",
@@ -128,6 +146,21 @@ pub(crate) enum EndKind {
     /// The job could not go on: too few nodes within the join timeout, or the coordinator
     /// failed.
     Refused,
+    /// The rendezvous host found that it had not been running for longer than the heartbeat
+    /// timeout (stopped, frozen): the others have given it up, so the job ends.
+    HostLost,
+}
+
+/// How likely a rank's failure is the root cause of a round's end, most likely first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) enum Cause {
+    /// The rank was killed by a signal (its peers then fail on the closed connection).
+    Signal,
+    /// The rank exited non-zero on an error of its own.
+    Own,
+    /// The rank exited non-zero on a peer's failure it only relayed (it said so through
+    /// `DDP_FAILURE_FILE`, see `ddp_comm::env::note_peer_failure`).
+    Relayed,
 }
 
 /// How a round ended, written once (the first claim wins).
@@ -150,13 +183,14 @@ pub(crate) enum After {
     NextRound,
 }
 
-/// The rule: `Done` finishes with 0; `Interrupted` and `Refused` finish with the end's code; a
+/// The rule: `Done` finishes with 0; `Interrupted`, `Refused` and `HostLost` finish with the
+/// end's code; a
 /// failure, a lost node or a node that left restarts while fewer than `max_restarts` failures
 /// came before; a scale-up always restarts.
 pub(crate) fn after(end: &RoundEnd, info: &RoundInfo, max_restarts: usize) -> After {
     match end.kind {
         EndKind::Done => After::Finish(0),
-        EndKind::Interrupted | EndKind::Refused => After::Finish(end.exit_code),
+        EndKind::Interrupted | EndKind::Refused | EndKind::HostLost => After::Finish(end.exit_code),
         EndKind::ScaleUp => After::NextRound,
         EndKind::Failed | EndKind::Lost | EndKind::Left if info.failures_before < max_restarts => {
             After::NextRound
@@ -204,6 +238,8 @@ mod tests {
             max_restarts: 2,
             min_nodes: 1,
             max_nodes: 2,
+            heartbeat_ms: 10_000,
+            join_timeout_ms: 300_000,
         }
     }
 
@@ -247,13 +283,15 @@ mod tests {
         let restarts = NodeSpec {
             max_restarts: 0,
             max_nodes: 3,
+            heartbeat_ms: 1_500,
             ..spec(1)
         };
         assert_eq!(
             restarts.differences(&spec(0)),
             [
                 "--max-restarts 0 (node 0 has 2)".to_string(),
-                "--nnodes 1:3 (node 0 has 1:2)".to_string()
+                "--nnodes 1:3 (node 0 has 1:2)".to_string(),
+                "--rdzv-heartbeat-secs 1.5 (node 0 has 10)".to_string(),
             ]
         );
     }

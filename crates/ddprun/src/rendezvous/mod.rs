@@ -31,11 +31,20 @@
 //! line and exit code on every node. The host keeps its store until every launcher has read
 //! the job's end or is gone.
 //!
+//! A rank's failure is **noted** in the state the moment its launcher sees it, before its
+//! cause settles (0.5 s): from then on only a failure can end the round, so a scale-up or a
+//! joiner at the same moment never erases it. The end names the likeliest cause noted: a
+//! rank killed by a signal, then a rank's own error, then a rank that only relayed a peer's.
+//!
 //! When the host's launcher itself dies, the other members' heartbeats fail (at once for a
-//! closed connection, within the heartbeat timeout for a stopped host) and every node exits 1
-//! with one line naming the host.
+//! closed connection; for a stopped host once it went unheard for [`Timing::host_silence`] and
+//! a last try failed) and every node exits 1 with one line naming the host. Liveness is judged
+//! on each judge's own running time ([`clock`]); a host that finds it was not running for
+//! longer than the heartbeat timeout ends the job as lost itself, so every node still there
+//! gets the same line and code.
 
-mod fault;
+mod clock;
+pub(crate) mod fault;
 pub(super) mod host;
 pub(super) mod member;
 pub(crate) mod messages;
@@ -43,7 +52,7 @@ pub(crate) mod state;
 
 use std::time::Duration;
 
-use ddp_comm::error::{CommError, Result};
+use ddp_comm::error::CommError;
 use ddp_comm::store::{CompareSet, StoreClient, keys};
 use messages::{decode, encode};
 use state::State;
@@ -67,6 +76,24 @@ impl Timing {
     /// How often a member heartbeats: five beats per timeout, between 50 ms and 2 s.
     pub fn beat(&self) -> Duration {
         (self.heartbeat / 5).clamp(Duration::from_millis(50), Duration::from_secs(2))
+    }
+
+    /// How long a member waits for one reply of the store before it tries again (a beat,
+    /// between 250 ms and 1 s): short, so that a signal is acted on within a second; whether
+    /// the host is gone is the heartbeat's judgement, not one reply's.
+    pub fn request(&self) -> Duration {
+        self.beat()
+            .clamp(Duration::from_millis(250), Duration::from_secs(1))
+    }
+
+    /// How long a member lets the host go unheard, on its own running time, before it gives
+    /// the host up: the heartbeat timeout and half a beat. The margin makes the two sides
+    /// agree: when a member gives the host up, the host was not running for longer than the
+    /// heartbeat timeout, and it finds so itself when it runs again (it then ends the job; see
+    /// `host`). A stopped host is given up within this, a beat (the last probe) and the
+    /// store's 1 s handshake floor.
+    pub fn host_silence(&self) -> Duration {
+        self.heartbeat + self.beat() / 2
     }
 }
 
@@ -145,31 +172,71 @@ impl RendezvousError {
     }
 }
 
-/// The state as the store holds it now, with its bytes (what a compare-and-set expects).
-pub(crate) fn read_state(client: &mut StoreClient) -> Result<Option<(Vec<u8>, State)>> {
-    let key = keys::launchers_state();
-    let Some(bytes) = client.try_get(&key)? else {
+/// Why the state could not be read or changed: the store did not answer as it should (the
+/// host may be slow, stopped or gone: the heartbeat judges), or what it holds is not a state
+/// this launcher can read (the job cannot go on).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StateError {
+    /// The store: a timeout, a closed connection, a refusal.
+    #[error(transparent)]
+    Store(#[from] CommError),
+    /// The state is malformed, missing or vanished.
+    #[error("the launchers' rendezvous state at {addr} {what}")]
+    Broken {
+        /// The store's address.
+        addr: String,
+        /// What is wrong with it.
+        what: String,
+    },
+}
+
+impl StateError {
+    fn broken(client: &StoreClient, what: impl Into<String>) -> Self {
+        StateError::Broken {
+            addr: client.endpoint().to_string(),
+            what: what.into(),
+        }
+    }
+}
+
+/// Decodes the state's bytes.
+fn decode_state(client: &StoreClient, bytes: &[u8]) -> Result<State, StateError> {
+    decode(client.endpoint(), &keys::launchers_state(), bytes)
+        .map_err(|e| StateError::broken(client, format!("is malformed ({e})")))
+}
+
+/// The state as the store holds it now, with its bytes (what a compare-and-set expects);
+/// `None` before the host wrote it.
+pub(crate) fn read_state(client: &mut StoreClient) -> Result<Option<(Vec<u8>, State)>, StateError> {
+    let Some(bytes) = client.try_get(&keys::launchers_state())? else {
         return Ok(None);
     };
-    let state = decode(client.endpoint(), &key, &bytes)?;
+    let state = decode_state(client, &bytes)?;
     Ok(Some((bytes, state)))
+}
+
+/// [`read_state`] once the host has written it: a missing state is broken.
+pub(crate) fn read_written_state(client: &mut StoreClient) -> Result<State, StateError> {
+    match read_state(client)? {
+        Some((_, s)) => Ok(s),
+        None => Err(StateError::broken(client, "is missing")),
+    }
 }
 
 /// Changes the state by `f` in one compare-and-set: reads it, lets `f` change a copy (`None`:
 /// nothing to change, nothing written), writes it if nobody changed it meanwhile, else reads
 /// again and retries. Returns what `f` returned and the state as it is now. `step` names the
-/// change for the test-only fault knob ([`fault`]).
+/// change for the test-only fault knob ([`fault`]). Every change may be tried again after a
+/// store error: `f` is applied to the state as it is then, and each change is one that says
+/// `None` once it is already made.
 pub(crate) fn change<T>(
     client: &mut StoreClient,
     step: &'static str,
     mut f: impl FnMut(&mut State) -> Option<T>,
-) -> Result<(Option<T>, State)> {
+) -> Result<(Option<T>, State), StateError> {
     let key = keys::launchers_state();
     let Some((mut bytes, mut current)) = read_state(client)? else {
-        return Err(CommError::Store {
-            addr: client.endpoint().to_string(),
-            msg: "the launchers' rendezvous state is missing".into(),
-        });
+        return Err(StateError::broken(client, "is missing"));
     };
     loop {
         let mut next = current.clone();
@@ -184,14 +251,11 @@ pub(crate) fn change<T>(
                 return Ok((Some(out), next));
             }
             CompareSet::Current(Some(now)) => {
-                current = decode(client.endpoint(), &key, &now)?;
+                current = decode_state(client, &now)?;
                 bytes = now;
             }
             CompareSet::Current(None) => {
-                return Err(CommError::Store {
-                    addr: client.endpoint().to_string(),
-                    msg: "the launchers' rendezvous state vanished".into(),
-                });
+                return Err(StateError::broken(client, "vanished"));
             }
         }
     }

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::messages::{After, EndKind, NodeSpec, RoundEnd, RoundInfo, after, is_failure};
+use super::messages::{After, Cause, EndKind, NodeSpec, RoundEnd, RoundInfo, after, is_failure};
 
 /// How many round ends the state remembers, so that a launcher slow to look still learns how
 /// its round ended after the next rounds moved on.
@@ -34,6 +34,18 @@ pub(crate) struct Joiner {
     pub stop_within_ms: u64,
 }
 
+/// A rank failure a launcher wrote the moment it saw it, before it is settled as the round's
+/// cause: from then on nothing but a failure can end the round (see [`State::note_failure`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct NotedFailure {
+    /// The launcher whose rank failed.
+    pub node: String,
+    /// The end that failure would write.
+    pub end: RoundEnd,
+    /// How likely it is the root cause.
+    pub cause: Cause,
+}
+
 /// What the job is doing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Phase {
@@ -45,6 +57,8 @@ pub(crate) enum Phase {
         info: RoundInfo,
         /// The ids of its launchers whose ranks all exited 0.
         done: Vec<String>,
+        /// Rank failures noted in this round, in the order they were written (one per node).
+        failed: Vec<NotedFailure>,
     },
     /// The job is over: every launcher exits with `end.exit_code` after printing `end.line`.
     Finished {
@@ -92,6 +106,20 @@ impl State {
             ends: Vec::new(),
             refusals: Vec::new(),
         }
+    }
+
+    /// Whether the job completed: it is over, and its last round ended with every node's
+    /// ranks exiting 0 (as [`Self::mark_done`] ends one). A job's end written any other way —
+    /// before any round ran, or by a failure — is not a completion, whatever its exit code
+    /// says.
+    pub fn completed(&self) -> bool {
+        let Phase::Finished { end, .. } = &self.phase else {
+            return false;
+        };
+        end.kind == EndKind::Done
+            && self.ends.last().is_some_and(|(info, e)| {
+                info.round == self.round && e.kind == EndKind::Done && e.exit_code == 0
+            })
     }
 
     /// How round `round` ended, if it has.
@@ -195,6 +223,7 @@ impl State {
         self.phase = Phase::Running {
             info: info.clone(),
             done: Vec::new(),
+            failed: Vec::new(),
         };
         Some(info)
     }
@@ -202,13 +231,19 @@ impl State {
     /// Ends round `round` with `end` if it is still running (the first end wins): the job
     /// finishes, or the next round starts gathering, by the one rule of
     /// [`messages::after`](super::messages::after). `false` if the round had already ended.
+    /// A scale-up proposed while a rank failure is noted becomes that failure: a failure is
+    /// never lost to whatever else ends the round at the same moment.
     pub fn end_round(&mut self, round: u64, end: RoundEnd) -> bool {
-        let Phase::Running { info, .. } = &self.phase else {
+        let Phase::Running { info, failed, .. } = &self.phase else {
             return false;
         };
         if info.round != round {
             return false;
         }
+        let end = match best_failure(failed) {
+            Some(noted) if end.kind == EndKind::ScaleUp => noted.end.clone(),
+            _ => end,
+        };
         let info = info.clone();
         self.ends.push((info.clone(), end.clone()));
         let extra = self.ends.len().saturating_sub(ENDS_KEPT);
@@ -238,7 +273,7 @@ impl State {
     /// Counts `id`'s ranks of round `round` as all exited 0; the last node of the round to do
     /// so ends it as done. `false` if the round is not running (it ended first).
     pub fn mark_done(&mut self, round: u64, id: &str) -> bool {
-        let Phase::Running { info, done } = &mut self.phase else {
+        let Phase::Running { info, done, .. } = &mut self.phase else {
             return false;
         };
         if info.round != round {
@@ -259,6 +294,94 @@ impl State {
             );
         }
         true
+    }
+
+    /// Notes that a rank of `id` failed in `round` (`end` says how), the moment its launcher
+    /// saw it, so that no scale-up or joiner can end the round as anything but a failure.
+    /// If a scale-up ended the round first (the two at the same moment), the failure still
+    /// counts: it takes the scale-up's place while the next round gathers (a restart, or the
+    /// job's end when none is left), or ends the next round if it already runs — unless the
+    /// rank only relayed a peer's failure, which the round's stop explains. `false` when there
+    /// was nothing to note (the round had ended otherwise, or the job is over).
+    pub fn note_failure(&mut self, round: u64, id: &str, end: RoundEnd, cause: Cause) -> bool {
+        if let Phase::Running { info, failed, .. } = &mut self.phase
+            && info.round == round
+        {
+            let noted = NotedFailure {
+                node: id.to_string(),
+                end,
+                cause,
+            };
+            return match failed.iter_mut().find(|f| f.node == id) {
+                // A rank's own error replaces a relay noted before it.
+                Some(f) if cause < f.cause => {
+                    *f = noted;
+                    true
+                }
+                Some(_) => false,
+                None => {
+                    failed.push(noted);
+                    true
+                }
+            };
+        }
+        if cause == Cause::Relayed {
+            // A rank that failed on a peer's failure after the round had ended: the stop of
+            // the round caused it.
+            return false;
+        }
+        let Some(at) = self
+            .ends
+            .iter()
+            .position(|(i, e)| i.round == round && e.kind == EndKind::ScaleUp)
+        else {
+            return false;
+        };
+        if self.round != round + 1 {
+            return false;
+        }
+        match &self.phase {
+            Phase::Gathering => {
+                let info = self.ends[at].0.clone();
+                self.ends[at].1 = end.clone();
+                match after(&end, &info, self.job.max_restarts) {
+                    After::NextRound => self.failures += 1,
+                    After::Finish(code) => {
+                        let mut members = info.nodes.clone();
+                        for j in &self.waiting {
+                            if !members.contains(&j.id) {
+                                members.push(j.id.clone());
+                            }
+                        }
+                        self.phase = Phase::Finished {
+                            end: RoundEnd {
+                                exit_code: code,
+                                ..end
+                            },
+                            members,
+                            acked: Vec::new(),
+                        };
+                    }
+                }
+                true
+            }
+            Phase::Running { .. } => self.end_round(round + 1, end),
+            Phase::Finished { .. } => false,
+        }
+    }
+
+    /// Ends `round` with its most likely cause among the failures noted in it (`mine`, this
+    /// launcher's, when none is noted): a rank killed by a signal, then a rank's own error,
+    /// then a rank that only relayed a peer's failure; the earliest first among equals.
+    /// `false` if the round had already ended.
+    pub fn end_with_failure(&mut self, round: u64, mine: RoundEnd) -> bool {
+        let end = match &self.phase {
+            Phase::Running { info, failed, .. } if info.round == round => {
+                best_failure(failed).map_or(mine, |f| f.end.clone())
+            }
+            _ => return false,
+        };
+        self.end_round(round, end)
     }
 
     /// Ends the job whatever it is doing (the gathering failed, the host was interrupted or
@@ -310,6 +433,11 @@ impl State {
     }
 }
 
+/// The failure most likely to be the round's root cause (see [`State::end_with_failure`]).
+fn best_failure(failed: &[NotedFailure]) -> Option<&NotedFailure> {
+    failed.iter().min_by_key(|f| f.cause)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,6 +453,8 @@ mod tests {
             max_restarts: restarts,
             min_nodes: min,
             max_nodes: max,
+            heartbeat_ms: 2_000,
+            join_timeout_ms: 30_000,
         }
     }
 
@@ -435,6 +565,96 @@ mod tests {
         };
         assert_eq!((end.kind, end.exit_code), (EndKind::Done, 0));
         assert!(!s.mark_done(1, "host"));
+    }
+
+    /// A noted failure turns a scale-up into itself; the best cause noted wins the claim;
+    /// a relay is replaced by its node's own error.
+    #[test]
+    fn a_noted_failure_is_never_lost_and_the_likeliest_cause_wins() {
+        let mut s = State::new(spec(1, 2, 0));
+        s.join(joiner("host", 0, 1));
+        s.close().unwrap();
+        let relay = RoundEnd {
+            line: "rank 0 relayed".into(),
+            ..failed(1)
+        };
+        assert!(s.note_failure(0, "host", relay.clone(), Cause::Relayed));
+        assert!(!s.note_failure(0, "host", relay, Cause::Relayed));
+        assert!(
+            s.note_failure(0, "host", failed(3), Cause::Own),
+            "own replaces relay"
+        );
+        let scale_up = RoundEnd {
+            kind: EndKind::ScaleUp,
+            line: "n1 waits".into(),
+            exit_code: 1,
+        };
+        assert!(s.end_round(0, scale_up));
+        let Phase::Finished { end, .. } = &s.phase else {
+            panic!("{:?}", s.phase)
+        };
+        assert_eq!((end.kind, end.exit_code), (EndKind::Failed, 3));
+        assert!(!s.completed());
+
+        // Several nodes: a signal beats an own error noted first.
+        let mut s = State::new(spec(2, 2, 0));
+        s.join(joiner("host", 0, 1));
+        s.join(joiner("n1", 1, 2));
+        s.close().unwrap();
+        assert!(s.note_failure(0, "host", failed(3), Cause::Own));
+        let killed = RoundEnd {
+            line: "rank 2 killed".into(),
+            ..failed(137)
+        };
+        assert!(s.note_failure(0, "n1", killed, Cause::Signal));
+        assert!(s.end_with_failure(0, failed(3)));
+        assert_eq!(s.end_of(0).unwrap().exit_code, 137);
+    }
+
+    /// A failure noted just after a scale-up ended its round still counts: it takes the
+    /// scale-up's place (the job ends with its code when no restart is left; a restart is
+    /// spent otherwise); a relayed one does not (the stop caused it).
+    #[test]
+    fn a_failure_noted_after_a_scale_up_takes_its_place() {
+        let scale_up = RoundEnd {
+            kind: EndKind::ScaleUp,
+            line: "n1 waits".into(),
+            exit_code: 1,
+        };
+        for (restarts, finished) in [(0, true), (1, false)] {
+            let mut s = State::new(spec(1, 2, restarts));
+            s.join(joiner("host", 0, 1));
+            s.close().unwrap();
+            s.join(joiner("n1", 1, 2));
+            assert!(s.end_round(0, scale_up.clone()));
+            assert!(!s.note_failure(0, "host", failed(1), Cause::Relayed));
+            assert!(s.note_failure(0, "host", failed(3), Cause::Own));
+            assert_eq!(s.end_of(0).unwrap().kind, EndKind::Failed);
+            assert_eq!(matches!(s.phase, Phase::Finished { .. }), finished);
+            if finished {
+                assert_eq!(s.unacked(), ["host", "n1"]);
+            } else {
+                assert_eq!((s.failures, s.round), (1, 1));
+            }
+        }
+    }
+
+    /// Only a round that every node finished with exit 0 completes a job; an end written
+    /// before any round ran does not, whatever its code.
+    #[test]
+    fn only_a_done_round_completes_the_job() {
+        let mut s = State::new(spec(2, 2, 0));
+        assert!(s.finish(RoundEnd {
+            kind: EndKind::Done,
+            line: "forged".into(),
+            exit_code: 0,
+        }));
+        assert!(!s.completed());
+        let mut s = State::new(spec(1, 1, 0));
+        s.join(joiner("host", 0, 1));
+        s.close().unwrap();
+        assert!(s.mark_done(0, "host"));
+        assert!(s.completed());
     }
 
     /// The state survives its encoding (what the store holds).

@@ -27,6 +27,8 @@ fn spec(node: usize, min: usize, max: usize) -> NodeSpec {
         max_restarts: 1,
         min_nodes: min,
         max_nodes: max,
+        heartbeat_ms: 2_000,
+        join_timeout_ms: 5_000,
     }
 }
 
@@ -56,7 +58,7 @@ fn a_round_orders_the_nodes_and_every_member_sees_one_end() {
                     Joined::Started(info) => info,
                     // Node 2 may end the round before this one looked.
                     Joined::Missed(info, end) => return (n, info, end),
-                    Joined::Finished(end) => panic!("the job ended: {end:?}"),
+                    Joined::Finished(end, _) => panic!("the job ended: {end:?}"),
                 };
                 if n == 2 {
                     let end = RoundEnd {

@@ -10,6 +10,12 @@ use std::time::Duration;
 use ddp_testkit::Launched;
 
 const DDPRUN: &str = env!("CARGO_BIN_EXE_ddprun");
+
+/// The `ddprun` under test: this build's, or `DDPRUN_BIN` (an earlier build, to see a test
+/// fail there).
+pub fn ddprun() -> std::ffi::OsString {
+    std::env::var_os("DDPRUN_BIN").unwrap_or_else(|| DDPRUN.into())
+}
 pub const DEADLINE: Duration = Duration::from_secs(60);
 /// Heartbeat timeout of the tests' launchers: short enough for the tests, long enough for a
 /// loaded 2-core CI machine (beats every 400 ms).
@@ -51,7 +57,8 @@ pub fn free_port() -> String {
 }
 
 impl Node {
-    /// Starts `ddprun --node-rank N --master-port PORT OPTS -- sh -c SCRIPT` as host `host-N`.
+    /// Starts `ddprun --node-rank N --master-port PORT OPTS -- sh -c SCRIPT` as host `host-N`
+    /// (with the tests' heartbeat timeout unless `OPTS` sets one).
     pub fn start(node: usize, port: &str, token: &str, opts: &[&str], script: &str) -> Node {
         Self::start_with(node, port, token, opts, script, &[])
     }
@@ -65,10 +72,12 @@ impl Node {
         script: &str,
         vars: &[(&str, &str)],
     ) -> Node {
-        let mut cmd = Command::new(DDPRUN);
-        cmd.args(["--node-rank", &node.to_string(), "--master-port", port])
-            .args(["--rdzv-heartbeat-secs", HEARTBEAT])
-            .args(opts)
+        let mut cmd = Command::new(ddprun());
+        cmd.args(["--node-rank", &node.to_string(), "--master-port", port]);
+        if !opts.contains(&"--rdzv-heartbeat-secs") {
+            cmd.args(["--rdzv-heartbeat-secs", HEARTBEAT]);
+        }
+        cmd.args(opts)
             .args(["--", "sh", "-c", script])
             .env("DDP_JOB_TOKEN", token)
             .env("DDP_HOST_ID", format!("host-{node}"))
