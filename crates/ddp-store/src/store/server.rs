@@ -232,6 +232,12 @@ impl StoreServer {
         self.shared.clients.load(Ordering::SeqCst)
     }
 
+    /// How many keys the store holds, and what they cost it in bytes (keys, values and each
+    /// entry's overhead, as the 64 MiB quota counts them).
+    pub fn usage(&self) -> (usize, usize) {
+        self.shared.lock().usage()
+    }
+
     /// Connections refused so far: without a valid handshake, closed to make room for
     /// newer ones, or past the client limit.
     pub fn refused_connections(&self) -> u64 {

@@ -7,7 +7,8 @@
 //! |---|---|---|
 //! | [`MAX_KEY_BYTES`] | 512 B | `ddp/launchers/gone/{launcher id}`, about 60 B |
 //! | [`MAX_VALUE_BYTES`] | 1 MiB | the launchers' rendezvous state, about 200 B per node |
-//! | [`MAX_TOTAL_BYTES`] | 64 MiB | a 4096-rank job stores well under 4 MiB |
+//! | [`MAX_TOTAL_BYTES`] | 64 MiB of entries' costs ([`entry_cost`]) | a 4096-rank job stores well under 4 MiB |
+//! | [`MAX_KEYS`] | 262144 | a 4096-rank job with `DDP_TRACE`: under 40000 keys |
 //! | [`MAX_KEYS_PER_CONNECTION`] | 16384 | rank 0 answers 8 clock rounds per rank with `DDP_TRACE`: 8192 keys at 1024 ranks |
 //! | [`MAX_WAIT_KEYS`] | 65536 | every rank waits for every rank's address: one key per rank |
 //! | [`MAX_WAITING_KEYS`] | 262144 | every connection waiting at once stays far below |
@@ -24,9 +25,23 @@ pub(super) const MAX_KEY_BYTES: usize = 512;
 /// Largest value: the largest burn-ddp writes is the launchers' state, about 200 bytes a node
 /// (a few hundred nodes stay under 100 KiB); a rank's address is under 200 bytes.
 pub(super) const MAX_VALUE_BYTES: usize = 1 << 20;
-/// Most bytes of keys and values the store holds in all: 64 values of the largest size, some
-/// thousand times what a job of a few thousand ranks writes.
+/// Most bytes the store's entries may cost in all ([`entry_cost`]): 64 values of the largest
+/// size, some thousand times what a job of a few thousand ranks writes. What the table holds
+/// in memory stays within it (a test fills the store and reads the process's memory).
 pub(super) const MAX_TOTAL_BYTES: usize = 64 << 20;
+/// Most keys the store holds: what a job of 4096 ranks with timelines writes, six times over.
+pub(super) const MAX_KEYS: usize = 1 << 18;
+/// What an entry costs the server besides its key's and value's bytes: its slot in the map, the
+/// key's and the value's own allocations (headers and the allocator's rounding) and the copy of
+/// the key a sealed entry keeps. Measured: a million 5-byte keys with 8-byte values grew a
+/// server by 132 MiB, 138 bytes an entry.
+pub(super) const ENTRY_OVERHEAD: usize = 160;
+
+/// What holding `value` at `key` costs, in bytes (the key counted twice: a sealed entry keeps
+/// a copy of it).
+pub(super) fn entry_cost(key: &str, value: &[u8]) -> usize {
+    2 * key.len() + value.len() + ENTRY_OVERHEAD
+}
 /// Most keys one connection may create: a rank creates a handful per rendezvous, NCCL group
 /// and clock sync; a launcher one per round.
 pub(super) const MAX_KEYS_PER_CONNECTION: usize = 16384;
@@ -57,7 +72,7 @@ pub(super) struct Table {
     map: HashMap<String, Vec<u8>>,
     /// Keys set by `set_once`: nothing may change them afterwards.
     sealed: HashSet<String>,
-    /// Bytes of keys and values held.
+    /// What the entries held cost ([`entry_cost`]).
     bytes: usize,
     /// Keys named by the requests waiting now.
     pub(super) waiting_keys: usize,
@@ -78,6 +93,11 @@ impl Table {
     /// Whether `key` exists.
     pub(super) fn contains(&self, key: &str) -> bool {
         self.map.contains_key(key)
+    }
+
+    /// How many keys the table holds, and what they cost ([`entry_cost`]).
+    pub(super) fn usage(&self) -> (usize, usize) {
+        (self.map.len(), self.bytes)
     }
 
     /// Checks a key's length (before any use of it).
@@ -111,13 +131,18 @@ impl Table {
                 value.len()
             )));
         }
-        let old = self.map.get(&key).map(|v| v.len() + key.len());
+        let old = self.map.get(&key).map(|v| entry_cost(&key, v));
         if old.is_none() && user.created >= MAX_KEYS_PER_CONNECTION {
             return Err(refuse(format!(
                 "this connection created {MAX_KEYS_PER_CONNECTION} keys, the most one may"
             )));
         }
-        let after = self.bytes - old.unwrap_or(0) + key.len() + value.len();
+        if old.is_none() && self.map.len() >= MAX_KEYS {
+            return Err(refuse(format!(
+                "the store holds its limit of {MAX_KEYS} keys"
+            )));
+        }
+        let after = self.bytes - old.unwrap_or(0) + entry_cost(&key, &value);
         if after > MAX_TOTAL_BYTES {
             return Err(refuse(format!(
                 "the store holds its limit of {} MiB of keys and values",
@@ -285,6 +310,28 @@ mod tests {
         let (i, m) = refused.expect("the total quota refuses at some point");
         assert!(i <= MAX_TOTAL_BYTES / MAX_VALUE_BYTES, "{i}");
         assert!(m.contains("64 MiB"), "{m}");
+    }
+
+    /// Small entries hit the cap on keys, and every entry is charged its overhead: the
+    /// quota's bytes bound what the table holds, not only the bytes of keys and values.
+    #[test]
+    fn small_entries_are_charged_their_cost_and_the_keys_are_capped() {
+        let mut t = Table::default();
+        let mut refused = None;
+        'fill: for c in 0.. {
+            let mut conn = ConnectionUse::default();
+            for i in 0..MAX_KEYS_PER_CONNECTION {
+                if let Reply::Error(m) = t.add(format!("{c}/{i}"), 1, &mut conn) {
+                    refused = Some(m);
+                    break 'fill;
+                }
+            }
+        }
+        let m = refused.unwrap();
+        assert!(m.contains("262144 keys"), "{m}");
+        let (keys, bytes) = t.usage();
+        assert_eq!(keys, MAX_KEYS);
+        assert!(bytes >= keys * ENTRY_OVERHEAD, "{bytes}");
     }
 
     #[test]
