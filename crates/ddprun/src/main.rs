@@ -64,8 +64,8 @@ struct Args {
           value_parser = parse_secs, value_name = "SECS")]
     rdzv_last_call: f64,
     /// A node whose ddprun sends no heartbeat for this long is lost (its round ends); when
-    /// node 0's ddprun stops answering for this long (plus half a beat and a last try: at most
-    /// 1.3 × this + 1 s), every other node fails. The same on every node (one that differs
+    /// node 0's ddprun stops answering for this long (plus 1.5 beats of a fifth of it and a
+    /// last try: at most 1.5 × this + 1 s), every other node fails. The same on every node (one that differs
     /// is refused).
     #[arg(long = "rdzv-heartbeat-secs", visible_alias = "rdzv_heartbeat_secs",
           default_value_t = 10.0, value_parser = parse_secs, value_name = "SECS")]

@@ -204,8 +204,8 @@ impl Member {
     /// is tried again on a new connection until the heartbeat gives the host up: whether the
     /// host is gone is the heartbeat's judgement alone, made on this launcher's running time,
     /// so that one slow reply or this launcher's own stop does not decide it. A signal (this
-    /// launcher is leaving) or the coordinator's failure ends the retries; a broken state
-    /// ends them at once.
+    /// launcher is leaving: [`RendezvousError::Interrupted`]) or the coordinator's failure ends
+    /// the retries; a broken state ends them at once.
     fn retrying<T>(
         &mut self,
         mut op: impl FnMut(&mut StoreClient) -> Result<T, StateError>,
@@ -216,14 +216,8 @@ impl Member {
                 Err(StateError::Store(e)) => e,
                 Err(e) => return Err(self.broken(&e)),
             };
-            if let Some(failed) = self.coordinator_failure() {
-                return Err(failed);
-            }
-            if let Some(d) = self.heartbeat.gone() {
-                return Err(self.gone(d));
-            }
-            if self.signals && caught().is_some() {
-                return Err(self.gone(e));
+            if let Some(stop) = self.interrupted("talking to the launchers' rendezvous") {
+                return Err(stop);
             }
             tracing::debug!("the launchers' rendezvous did not answer ({e}); trying again");
             std::thread::sleep(POLL);

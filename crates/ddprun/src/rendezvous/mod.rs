@@ -87,13 +87,15 @@ impl Timing {
     }
 
     /// How long a member lets the host go unheard, on its own running time, before it gives
-    /// the host up: the heartbeat timeout and half a beat. The margin makes the two sides
-    /// agree: when a member gives the host up, the host was not running for longer than the
-    /// heartbeat timeout, and it finds so itself when it runs again (it then ends the job; see
-    /// `host`). A stopped host is given up within this, a beat (the last probe) and the
-    /// store's 1 s handshake floor.
+    /// the host up: the heartbeat timeout and one and a half beats. The margin makes the two
+    /// sides agree: a member hears the host at least every beat while it runs, so when a
+    /// member gives the host up, the host was not running for longer than the heartbeat
+    /// timeout (by half a beat at least), and it finds so itself when it runs again (it then
+    /// ends the job; see `host`); a host stopped for less than the timeout is given up by
+    /// nobody. A stopped host is given up within this, and a last try of a beat or the
+    /// store's 1 s handshake floor, whichever is longer.
     pub fn host_silence(&self) -> Duration {
-        self.heartbeat + self.beat() / 2
+        self.heartbeat + self.beat() * 3 / 2
     }
 }
 
