@@ -6,9 +6,11 @@
 //!   address of this machine): the store and the mesh listen on loopback only, and rank 0
 //!   shares a fresh random secret through a file only this user can read: mode 0600, in a
 //!   directory of mode 0700 owned by the user (`$XDG_RUNTIME_DIR/burn-ddp`, else
-//!   `{temp}/burn-ddp-{uid}`), named by the job (`TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`) and
-//!   the port. The other ranks read it (again, if the store refuses a secret left by an
-//!   earlier run); rank 0 removes it once its group is up (or failed).
+//!   `$HOME/.burn-ddp`: places no other user can create it in first), named by the job
+//!   (`TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`) and the port. Rank 0 writes it only once it
+//!   serves the store (a job that cannot bind the port never touches another job's file) and
+//!   removes it once its group is up (or failed), if it still holds its own secret. The other
+//!   ranks read it (again, if the store refuses a secret left by an earlier run).
 //! - Not set, ranks on several hosts: refused with one line saying how to set a token, unless
 //!   [`INSECURE_VAR`] is `1`; then every rank warns once and the job runs unauthenticated.
 //!
@@ -61,9 +63,9 @@ pub struct JobAuth {
 
 impl JobAuth {
     /// The secret of the job `env` describes, for the process group that serves its store on
-    /// rank 0 (see the module doc): rank 0 of a single-host job without a token writes the
-    /// secret file here (removed when this value drops); the other ranks read it when
-    /// connecting.
+    /// rank 0 (see the module doc): rank 0 of a single-host job without a token makes the
+    /// secret here and writes its file once it serves the store ([`JobAuth::publish`]; removed
+    /// when this value drops); the other ranks read it when connecting.
     #[doc(hidden)]
     pub fn for_group(env: &LaunchEnv) -> Result<JobAuth> {
         Self::resolve(env, env.rank == 0, false)
@@ -135,14 +137,31 @@ impl JobAuth {
                 source: Source::File { path, owner: false },
             });
         }
+        // Written only once rank 0 serves the store ([`JobAuth::publish`]): a job that cannot
+        // bind the port (another job's) never touches that job's secret.
         let secret = hex(&crate::auth::nonce());
-        write_secret(&path, &secret)?;
-        remember(&endpoint, Some(secret.clone()));
         Ok(JobAuth {
             endpoint,
             token: Some(secret),
-            source: Source::File { path, owner: true },
+            source: Source::File { path, owner: false },
         })
+    }
+
+    /// Rank 0, once it serves the store: writes the job's secret file for the other ranks
+    /// (a single-host job without a token; nothing otherwise). From then on this value owns
+    /// the file, and removes it when dropped — only if it still holds this job's secret.
+    #[doc(hidden)]
+    pub fn publish(&mut self) -> Result<()> {
+        let (Source::File { path, owner }, Some(secret)) = (&mut self.source, &self.token) else {
+            return Ok(());
+        };
+        if *owner {
+            return Ok(());
+        }
+        write_secret(path, secret)?;
+        *owner = true;
+        remember(&self.endpoint, Some(secret.clone()));
+        Ok(())
     }
 
     /// The secret to serve the store with (rank 0) and prove on the mesh; for a rank other
@@ -197,10 +216,15 @@ impl JobAuth {
 }
 
 impl Drop for JobAuth {
-    /// Rank 0 removes the secret file: its group is up (every rank read it) or failed.
+    /// Rank 0 removes the secret file: its group is up (every rank read it) or failed. Only
+    /// its own: a file that holds another secret by now (another job's on the same port) stays.
     fn drop(&mut self) {
-        if let Source::File { path, owner: true } = &self.source {
-            remove_secret(path);
+        if let (Source::File { path, owner: true }, Some(secret)) = (&self.source, &self.token) {
+            match read_secret(path) {
+                Ok(Some(held)) if held == *secret => remove_secret(path),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("{e}"),
+            }
         }
     }
 }
@@ -233,12 +257,24 @@ fn is_this_host(addr: &str) -> bool {
 }
 
 /// The directory of this user's job secrets, created (mode 0700) if absent; refused unless it
-/// is a directory of this user's that no one else can read.
+/// is a directory of this user's that no one else can read. It lies in a directory only this
+/// user can create in — `$XDG_RUNTIME_DIR/burn-ddp`, else `$HOME/.burn-ddp` — so that no other
+/// user can create it first and so block this user's jobs; the shared temporary directory
+/// (`{temp}/burn-ddp-{uid}`, where another user *can* do that, and is refused) only when
+/// neither variable names a directory.
 fn secret_dir() -> Result<PathBuf> {
     let uid = unsafe { libc::getuid() };
-    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        Some(runtime) if Path::new(&runtime).is_dir() => PathBuf::from(runtime).join("burn-ddp"),
-        _ => std::env::temp_dir().join(format!("burn-ddp-{uid}")),
+    let named = |var: &str| {
+        std::env::var_os(var)
+            .filter(|d| !d.is_empty() && Path::new(d).is_dir())
+            .map(PathBuf::from)
+    };
+    let dir = if let Some(runtime) = named("XDG_RUNTIME_DIR") {
+        runtime.join("burn-ddp")
+    } else if let Some(home) = named("HOME") {
+        home.join(".burn-ddp")
+    } else {
+        std::env::temp_dir().join(format!("burn-ddp-{uid}"))
     };
     let unsafe_dir = |why: String| {
         CommError::Unauthenticated(format!(

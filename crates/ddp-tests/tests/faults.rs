@@ -255,6 +255,70 @@ fn a_single_host_job_without_a_token_makes_a_secret_of_its_own() {
     drop(job);
 }
 
+/// Two tokenless single-host jobs given the same port: the second's rank 0 cannot bind it and
+/// fails, and it leaves the first job's secret as it was (it wrote nothing, removed nothing),
+/// so the first job's rank 1, started after that, still joins and the job trains.
+#[test]
+fn a_second_tokenless_job_on_the_same_port_leaves_the_first_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let runtime_dir = tempfile::tempdir().unwrap();
+    let runtime = runtime_dir.path().to_path_buf();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let port = ddp_testkit::free_port();
+    let rank = |r: usize| {
+        RankJob::new(WORKER, 2)
+            .arg("loop-big")
+            .env("DDP_JOB_TOKEN", "")
+            .env("XDG_RUNTIME_DIR", runtime.to_str().unwrap())
+            .master_port(port)
+            .only_ranks([r])
+            .deadline(Duration::from_secs(120))
+    };
+    let mut first0 = rank(0).spawn().expect("spawning the first job's rank 0");
+    let secrets = runtime.join("burn-ddp");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let secret = loop {
+        assert!(
+            Instant::now() < deadline,
+            "the first job's secret never appeared"
+        );
+        let files: Vec<_> = std::fs::read_dir(&secrets)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        if let [file] = files.as_slice()
+            && let Ok(s) = std::fs::read_to_string(file)
+            && !s.is_empty()
+        {
+            break (file.clone(), s);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let second = rank(0)
+        .spawn()
+        .expect("spawning the second job's rank 0")
+        .wait();
+    assert!(
+        second.ranks[0].code().is_some_and(|c| c != 0),
+        "the second job cannot bind the port:\n{}",
+        second.report()
+    );
+    assert_eq!(
+        std::fs::read_to_string(&secret.0).unwrap(),
+        secret.1,
+        "the first job's secret is untouched"
+    );
+    let mut first1 = rank(1).spawn().expect("spawning the first job's rank 1");
+    assert!(
+        first1.wait_for_output(&[1], "iter 2", Duration::from_secs(90)),
+        "the first job's rank 1 did not join:\n{}",
+        first1.output_so_far(1)
+    );
+    for job in [&mut first0, &mut first1] {
+        let _ = job.kill(0);
+        let _ = job.kill(1);
+    }
+}
+
 /// Ranks on several hosts without `DDP_JOB_TOKEN` refuse to start, with one line saying what
 /// to set, unless the user opts out; then every rank warns once and the job runs.
 #[test]

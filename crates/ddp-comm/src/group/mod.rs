@@ -43,6 +43,7 @@ mod direct;
 mod element;
 mod engine;
 mod header;
+mod hello_readers;
 mod hierarchical;
 mod link;
 pub(crate) mod mesh;
@@ -222,6 +223,8 @@ impl ProcessGroup {
             let server = StoreServer::bind(&endpoint, auth.token().map(str::to_string))?;
             // Each rank holds one connection, and a second while it reconnects.
             server.limit_clients(2 * world + 16);
+            // Only now, serving: a job that cannot bind never touches another's secret.
+            auth.publish()?;
             Some(server)
         } else {
             None
