@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ddp_store::{Store, StoreClient, StoreServer};
+use ddp_store::{StoreClient, StoreServer};
 
 /// The process's resident memory, in bytes (`VmRSS` of /proc/self/status).
 fn resident() -> usize {

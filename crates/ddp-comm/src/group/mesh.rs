@@ -17,13 +17,12 @@
 //! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
 //! Hellos and replies are frames of the crate's codec ([`crate::wire`]).
 
-use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::path::PathBuf;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::hello_readers::HelloReaders;
 use super::link::Link;
 use super::shm::ShmPair;
 use crate::auth::{self, Identity, Key};
@@ -342,14 +341,6 @@ pub(crate) fn decode_reply(frame: &[u8]) -> Option<Reply> {
     })
 }
 
-/// How long an accepted connection has to send its whole hello (a rank sends it at once).
-const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
-/// How long a connection is left to send its hello before a newer one from the same address
-/// may take its place.
-const MIN_HELLO_GRACE: Duration = Duration::from_millis(100);
-/// Stack of a thread reading one hello.
-const HELLO_STACK: usize = 128 << 10;
-
 /// Reads one handshake frame (a hello or a reply); a clean close is an error here.
 pub(crate) fn read_handshake(s: &mut impl io::Read) -> io::Result<Vec<u8>> {
     read_frame(s, MAX_HELLO)?.ok_or_else(|| io::ErrorKind::UnexpectedEof.into())
@@ -360,8 +351,8 @@ pub(crate) fn write_handshake(s: &mut TcpStream, frame: &[u8]) -> io::Result<()>
     write_frame(s, frame, MAX_HELLO)
 }
 
-fn read_hello(s: &mut impl io::Read) -> io::Result<Hello> {
-    Hello::decode(&read_handshake(s)?)
+fn read_hello(mut s: &mut dyn io::Read) -> io::Result<Hello> {
+    Hello::decode(&read_handshake(&mut s)?)
 }
 
 /// Connects this rank to every other rank. `infos[r]` is rank `r`'s published info.
@@ -425,15 +416,15 @@ pub(crate) fn establish(
     }
 
     // 2. Accept every higher rank. Each connection's hello is read on a thread of its own
-    // (within HELLO_TIMEOUT), so silent or trickling connections hold nobody else up; one
-    // address holds at most `per_source` of them (its oldest is cut for a newer one).
+    // (within its deadline), so silent or trickling connections hold nobody else up; one
+    // address holds at most `per_source` of them (a silent one is cut for a newer one).
     let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
     let mut pending: Vec<usize> = (rank + 1..world).collect();
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::io("rendezvous: listener", None, e))?;
     let refusals = RefusalLog::new(format!("rank {rank}'s rendezvous"));
-    let mut hellos = HelloReaders::new(world.max(8));
+    let mut hellos = HelloReaders::new(world.max(8), read_hello);
     let result = (|| {
         while !pending.is_empty() {
             while let Some((mut s, from, hello)) = hellos.finished() {
@@ -606,93 +597,6 @@ fn reply_proves(key: &Key, hello: &Hello, acceptor: &PeerInfo, reply: &Reply) ->
         REPLY_ROLE,
         &[&hello.nonce, &acceptor.nonce, &context],
     )
-}
-
-/// A hello read by its thread: the connection, its source, the hello (`None`: none in time,
-/// or malformed).
-type ReadHello = (TcpStream, SocketAddr, Option<Hello>);
-
-/// The threads reading hellos, at most `per_source` per address.
-struct HelloReaders {
-    per_source: usize,
-    sender: mpsc::Sender<(u64, ReadHello)>,
-    receiver: mpsc::Receiver<(u64, ReadHello)>,
-    /// Per address, the connections being read (id, a handle to cut it, when it came),
-    /// oldest first.
-    reading: HashMap<IpAddr, Vec<(u64, TcpStream, Instant)>>,
-    next_id: u64,
-}
-
-impl HelloReaders {
-    fn new(per_source: usize) -> Self {
-        let (sender, receiver) = mpsc::channel();
-        HelloReaders {
-            per_source,
-            sender,
-            receiver,
-            reading: HashMap::new(),
-            next_id: 0,
-        }
-    }
-
-    /// Starts reading the hello of `s` from `from`, within [`HELLO_TIMEOUT`] and before
-    /// `deadline`; past the address's share its oldest connection is cut. `Err`: why the
-    /// connection was dropped instead.
-    fn start(
-        &mut self,
-        s: TcpStream,
-        from: SocketAddr,
-        deadline: Instant,
-    ) -> std::result::Result<(), &'static str> {
-        let handle = s
-            .set_nonblocking(false)
-            .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(1))))
-            .and_then(|()| s.try_clone())
-            .map_err(|_| "a socket error")?;
-        let mine = self.reading.entry(from.ip()).or_default();
-        if mine.len() >= self.per_source {
-            // A rank sends its hello as it connects: the oldest is cut only once it has had
-            // time to, so a burst cannot cut a rank's hello in flight.
-            if mine[0].2.elapsed() < MIN_HELLO_GRACE {
-                return Err("too many handshakes from one address");
-            }
-            let (_, oldest, _) = mine.remove(0);
-            let _ = oldest.shutdown(std::net::Shutdown::Both);
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let sender = self.sender.clone();
-        let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
-        std::thread::Builder::new()
-            .name("ddp-hello".into())
-            .stack_size(HELLO_STACK)
-            .spawn(move || {
-                let hello = read_hello(&mut ReadBy::new(&s, by)).ok();
-                let _ = sender.send((id, (s, from, hello)));
-            })
-            .map_err(|_| "no thread to read its hello")?;
-        mine.push((id, handle, Instant::now()));
-        Ok(())
-    }
-
-    /// A hello read (or failed) since the last call, if any.
-    fn finished(&mut self) -> Option<ReadHello> {
-        let (id, read) = self.receiver.try_recv().ok()?;
-        if let Some(mine) = self.reading.get_mut(&read.1.ip()) {
-            mine.retain(|(i, _, _)| *i != id);
-            if mine.is_empty() {
-                self.reading.remove(&read.1.ip());
-            }
-        }
-        Some(read)
-    }
-
-    /// Cuts every connection still being read (their threads then end at once).
-    fn cut_all(&mut self) {
-        for (_, s, _) in self.reading.drain().flat_map(|(_, v)| v) {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-    }
 }
 
 fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
