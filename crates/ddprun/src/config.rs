@@ -104,6 +104,10 @@ impl Default for LaunchConfig {
     }
 }
 
+/// A job token given by the user with fewer characters than this is warned about: a
+/// dictionary word or a short password can be tested offline against a recorded handshake.
+const MIN_TOKEN_CHARS: usize = 16;
+
 /// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
 /// the launchers' job token, so that the ranks never hold the launchers' secret and one
 /// round's token reveals no other's.
@@ -175,6 +179,16 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
             _ => format!("{:032x}", rand::random::<u128>()),
         },
     };
+
+    if cfg.job_token.is_none()
+        && std::env::var(TOKEN_VAR).is_ok_and(|t| t == token)
+        && token.chars().count() < MIN_TOKEN_CHARS
+    {
+        tracing::warn!(
+            "{TOKEN_VAR} has {} characters: a secret this short can be guessed offline from one              recorded handshake; make one with `export {TOKEN_VAR}=$(openssl rand -hex 32)`",
+            token.chars().count()
+        );
+    }
 
     let port = match cfg.master_port {
         Some(0) => {

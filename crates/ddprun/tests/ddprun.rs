@@ -153,6 +153,31 @@ fn wait_for_pid_files(n: usize) -> String {
 
 /// `ddprun --version` prints the package's version and starts nothing (what `cargo install
 /// --path crates/ddprun` users check first).
+/// A job token too short to be a secret is warned about, with the command that makes a good
+/// one; a long one, or the one ddprun makes, is not. The job runs either way.
+#[test]
+fn a_short_job_token_is_warned_about() {
+    for (token, warned) in [
+        (Some("password123"), true),
+        (Some("0123456789abcdef0123456789abcdef"), false),
+        (None, false),
+    ] {
+        let mut cmd = ddprun_cmd(&["--nproc-per-node", "1", "--", "true"]);
+        if let Some(t) = token {
+            cmd.env("DDP_JOB_TOKEN", t);
+        }
+        let r = run(&mut cmd);
+        assert_eq!(r.code(), Some(0), "{}", r.stderr);
+        assert_eq!(
+            r.stderr.contains("can be guessed offline")
+                && r.stderr.contains("openssl rand -hex 32"),
+            warned,
+            "{token:?}: {}",
+            r.stderr
+        );
+    }
+}
+
 #[test]
 fn version_prints_the_package_version() {
     let r = run(&mut ddprun_cmd(&["--version"]));
