@@ -10,7 +10,10 @@ pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 /// Errors that come from comparing ranks (a model that differs, a gradient layout that
 /// differs) are raised identically on every rank, so every process exits with the same
 /// message.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` is its message and its causes, as anyhow's errors print, so that
+/// `fn main() -> Result<(), DdpError>` ends with one readable line, not a dump of the variant.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum DdpError {
     /// A collective, the rendezvous or the launch environment failed.
@@ -87,4 +90,51 @@ pub enum DdpError {
     #[cfg(feature = "cuda")]
     #[error("no usable device for this rank: {0}")]
     Toolkit(#[from] ddp_nccl::cuda_toolkit::ToolkitError),
+}
+
+impl std::fmt::Debug for DdpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self}")?;
+        let mut cause = std::error::Error::source(self);
+        let mut first = true;
+        while let Some(c) = cause {
+            if first {
+                write!(f, "\n\nCaused by:")?;
+                first = false;
+            }
+            write!(f, "\n    {c}")?;
+            cause = c.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `main() -> Result<(), DdpError>` prints is the message, not the variant's fields.
+    #[test]
+    fn debug_prints_the_message_and_its_causes() {
+        let e = DdpError::ModelMismatch {
+            rank: 1,
+            index: 4,
+            expected: "`fc1.weight`: param [8, 4] f32".into(),
+            found: "`fc1.weight`: param [8, 5] f32".into(),
+        };
+        assert_eq!(format!("{e:?}"), e.to_string());
+        assert!(!format!("{e:?}").contains("ModelMismatch {"));
+        let io = CommError::io(
+            "sending",
+            Some(2),
+            std::io::Error::new(std::io::ErrorKind::BrokenPipe, "pipe closed"),
+        );
+        let e = DdpError::from(io);
+        let shown = format!("{e:?}");
+        assert!(
+            shown.starts_with("I/O error during sending waiting for rank 2")
+                && shown.contains("Caused by:\n    pipe closed"),
+            "{shown}"
+        );
+    }
 }

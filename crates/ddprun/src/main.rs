@@ -82,7 +82,8 @@ struct Args {
         default_value = "127.0.0.1"
     )]
     master_addr: String,
-    /// Port of the rendezvous store [default: a free port on one node, 29500 on several].
+    /// Port of the rendezvous store [default: MASTER_PORT from the environment, else a free
+    /// port on one node, 29500 on several].
     #[arg(long = "master-port", visible_alias = "master_port",
           value_parser = clap::value_parser!(u16).range(1..))]
     master_port: Option<u16>,
@@ -180,6 +181,21 @@ fn main() -> ExitCode {
     if let Some(dir) = &args.merge_trace {
         return merge_trace(dir, (args.nnodes.1 * args.nproc_per_node) as usize);
     }
+    // Without --master-port, MASTER_PORT from the environment (torchrun's reading); one that
+    // is not a port is refused, not ignored.
+    let master_port = match (args.master_port, std::env::var("MASTER_PORT")) {
+        (Some(p), _) => Some(p),
+        (None, Ok(v)) if !v.is_empty() => match v.trim().parse::<u16>() {
+            Ok(p) if p > 0 => Some(p),
+            _ => {
+                eprintln!(
+                    "ddprun: error: MASTER_PORT={v:?} is not a port (1 to 65535); unset it or pass --master-port"
+                );
+                return ExitCode::from(2);
+            }
+        },
+        (None, _) => None,
+    };
     let (min_nodes, max_nodes) = args.nnodes;
     let cfg = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
@@ -187,7 +203,7 @@ fn main() -> ExitCode {
         min_nodes: Some(min_nodes as usize),
         node_rank: args.node_rank as usize,
         master_addr: args.master_addr,
-        master_port: args.master_port,
+        master_port,
         rdzv_endpoint: args.rdzv_endpoint,
         local_addr: args.local_addr,
         rdzv_last_call: Duration::from_secs_f64(args.rdzv_last_call),

@@ -120,6 +120,7 @@ fn ddprun_cmd(args: &[&str]) -> Command {
         .env_remove("OMP_NUM_THREADS")
         .env_remove("RAYON_NUM_THREADS")
         .env_remove("DDP_JOB_TOKEN")
+        .env_remove("MASTER_PORT")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -153,6 +154,31 @@ fn wait_for_pid_files(n: usize) -> String {
 
 /// `ddprun --version` prints the package's version and starts nothing (what `cargo install
 /// --path crates/ddprun` users check first).
+/// Without `--master-port`, `MASTER_PORT` from the environment is the ranks' port (torchrun
+/// reads it so); one that is not a port is refused with one line, not ignored.
+#[test]
+fn master_port_from_the_environment_is_honoured() {
+    let port = ddp_testkit::free_port().to_string();
+    let r = run(ddprun_cmd(&[
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo P=$MASTER_PORT",
+    ])
+    .env("MASTER_PORT", &port));
+    assert_eq!(r.code(), Some(0), "{}", r.stderr);
+    assert_eq!(r.rank_lines(0), [format!("P={port}")]);
+    let r = run(ddprun_cmd(&["--nproc-per-node", "1", "--", "true"]).env("MASTER_PORT", "http"));
+    assert_eq!(r.code(), Some(2), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("MASTER_PORT=\"http\" is not a port"),
+        "{}",
+        r.stderr
+    );
+}
+
 /// A job token too short to be a secret is warned about, with the command that makes a good
 /// one; a long one, or the one ddprun makes, is not. The job runs either way.
 #[test]

@@ -13,15 +13,7 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use support::{Ended, Node, REPORT, free_port};
-
-/// Every node ended with `code` and said `line`.
-fn same_end(nodes: &[&Ended], code: i32, line: &str) {
-    for (i, end) in nodes.iter().enumerate() {
-        assert_eq!(end.code, Some(code), "node {i}: {}", end.stderr);
-        assert!(end.stderr.contains(line), "node {i}: {}", end.stderr);
-    }
-}
+use support::{Ended, Node, REPORT, free_port, launchers_client, same_end};
 
 /// Waits (at most 30 s) until `path` exists.
 fn wait_for_file(path: &Path) {
@@ -137,20 +129,12 @@ fn a_failure_is_never_lost_to_a_scale_up() {
 /// job that never trained; both say it did not complete.
 #[test]
 fn a_job_that_never_ran_a_round_never_exits_0() {
-    use ddp_comm::store::{CompareSet, StoreClient};
+    use ddp_comm::store::CompareSet;
     let port = free_port();
     let opts = ["--nnodes", "3", "--rdzv-join-timeout", "20"];
     let node0 = Node::start(0, &port, "tok", &opts, REPORT);
     let node1 = Node::start(1, &port, "tok", &opts, REPORT);
-    let launchers = ddp_comm::auth::Key::from_token("tok")
-        .derive("launchers")
-        .to_token();
-    let mut client = StoreClient::connect(
-        &format!("127.0.0.1:{port}"),
-        Some(&launchers),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let mut client = launchers_client(&port, "tok");
     let key = "ddp/launchers/state";
     // Once both wait, the state says the job ended "done", with code 0.
     let deadline = Instant::now() + Duration::from_secs(20);

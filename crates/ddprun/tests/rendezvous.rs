@@ -7,15 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{Ended, Node, REPORT, both_succeeded, field, free_port};
-
-/// Every node that was not killed ended with `code`, and said the same `line`.
-fn same_end(nodes: &[&Ended], code: i32, line: &str) {
-    for (i, end) in nodes.iter().enumerate() {
-        assert_eq!(end.code, Some(code), "node {i}: {}", end.stderr);
-        assert!(end.stderr.contains(line), "node {i}: {}", end.stderr);
-    }
-}
+use support::{Node, REPORT, both_succeeded, field, free_port, launchers_client, same_end};
 
 /// A launcher killed right after each rendezvous step, in a clean run and in one whose rank
 /// fails: no node hangs, and every node still running ends within the grace period and the
@@ -270,22 +262,12 @@ fn a_launcher_interrupted_while_its_ranks_run_leaves_and_is_named() {
 /// fails too.
 #[test]
 fn a_coordinator_that_cannot_read_the_state_ends_the_job_with_one_line() {
-    use ddp_comm::store::StoreClient;
     let port = free_port();
     let opts = ["--nnodes", "3", "--rdzv-join-timeout", "30"];
     let node0 = Node::start(0, &port, "tok", &opts, REPORT);
     let node1 = Node::start(1, &port, "tok", &opts, REPORT);
     std::thread::sleep(Duration::from_millis(1000));
-    // The launchers' key (derived from the job token): only a launcher holds it.
-    let launchers = ddp_comm::auth::Key::from_token("tok")
-        .derive("launchers")
-        .to_token();
-    let mut client = StoreClient::connect(
-        &format!("127.0.0.1:{port}"),
-        Some(&launchers),
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let mut client = launchers_client(&port, "tok");
     client.set("ddp/launchers/state", b"{not json").unwrap();
     let (a, b) = (node0.wait(), node1.wait());
     assert!(a.after < Duration::from_secs(10), "{:?}", a.after);

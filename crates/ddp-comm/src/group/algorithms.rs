@@ -97,7 +97,11 @@ impl ProcessGroup {
             let theirs = self.peer_header(p)?;
             if !agrees(hdr, &theirs) {
                 return Err(CommError::Mismatch(format!(
-                    "rank {p} called {} but rank {rank} called {}",
+                    "rank {p} called {} but rank {rank} called {}: the ranks made different \
+                     calls. Most often one rank took a different number of steps or batches \
+                     (a batch size or a data loader of its own): every rank must call the \
+                     collectives in the same order, as the same number of batches from \
+                     burn-ddp's ShardedDataLoader gives",
                     describe(&theirs, None),
                     describe(hdr, Some(hdr.dtype_name))
                 )));

@@ -249,18 +249,7 @@ impl State {
         let extra = self.ends.len().saturating_sub(ENDS_KEPT);
         self.ends.drain(..extra);
         match after(&end, &info, self.job.max_restarts) {
-            After::Finish(code) => {
-                let mut members = info.nodes.clone();
-                members.extend(self.waiting.iter().map(|j| j.id.clone()));
-                self.phase = Phase::Finished {
-                    end: RoundEnd {
-                        exit_code: code,
-                        ..end
-                    },
-                    members,
-                    acked: Vec::new(),
-                };
-            }
+            After::Finish(code) => self.finish_after(&info, end, code),
             After::NextRound => {
                 self.failures += usize::from(is_failure(&end));
                 self.round += 1;
@@ -346,28 +335,32 @@ impl State {
                 self.ends[at].1 = end.clone();
                 match after(&end, &info, self.job.max_restarts) {
                     After::NextRound => self.failures += 1,
-                    After::Finish(code) => {
-                        let mut members = info.nodes.clone();
-                        for j in &self.waiting {
-                            if !members.contains(&j.id) {
-                                members.push(j.id.clone());
-                            }
-                        }
-                        self.phase = Phase::Finished {
-                            end: RoundEnd {
-                                exit_code: code,
-                                ..end
-                            },
-                            members,
-                            acked: Vec::new(),
-                        };
-                    }
+                    After::Finish(code) => self.finish_after(&info, end, code),
                 }
                 true
             }
             Phase::Running { .. } => self.end_round(round + 1, end),
             Phase::Finished { .. } => false,
         }
+    }
+
+    /// The job is over after round `info` ended with `end`: every launcher exits with `code`;
+    /// the round's nodes and those waiting must read it.
+    fn finish_after(&mut self, info: &RoundInfo, end: RoundEnd, code: i32) {
+        let mut members = info.nodes.clone();
+        for j in &self.waiting {
+            if !members.contains(&j.id) {
+                members.push(j.id.clone());
+            }
+        }
+        self.phase = Phase::Finished {
+            end: RoundEnd {
+                exit_code: code,
+                ..end
+            },
+            members,
+            acked: Vec::new(),
+        };
     }
 
     /// Ends `round` with its most likely cause among the failures noted in it (`mine`, this

@@ -33,6 +33,28 @@ pub struct Ended {
     pub after: Duration,
 }
 
+/// Every node ended with `code` and said `line`.
+pub fn same_end(nodes: &[&Ended], code: i32, line: &str) {
+    for (i, end) in nodes.iter().enumerate() {
+        assert_eq!(end.code, Some(code), "node {i}: {}", end.stderr);
+        assert!(end.stderr.contains(line), "node {i}: {}", end.stderr);
+    }
+}
+
+/// A client of the launchers' store of the job at `port` with token `token`, holding the
+/// launchers' key (derived from the job token): what only a launcher holds.
+pub fn launchers_client(port: &str, token: &str) -> ddp_comm::store::StoreClient {
+    let launchers = ddp_comm::auth::Key::from_token(token)
+        .derive("launchers")
+        .to_token();
+    ddp_comm::store::StoreClient::connect(
+        &format!("127.0.0.1:{port}"),
+        Some(&launchers),
+        Duration::from_secs(10),
+    )
+    .unwrap()
+}
+
 /// Both nodes exited 0 (else a panic with both nodes' stderr).
 pub fn both_succeeded(a: &Ended, b: &Ended) {
     assert_eq!(
@@ -82,6 +104,7 @@ impl Node {
             .env("DDP_JOB_TOKEN", token)
             .env("DDP_HOST_ID", format!("host-{node}"))
             .env_remove("RUST_LOG")
+            .env_remove("MASTER_PORT")
             .env_remove("OMP_NUM_THREADS")
             .env_remove("RAYON_NUM_THREADS")
             .envs(vars.iter().copied());
