@@ -215,6 +215,15 @@ fn steps() -> Vec<Step> {
                 &[&["install", "--quiet", "--locked", "--path", "crates/ddprun"]],
             )
         },
+        // The README's dependency lines as a new user's project resolves them (no build): the
+        // learner feature's graph holds no crate known not to build.
+        Step {
+            lint: Lint::Subcommand,
+            ..step(
+                "the README's dependency lines resolve for a new project (cargo xtask readme-deps)",
+                &[&["xtask", "readme-deps"]],
+            )
+        },
         // The CUDA binaries just linked, under the driver stand-in: every kernel's PTX
         // assembled by ptxas for sm_90a (the stand-in itself builds in seconds).
         Step {

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo xtask ci
+//! cargo xtask readme-deps
 //! cargo xtask setup-cuda-build [--llvm DIR] [--check]
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
 //! cargo xtask compare [--ranks N] [--per-rank-batch 4,8,16,32,64] [--seeds K] …
@@ -23,6 +24,7 @@ use train_cnn_runs::{compare, train};
 mod ci;
 #[cfg(test)]
 mod import_cycles;
+mod readme_deps;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "burn-ddp task runner")]
@@ -53,6 +55,10 @@ enum Cmd {
     /// PTX module assembled by ptxas for sm_90a and every launch checked against an H200's
     /// limits (nothing runs: results are meaningless and not asserted).
     PtxCheck(ptx_check::PtxCheckArgs),
+    /// The README's dependency lines as a user's fresh project has them: resolved afresh (no
+    /// build) with every CPU feature of burn-ddp, and refused if the graph holds a crate known
+    /// not to build there.
+    ReadmeDeps,
     /// Benchmarks (release builds, launched through `ddprun`).
     Bench {
         #[command(subcommand)]
@@ -195,6 +201,7 @@ fn main() -> ExitCode {
             &extra,
         ),
         Cmd::Ci => ci::run(&workspace_root()),
+        Cmd::ReadmeDeps => readme_deps::run(&workspace_root()),
         Cmd::PtxCheck(a) => ptx_check::run(&workspace_root(), &a),
         Cmd::SetupCudaBuild(a) => cuda_build::setup(&workspace_root(), &a),
         Cmd::Train(a) => train::train(&workspace_root(), &a),
