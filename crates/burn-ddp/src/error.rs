@@ -33,6 +33,18 @@ pub enum DdpError {
         /// The differing rank's description of that tensor.
         found: String,
     },
+    /// The ranks' trainable parameters differ at the first gradient synchronisation: the
+    /// model was not replicated ([`crate::Ddp::replicate_model`]), and each rank would train a
+    /// model of its own.
+    #[error(
+        "the ranks' parameters differ at the first gradient synchronisation (rank {rank}'s are \
+         not rank 0's): call `ddp.replicate_model(model)` before training, so that every rank \
+         starts from rank 0's parameters (or load the same checkpoint on every rank)"
+    )]
+    NotReplicated {
+        /// The first rank whose parameters differ from rank 0's.
+        rank: usize,
+    },
     /// The ranks' gradients do not line up (a different number or shape of trainable
     /// parameters, e.g. a model changed on one rank after [`crate::Ddp::replicate_model`]).
     #[error(

@@ -439,4 +439,55 @@ mod tests {
         });
         assert_eq!(results[0], results[1], "the ranks' parameters differ");
     }
+
+    /// A forgotten `replicate_model` (each rank with parameters of its own) fails the first
+    /// step with one line naming it, on every rank, plain and sharded; replicated parameters
+    /// pass, and the check is made once.
+    #[test]
+    fn a_forgotten_replicate_model_fails_the_first_step_on_every_rank() {
+        use crate::error::DdpError;
+        use burn::nn::Initializer;
+        let results = crate::test_ranks::run_ranks(2, |group, rank| {
+            let device = burn::tensor::Device::flex().autodiff();
+            let model = |v: f64| -> Linear {
+                LinearConfig::new(5, 3)
+                    .with_initializer(Initializer::Constant { value: v })
+                    .init(&device)
+            };
+            let step = |optim: &mut DdpOptimizer, m: Linear| {
+                let x = Tensor::<2>::ones([4, 5], &device);
+                let loss = m.forward(x).powi_scalar(2).mean();
+                let grads = GradientsParams::from_grads(loss.backward(), &m);
+                optim.try_step(0.05, m, grads)
+            };
+            let new = |sharded: bool| {
+                let o = DdpOptimizer::with_synchronizer(
+                    AdamConfig::new().init(),
+                    GradientSynchronizer::new(group.clone(), 40).with_overlap(false),
+                );
+                if sharded { o.into_sharded() } else { o }
+            };
+            let mut lines = Vec::new();
+            for sharded in [false, true] {
+                // Each rank's own parameters.
+                let err = step(&mut new(sharded), model(0.1 + rank as f64))
+                    .expect_err("parameters of its own on each rank");
+                assert!(matches!(err, DdpError::NotReplicated { rank: 1 }), "{err}");
+                lines.push(err.to_string());
+                // The same parameters: steps go on.
+                let mut optim = new(sharded);
+                let mut m = model(0.1);
+                for _ in 0..2 {
+                    m = step(&mut optim, m).unwrap();
+                }
+            }
+            lines
+        });
+        assert_eq!(results[0], results[1]);
+        assert!(
+            results[0][0].contains("replicate_model"),
+            "{}",
+            results[0][0]
+        );
+    }
 }

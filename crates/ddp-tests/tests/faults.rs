@@ -126,9 +126,10 @@ fn sigkill_mid_node_aware_allreduce_on_the_last_host() {
 
 #[test]
 fn a_rank_that_never_arrives_is_named() {
+    // 11 s: past the first 10 s, each waiting rank says which rank it still waits for.
     let res = RankJob::new(WORKER, 3)
         .arg("barrier")
-        .args(["--connect-timeout-secs", "2"])
+        .args(["--connect-timeout-secs", "11"])
         .only_ranks([0, 1])
         .deadline(Duration::from_secs(60))
         .run()
@@ -138,6 +139,11 @@ fn a_rank_that_never_arrives_is_named() {
         assert!(
             r.stderr.contains("rank(s) 2") && r.stderr.contains("timed out"),
             "the error must name rank 2:\n{}",
+            res.report()
+        );
+        assert!(
+            r.stderr.contains("waiting for rank(s) 2 of 3 to join"),
+            "a line while it waits:\n{}",
             res.report()
         );
     }

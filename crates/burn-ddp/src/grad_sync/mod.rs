@@ -43,7 +43,7 @@ use ddp_comm::Compression;
 
 use crate::comm::{self, SharedGroup};
 use crate::cuda::DeviceComm;
-use crate::error::Result;
+use crate::error::{DdpError, Result};
 
 use buckets::plan_buckets;
 pub(crate) use host::IN_PLACE_MIN_ELEMS;
@@ -92,6 +92,12 @@ pub struct GradientSynchronizer {
     pub(crate) device_comm: Option<DeviceComm>,
     /// Whether the last sync took the device (NCCL) path.
     pub(crate) last_on_device: bool,
+    /// Compare the ranks' parameters before the first synchronisation
+    /// ([`Self::check_replicas_once`]); off only in unit tests whose ranks build different
+    /// models on purpose.
+    pub(crate) check_replicas: bool,
+    /// The comparison was made.
+    replicas_checked: bool,
 }
 
 /// Whether a comm thread can run beside the calling thread: it needs a core besides the
@@ -120,6 +126,27 @@ impl GradientSynchronizer {
             last: SyncStats::default(),
             device_comm: None,
             last_on_device: false,
+            check_replicas: true,
+            replicas_checked: false,
+        }
+    }
+
+    /// Before the first synchronisation: every rank must hold the same trainable parameters
+    /// (rank 0's, after [`crate::Ddp::replicate_model`]). A forgotten `replicate_model` would
+    /// otherwise train a different model on each rank and exit 0: [`DdpError::NotReplicated`]
+    /// on every rank instead. One fingerprint of the parameters' values a rank, all-gathered
+    /// (8 bytes a rank), once.
+    pub(crate) fn check_replicas_once<M: Module>(&mut self, module: &M) -> Result<()> {
+        if !self.check_replicas || self.replicas_checked || self.world_size == 1 {
+            return Ok(());
+        }
+        let fingerprint = crate::replicate::parameters_fingerprint(module);
+        let mut all = vec![0i64; self.world_size];
+        comm::lock(&self.group).all_gather(&[fingerprint], &mut all)?;
+        self.replicas_checked = true;
+        match all.iter().position(|&f| f != all[0]) {
+            Some(rank) => Err(DdpError::NotReplicated { rank }),
+            None => Ok(()),
         }
     }
 
@@ -229,6 +256,7 @@ impl GradientSynchronizer {
             self.last_on_device = false;
             return Ok(grads);
         }
+        self.check_replicas_once(module)?;
         let mut collector = SlotCollector {
             grads: &mut grads,
             slots: Vec::new(),

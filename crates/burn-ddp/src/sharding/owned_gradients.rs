@@ -58,6 +58,7 @@ impl GradientSynchronizer {
         let _span = ddp_comm::trace::span("grad_sync", "ddp")
             .arg("compression", self.compression.name())
             .arg("to_owners", true);
+        self.check_replicas_once(module)?;
         let mut collector = SlotCollector {
             grads: &mut grads,
             slots: Vec::new(),

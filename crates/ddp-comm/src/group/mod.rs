@@ -271,17 +271,33 @@ impl ProcessGroup {
         } else {
             (opts.connect_timeout / 10).min(Duration::from_millis(500))
         };
-        let remaining = deadline.saturating_duration_since(Instant::now() + margin);
-        if let Err(e) = ns.wait(&key_refs, remaining) {
+        let give_up = deadline.checked_sub(margin).unwrap_or(deadline);
+        // In slices: every WAIT_PROGRESS a line says which ranks this rank still waits for.
+        let waited = loop {
+            let left = give_up.saturating_duration_since(Instant::now());
+            match ns.wait(&key_refs, left.min(WAIT_PROGRESS)) {
+                Err(CommError::Timeout { .. }) if !left.saturating_sub(WAIT_PROGRESS).is_zero() => {
+                    let missing = missing_ranks(&mut ns, &addr_keys)?;
+                    let line = format!(
+                        "rank {rank}: waiting for rank(s) {} of {world} to join ({:.0} s of {:.0} s)",
+                        mesh::list(&missing),
+                        started.elapsed().as_secs_f64(),
+                        opts.connect_timeout.as_secs_f64()
+                    );
+                    tracing::warn!("{line}");
+                    if !tracing::dispatcher::has_been_set() {
+                        // Said even by a program that set up no logging: it is why it waits.
+                        eprintln!("{line}");
+                    }
+                }
+                other => break other,
+            }
+        };
+        if let Err(e) = waited {
             if !matches!(e, CommError::Timeout { .. }) {
                 return Err(e);
             }
-            let mut missing = Vec::new();
-            for (r, k) in addr_keys.iter().enumerate() {
-                if ns.try_get(k)?.is_none() {
-                    missing.push(r);
-                }
-            }
+            let missing = missing_ranks(&mut ns, &addr_keys)?;
             if rank == 0 {
                 // Keep serving briefly for ranks that started later than us.
                 std::thread::sleep(Duration::from_millis(300));
@@ -713,6 +729,23 @@ impl Drop for ProcessGroup {
 }
 
 const _: () = assert!(HDR.is_multiple_of(8));
+
+/// How often a rank waiting at rendezvous for the others says which it still waits for.
+const WAIT_PROGRESS: Duration = Duration::from_secs(10);
+
+/// The ranks whose address is not in the store yet.
+fn missing_ranks<S: Store + ?Sized>(
+    ns: &mut PrefixStore<'_, S>,
+    addr_keys: &[String],
+) -> Result<Vec<usize>> {
+    let mut missing = Vec::new();
+    for (r, k) in addr_keys.iter().enumerate() {
+        if ns.try_get(k)?.is_none() {
+            missing.push(r);
+        }
+    }
+    Ok(missing)
+}
 
 #[cfg(test)]
 pub(crate) mod tests;
