@@ -82,23 +82,6 @@ pub(crate) fn describe<M: Module>(module: &M) -> Vec<String> {
     d.lines
 }
 
-/// A fingerprint of the values of `module`'s trainable parameters (their bytes, in visit
-/// order): equal on every rank that started from rank 0's parameters.
-pub(crate) fn parameters_fingerprint<M: Module>(module: &M) -> i64 {
-    struct Hashing(FnvHasher);
-    impl ModuleVisitor for Hashing {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            if value.is_require_grad() {
-                self.0.write(value.into_data().as_bytes());
-            }
-        }
-    }
-    let mut h = Hashing(FnvHasher::default());
-    module.visit(&mut h);
-    h.0.finish() as i64
-}
-
 /// Concatenates the bytes of every module tensor in visit order (rank 0's payload).
 struct Packer {
     bytes: Vec<u8>,

@@ -31,6 +31,7 @@ pub(crate) mod buckets;
 mod device;
 mod host;
 mod presence;
+mod replicas;
 pub(crate) mod slots;
 #[cfg(test)]
 mod tests;
@@ -140,7 +141,7 @@ impl GradientSynchronizer {
         if !self.check_replicas || self.replicas_checked || self.world_size == 1 {
             return Ok(());
         }
-        let fingerprint = crate::replicate::parameters_fingerprint(module);
+        let fingerprint = replicas::parameters_fingerprint(module);
         let mut all = vec![0i64; self.world_size];
         comm::lock(&self.group).all_gather(&[fingerprint], &mut all)?;
         self.replicas_checked = true;
