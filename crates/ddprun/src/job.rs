@@ -126,7 +126,14 @@ pub(super) fn launch_nodes(
         };
         // A signal while the host waits for the others to read the job's end ends the wait
         // and this launcher, with 128 + the signal, after the job's own line.
-        if let Some(sig) = h.finish(quick, forwarding.is_some())
+        // The signals the outcome took into account: none unless it was an interruption
+        // (one that came after the report was made, while acknowledging or merging traces,
+        // still counts).
+        let accounted = forwarding.map(|_| match &result {
+            Ok(r) if r.interrupted.is_none() => 0,
+            _ => caught().map_or(0, |(_, n)| n),
+        });
+        if let Some(sig) = h.finish(quick, accounted)
             && let Ok(report) = &mut result
             && report.interrupted.is_none()
         {
@@ -520,11 +527,20 @@ impl RoundHooks for Hooks<'_> {
             exit_code: failure.exit.shell_code(),
         };
         let cause = super::cause_of(failure);
+        // The rank exited before this instant (it was seen exited just now).
+        let failed_by = Instant::now();
         // Noted at once, so that nothing but a failure can end the round from now on (a
         // scale-up that comes with it becomes this failure) — unless this node already saw
-        // the round end: then its ranks failed on the stop.
+        // the round end: then its ranks failed on the stop. If the round ended unseen
+        // meanwhile, the failure still counts when the store had the round running after the
+        // rank exited (the end came after it).
         if !matches!(self.look(), Some(Seen::Ended(_)))
-            && let Err(e) = self.member.note_failure(self.round, &end, cause)
+            && let Err(e) = self.member.note_failure(
+                self.round,
+                &end,
+                cause,
+                self.watch.running_after(failed_by),
+            )
         {
             self.claim_error = Some(e);
         }
@@ -555,7 +571,7 @@ impl RoundHooks for Hooks<'_> {
             None => {}
         }
         self.claim_if_due();
-        let gone = self.member.host_gone_error()?;
+        let gone = self.member.host_failure()?;
         Some(JobStop {
             line: gone.to_string(),
             exit_code: gone.exit_code(),

@@ -51,16 +51,18 @@ fn repeat<T: Send + 'static>(
 }
 
 /// `--nnodes 1:2 --max-restarts 0`: node 0 runs round 0 alone; its rank exits 3, and node 1
-/// arrives while node 0 holds the failure back to settle its cause. The scale-up the host would
-/// make for node 1 must not erase the failure: both nodes exit 3 with the rank's line, twenty
-/// times — first with the settle stretched to 2 s (`DDP_RDZV_FAULT=settle-ms:2000`: node 1
-/// lands inside it every time), then at the launcher's own 0.5 s.
+/// arrives while node 0 holds the failure back to settle its cause (node 1 is started once
+/// the rank has exited: a scale-up before the failure would stop the rank before it failed,
+/// and rightly restart the group). The scale-up the host would make for node 1 must not erase
+/// the failure: both nodes exit 3 with the rank's line, twenty times — first with the settle
+/// stretched to 2 s (`DDP_RDZV_FAULT=settle-ms:2000`: node 1 lands inside it every time), then
+/// at the launcher's own 0.5 s.
 #[test]
 fn a_failure_is_never_lost_to_a_scale_up() {
     let runs = repeat(20, 5, |i| {
         let dir = tempfile::tempdir().unwrap();
         let go = dir.path().join("go");
-        let ready = dir.path().join("ready");
+        let pid = dir.path().join("pid");
         let port = free_port();
         let opts = [
             "--nnodes",
@@ -75,8 +77,8 @@ fn a_failure_is_never_lost_to_a_scale_up() {
             "8",
         ];
         let script = format!(
-            r#"if [ "$DDP_ROUND" = 0 ]; then touch {r}; while [ ! -e {g} ]; do sleep 0.01; done; exit 3; fi; sleep 5"#,
-            r = ready.display(),
+            r#"if [ "$DDP_ROUND" = 0 ]; then echo $$ > {p}.tmp; mv {p}.tmp {p}; while [ ! -e {g} ]; do sleep 0.01; done; exit 3; fi; sleep 5"#,
+            p = pid.display(),
             g = go.display()
         );
         let token = format!("tok-{i}");
@@ -87,13 +89,21 @@ fn a_failure_is_never_lost_to_a_scale_up() {
             &[]
         };
         let node0 = Node::start_with(0, &port, &token, &opts, &script, vars);
-        wait_for_file(&ready);
+        wait_for_file(&pid);
+        let rank: i32 = std::fs::read_to_string(&pid)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         std::fs::write(&go, b"").unwrap();
-        if !stretched {
-            // Node 1's launcher takes a moment to start and join: it lands within the
-            // 0.5 s settle of the failure.
-            std::thread::sleep(Duration::from_millis(50));
+        // The rank exits; its launcher reaps it (and notes the failure) within milliseconds.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        while unsafe { libc::kill(rank, 0) } == 0 {
+            assert!(Instant::now() < deadline, "run {i}: the rank never exited");
+            std::thread::sleep(Duration::from_millis(2));
         }
+        std::thread::sleep(Duration::from_millis(20));
         let node1 = Node::start(1, &port, &token, &opts, &script);
         (i, node0.wait(), node1.wait())
     });
@@ -102,8 +112,7 @@ fn a_failure_is_never_lost_to_a_scale_up() {
         let what = format!("run {i}");
         // Without the stretch, a loaded machine may start node 1 only after the whole job
         // ended and node 0 closed the rendezvous: it then finds no host (a non-zero exit at
-        // its join timeout, or a host that went away as it arrived), and the race did not
-        // happen. Never an exit 0.
+        // its join timeout, or a host that went away as it arrived). Never an exit 0.
         let late = *i >= 10 && b.code != Some(3);
         if late {
             assert!(b.code.is_some_and(|c| c != 0), "{what}: {}", b.stderr);

@@ -66,6 +66,7 @@ impl Host {
         let failure = Arc::new(Mutex::new(None));
         let coordinator = {
             let (stop, failure) = (Arc::clone(&stop), Arc::clone(&failure));
+            let (endpoint_owned, token_owned) = (endpoint.to_string(), token.to_string());
             std::thread::Builder::new()
                 .name("ddprun-rendezvous".into())
                 .spawn(move || {
@@ -83,20 +84,33 @@ impl Host {
                         previous: None,
                     };
                     if let Err(e) = c.run() {
-                        let line = format!(
-                            "ddprun: the launchers' rendezvous coordinator on {} failed: {e}; the job stops",
-                            spec.label()
-                        );
-                        tracing::error!("{line}");
-                        // Tell every node, if the store still takes it; the host's own
-                        // launcher also sees `failure`.
-                        let end = RoundEnd {
-                            kind: EndKind::Refused,
-                            line: line.clone(),
-                            exit_code: 1,
+                        // A request that timed out while this process was stopped is the
+                        // stop, not a failure of the store: the host's loss, as every member
+                        // sees it.
+                        let gap = c.clock.advance(timing.beat());
+                        let end = if gap > timing.heartbeat {
+                            c.stalled_end(gap)
+                        } else {
+                            RoundEnd {
+                                kind: EndKind::Refused,
+                                line: format!(
+                                    "ddprun: the launchers' rendezvous coordinator on {} failed: {e}; the job stops",
+                                    spec.label()
+                                ),
+                                exit_code: 1,
+                            }
                         };
-                        let _ = change(&mut c.store, "finish", |s| s.finish(end.clone()).then_some(()));
-                        *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(line);
+                        tracing::error!("{}", end.line);
+                        // Tell every node, on a new connection (the coordinator's may be what
+                        // broke), if the store still takes it; the host's own launcher also
+                        // sees `failure`.
+                        if let Ok(mut store) =
+                            StoreClient::connect(&endpoint_owned, Some(&token_owned), timing.request())
+                        {
+                            store.set_io_timeout(timing.request());
+                            let _ = change(&mut store, "finish", |s| s.finish(end.clone()).then_some(()));
+                        }
+                        *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(end.line);
                     }
                 })
                 .map_err(|e| bind(CommError::io("starting the coordinator thread", None, e)))?
@@ -120,16 +134,17 @@ impl Host {
     /// After the job's end: waits until every member owed the end has read it or is gone (at
     /// most the longest any of them takes to stop its ranks, the heartbeat timeout and a
     /// margin; `quick`: one second), then stops the coordinator and the store. With
-    /// `signals`, a SIGINT or SIGTERM that arrives meanwhile ends the wait at once and is
-    /// returned.
-    pub fn finish(mut self, quick: bool, signals: bool) -> Option<i32> {
+    /// `signals` (how many SIGINT/SIGTERM the job's outcome already took into account), one
+    /// more — arrived since the outcome was decided, or while waiting — ends the wait at once
+    /// and is returned.
+    pub fn finish(mut self, quick: bool, signals: Option<u32>) -> Option<i32> {
         let signal = self.wait_for_acks(quick, signals);
         self.shut_down();
         signal
     }
 
-    fn wait_for_acks(&self, quick: bool, signals: bool) -> Option<i32> {
-        let before = caught().map_or(0, |(_, n)| n);
+    fn wait_for_acks(&self, quick: bool, signals: Option<u32>) -> Option<i32> {
+        let (signals, before) = (signals.is_some(), signals.unwrap_or(0));
         let signal = || {
             caught()
                 .filter(|(_, n)| signals && *n > before)
@@ -334,7 +349,18 @@ impl Coordinator {
     /// judging the others by the time it was stopped. Every node still there reads the same
     /// line and exit code (1).
     fn stalled(&mut self, gap: Duration) -> Result<(), StateError> {
-        let end = RoundEnd {
+        let end = self.stalled_end(gap);
+        tracing::error!("{}", end.line);
+        change(&mut self.store, "finish", |s| {
+            s.finish(end.clone()).then_some(())
+        })?;
+        Ok(())
+    }
+
+    /// The job's end when this process was not running for `gap`, past the heartbeat
+    /// timeout.
+    fn stalled_end(&self, gap: Duration) -> RoundEnd {
+        RoundEnd {
             kind: EndKind::HostLost,
             line: format!(
                 "ddprun: lost the launchers' rendezvous host at {} ({}): it was not running for {:.1} s, past the heartbeat timeout ({:.1} s); the job stops",
@@ -344,12 +370,7 @@ impl Coordinator {
                 self.timing.heartbeat.as_secs_f64()
             ),
             exit_code: 1,
-        };
-        tracing::error!("{}", end.line);
-        change(&mut self.store, "finish", |s| {
-            s.finish(end.clone()).then_some(())
-        })?;
-        Ok(())
+        }
     }
 
     /// Removes waiting launchers that are gone; whether it removed any.
@@ -480,7 +501,7 @@ impl Coordinator {
         let failing = matches!(&state.phase, Phase::Running { failed, .. } if !failed.is_empty());
         if !failing
             && info.nodes.len() < state.job.max_nodes
-            && let Some(j) = state.waiting.first()
+            && let Some(j) = state.waiting.iter().find(|j| !info.nodes.contains(&j.id))
         {
             let end = RoundEnd {
                 kind: EndKind::ScaleUp,

@@ -151,6 +151,13 @@ impl Member {
         self.heartbeat.gone().map(|d| self.gone(d))
     }
 
+    /// The rendezvous cannot go on: on the host, its coordinator failed; anywhere, the host
+    /// is gone.
+    pub fn host_failure(&self) -> Option<RendezvousError> {
+        self.coordinator_failure()
+            .or_else(|| self.host_gone_error())
+    }
+
     fn gone(&self, detail: impl std::fmt::Display) -> RendezvousError {
         if self.coordinator.is_some() {
             // This launcher is the host: its own rendezvous broke.
@@ -327,9 +334,18 @@ impl Member {
                 if done.is_some() {
                     joined_round = Some(now.round);
                     tracing::debug!(round = now.round, "waiting for a round");
+                } else if let Some(info) = now.running()
+                    && info.node_rank(&self.spec.id).is_some()
+                {
+                    // A try that landed unanswered, and the round closed with this launcher
+                    // before the retry: it is in.
+                    joined_round = Some(info.round);
+                } else {
+                    std::thread::sleep(POLL);
                 }
                 continue;
             }
+            joined_round.get_or_insert(state.round);
             let what = format!("waiting for round {}", state.round);
             if let Some(e) = self.interrupted(&what) {
                 if let RendezvousError::Interrupted { signal, line } = &e {
@@ -368,10 +384,12 @@ impl Member {
         round: u64,
         end: &RoundEnd,
         cause: Cause,
+        before_the_end: bool,
     ) -> Result<(), RendezvousError> {
         let id = self.spec.id.clone();
         self.change("note", |s| {
-            s.note_failure(round, &id, end.clone(), cause).then_some(())
+            s.note_failure(round, &id, end.clone(), cause, before_the_end)
+                .then_some(())
         })?;
         Ok(())
     }
@@ -647,6 +665,8 @@ pub(crate) enum Seen {
 /// whether the host is gone is the heartbeat's judgement.
 pub(crate) struct RoundWatch {
     seen: Arc<Mutex<Option<Seen>>>,
+    /// When the last read that found the round still running was sent.
+    running_at: Arc<Mutex<Option<Instant>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -663,10 +683,12 @@ impl RoundWatch {
         let mut client = StoreClient::connect(endpoint, Some(token), timing.heartbeat)?;
         client.set_io_timeout(request);
         let seen = Arc::new(Mutex::new(None));
+        let running_at = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
         let (endpoint, token) = (endpoint.to_string(), token.to_string());
         let thread = {
             let (seen, stop) = (Arc::clone(&seen), Arc::clone(&stop));
+            let running_at = Arc::clone(&running_at);
             std::thread::Builder::new()
                 .name("ddprun-round-watch".into())
                 .spawn(move || {
@@ -674,11 +696,13 @@ impl RoundWatch {
                         if stop.load(Ordering::Relaxed) {
                             return;
                         }
+                        let asked = Instant::now();
                         match read_written_state(&mut client) {
                             Ok(s) => {
                                 if let Some(end) = s.end_of(round) {
                                     break Seen::Ended(end.clone());
                                 }
+                                *running_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(asked);
                             }
                             Err(StateError::Store(e)) => {
                                 tracing::debug!("reading the rendezvous state failed: {e}");
@@ -701,9 +725,19 @@ impl RoundWatch {
         };
         Ok(RoundWatch {
             seen,
+            running_at,
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// Whether the store still had the round running after `at`: a read sent after `at`
+    /// found it so. (Whatever ended the round was written after that read.)
+    pub fn running_after(&self, at: Instant) -> bool {
+        self.running_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|asked| asked > at)
     }
 
     /// What the watch has seen so far.

@@ -158,9 +158,15 @@ impl State {
     }
 
     /// `joiner` waits for the next round (again, if it was already waiting: its new address
-    /// and port replace the old). `false` once the job is over.
+    /// and port replace the old). `false` once the job is over, and for a launcher that the
+    /// running round already has (a join tried again after its first try landed unanswered:
+    /// queued again, it would look like a newcomer and end its own round as a scale-up).
     pub fn join(&mut self, mut joiner: Joiner) -> bool {
-        if matches!(self.phase, Phase::Finished { .. }) {
+        if matches!(self.phase, Phase::Finished { .. })
+            || self
+                .running()
+                .is_some_and(|info| info.node_rank(&joiner.id).is_some())
+        {
             return false;
         }
         joiner.arrival = self.seq;
@@ -288,11 +294,21 @@ impl State {
     /// Notes that a rank of `id` failed in `round` (`end` says how), the moment its launcher
     /// saw it, so that no scale-up or joiner can end the round as anything but a failure.
     /// If a scale-up ended the round first (the two at the same moment), the failure still
-    /// counts: it takes the scale-up's place while the next round gathers (a restart, or the
-    /// job's end when none is left), or ends the next round if it already runs — unless the
-    /// rank only relayed a peer's failure, which the round's stop explains. `false` when there
-    /// was nothing to note (the round had ended otherwise, or the job is over).
-    pub fn note_failure(&mut self, round: u64, id: &str, end: RoundEnd, cause: Cause) -> bool {
+    /// counts if its launcher vouches that it came first (`before_the_end`: the rank exited
+    /// before that launcher last read the round as still running): it takes the scale-up's
+    /// place while the next round gathers (a restart, or the job's end when none is left), or
+    /// ends the next round if it already runs. A failure that may have followed the end (the
+    /// round's stop on another node can make a rank here fail) or that only relayed a peer's
+    /// does not. `false` when there was nothing to note (the round had ended otherwise, or
+    /// the job is over).
+    pub fn note_failure(
+        &mut self,
+        round: u64,
+        id: &str,
+        end: RoundEnd,
+        cause: Cause,
+        before_the_end: bool,
+    ) -> bool {
         if let Phase::Running { info, failed, .. } = &mut self.phase
             && info.round == round
         {
@@ -314,9 +330,10 @@ impl State {
                 }
             };
         }
-        if cause == Cause::Relayed {
-            // A rank that failed on a peer's failure after the round had ended: the stop of
-            // the round caused it.
+        if cause == Cause::Relayed || !before_the_end {
+            // The round had ended when the failure was noted, and nothing says the failure
+            // came first: the round's stop (another node's ranks stopped for the scale-up) may
+            // have caused it. A rank that only relayed a peer's failure is one such.
             return false;
         }
         let Some(at) = self
@@ -383,8 +400,18 @@ impl State {
         if matches!(self.phase, Phase::Finished { .. }) {
             return false;
         }
-        let mut members: Vec<String> = self.running().map(|i| i.nodes.clone()).unwrap_or_default();
-        members.extend(self.waiting.iter().map(|j| j.id.clone()));
+        // The running round's nodes; while gathering, the last round's too (some may still be
+        // stopping their ranks); and those waiting.
+        let mut members: Vec<String> = match (&self.phase, self.ends.last()) {
+            (Phase::Running { info, .. }, _) => info.nodes.clone(),
+            (Phase::Gathering, Some((info, _))) => info.nodes.clone(),
+            _ => Vec::new(),
+        };
+        for j in &self.waiting {
+            if !members.contains(&j.id) {
+                members.push(j.id.clone());
+            }
+        }
         self.phase = Phase::Finished {
             end,
             members,
@@ -571,10 +598,10 @@ mod tests {
             line: "rank 0 relayed".into(),
             ..failed(1)
         };
-        assert!(s.note_failure(0, "host", relay.clone(), Cause::Relayed));
-        assert!(!s.note_failure(0, "host", relay, Cause::Relayed));
+        assert!(s.note_failure(0, "host", relay.clone(), Cause::Relayed, true));
+        assert!(!s.note_failure(0, "host", relay, Cause::Relayed, true));
         assert!(
-            s.note_failure(0, "host", failed(3), Cause::Own),
+            s.note_failure(0, "host", failed(3), Cause::Own, true),
             "own replaces relay"
         );
         let scale_up = RoundEnd {
@@ -594,12 +621,12 @@ mod tests {
         s.join(joiner("host", 0, 1));
         s.join(joiner("n1", 1, 2));
         s.close().unwrap();
-        assert!(s.note_failure(0, "host", failed(3), Cause::Own));
+        assert!(s.note_failure(0, "host", failed(3), Cause::Own, true));
         let killed = RoundEnd {
             line: "rank 2 killed".into(),
             ..failed(137)
         };
-        assert!(s.note_failure(0, "n1", killed, Cause::Signal));
+        assert!(s.note_failure(0, "n1", killed, Cause::Signal, true));
         assert!(s.end_with_failure(0, failed(3)));
         assert_eq!(s.end_of(0).unwrap().exit_code, 137);
     }
@@ -620,8 +647,12 @@ mod tests {
             s.close().unwrap();
             s.join(joiner("n1", 1, 2));
             assert!(s.end_round(0, scale_up.clone()));
-            assert!(!s.note_failure(0, "host", failed(1), Cause::Relayed));
-            assert!(s.note_failure(0, "host", failed(3), Cause::Own));
+            assert!(!s.note_failure(0, "host", failed(1), Cause::Relayed, true));
+            assert!(
+                !s.note_failure(0, "host", failed(3), Cause::Own, false),
+                "a failure that may have followed the end does not count"
+            );
+            assert!(s.note_failure(0, "host", failed(3), Cause::Own, true));
             assert_eq!(s.end_of(0).unwrap().kind, EndKind::Failed);
             assert_eq!(matches!(s.phase, Phase::Finished { .. }), finished);
             if finished {
@@ -630,6 +661,22 @@ mod tests {
                 assert_eq!((s.failures, s.round), (1, 1));
             }
         }
+    }
+
+    /// A join tried again after its first try landed (the round closed with it meanwhile)
+    /// does not queue the launcher again; a job that ends while the next round gathers is
+    /// owed to the last round's nodes too.
+    #[test]
+    fn a_repeated_join_is_not_a_newcomer_and_the_last_rounds_nodes_read_the_end() {
+        let mut s = State::new(spec(1, 3, 1));
+        assert!(s.join(joiner("host", 0, 1)));
+        s.close().unwrap();
+        assert!(!s.join(joiner("host", 0, 1)));
+        assert!(s.waiting.is_empty());
+        assert!(s.end_round(0, failed(3)));
+        assert!(s.join(joiner("n1", 1, 2)));
+        assert!(s.finish(failed(143)));
+        assert_eq!(s.unacked(), ["host", "n1"]);
     }
 
     /// Only a round that every node finished with exit 0 completes a job; an end written
