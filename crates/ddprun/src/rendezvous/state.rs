@@ -490,6 +490,14 @@ mod tests {
         }
     }
 
+    fn scale_up() -> RoundEnd {
+        RoundEnd {
+            kind: EndKind::ScaleUp,
+            line: "n1 waits".into(),
+            exit_code: 1,
+        }
+    }
+
     fn failed(code: i32) -> RoundEnd {
         RoundEnd {
             kind: EndKind::Failed,
@@ -568,11 +576,7 @@ mod tests {
         let mut s = State::new(spec(1, 2, 0));
         s.join(joiner("host", 0, 1));
         s.close().unwrap();
-        let scale_up = RoundEnd {
-            kind: EndKind::ScaleUp,
-            line: "n1 waits".into(),
-            exit_code: 1,
-        };
+        let scale_up = scale_up();
         assert!(s.end_round(0, scale_up));
         assert_eq!((s.round, s.failures), (1, 0));
         s.join(joiner("host", 0, 1));
@@ -604,11 +608,7 @@ mod tests {
             s.note_failure(0, "host", failed(3), Cause::Own, true),
             "own replaces relay"
         );
-        let scale_up = RoundEnd {
-            kind: EndKind::ScaleUp,
-            line: "n1 waits".into(),
-            exit_code: 1,
-        };
+        let scale_up = scale_up();
         assert!(s.end_round(0, scale_up));
         let Phase::Finished { end, .. } = &s.phase else {
             panic!("{:?}", s.phase)
@@ -636,11 +636,7 @@ mod tests {
     /// spent otherwise); a relayed one does not (the stop caused it).
     #[test]
     fn a_failure_noted_after_a_scale_up_takes_its_place() {
-        let scale_up = RoundEnd {
-            kind: EndKind::ScaleUp,
-            line: "n1 waits".into(),
-            exit_code: 1,
-        };
+        let scale_up = scale_up();
         for (restarts, finished) in [(0, true), (1, false)] {
             let mut s = State::new(spec(1, 2, restarts));
             s.join(joiner("host", 0, 1));
