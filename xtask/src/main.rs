@@ -109,8 +109,8 @@ enum Bench {
         #[arg(last = true)]
         extra: Vec<String>,
     },
-    /// Connections per second to the rendezvous store with the job's key (challenge-response)
-    /// vs without one, and process-group set-up time. Arguments after
+    /// Connections per second to the rendezvous store with the job's key (a SPAKE2 key
+    /// exchange) vs without one, and process-group set-up time. Arguments after
     /// `--` go to `handshake_bench`.
     Handshake {
         /// More arguments for the benchmark (`handshake_bench --help`).

@@ -31,6 +31,7 @@ pub(crate) fn run_ranks<R: Send + 'static>(
                     master_addr: "127.0.0.1".into(),
                     master_port: port,
                     job_token: Some(token),
+                    rank_keys: false,
                     source: EnvSource::Torchrun,
                 };
                 let options = GroupOptions {

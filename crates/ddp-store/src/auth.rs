@@ -2,20 +2,23 @@
 //!
 //! - [`Key`]: 32 bytes derived from the job token with HMAC-SHA256 (RustCrypto's `hmac` and
 //!   `sha2`); [`Key::derive`] makes a sub-key for a role or a round (`HMAC(key, label)`), so a
-//!   holder of a sub-key cannot work out the key it came from.
-//! - Challenge-response: each side sends a fresh nonce (`nonce`, from the operating system's
-//!   generator through `getrandom`) and answers with `Key::prove` — an HMAC over both nonces
-//!   and its role — which the other side checks in constant time (`Key::verify`, `subtle`).
-//!   A recorded answer is useless against a fresh nonce, and a side that does not hold the key
-//!   (a port squatter) learns nothing it could use and is refused.
+//!   holder of a sub-key cannot work out the key it came from; [`Key::rank_key`] is one rank's
+//!   own key in a round.
+//! - [`Exchange`]: a password-authenticated key exchange over a key (SPAKE2 on Ed25519,
+//!   RustCrypto's `spake2`), then each side confirms the shared session key
+//!   ([`Session::confirm`], an HMAC checked in constant time with `subtle`). Neither a recorded
+//!   exchange nor one an attacker starts gives anything to test a guess of the token against
+//!   off line: an attacker who does not hold the key tests one guess per connection, the one
+//!   it committed to, and a side that does not hold the key (a port squatter) is refused.
 //! - `Identity`: a signing key of one rank for one rendezvous (Ed25519, `ed25519-dalek`),
-//!   whose public half the rank publishes once with its address. Every rank holds the job's
-//!   key, so the key cannot tell ranks apart; a signature can: a process that holds the job's
-//!   key but not rank `r`'s identity cannot pass for rank `r`.
+//!   whose public half the rank publishes once with its address; the links between ranks are
+//!   authenticated by these signatures alone (the identities come from the authenticated
+//!   store, where, under `ddprun`, only rank `r` may write rank `r`'s entry).
 
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use spake2::{Ed25519Group, Spake2};
 use subtle::ConstantTimeEq;
 
 type HmacSha256 = Hmac<Sha256>;
@@ -121,23 +124,117 @@ impl Key {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// The proof that `role` holds this key in an exchange with `client` and `server` nonces
-    /// (and `context`: what else both sides must agree on).
-    pub fn prove(&self, role: &str, client: &[u8], server: &[u8], context: &[u8]) -> [u8; LEN] {
-        hmac(&self.0, &[role.as_bytes(), client, server, context])
+    /// The key of a token written by [`Self::to_token`] (64 hex digits), as it was: a rank
+    /// given its own key by `ddprun` (see [`Self::rank_key`]). `None` for anything else.
+    pub fn from_hex(token: &str) -> Option<Key> {
+        let bytes = token.as_bytes();
+        if bytes.len() != 2 * LEN {
+            return None;
+        }
+        let mut k = [0u8; LEN];
+        if !bytes.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
+        for (i, pair) in bytes.chunks(2).enumerate() {
+            let hex = std::str::from_utf8(pair).ok()?;
+            k[i] = u8::from_str_radix(hex, 16).ok()?;
+        }
+        Some(Key(k))
     }
 
-    /// Whether `proof` is [`Self::prove`]'s answer for the same inputs (constant time).
-    pub fn verify(
-        &self,
-        proof: &[u8],
-        role: &str,
-        client: &[u8],
-        server: &[u8],
+    /// Rank `rank`'s own key in the round whose key is `self`: what `ddprun` gives that rank
+    /// (as [`Self::to_token`]), and what rank 0's store checks a client claiming `rank`
+    /// against. A rank's key says nothing about another rank's or the round's.
+    pub fn rank_key(&self, rank: u32) -> Key {
+        self.derive(&format!("rank/{rank}"))
+    }
+}
+
+/// The two sides of an [`Exchange`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The side that connects (sends the first message).
+    Client,
+    /// The side that accepts.
+    Server,
+}
+
+/// One password-authenticated key exchange in progress (SPAKE2 over Ed25519): the key is the
+/// password, `context` (a role, a claimed rank) is bound into both sides' identities, so two
+/// sides that differ in either end with different session keys.
+pub struct Exchange(Spake2<Ed25519Group>);
+
+impl std::fmt::Debug for Exchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Exchange(<secret>)")
+    }
+}
+
+impl Exchange {
+    /// Starts `side`'s half of an exchange over `key` and `context`: the state, and the message
+    /// to send the other side (it reveals nothing about the key).
+    pub fn start(side: Side, key: &Key, context: &[u8]) -> (Exchange, Vec<u8>) {
+        let (password, client, server) = Self::inputs(key, context);
+        let (state, message) = match side {
+            Side::Client => Spake2::<Ed25519Group>::start_a(&password, &client, &server),
+            Side::Server => Spake2::<Ed25519Group>::start_b(&password, &client, &server),
+        };
+        (Exchange(state), message)
+    }
+
+    /// The password and both identities of an exchange over `key` and `context`.
+    fn inputs(key: &Key, context: &[u8]) -> (spake2::Password, spake2::Identity, spake2::Identity) {
+        (
+            spake2::Password::new(key.0),
+            spake2::Identity::new(&framed(&[b"ddp exchange client", context])),
+            spake2::Identity::new(&framed(&[b"ddp exchange server", context])),
+        )
+    }
+
+    /// A client's start whose ephemeral secret comes from `rng`: what an attacker who replays
+    /// its own ephemeral with other guesses would compute (the offline-guessing test).
+    #[cfg(test)]
+    pub(crate) fn start_client_with(
+        key: &Key,
         context: &[u8],
-    ) -> bool {
-        let expected = self.prove(role, client, server, context);
-        proof.len() == LEN && bool::from(expected.ct_eq(proof))
+        rng: impl rand_core::CryptoRng + rand_core::RngCore,
+    ) -> (Exchange, Vec<u8>) {
+        let (password, client, server) = Self::inputs(key, context);
+        let (state, message) =
+            Spake2::<Ed25519Group>::start_a_with_rng(&password, &client, &server, rng);
+        (Exchange(state), message)
+    }
+
+    /// The session key, given the other side's message; `None` for a message that is not a
+    /// valid one. The two sides' keys are equal only if both hold the same key and context;
+    /// [`Session::confirm`] tells.
+    pub fn finish(self, theirs: &[u8]) -> Option<Session> {
+        let key = self.0.finish(theirs).ok()?;
+        Some(Session(hmac(&key, &[b"ddp session"])))
+    }
+}
+
+/// The key both sides of a finished [`Exchange`] share when they hold the same key.
+pub struct Session([u8; LEN]);
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Session(<secret>)")
+    }
+}
+
+impl Session {
+    /// `role`'s confirmation that it holds the session key (an HMAC of `role` and `parts`).
+    pub fn confirm(&self, role: &str, parts: &[&[u8]]) -> [u8; LEN] {
+        let mut all = vec![role.as_bytes()];
+        all.extend_from_slice(parts);
+        hmac(&self.0, &all)
+    }
+
+    /// Whether `mac` is [`Self::confirm`]'s answer for `role` and `parts` (constant time).
+    pub fn verify(&self, mac: &[u8], role: &str, parts: &[&[u8]]) -> bool {
+        let expected = self.confirm(role, parts);
+        mac.len() == LEN && bool::from(expected.ct_eq(mac))
     }
 }
 
@@ -153,24 +250,54 @@ pub fn nonce() -> [u8; LEN] {
 mod tests {
     use super::*;
 
+    /// Both sides of an exchange over `key`/`context` (client) and `theirs`/`their_context`
+    /// (server): whether the server's confirmation checks on the client and the client's on
+    /// the server.
+    fn exchange(key: &Key, context: &[u8], theirs: &Key, their_context: &[u8]) -> (bool, bool) {
+        let (client, to_server) = Exchange::start(Side::Client, key, context);
+        let (server, to_client) = Exchange::start(Side::Server, theirs, their_context);
+        let (c, s) = (client.finish(&to_client), server.finish(&to_server));
+        let (c, s) = (c.unwrap(), s.unwrap());
+        let server_says = s.confirm("server", &[b"x"]);
+        let client_says = c.confirm("client", &[b"x"]);
+        (
+            c.verify(&server_says, "server", &[b"x"]),
+            s.verify(&client_says, "client", &[b"x"]),
+        )
+    }
+
     #[test]
-    fn proofs_bind_the_key_the_role_and_both_nonces() {
+    fn an_exchange_confirms_only_the_same_key_and_context() {
         let k = Key::from_token("tok");
-        let (c, s) = (nonce(), nonce());
-        assert_ne!(c, s, "fresh nonces");
-        let p = k.prove("client", &c, &s, b"");
-        assert!(k.verify(&p, "client", &c, &s, b""));
-        assert!(!k.verify(&p, "server", &c, &s, b""), "another role");
-        assert!(
-            !k.verify(&p, "client", &c, &nonce(), b""),
-            "a replay against a new nonce"
-        );
-        assert!(
-            !Key::from_token("other").verify(&p, "client", &c, &s, b""),
-            "another key"
-        );
-        assert!(!k.verify(&p[..31], "client", &c, &s, b""));
-        assert!(!k.verify(&p, "client", &c, &s, b"x"), "another context");
+        assert_eq!(exchange(&k, b"rank 1", &k, b"rank 1"), (true, true));
+        let other = Key::from_token("other");
+        assert_eq!(exchange(&k, b"rank 1", &other, b"rank 1"), (false, false));
+        assert_eq!(exchange(&k, b"rank 1", &k, b"rank 2"), (false, false));
+        let (c, m) = Exchange::start(Side::Client, &k, b"");
+        assert!(c.finish(&m[..10]).is_none(), "a truncated message");
+        let (_, m1) = Exchange::start(Side::Client, &k, b"");
+        let (_, m2) = Exchange::start(Side::Client, &k, b"");
+        assert_ne!(m1, m2, "fresh messages every time");
+        let s = Exchange::start(Side::Server, &k, b"")
+            .0
+            .finish(&m1)
+            .unwrap();
+        let mac = s.confirm("server", &[]);
+        assert!(!s.verify(&mac, "client", &[]), "another role");
+        assert!(!s.verify(&mac[..31], "server", &[]));
+        assert_eq!(format!("{s:?}"), "Session(<secret>)");
+    }
+
+    #[test]
+    fn rank_keys_round_trip_as_tokens_and_differ_by_rank() {
+        let round = Key::from_token("round");
+        let one = round.rank_key(1);
+        assert_ne!(one, round.rank_key(2));
+        assert_ne!(one, round);
+        assert_eq!(Key::from_hex(&one.to_token()), Some(one.clone()));
+        assert_eq!(Key::from_hex("not hex"), None);
+        assert_eq!(Key::from_hex(&"+1".repeat(32)), None);
+        assert_eq!(Key::from_hex(&format!("{}0", one.to_token())), None);
     }
 
     #[test]

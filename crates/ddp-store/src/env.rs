@@ -22,11 +22,17 @@ use std::fmt;
 
 /// The port torchrun uses when `MASTER_PORT` is not set.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-/// The variable holding the job token: every connection to the job's store and between its
-/// ranks proves it (challenge-response; it never crosses the wire). Without it a single-host
+/// The variable holding the job token: every connection to the job's store proves it (a
+/// password-authenticated key exchange; it never crosses the wire). Without it a single-host
 /// job makes a secret of its own and a multi-host job refuses to start
 /// (see [`crate::job_auth`]).
 pub const TOKEN_VAR: &str = "DDP_JOB_TOKEN";
+
+/// Set to `1` by `ddprun`: each rank's [`TOKEN_VAR`] is a key of its own — rank 0's is the
+/// round's token, from which rank 0's store derives every rank's key
+/// ([`crate::auth::Key::rank_key`]), and rank `r`'s is its own key (64 hex digits). A rank
+/// then proves which rank it is, and may change only its own entries in the store.
+pub const RANK_KEYS_VAR: &str = "DDP_RANK_KEYS";
 
 /// The variables that carry the attempt number to the ranks: torchrun's, and burn-ddp's alias
 /// (set by the launcher; a rank reads them to know it was restarted).
@@ -109,6 +115,9 @@ pub struct LaunchEnv {
     pub master_port: u16,
     /// The job token every connection must present, if the launcher set one.
     pub job_token: Option<String>,
+    /// Whether [`Self::job_token`] is this rank's own key ([`RANK_KEYS_VAR`], set by
+    /// `ddprun`) rather than one every rank shares.
+    pub rank_keys: bool,
     /// Which family of variables these came from.
     pub source: EnvSource,
 }
@@ -124,6 +133,7 @@ impl fmt::Debug for LaunchEnv {
             .field("master_addr", &self.master_addr)
             .field("master_port", &self.master_port)
             .field("job_token", &self.job_token.as_ref().map(|_| "<set>"))
+            .field("rank_keys", &self.rank_keys)
             .field("source", &self.source)
             .finish()
     }
@@ -146,6 +156,7 @@ impl LaunchEnv {
             master_addr: "127.0.0.1".to_string(),
             master_port: DEFAULT_MASTER_PORT,
             job_token: None,
+            rank_keys: false,
             source: EnvSource::Single,
         }
     }
@@ -191,6 +202,7 @@ impl LaunchEnv {
                 master_addr: String::new(),
                 master_port: DEFAULT_MASTER_PORT,
                 job_token: token,
+                rank_keys: false,
                 source: EnvSource::Torchrun,
             }
         } else if has_slurm {
@@ -233,6 +245,7 @@ impl LaunchEnv {
                 master_addr,
                 master_port: DEFAULT_MASTER_PORT,
                 job_token: token,
+                rank_keys: false,
                 source: EnvSource::Slurm,
             }
         } else {
@@ -251,6 +264,38 @@ impl LaunchEnv {
                 });
             }
             env.master_port = n as u16;
+        }
+        match get(RANK_KEYS_VAR) {
+            None => {}
+            Some((_, v)) if v.is_empty() || v == "0" => {}
+            Some((_, v)) if v == "1" => {
+                let own_key = env.rank != 0;
+                match &env.job_token {
+                    None => {
+                        return Err(EnvError::Missing {
+                            var: TOKEN_VAR,
+                            why: "DDP_RANK_KEYS=1 says it holds this rank's key",
+                        });
+                    }
+                    Some(t) if own_key && crate::auth::Key::from_hex(t).is_none() => {
+                        return Err(EnvError::Invalid {
+                            var: TOKEN_VAR,
+                            value: "<not shown>".into(),
+                            why: "with DDP_RANK_KEYS=1 a rank other than 0 holds its own key, \
+                                  64 hex digits (as ddprun gives it)"
+                                .into(),
+                        });
+                    }
+                    Some(_) => env.rank_keys = true,
+                }
+            }
+            Some((var, value)) => {
+                return Err(EnvError::Invalid {
+                    var,
+                    value,
+                    why: "expected 1 (each rank holds a key of its own) or 0".into(),
+                });
+            }
         }
         // Under torchrun (elastic agent) the agent itself serves a c10d store on MASTER_PORT;
         // our store then takes the next port, which every rank derives the same way.
@@ -412,6 +457,38 @@ mod tests {
         assert!(
             !format!("{env:?}").contains("abc"),
             "the token must not be logged"
+        );
+    }
+
+    #[test]
+    fn rank_keys_need_a_token_and_a_rank_key_on_ranks_other_than_0() {
+        fn with(extra: &[(&str, &str)]) -> Result<LaunchEnv, EnvError> {
+            let base = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
+            let vars: Vec<(&str, &str)> = base.iter().chain(extra).copied().collect();
+            env_of(&vars)
+        }
+        let key = "ab".repeat(32);
+        let key = key.as_str();
+        let env = with(&[(RANK_KEYS_VAR, "1"), (TOKEN_VAR, key)]).unwrap();
+        assert!(env.rank_keys);
+        assert!(!with(&[(TOKEN_VAR, key)]).unwrap().rank_keys);
+        assert!(matches!(
+            with(&[(RANK_KEYS_VAR, "1")]).unwrap_err(),
+            EnvError::Missing { var: TOKEN_VAR, .. }
+        ));
+        let e = with(&[(RANK_KEYS_VAR, "1"), (TOKEN_VAR, "a-shared-secret")]).unwrap_err();
+        assert!(matches!(e, EnvError::Invalid { var: TOKEN_VAR, .. }), "{e}");
+        assert!(!e.to_string().contains("a-shared-secret"), "{e}");
+        let e = with(&[(RANK_KEYS_VAR, "yes"), (TOKEN_VAR, key)]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Invalid {
+                    var: RANK_KEYS_VAR,
+                    ..
+                }
+            ),
+            "{e}"
         );
     }
 

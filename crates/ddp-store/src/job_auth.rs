@@ -24,9 +24,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::auth::Key;
 use crate::env::{LaunchEnv, TOKEN_VAR};
 use crate::error::{CommError, Result};
-use crate::store::StoreClient;
+use crate::store::{Credential, StoreClient, StoreServer};
 
 /// Set to `1` to run a job of several hosts without `DDP_JOB_TOKEN`: every process that can
 /// reach the store and the ranks' ports can then join, read and write the job.
@@ -59,6 +60,8 @@ pub struct JobAuth {
     pub endpoint: String,
     token: Option<String>,
     source: Source,
+    /// This rank, when its token is a key of its own ([`crate::env::RANK_KEYS_VAR`]).
+    own_key_of: Option<u32>,
 }
 
 impl JobAuth {
@@ -86,6 +89,7 @@ impl JobAuth {
                 endpoint: env.master_endpoint(),
                 token: Some(token.clone()),
                 source: Source::Given,
+                own_key_of: env.rank_keys.then_some(env.rank as u32),
             });
         }
         let single_host = env.local_world_size == env.world_size && is_this_host(&env.master_addr);
@@ -99,6 +103,7 @@ impl JobAuth {
                 endpoint,
                 token,
                 source: Source::Given,
+                own_key_of: None,
             });
         }
         if !single_host {
@@ -119,6 +124,7 @@ impl JobAuth {
                     endpoint,
                     token: None,
                     source: Source::Insecure,
+                    own_key_of: None,
                 });
             }
             return Err(CommError::Unauthenticated(format!(
@@ -135,6 +141,7 @@ impl JobAuth {
                 endpoint,
                 token: None,
                 source: Source::File { path, owner: false },
+                own_key_of: None,
             });
         }
         // Written only once rank 0 serves the store ([`JobAuth::publish`]): a job that cannot
@@ -144,6 +151,7 @@ impl JobAuth {
             endpoint,
             token: Some(secret),
             source: Source::File { path, owner: false },
+            own_key_of: None,
         })
     }
 
@@ -164,10 +172,44 @@ impl JobAuth {
         Ok(())
     }
 
-    /// The secret to serve the store with (rank 0) and prove on the mesh; for a rank other
-    /// than 0 reading the file, known once [`JobAuth::connect`] succeeded.
+    /// The secret to serve the store with (rank 0); for a rank other than 0 reading the file,
+    /// known once [`JobAuth::connect`] succeeded.
     pub fn token(&self) -> Option<&str> {
         self.token.as_deref()
+    }
+
+    /// Whether this rank's token is a key of its own (`ddprun`'s per-rank keys).
+    pub fn per_rank(&self) -> bool {
+        self.own_key_of.is_some()
+    }
+
+    /// Rank 0: serves the job's store at its endpoint, with the job's key, or with per-rank
+    /// keys derived from this rank's token (the round's) when ranks hold keys of their own.
+    #[doc(hidden)]
+    pub fn serve(&self) -> Result<StoreServer> {
+        match (&self.token, self.own_key_of) {
+            (Some(round), Some(_)) => StoreServer::bind_per_rank(&self.endpoint, round),
+            (token, _) => StoreServer::bind(&self.endpoint, token.clone()),
+        }
+    }
+
+    /// What this process proves to the store with `token`: the job's key, or this rank's own
+    /// (rank 0 derives its own from the round's token).
+    fn credential(&self, token: &str) -> Result<Credential> {
+        let Some(rank) = self.own_key_of else {
+            return Ok(Credential::job(token));
+        };
+        let key = if rank == 0 {
+            Key::from_token(token).rank_key(0)
+        } else {
+            Key::from_hex(token).ok_or_else(|| {
+                CommError::Unauthenticated(format!(
+                    "{TOKEN_VAR} is not a rank's key (64 hex digits) though {}=1",
+                    crate::env::RANK_KEYS_VAR
+                ))
+            })?
+        };
+        Ok(Credential::rank(key, rank))
     }
 
     /// Connects a client to the job's store within `timeout`. With the secret file, reads it
@@ -176,7 +218,13 @@ impl JobAuth {
     pub fn connect(&mut self, timeout: Duration) -> Result<StoreClient> {
         let path = match &self.source {
             Source::File { path, owner: false } if self.token.is_none() => path.clone(),
-            _ => return StoreClient::connect(&self.endpoint, self.token.as_deref(), timeout),
+            _ => {
+                let credential = match &self.token {
+                    Some(token) => Some(self.credential(token)?),
+                    None => None,
+                };
+                return StoreClient::connect_with(&self.endpoint, credential.as_ref(), timeout);
+            }
         };
         let started = Instant::now();
         let deadline = started + timeout;

@@ -41,4 +41,4 @@ pub mod wire;
 
 pub use env::{EnvError, LaunchEnv};
 pub use error::{CommError, Result};
-pub use store::{PrefixStore, Store, StoreClient, StoreServer};
+pub use store::{Credential, PrefixStore, Store, StoreClient, StoreServer};

@@ -149,6 +149,41 @@ fn a_rank_that_never_arrives_is_named() {
     }
 }
 
+/// Finding 1 of the v4 attack suite: under `ddprun` a rank holds a key of its own, and rank 0's
+/// store lets it change only its own entries. Rank 1 tries to publish rank 2's address before
+/// rank 2 does (with one key for every rank, that made rank 0 take the forger for rank 2 and
+/// the real rank 2 fail with "another process already joined as rank 2"): the store refuses,
+/// naming the rule, and the job runs and exits 0.
+#[test]
+fn under_ddprun_a_rank_cannot_publish_another_ranks_address() {
+    use std::process::Command;
+    let ddprun = std::path::Path::new(WORKER).with_file_name("ddprun");
+    let launched = ddp_testkit::Launched::spawn(
+        Command::new(&ddprun)
+            .args(["--nproc-per-node", "3", "--"])
+            .args([WORKER, "forge-addr"]),
+    )
+    .expect("start ddprun");
+    let ended = launched.wait_until(Instant::now() + Duration::from_secs(120));
+    let lines = ddp_testkit::rank_lines(&ended.stdout, 1);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("forging rank 2's address: refused")
+                && l.contains("rank 1 may not change")),
+        "rank 1's forgery must be refused by the store:\n{}\n{}",
+        ended.stdout,
+        ended.stderr
+    );
+    assert!(
+        ended.status.success(),
+        "the job must run as if nothing happened: {}\n{}\n{}",
+        ended.status,
+        ended.stdout,
+        ended.stderr
+    );
+}
+
 #[test]
 fn a_wrong_token_is_refused() {
     let res = RankJob::new(WORKER, 2)

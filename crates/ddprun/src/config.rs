@@ -104,8 +104,9 @@ impl Default for LaunchConfig {
     }
 }
 
-/// A job token given by the user with fewer characters than this is warned about: a
-/// dictionary word or a short password can be tested offline against a recorded handshake.
+/// A job token given by the user with fewer characters than this is warned about: nothing on
+/// the wire lets anyone test guesses of it off line, but every connection may try one guess,
+/// and a dictionary word or a short password may fall to a few thousand tries.
 const MIN_TOKEN_CHARS: usize = 16;
 
 /// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
@@ -114,6 +115,19 @@ const MIN_TOKEN_CHARS: usize = 16;
 pub(super) fn ranks_token(job_token: &str, what: &str, n: u64) -> String {
     Key::from_token(job_token)
         .derive(&format!("ranks/{what}/{n}"))
+        .to_token()
+}
+
+/// The job token rank `rank` gets in a round whose ranks' token is `round_token`: rank 0 (it
+/// serves the store) the round's, any other rank a key of its own derived from it
+/// ([`Key::rank_key`]), with which it proves which rank it is and can pass for no other
+/// (`DDP_RANK_KEYS=1` tells the rank so).
+pub(super) fn rank_token(round_token: &str, rank: usize) -> String {
+    if rank == 0 {
+        return round_token.to_string();
+    }
+    Key::from_token(round_token)
+        .rank_key(rank as u32)
         .to_token()
 }
 
@@ -185,7 +199,8 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
         && token.chars().count() < MIN_TOKEN_CHARS
     {
         tracing::warn!(
-            "{TOKEN_VAR} has {} characters: a secret this short can be guessed offline from one              recorded handshake; make one with `export {TOKEN_VAR}=$(openssl rand -hex 32)`",
+            "{TOKEN_VAR} has {} characters: a secret this short is easy to guess (each connection to \
+             the job may try one guess); make one with `export {TOKEN_VAR}=$(openssl rand -hex 32)`",
             token.chars().count()
         );
     }

@@ -52,6 +52,7 @@ pub use report::{AttemptEnd, Failure, JobStop, LaunchError, LaunchReport, RankEx
 pub use signals::signal_name;
 
 use config::{attempt_env, common_env};
+use ddp_comm::env::{RANK_KEYS_VAR, TOKEN_VAR};
 
 use failure_notes::FailureNotes;
 use output::Sink;
@@ -245,6 +246,17 @@ fn launch_once(
             .envs(env)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())
+            .envs(
+                env.get(TOKEN_VAR)
+                    .map(|round| {
+                        [
+                            (TOKEN_VAR, config::rank_token(round, rank)),
+                            (RANK_KEYS_VAR, "1".to_string()),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
             .envs(cfg.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .process_group(0);

@@ -195,8 +195,7 @@ fn a_short_job_token_is_warned_about() {
         let r = run(&mut cmd);
         assert_eq!(r.code(), Some(0), "{}", r.stderr);
         assert_eq!(
-            r.stderr.contains("can be guessed offline")
-                && r.stderr.contains("openssl rand -hex 32"),
+            r.stderr.contains("is easy to guess") && r.stderr.contains("openssl rand -hex 32"),
             warned,
             "{token:?}: {}",
             r.stderr
@@ -219,7 +218,7 @@ fn version_prints_the_package_version() {
 #[test]
 fn launch_env_reaches_every_rank_for_one_to_four_ranks() {
     let cores = std::thread::available_parallelism().unwrap().get();
-    let script = r#"echo "R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE G=$GROUP_RANK A=$MASTER_ADDR P=$MASTER_PORT T=$DDP_JOB_TOKEN O=${OMP_NUM_THREADS-unset} Y=${RAYON_NUM_THREADS-unset}""#;
+    let script = r#"echo "R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE G=$GROUP_RANK A=$MASTER_ADDR P=$MASTER_PORT T=$DDP_JOB_TOKEN K=$DDP_RANK_KEYS O=${OMP_NUM_THREADS-unset} Y=${RAYON_NUM_THREADS-unset}""#;
     let mut tokens = Vec::new();
     for n in 1..=4usize {
         let nstr = n.to_string();
@@ -259,10 +258,20 @@ fn launch_env_reaches_every_rank_for_one_to_four_ranks() {
             assert_ne!(port, 0);
             ports.push(port);
             assert!(kv["T"].len() >= 16, "token {:?}", kv["T"]);
+            assert_eq!(kv["K"], "1", "each rank holds a key of its own");
             toks.push(kv["T"].to_string());
         }
         assert!(ports.windows(2).all(|w| w[0] == w[1]), "{ports:?}");
-        assert!(toks.windows(2).all(|w| w[0] == w[1]), "{toks:?}");
+        // Rank 0 holds the round's token; every other rank the key derived from it for
+        // itself, and no rank another's.
+        let round = ddp_comm::auth::Key::from_token(&toks[0]);
+        for (rank, tok) in toks.iter().enumerate().skip(1) {
+            assert_eq!(*tok, round.rank_key(rank as u32).to_token(), "rank {rank}");
+        }
+        let mut distinct = toks.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), n, "{toks:?}");
         tokens.push(toks[0].clone());
     }
     // A fresh token per job.
@@ -284,10 +293,17 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
     for rank in 0..2 {
         let line = r.rank_lines(rank)[0];
         assert!(line.contains(" O=3 "), "{line}");
-        // The ranks' token is derived from the launcher's, which they never see.
-        let derived = ddp_comm::auth::Key::from_token("shared-secret")
+        // The ranks' token is derived from the launcher's, which they never see (rank 1's
+        // from the round's, for rank 1 alone).
+        let round = ddp_comm::auth::Key::from_token("shared-secret")
             .derive("ranks/attempt/0")
             .to_token();
+        let derived = match rank {
+            0 => round,
+            r => ddp_comm::auth::Key::from_token(&round)
+                .rank_key(r as u32)
+                .to_token(),
+        };
         assert!(line.contains(&format!(" T={derived} ")), "{line}");
     }
     // Both nodes of two (two ddprun: node 1 waits for node 0's rendezvous), torchrun's
@@ -330,20 +346,24 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
             .to_string()
     };
     let rank0_port = port(r0.rank_lines(0)[0]);
-    let round_token = ddp_comm::auth::Key::from_token("node-token")
-        .derive("ranks/round/0")
-        .to_token();
+    // Each rank of the round holds its own key, derived from the round's token.
+    let round = ddp_comm::auth::Key::from_token(
+        &ddp_comm::auth::Key::from_token("node-token")
+            .derive("ranks/round/0")
+            .to_token(),
+    );
+    let (key2, key3) = (round.rank_key(2).to_token(), round.rank_key(3).to_token());
     assert_ne!(rank0_port, "23456");
     assert_eq!(
         r.rank_lines(2),
         [format!(
-            "R=2 L=0 W=4 G=1 A=localhost P={rank0_port} T={round_token} O=5 Y=5"
+            "R=2 L=0 W=4 G=1 A=localhost P={rank0_port} T={key2} O=5 Y=5"
         )]
     );
     assert_eq!(
         r.rank_lines(3),
         [format!(
-            "R=3 L=1 W=4 G=1 A=localhost P={rank0_port} T={round_token} O=5 Y=5"
+            "R=3 L=1 W=4 G=1 A=localhost P={rank0_port} T={key3} O=5 Y=5"
         )]
     );
 }

@@ -60,10 +60,17 @@ fn both_nodes_restart_together(n: usize, fail: usize) {
             assert_eq!(field(line, "W"), (2 * n).to_string(), "{line}");
             assert_eq!(field(line, "G"), (rank / n).to_string(), "{line}");
             assert_eq!(field(line, "C"), round.to_string(), "{line}");
-            // Derived from the launchers' token for each round: never "tok" itself.
-            let token = ddp_comm::auth::Key::from_token("tok")
+            // Derived from the launchers' token for each round: never "tok" itself; rank 0
+            // holds the round's, every other rank its own key derived from it.
+            let round_token = ddp_comm::auth::Key::from_token("tok")
                 .derive(&format!("ranks/round/{round}"))
                 .to_token();
+            let token = match rank {
+                0 => round_token,
+                r => ddp_comm::auth::Key::from_token(&round_token)
+                    .rank_key(r as u32)
+                    .to_token(),
+            };
             assert_eq!(field(line, "T"), token, "{line}");
             ports.insert((round, field(line, "P").to_string()));
         }

@@ -1,8 +1,9 @@
 //! Cost of authentication: connections per second to the rendezvous store with the job's key
-//! (challenge-response over fresh nonces, both sides proving the key) against the same store
-//! without a key (the same exchanges without the HMACs), measured in the same run; and the time to set up a
-//! whole process group (store, `set_once` of each rank's address, the mesh's signed hellos),
-//! with and without a token.
+//! (a password-authenticated key exchange, SPAKE2, then both sides confirming the session key)
+//! against the same store without a key (the same two round trips without the exchange),
+//! measured in the same run; and the time to set up a whole process group (store, `set_once` of
+//! each rank's address, the mesh's signed hellos) with one token for every rank, with per-rank
+//! keys (as `ddprun` gives them) and without a token.
 //!
 //! ```text
 //! cargo xtask bench handshake [-- --seconds 2 --clients 1,4]
@@ -11,6 +12,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use ddp_comm::auth::Key;
 use ddp_comm::env::LaunchEnv;
 use ddp_comm::{GroupOptions, ProcessGroup, StoreClient, StoreServer};
 
@@ -50,9 +52,21 @@ fn rate(seconds: f64, clients: usize, connect: impl Fn() + Sync) -> f64 {
     total as f64 / started.elapsed().as_secs_f64()
 }
 
+/// How the ranks of a measured group authenticate.
+#[derive(Clone, Copy)]
+enum Tokens {
+    /// One token for every rank (torchrun's way).
+    Shared,
+    /// Rank 0 the round's token, every other rank its own key (`ddprun`'s way).
+    PerRank,
+    /// None: a single-host job's secret file.
+    None,
+}
+
 /// Median milliseconds to set up a group of `world` ranks (threads of this process) on
-/// loopback, `token` or none (a single-host job without a token: its own secret).
-fn group_setup_ms(world: usize, token: Option<&str>, groups: usize) -> f64 {
+/// loopback, with `tokens`.
+fn group_setup_ms(world: usize, tokens: Tokens, groups: usize) -> f64 {
+    let round = "bench-token";
     let mut times: Vec<f64> = (0..groups)
         .map(|_| {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -64,12 +78,21 @@ fn group_setup_ms(world: usize, token: Option<&str>, groups: usize) -> f64 {
                 let ranks: Vec<_> = (0..world)
                     .map(|rank| {
                         s.spawn(move || {
+                            let (token, per_rank) = match tokens {
+                                Tokens::Shared => (round.to_string(), "0"),
+                                Tokens::PerRank if rank == 0 => (round.to_string(), "1"),
+                                Tokens::PerRank => {
+                                    (Key::from_token(round).rank_key(rank as u32).to_token(), "1")
+                                }
+                                Tokens::None => (String::new(), "0"),
+                            };
                             let vars = [
                                 ("RANK", rank.to_string()),
                                 ("WORLD_SIZE", world.to_string()),
                                 ("MASTER_ADDR", "127.0.0.1".to_string()),
                                 ("MASTER_PORT", port.to_string()),
-                                ("DDP_JOB_TOKEN", token.unwrap_or("").to_string()),
+                                ("DDP_JOB_TOKEN", token),
+                                ("DDP_RANK_KEYS", per_rank.to_string()),
                             ];
                             let env = LaunchEnv::from_lookup(|k| {
                                 vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
@@ -120,11 +143,14 @@ fn main() {
         "\n## Process group set-up (threads as ranks, loopback; median of {})\n",
         args.groups
     );
-    println!("| ranks | DDP_JOB_TOKEN | no token (single-host secret file) |");
-    println!("|---:|---:|---:|");
+    println!(
+        "| ranks | one DDP_JOB_TOKEN | per-rank keys (ddprun) | no token (single-host secret file) |"
+    );
+    println!("|---:|---:|---:|---:|");
     for world in [2, 4] {
-        let with = group_setup_ms(world, Some("bench-token"), args.groups);
-        let without = group_setup_ms(world, None, args.groups);
-        println!("| {world} | {with:.1} ms | {without:.1} ms |");
+        let shared = group_setup_ms(world, Tokens::Shared, args.groups);
+        let per_rank = group_setup_ms(world, Tokens::PerRank, args.groups);
+        let without = group_setup_ms(world, Tokens::None, args.groups);
+        println!("| {world} | {shared:.1} ms | {per_rank:.1} ms | {without:.1} ms |");
     }
 }

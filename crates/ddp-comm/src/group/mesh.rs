@@ -4,14 +4,15 @@
 //! cycle of waits: connectors first send their hello to all lower ranks, then accept the higher
 //! ranks, then read the replies. Every rank publishes, once and unchangeably (the store's
 //! `set_once`), its address, a fresh nonce and the public half of a fresh identity
-//! ([`crate::auth::Identity`]). A hello carries the connector's rank, its own nonce, its proof
-//! of the job's key over both nonces and the rank, and its signature over the same: the token
-//! never crosses the wire, a hello recorded in an earlier rendezvous proves nothing in this
-//! one, and a process that holds the job's key — every rank does — still cannot pass for
-//! another rank. The acceptor's reply carries its proof and signature in turn (whoever squats a
+//! ([`crate::auth::Identity`]). A hello carries the connector's rank, its own nonce and its
+//! signature over both nonces and the rank: the identities come from the authenticated store
+//! (where, under `ddprun`, only rank `r` may write rank `r`'s entry), so only rank `r` can sign
+//! as rank `r`, a hello recorded in an earlier rendezvous proves nothing in this one, and
+//! nothing on these links depends on the token (a recorded hello gives nothing to test a
+//! guess of it against). The acceptor's reply carries its signature in turn (whoever squats a
 //! rank's port cannot answer). Hellos are read concurrently, each within a few seconds and
 //! with a share per address, so silent connections cannot hold the rendezvous; one without a
-//! valid proof, an out-of-range or duplicate rank is refused (counted in a summary log) and
+//! valid signature, an out-of-range or duplicate rank is refused (counted in a summary log) and
 //! the listener keeps accepting.
 //! For a peer on the same host the connector creates a shared-memory segment and names it in
 //! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
@@ -25,14 +26,14 @@ use std::time::{Duration, Instant};
 use super::hello_readers::HelloReaders;
 use super::link::Link;
 use super::shm::ShmPair;
-use crate::auth::{self, Identity, Key};
+use crate::auth::{self, Identity};
 use crate::error::{CommError, Result};
 use crate::refusals::RefusalLog;
 use crate::wire::{Malformed, ReadBy, Reader, Writer, read_frame, write_frame};
 
 const HELLO_MAGIC: u32 = 0x4844_4450; // "PDDH"
-const VERSION: u16 = 4;
-/// The roles in the handshake's proofs.
+const VERSION: u16 = 5;
+/// The roles in the handshake's signatures.
 const HELLO_ROLE: &str = "ddp-mesh hello";
 const REPLY_ROLE: &str = "ddp-mesh reply";
 const ACCEPT_NAP: Duration = Duration::from_millis(2);
@@ -41,7 +42,7 @@ const MAX_HELLO: usize = 4096;
 
 /// Reply codes of the handshake.
 const OK: u8 = 0;
-const BAD_TOKEN: u8 = 1;
+const BAD_SIGNATURE: u8 = 1;
 const BAD_RANK: u8 = 2;
 
 /// What every rank publishes about itself in the store.
@@ -51,7 +52,7 @@ pub(crate) struct PeerInfo {
     pub addr: SocketAddr,
     /// Host identity (ranks with equal identities can share memory).
     pub host: String,
-    /// A fresh nonce of this rendezvous: the hellos it accepts prove the key over it.
+    /// A fresh nonce of this rendezvous: the hellos it accepts are signed over it.
     pub nonce: [u8; auth::LEN],
     /// The public half of its identity: the hellos and replies it sends are signed by it.
     pub identity: [u8; auth::PUBLIC_LEN],
@@ -143,8 +144,6 @@ type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>, Hello);
 pub(crate) struct MeshConfig<'a> {
     pub rank: usize,
     pub world: usize,
-    /// The job's key (from the job token; from "" without one).
-    pub key: &'a Key,
     /// This rank's identity (its public half published as [`PeerInfo::identity`]).
     pub identity: &'a Identity,
     /// The nonce this rank published ([`PeerInfo::nonce`]).
@@ -162,8 +161,6 @@ pub(crate) struct Hello {
     pub world: usize,
     /// The connector's nonce.
     pub nonce: Vec<u8>,
-    /// Its proof of the key over both nonces and the fields above.
-    pub mac: Vec<u8>,
     /// The shared-memory segment offered to the acceptor ("" for none).
     pub shm_path: String,
     /// Its signature over both nonces and the fields above, by the identity `rank` published.
@@ -171,7 +168,7 @@ pub(crate) struct Hello {
 }
 
 impl Hello {
-    /// What both sides prove the key over besides the nonces.
+    /// What both sides sign besides the nonces.
     fn context(&self) -> Vec<u8> {
         Writer::default()
             .u32(self.rank as u32)
@@ -181,9 +178,8 @@ impl Hello {
     }
 
     /// A hello from `rank` (holding `identity`) to the rank that published
-    /// `acceptor_nonce`, with its proof and signature.
+    /// `acceptor_nonce`, with its signature.
     pub(crate) fn new(
-        key: &Key,
         identity: &Identity,
         rank: usize,
         world: usize,
@@ -194,29 +190,14 @@ impl Hello {
             rank,
             world,
             nonce: auth::nonce().to_vec(),
-            mac: Vec::new(),
             shm_path,
             signature: Vec::new(),
         };
         let context = h.context();
-        h.mac = key
-            .prove(HELLO_ROLE, &h.nonce, acceptor_nonce, &context)
-            .to_vec();
         h.signature = identity
             .sign(HELLO_ROLE, &[&h.nonce, acceptor_nonce, &context])
             .to_vec();
         h
-    }
-
-    /// Whether the hello proves `key` to the rank whose nonce is `acceptor_nonce`.
-    fn proves(&self, key: &Key, acceptor_nonce: &[u8]) -> bool {
-        key.verify(
-            &self.mac,
-            HELLO_ROLE,
-            &self.nonce,
-            acceptor_nonce,
-            &self.context(),
-        )
     }
 
     /// Whether the hello is signed by the identity `public` (the one its rank published).
@@ -236,7 +217,6 @@ impl Hello {
             .u32(self.rank as u32)
             .u32(self.world as u32)
             .bytes(&self.nonce)
-            .bytes(&self.mac)
             .bytes(self.shm_path.as_bytes())
             .bytes(&self.signature)
             .finish()
@@ -258,7 +238,6 @@ impl Hello {
                 rank: r.u32()? as usize,
                 world: r.u32()? as usize,
                 nonce: r.bytes()?.to_vec(),
-                mac: r.bytes()?.to_vec(),
                 shm_path: String::from_utf8_lossy(r.bytes()?).into_owned(),
                 signature: r.bytes()?.to_vec(),
             };
@@ -269,25 +248,21 @@ impl Hello {
     }
 }
 
-/// What the acceptor's proof of its answer `code` to `hello` covers besides the nonces.
+/// What the acceptor's signature of its answer `code` to `hello` covers besides the nonces.
 fn reply_context(hello: &Hello, code: u8, shm: bool) -> Vec<u8> {
     [hello.context(), vec![code, shm as u8]].concat()
 }
 
-/// The acceptor's accepting reply to `hello` (and whether it mapped the segment): its proof
-/// of the key and its signature.
+/// The acceptor's accepting reply to `hello` (and whether it mapped the segment), with its
+/// signature.
 fn accepting_reply(cfg: &MeshConfig<'_>, hello: &Hello, shm: bool) -> Vec<u8> {
     let context = reply_context(hello, OK, shm);
-    let mac = cfg
-        .key
-        .prove(REPLY_ROLE, &hello.nonce, &cfg.nonce, &context);
     let signature = cfg
         .identity
         .sign(REPLY_ROLE, &[&hello.nonce, &cfg.nonce, &context]);
     encode_reply(&Reply {
         code: OK,
         shm,
-        mac: mac.to_vec(),
         signature: signature.to_vec(),
     })
 }
@@ -299,8 +274,6 @@ pub(crate) struct Reply {
     pub code: u8,
     /// Whether it mapped the offered segment.
     pub shm: bool,
-    /// Its proof of the key (empty for a refusal: a refused peer learns nothing).
-    pub mac: Vec<u8>,
     /// Its signature by the identity it published (empty for a refusal).
     pub signature: Vec<u8>,
 }
@@ -310,7 +283,6 @@ fn refusal(code: u8) -> Vec<u8> {
     encode_reply(&Reply {
         code,
         shm: false,
-        mac: Vec::new(),
         signature: Vec::new(),
     })
 }
@@ -320,7 +292,6 @@ pub(crate) fn encode_reply(reply: &Reply) -> Vec<u8> {
     Writer::default()
         .u8(reply.code)
         .u8(reply.shm as u8)
-        .bytes(&reply.mac)
         .bytes(&reply.signature)
         .finish()
 }
@@ -330,13 +301,11 @@ pub(crate) fn decode_reply(frame: &[u8]) -> Option<Reply> {
     let mut r = Reader::new(frame);
     let code = r.u8().ok()?;
     let shm = r.u8().ok()?;
-    let mac = r.bytes().ok()?.to_vec();
     let signature = r.bytes().ok()?.to_vec();
     r.end().ok()?;
     Some(Reply {
         code,
         shm: shm == 1,
-        mac,
         signature,
     })
 }
@@ -363,7 +332,6 @@ pub(crate) fn establish(
 ) -> Result<Vec<Option<Link>>> {
     let (rank, world) = (cfg.rank, cfg.world);
     let my_host = &infos[rank].host;
-    let key = cfg.key;
 
     // 1. Hellos to every lower rank.
     let mut outgoing: Vec<Outgoing> = Vec::new();
@@ -394,7 +362,6 @@ pub(crate) fn establish(
             None
         };
         let hello = Hello::new(
-            key,
             cfg.identity,
             rank,
             world,
@@ -438,7 +405,7 @@ pub(crate) fn establish(
                         if code == BAD_RANK {
                             "an unexpected rank"
                         } else {
-                            "no valid proof"
+                            "no valid signature"
                         },
                     );
                     let _ = write_handshake(&mut s, &refusal(code));
@@ -535,15 +502,15 @@ pub(crate) fn establish(
             )
         };
         match reply.code {
-            OK if reply_proves(key, &hello, &infos[peer], &reply) => {}
+            OK if reply_signed(&hello, &infos[peer], &reply) => {}
             OK => {
                 return Err(denied(format!(
                     "whoever answered at rank {peer}'s address could not prove it is rank {peer} of this job (a port squatter?)"
                 )));
             }
-            BAD_TOKEN => {
+            BAD_SIGNATURE => {
                 return Err(denied(format!(
-                    "rank {peer} refused our proof of the job token (is DDP_JOB_TOKEN the same on every rank?)"
+                    "rank {peer} refused our signature: it does not hold the identity we published (two processes started as rank {rank}?)"
                 )));
             }
             code => {
@@ -561,37 +528,27 @@ pub(crate) fn establish(
     Ok(links)
 }
 
-/// Why `hello` is refused (a reply code), if it is: a rank not awaited, no valid proof of
-/// the job's key, or not signed by the identity its rank published.
+/// Why `hello` is refused (a reply code), if it is: a rank not awaited, or not signed by the
+/// identity its rank published.
 fn check_hello(
     cfg: &MeshConfig<'_>,
     infos: &[PeerInfo],
     pending: &[usize],
     hello: &Hello,
 ) -> Option<u8> {
-    if !hello.proves(cfg.key, &cfg.nonce) {
-        return Some(BAD_TOKEN);
-    }
     if hello.world != cfg.world || !pending.contains(&hello.rank) {
         return Some(BAD_RANK);
     }
     if !hello.signed_by(&infos[hello.rank].identity, &cfg.nonce) {
-        return Some(BAD_TOKEN);
+        return Some(BAD_SIGNATURE);
     }
     None
 }
 
-/// Whether an accepting `reply` to `hello` proves the job's key and is signed by the
-/// identity `acceptor` published.
-fn reply_proves(key: &Key, hello: &Hello, acceptor: &PeerInfo, reply: &Reply) -> bool {
+/// Whether an accepting `reply` to `hello` is signed by the identity `acceptor` published.
+fn reply_signed(hello: &Hello, acceptor: &PeerInfo, reply: &Reply) -> bool {
     let context = reply_context(hello, OK, reply.shm);
-    key.verify(
-        &reply.mac,
-        REPLY_ROLE,
-        &hello.nonce,
-        &acceptor.nonce,
-        &context,
-    ) && auth::signed_by(
+    auth::signed_by(
         &acceptor.identity,
         &reply.signature,
         REPLY_ROLE,

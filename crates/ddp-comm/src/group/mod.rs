@@ -4,7 +4,8 @@
 //! - **Rendezvous**: rank 0 serves the [`StoreServer`] at `MASTER_ADDR:MASTER_PORT` for the
 //!   group's lifetime. Every rank binds a listener on the interface that reaches the master,
 //!   publishes its address and host identity (host name + boot id) in the store, and connects
-//!   to every other rank (full mesh; the handshake proves the job token without sending it).
+//!   to every other rank (full mesh; the store's handshake proves the job token without
+//!   sending it, and the links' hellos are signed by identities published in the store).
 //! - **Transports**: every pair of ranks has a TCP connection. Ranks on the same host also
 //!   share a pair of memory rings (`/dev/shm`, unlinked once mapped) that carry all their data;
 //!   TCP then only tells whether the peer is alive.
@@ -220,7 +221,7 @@ impl ProcessGroup {
         let endpoint = auth.endpoint.clone();
 
         let server = if rank == 0 {
-            let server = StoreServer::bind(&endpoint, auth.token().map(str::to_string))?;
+            let server = auth.serve()?;
             // Each rank holds one connection, and a second while it reconnects.
             server.limit_clients(2 * world + 16);
             // Only now, serving: a job that cannot bind never touches another's secret.
@@ -230,7 +231,6 @@ impl ProcessGroup {
             None
         };
         let mut store = auth.connect(opts.connect_timeout)?;
-        let token = auth.token();
 
         let ip = mesh::local_ip_towards(&endpoint)
             .map_err(|e| CommError::io(format!("finding the interface to {endpoint}"), None, e))?;
@@ -320,11 +320,9 @@ impl ProcessGroup {
             })?);
         }
 
-        let key = crate::auth::Key::from_token(token.unwrap_or(""));
         let cfg = MeshConfig {
             rank,
             world,
-            key: &key,
             identity: &identity,
             nonce: me.nonce,
             shared_memory: opts.shared_memory,

@@ -7,9 +7,9 @@ use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use super::message::{Reply, Request, VERSION};
-use super::server::{CLIENT_ROLE, SERVER_ROLE};
+use super::server::{CLIENT_ROLE, SERVER_ROLE, exchange_context};
 use super::{CompareSet, DEFAULT_IO_TIMEOUT, MAX_FRAME, Store};
-use crate::auth::{self, Key};
+use crate::auth::{Exchange, Key, Side};
 use crate::error::{CommError, Result};
 use crate::wire::{read_frame, write_frame};
 
@@ -18,6 +18,34 @@ const CONNECT_BACKOFF_START: Duration = Duration::from_millis(2);
 const CONNECT_BACKOFF_CAP: Duration = Duration::from_millis(50);
 /// How often a rank still connecting to the store says so.
 const CONNECT_PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// What a client proves to the store: a key, and the rank it is when ranks hold keys of
+/// their own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Credential {
+    key: Key,
+    rank: Option<u32>,
+}
+
+impl Credential {
+    /// The key every process of the job holds (`DDP_JOB_TOKEN` under torchrun or srun, a
+    /// launcher's token).
+    pub fn job(token: &str) -> Credential {
+        Credential {
+            key: Key::from_token(token),
+            rank: None,
+        }
+    }
+
+    /// Rank `rank`'s own key, for a store served with
+    /// [`StoreServer::bind_per_rank`](super::StoreServer::bind_per_rank).
+    pub fn rank(key: Key, rank: u32) -> Credential {
+        Credential {
+            key,
+            rank: Some(rank),
+        }
+    }
+}
 
 /// A connection to the store.
 ///
@@ -72,6 +100,15 @@ impl StoreClient {
     /// error is [`CommError::Timeout`] naming the endpoint; a refused token is
     /// [`CommError::Store`] at once.
     pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<Self> {
+        Self::connect_with(endpoint, token.map(Credential::job).as_ref(), timeout)
+    }
+
+    /// As [`Self::connect`], proving `credential` (a job's key, or one rank's).
+    pub fn connect_with(
+        endpoint: &str,
+        credential: Option<&Credential>,
+        timeout: Duration,
+    ) -> Result<Self> {
         let start = Instant::now();
         let deadline = start + timeout;
         let mut backoff = CONNECT_BACKOFF_START;
@@ -80,7 +117,7 @@ impl StoreClient {
         let mut next_progress = start + CONNECT_PROGRESS_EVERY;
         loop {
             attempts += 1;
-            match Self::attempt(endpoint, token, deadline) {
+            match Self::attempt(endpoint, credential, deadline) {
                 Ok(client) => {
                     tracing::debug!(endpoint, attempts, elapsed = ?start.elapsed(), "connected to the rendezvous store");
                     return Ok(client);
@@ -120,7 +157,7 @@ impl StoreClient {
 
     fn attempt(
         endpoint: &str,
-        token: Option<&str>,
+        credential: Option<&Credential>,
         deadline: Instant,
     ) -> std::result::Result<Self, AttemptError> {
         let addrs: Vec<SocketAddr> = endpoint
@@ -146,16 +183,18 @@ impl StoreClient {
                 }
             };
             let _ = stream.set_nodelay(true);
-            let key = token.map(Key::from_token);
-            let client_nonce = auth::nonce();
+            let rank = credential.and_then(|c| c.rank);
+            let mut exchange = credential
+                .map(|c| Exchange::start(Side::Client, &c.key, &exchange_context(c.rank)));
             let hello = Request::Hello {
                 version: VERSION,
-                nonce: if key.is_some() {
-                    client_nonce.to_vec()
-                } else {
-                    Vec::new()
-                },
+                rank,
+                exchange: exchange
+                    .as_ref()
+                    .map(|(_, ours)| ours.clone())
+                    .unwrap_or_default(),
             };
+            let keyed = exchange.is_some();
             // The handshake's replies must come before the overall deadline (at least 1 s, so
             // a loaded server on a short deadline is not mistaken for a dead one).
             let wait = deadline
@@ -191,15 +230,27 @@ impl StoreClient {
                 }
             };
             let challenged = matches!(reply, Ok(Reply::Challenge { .. }));
-            if let (Ok(Reply::Challenge { nonce, mac }), Some(key)) = (&reply, &key) {
-                if !key.verify(mac, SERVER_ROLE, &client_nonce, nonce, b"") {
+            if let (
+                Ok(Reply::Challenge {
+                    exchange: theirs,
+                    mac,
+                }),
+                Some((ours, _)),
+            ) = (&reply, exchange.take())
+            {
+                let session = ours
+                    .finish(theirs)
+                    .filter(|s| s.verify(mac, SERVER_ROLE, &[]));
+                let Some(session) = session else {
                     return Err(fatal(format!(
-                        "the server at {addr} could not prove it holds this job's token ({}): another job's store, or a port squatter; nothing sent",
-                        crate::env::TOKEN_VAR
+                        "the server at {addr} could not prove it holds this job's token ({}){}: another job's store, or a port squatter; nothing sent",
+                        crate::env::TOKEN_VAR,
+                        rank.map(|r| format!(" or rank {r}'s key"))
+                            .unwrap_or_default()
                     )));
-                }
+                };
                 let proof = Request::Proof {
-                    mac: key.prove(CLIENT_ROLE, &client_nonce, nonce, b"").to_vec(),
+                    mac: session.confirm(CLIENT_ROLE, &[]).to_vec(),
                 };
                 if let Err(e) = write_frame(&mut stream, &proof.encode(), MAX_FRAME) {
                     last = format!("{addr}: sending the handshake's proof: {e}");
@@ -220,7 +271,7 @@ impl StoreClient {
                 }
             }
             return match reply {
-                Ok(Reply::Ok) if key.is_some() && !challenged => Err(fatal(format!(
+                Ok(Reply::Ok) if keyed && !challenged => Err(fatal(format!(
                     "the server at {addr} did not prove it holds this job's token ({}): a store started without one, or a port squatter; nothing sent",
                     crate::env::TOKEN_VAR
                 ))),

@@ -81,3 +81,40 @@ pub fn launcher_gone(id: &str) -> String {
 /// The coordinator's own heartbeat counter (in [`LAUNCHERS`]): members see a host whose
 /// coordinator stopped.
 pub const COORDINATOR_BEAT: &str = "hb-coordinator";
+
+/// The rank that alone may change `key` (a full key, namespace included) in a store whose
+/// ranks hold keys of their own ([`super::StoreServer::bind_per_rank`]): rank `r` for its
+/// address (`…/addr/{r}`), its NCCL generation and arrival (`…/generation/{r}`,
+/// `…/{g}/arrived/{r}`) and its trace pings (`…/ping/{r}/{n}`); rank 0 for NCCL's unique id
+/// (`…/{g}/unique_id`) and the trace clock's answers (`…/pong/{r}/{n}`). `None`: any rank
+/// may (counters and keys of the program's own).
+pub fn owner(key: &str) -> Option<usize> {
+    let parts: Vec<&str> = key.split('/').collect();
+    let rank = |s: &str| s.parse::<usize>().ok();
+    match parts.as_slice() {
+        [.., "addr" | "generation" | "arrived", r] => rank(r),
+        [.., "unique_id"] => Some(0),
+        [.., "ping", r, n] if rank(n).is_some() => rank(r),
+        [.., "pong", _, n] if rank(n).is_some() => Some(0),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_owns_the_entries_it_publishes() {
+        let full = |ns: &str, k: String| format!("{ns}/{k}");
+        assert_eq!(owner(&full(PROCESS_GROUP, peer_addr(3))), Some(3));
+        assert_eq!(owner(&full("nccl", nccl_generation(2))), Some(2));
+        assert_eq!(owner(&full("nccl", nccl_arrived(7, 5))), Some(5));
+        assert_eq!(owner(&full("nccl", nccl_unique_id(7))), Some(0));
+        assert_eq!(owner(&full(TRACE, trace_ping(4, 1))), Some(4));
+        assert_eq!(owner(&full(TRACE, trace_pong(4, 1))), Some(0));
+        assert_eq!(owner(&launchers_state()), None);
+        assert_eq!(owner("my/own/counter"), None);
+        assert_eq!(owner(&full(PROCESS_GROUP, "addr/x".into())), None);
+    }
+}

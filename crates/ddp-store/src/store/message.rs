@@ -2,9 +2,11 @@
 //! client), encoded with the crate's one codec ([`crate::wire`]) and sent one per frame.
 //!
 //! The first request of every connection is [`Request::Hello`]: a magic, the protocol
-//! [`VERSION`] and the client's nonce. A server with a key answers [`Reply::Challenge`] (its
-//! nonce and its proof of the key), the client answers [`Request::Proof`], and the server
-//! accepts with [`Reply::Ok`] or refuses. The token itself never crosses the wire
+//! [`VERSION`], the rank the client claims to be (with per-rank keys) and its message of a
+//! password-authenticated key exchange. A server with a key answers [`Reply::Challenge`] (its
+//! own message and its confirmation of the session key), the client answers
+//! [`Request::Proof`] (its confirmation), and the server accepts with [`Reply::Ok`] or
+//! refuses. Neither the token nor anything to test a guess of it against crosses the wire
 //! ([`crate::auth`]).
 
 use std::time::Duration;
@@ -14,15 +16,20 @@ use crate::wire::{Malformed, Parsed, Reader, Writer};
 /// Magic at the start of every handshake ("DDPS").
 pub(crate) const MAGIC: [u8; 4] = *b"DDPS";
 /// Protocol version; bumped on incompatible changes.
-pub(crate) const VERSION: u8 = 4;
+pub(crate) const VERSION: u8 = 5;
 
 /// A request from a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
-    /// The handshake: the client's protocol version and its nonce (empty: the client holds
-    /// no key).
-    Hello { version: u8, nonce: Vec<u8> },
-    /// The client's proof that it holds the key, answering [`Reply::Challenge`].
+    /// The handshake: the client's protocol version, the rank it claims to be (`None`: a
+    /// client of a job whose processes share one key) and its key exchange message (empty: the
+    /// client holds no key).
+    Hello {
+        version: u8,
+        rank: Option<u32>,
+        exchange: Vec<u8>,
+    },
+    /// The client's confirmation of the session key, answering [`Reply::Challenge`].
     Proof { mac: Vec<u8> },
     /// Set `key` to `value`.
     Set { key: String, value: Vec<u8> },
@@ -62,8 +69,9 @@ pub(crate) enum Reply {
     Int(i64),
     /// A wait ran past its timeout; the key still missing.
     Timeout(String),
-    /// The server's nonce and its proof that it holds the key, answering [`Request::Hello`].
-    Challenge { nonce: Vec<u8>, mac: Vec<u8> },
+    /// The server's key exchange message and its confirmation of the session key, answering
+    /// [`Request::Hello`].
+    Challenge { exchange: Vec<u8>, mac: Vec<u8> },
     /// The handshake was refused, and why.
     Refused(String),
     /// The request failed, and why.
@@ -90,6 +98,9 @@ const REFUSED: u8 = 0x85;
 const ERROR: u8 = 0x86;
 const CHALLENGE: u8 = 0x87;
 
+/// A hello's rank field when the client claims no rank.
+const NO_RANK: u32 = u32::MAX;
+
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
@@ -99,7 +110,16 @@ impl Request {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let w = Writer::default();
         match self {
-            Request::Hello { version, nonce } => w.u8(HELLO).raw(&MAGIC).u8(*version).bytes(nonce),
+            Request::Hello {
+                version,
+                rank,
+                exchange,
+            } => w
+                .u8(HELLO)
+                .raw(&MAGIC)
+                .u8(*version)
+                .u32(rank.unwrap_or(NO_RANK))
+                .bytes(exchange),
             Request::Proof { mac } => w.u8(PROOF).bytes(mac),
             Request::Set { key, value } => w.u8(SET).bytes(key.as_bytes()).bytes(value),
             Request::Get { key, timeout } => w.u8(GET).u64(micros(*timeout)).bytes(key.as_bytes()),
@@ -141,12 +161,15 @@ impl Request {
                     // Another version's hello may not parse as ours: stop here.
                     return Ok(Request::Hello {
                         version,
-                        nonce: Vec::new(),
+                        rank: None,
+                        exchange: Vec::new(),
                     });
                 }
+                let rank = Some(r.u32()?).filter(|&r| r != NO_RANK);
                 Request::Hello {
                     version,
-                    nonce: r.bytes()?.to_vec(),
+                    rank,
+                    exchange: r.bytes()?.to_vec(),
                 }
             }
             PROOF => Request::Proof {
@@ -213,7 +236,7 @@ impl Reply {
             Reply::Missing => w.u8(MISSING),
             Reply::Int(v) => w.u8(INT).i64(*v),
             Reply::Timeout(key) => w.u8(TIMEOUT).bytes(key.as_bytes()),
-            Reply::Challenge { nonce, mac } => w.u8(CHALLENGE).bytes(nonce).bytes(mac),
+            Reply::Challenge { exchange, mac } => w.u8(CHALLENGE).bytes(exchange).bytes(mac),
             Reply::Refused(why) => w.u8(REFUSED).bytes(why.as_bytes()),
             Reply::Error(msg) => w.u8(ERROR).bytes(msg.as_bytes()),
         }
@@ -230,7 +253,7 @@ impl Reply {
             INT => Reply::Int(r.i64()?),
             TIMEOUT => Reply::Timeout(r.string()?),
             CHALLENGE => Reply::Challenge {
-                nonce: r.bytes()?.to_vec(),
+                exchange: r.bytes()?.to_vec(),
                 mac: r.bytes()?.to_vec(),
             },
             REFUSED => Reply::Refused(r.string()?),
@@ -266,11 +289,13 @@ mod tests {
         let requests = [
             Request::Hello {
                 version: VERSION,
-                nonce: vec![7; 32],
+                rank: Some(3),
+                exchange: vec![7; 33],
             },
             Request::Hello {
                 version: VERSION,
-                nonce: Vec::new(),
+                rank: None,
+                exchange: Vec::new(),
             },
             Request::Proof { mac: vec![1; 32] },
             Request::Set {
@@ -316,7 +341,7 @@ mod tests {
             Reply::Int(i64::MIN),
             Reply::Timeout("k".into()),
             Reply::Challenge {
-                nonce: vec![2; 32],
+                exchange: vec![2; 33],
                 mac: vec![3; 32],
             },
             Reply::Refused("refused".into()),
@@ -336,7 +361,8 @@ mod tests {
         assert_eq!(Request::decode(&set), Err(Malformed));
         let mut hello = Request::Hello {
             version: VERSION,
-            nonce: Vec::new(),
+            rank: None,
+            exchange: Vec::new(),
         }
         .encode();
         hello[1] = b'X';

@@ -7,7 +7,9 @@
 //! one state key); and a connection can ask for a counter to be added to when it ends,
 //! however it ends ([`StoreClient::add_on_close`]: how a killed launcher is seen at once);
 //! `set_once` publishes a value no one can replace. A connection must prove it holds the
-//! job's key first (a challenge-response: the token never crosses the wire); others are
+//! job's key first (a password-authenticated key exchange: the token never crosses the wire);
+//! with per-rank keys ([`StoreServer::bind_per_rank`]) it proves the rank it is, and may change
+//! only that rank's entries ([`keys::owner`]); others are
 //! refused, and counted in a rate-limited summary. Sizes, keys, waits and connections are
 //! bounded (see the server's limits), so that even a client holding the key cannot exhaust
 //! the host.
@@ -15,15 +17,16 @@
 //! Code that uses the store goes through the [`Store`] trait, and names its keys inside a
 //! [`PrefixStore`], so that every user has a namespace of its own: the process group's
 //! rendezvous under `ddp/pg`, NCCL's under `NcclOptions::store_prefix` (`nccl` by default).
-//! The keys themselves are built in one place, the private `keys` module.
+//! The keys themselves are built in one place, the [`keys`] module.
 //!
 //! # Protocol
 //!
 //! Frames over TCP (`TCP_NODELAY`) in the crate's one codec (a little-endian `u32` length, then
 //! that many bytes): each carries one request or one reply, a tag byte and its fields. The
-//! first frame of every connection is a handshake carrying a magic, a protocol version and the
-//! client's nonce; the server answers with its nonce and its proof of the key, the client with
-//! its proof, and the server with `Ok` or a refusal (that says only "refused"). Waiting requests
+//! first frame of every connection is a handshake carrying a magic, a protocol version, the
+//! rank the client claims (with per-rank keys) and its SPAKE2 message; the server answers with
+//! its own message and its confirmation of the session key, the client with its confirmation,
+//! and the server with `Ok` or a refusal (that says only "refused"). Waiting requests
 //! (`get`, `wait`) carry their timeout and are answered by the server when the keys appear (it
 //! waits on a condition variable) or when the timeout passes, so clients never poll.
 //!
@@ -53,7 +56,7 @@ mod table;
 
 use std::time::Duration;
 
-pub use client::StoreClient;
+pub use client::{Credential, StoreClient};
 pub use server::StoreServer;
 
 use crate::error::Result;

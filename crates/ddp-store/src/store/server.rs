@@ -18,10 +18,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::keys;
 use super::message::{Reply, Request, VERSION};
 use super::table::{ConnectionUse, MAX_WAIT_KEYS, MAX_WAITING_KEYS, Table};
 use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME};
-use crate::auth::{self, Key};
+use crate::auth::{Exchange, Key, Side};
 use crate::error::{CommError, Result};
 use crate::refusals::RefusalLog;
 use crate::wire::{ReadBy, read_frame, write_frame};
@@ -50,9 +51,32 @@ const MAX_WAIT: Duration = Duration::from_secs(3600);
 /// How often a waiting request checks that its connection is still open: a client that
 /// gave up and closed does not leave its wait (a thread) behind.
 const CLOSED_CHECK_EVERY: Duration = Duration::from_millis(250);
-/// The roles in the handshake's proofs.
+/// The roles in the handshake's confirmations.
 pub(super) const SERVER_ROLE: &str = "ddp-store server";
 pub(super) const CLIENT_ROLE: &str = "ddp-store client";
+
+/// Who the store serves, and the key it checks a client against.
+enum Access {
+    /// Anyone (a job that opted out of authentication).
+    Open,
+    /// Holders of the job's key, one key for every process (torchrun, srun, the launchers).
+    Job(Key),
+    /// Rank `r` with rank `r`'s own key, derived from the round's key held here
+    /// ([`Key::rank_key`]); a connection may write only its own rank's entries
+    /// ([`keys::owner`]).
+    PerRank(Key),
+}
+
+/// What both sides of a handshake bind into their key exchange besides the key: the store's
+/// protocol and the rank the client claims.
+pub(super) fn exchange_context(rank: Option<u32>) -> Vec<u8> {
+    let mut c = b"ddp-store v5 rank ".to_vec();
+    match rank {
+        Some(r) => c.extend_from_slice(r.to_string().as_bytes()),
+        None => c.extend_from_slice(b"-"),
+    }
+    c
+}
 /// Most keys one connection may ask to be counted when it ends.
 const MAX_ON_CLOSE: usize = 4;
 /// How often the accept loop checks for shutdown (it wakes at once for new connections).
@@ -121,8 +145,8 @@ impl Handshakes {
 struct Shared {
     table: Mutex<Table>,
     changed: Condvar,
-    /// The key clients must prove they hold (derived from the job token), if any.
-    key: Option<Key>,
+    /// Who is served, and with which key.
+    access: Access,
     shutdown: AtomicBool,
     /// Clones of open connections, so that shutdown can unblock their threads.
     conns: Mutex<HashMap<u64, TcpStream>>,
@@ -165,7 +189,14 @@ impl fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoreServer")
             .field("addr", &self.addr)
-            .field("key", &self.shared.key.as_ref().map(|_| "<set>"))
+            .field(
+                "access",
+                &match self.shared.access {
+                    Access::Open => "open",
+                    Access::Job(_) => "job key",
+                    Access::PerRank(_) => "per-rank keys",
+                },
+            )
             .finish()
     }
 }
@@ -173,13 +204,31 @@ impl fmt::Debug for StoreServer {
 impl StoreServer {
     /// Binds `addr` (`host:port`; port 0 picks a free one) and serves until dropped.
     /// Only clients that prove they hold `token`'s key (when `Some`) are served; the proof is
-    /// a challenge-response ([`crate::auth`]): the token never crosses the wire, and the
-    /// server proves it holds the key too. `None` serves anyone: only for a job that opted
-    /// out of authentication.
+    /// a password-authenticated key exchange ([`crate::auth::Exchange`]): neither the token
+    /// nor anything to test a guess of it against crosses the wire, and the server proves it
+    /// holds the key too. `None` serves anyone: only for a job that opted out of
+    /// authentication.
     ///
     /// Exactly the given address is bound; pass `0.0.0.0:PORT` explicitly to listen on all
     /// interfaces.
     pub fn bind(addr: &str, token: Option<String>) -> Result<Self> {
+        let access = match token {
+            Some(t) => Access::Job(Key::from_token(&t)),
+            None => Access::Open,
+        };
+        Self::bind_with(addr, access)
+    }
+
+    /// As [`Self::bind`], for ranks that each hold a key of their own (`ddprun`'s):
+    /// `round_token` is the round's token, rank `r`'s key is `Key::from_token(round_token)
+    /// .rank_key(r)`, a client proves the key of the rank it claims to be, and may then write
+    /// only that rank's entries ([`keys::owner`]: its address, and rank 0's NCCL id) — a
+    /// process holding one rank's key cannot pass for another rank.
+    pub fn bind_per_rank(addr: &str, round_token: &str) -> Result<Self> {
+        Self::bind_with(addr, Access::PerRank(Key::from_token(round_token)))
+    }
+
+    fn bind_with(addr: &str, access: Access) -> Result<Self> {
         let op = || format!("binding the rendezvous store to {addr}");
         let listener = TcpListener::bind(addr).map_err(|e| CommError::io(op(), None, e))?;
         let local = listener
@@ -191,7 +240,7 @@ impl StoreServer {
         let shared = Arc::new(Shared {
             table: Mutex::new(Table::default()),
             changed: Condvar::new(),
-            key: token.as_deref().map(Key::from_token),
+            access,
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
@@ -375,7 +424,7 @@ fn admit(
 fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Shared) {
     let authenticated = handshake(stream, peer, id, shared);
     shared.handshakes().finish(peer.ip(), id);
-    let Some(mut stream) = authenticated else {
+    let Some((mut stream, writer)) = authenticated else {
         return;
     };
     let max = shared.max_clients.load(Ordering::Relaxed);
@@ -394,7 +443,7 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Share
     }
     if send(&mut stream, &Reply::Ok).is_ok() {
         tracing::debug!(%peer, "rendezvous store: client connected");
-        serve_requests(stream, peer, shared);
+        serve_requests(stream, peer, writer, shared);
     }
     shared.clients.fetch_sub(1, Ordering::SeqCst);
 }
@@ -404,13 +453,13 @@ fn send(stream: &mut TcpStream, reply: &Reply) -> io::Result<()> {
 }
 
 /// Reads and checks the client's handshake; the stream of a client that proved the key (not
-/// yet answered), else `None`.
+/// yet answered) and the rank it proved to be (with per-rank keys), else `None`.
 fn handshake(
     mut stream: TcpStream,
     peer: SocketAddr,
     id: u64,
     shared: &Shared,
-) -> Option<TcpStream> {
+) -> Option<(TcpStream, Option<u32>)> {
     // The peer is not trusted yet: bounded size, and deadlines for the first frame and for
     // the whole handshake however the bytes trickle in.
     let _ = stream.set_write_timeout(Some(FIRST_FRAME_TIMEOUT));
@@ -443,8 +492,12 @@ fn handshake(
             return None;
         }
     };
-    let client_nonce = match Request::decode(&frame) {
-        Ok(Request::Hello { version, nonce }) if version == VERSION => nonce,
+    let (claimed, theirs) = match Request::decode(&frame) {
+        Ok(Request::Hello {
+            version,
+            rank,
+            exchange,
+        }) if version == VERSION => (rank, exchange),
         Ok(Request::Hello { .. }) => {
             refuse(&mut stream, "of another protocol version");
             return None;
@@ -454,19 +507,24 @@ fn handshake(
             return None;
         }
     };
-    let Some(key) = &shared.key else {
-        return Some(stream);
+    let (key, writer) = match (&shared.access, claimed) {
+        (Access::Open, _) => return Some((stream, None)),
+        (Access::Job(key), _) => (key.clone(), None),
+        (Access::PerRank(round), Some(rank)) => (round.rank_key(rank), Some(rank)),
+        (Access::PerRank(_), None) => {
+            refuse(&mut stream, "without a rank's key");
+            return None;
+        }
     };
-    if client_nonce.len() != auth::LEN {
+    let context = exchange_context(claimed);
+    let (exchange, ours) = Exchange::start(Side::Server, &key, &context);
+    let Some(session) = exchange.finish(&theirs) else {
         refuse(&mut stream, "without a proof of the job token");
         return None;
-    }
-    let server_nonce = auth::nonce();
+    };
     let challenge = Reply::Challenge {
-        nonce: server_nonce.to_vec(),
-        mac: key
-            .prove(SERVER_ROLE, &client_nonce, &server_nonce, b"")
-            .to_vec(),
+        exchange: ours,
+        mac: session.confirm(SERVER_ROLE, &[]).to_vec(),
     };
     if send(&mut stream, &challenge).is_err() {
         return None;
@@ -482,18 +540,20 @@ fn handshake(
             Ok(Request::Proof { mac }) => Some(mac),
             _ => None,
         })
-        .is_some_and(|mac| key.verify(&mac, CLIENT_ROLE, &client_nonce, &server_nonce, b""));
+        .is_some_and(|mac| session.verify(&mac, CLIENT_ROLE, &[]));
     if !proven {
         if !shared.shutdown.load(Ordering::SeqCst) {
             refuse(&mut stream, "without a valid proof of the job token");
         }
         return None;
     }
-    Some(stream)
+    Some((stream, writer))
 }
 
 /// Serves an accepted client's requests until it closes the connection or the store stops.
-fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+/// `writer`: the rank the client proved to be (with per-rank keys), which may write only its
+/// own entries.
+fn serve_requests(mut stream: TcpStream, peer: SocketAddr, writer: Option<u32>, shared: &Shared) {
     // Accepted clients may stay idle for a whole training run: no read timeout. Shutdown
     // unblocks the read by closing the socket.
     let _ = stream.set_read_timeout(None);
@@ -512,13 +572,16 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                 break;
             }
         };
-        let reply = match Request::decode(&frame) {
-            Ok(Request::Hello { .. } | Request::Proof { .. }) | Err(_) => {
+        let request = Request::decode(&frame);
+        let refusal = request.as_ref().ok().and_then(|r| not_its_own(writer, r));
+        let reply = match (refusal, request) {
+            (Some(refusal), _) => refusal,
+            (None, Ok(Request::Hello { .. } | Request::Proof { .. }) | Err(_)) => {
                 tracing::warn!(%peer, "rendezvous store: malformed request from {peer}; closing");
                 let _ = send(&mut stream, &Reply::Error("malformed request".into()));
                 break;
             }
-            Ok(Request::OnClose { key }) if on_close.len() < MAX_ON_CLOSE => {
+            (None, Ok(Request::OnClose { key })) if on_close.len() < MAX_ON_CLOSE => {
                 match Table::check_key(&key) {
                     Ok(()) => {
                         on_close.push(key);
@@ -527,10 +590,10 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                     Err(reply) => reply,
                 }
             }
-            Ok(Request::OnClose { .. }) => Reply::Error(format!(
+            (None, Ok(Request::OnClose { .. })) => Reply::Error(format!(
                 "at most {MAX_ON_CLOSE} keys per connection may be counted at its end"
             )),
-            Ok(request) => handle_request(request, shared, &stream, &mut usage),
+            (None, Ok(request)) => handle_request(request, shared, &stream, &mut usage),
         };
         if send(&mut stream, &reply).is_err() {
             break;
@@ -542,6 +605,26 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         let _ = shared.lock().add(key, 1, &mut ConnectionUse::default());
         shared.changed.notify_all();
     }
+}
+
+/// The error for a rank-keyed client that asks to change another rank's entry, if it does.
+fn not_its_own(writer: Option<u32>, request: &Request) -> Option<Reply> {
+    let rank = writer?;
+    let key = match request {
+        Request::Set { key, .. }
+        | Request::SetOnce { key, .. }
+        | Request::Add { key, .. }
+        | Request::CompareSet { key, .. }
+        | Request::OnClose { key } => key,
+        _ => return None,
+    };
+    let owner = keys::owner(key)?;
+    (owner != rank as usize).then(|| {
+        Reply::Error(format!(
+            "rank {rank} may not change {}: it is rank {owner}'s",
+            super::table::shown(key)
+        ))
+    })
 }
 
 fn handle_request(

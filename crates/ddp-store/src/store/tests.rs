@@ -345,30 +345,46 @@ fn exchange(s: &mut TcpStream, request: &Request) -> Reply {
     Reply::decode(&frame).unwrap()
 }
 
-/// The token never crosses the wire, and a recorded handshake replayed on a new connection is
-/// refused (the server's nonce is fresh); the refusal says nothing but "refused".
-#[test]
-fn a_replayed_handshake_is_refused() {
+/// A raw client's hello with `credential`: the frame and the exchange to finish.
+fn hello_with(credential: &str, rank: Option<u32>) -> (Request, crate::auth::Exchange) {
     use super::message::VERSION;
-    let (_s, ep) = server(Some("tok"));
-    let key = crate::auth::Key::from_token("tok");
+    use crate::auth::{Exchange, Key, Side};
+    let key = match rank {
+        Some(r) => Key::from_token(credential).rank_key(r),
+        None => Key::from_token(credential),
+    };
+    let (state, ours) = Exchange::start(Side::Client, &key, &super::server::exchange_context(rank));
     let hello = Request::Hello {
         version: VERSION,
-        nonce: crate::auth::nonce().to_vec(),
+        rank,
+        exchange: ours,
     };
-    let Request::Hello { nonce: client, .. } = &hello else {
-        unreachable!()
+    (hello, state)
+}
+
+/// The client's proof after `challenge`, from its `state`.
+fn proof_for(state: crate::auth::Exchange, challenge: &Reply) -> Request {
+    let Reply::Challenge { exchange, mac } = challenge else {
+        panic!("no challenge: {challenge:?}")
     };
+    let session = state.finish(exchange).expect("a valid exchange message");
+    assert!(session.verify(mac, super::server::SERVER_ROLE, &[]));
+    Request::Proof {
+        mac: session.confirm(super::server::CLIENT_ROLE, &[]).to_vec(),
+    }
+}
+
+/// The token never crosses the wire, and a recorded handshake replayed on a new connection is
+/// refused (the server's exchange is fresh); the refusal says nothing but "refused".
+#[test]
+fn a_replayed_handshake_is_refused() {
+    let (_s, ep) = server(Some("tok"));
+    let (hello, state) = hello_with("tok", None);
     let mut first = TcpStream::connect(&ep).unwrap();
-    let Reply::Challenge { nonce, .. } = exchange(&mut first, &hello) else {
-        panic!("no challenge")
-    };
-    let proof = Request::Proof {
-        mac: key
-            .prove(super::server::CLIENT_ROLE, client, &nonce, b"")
-            .to_vec(),
-    };
+    let challenge = exchange(&mut first, &hello);
+    let proof = proof_for(state, &challenge);
     assert!(!proof.encode().windows(3).any(|w| w == b"tok"));
+    assert!(!hello.encode().windows(3).any(|w| w == b"tok"));
     assert_eq!(exchange(&mut first, &proof), Reply::Ok);
     // The same two frames on a new connection.
     let mut replay = TcpStream::connect(&ep).unwrap();
@@ -382,6 +398,72 @@ fn a_replayed_handshake_is_refused() {
     );
 }
 
+/// Finding 3 of the v4 attack suite: with a challenge-response, one exchange (recorded, or
+/// started by an attacker) let anyone test guesses of a weak token off line. Now an attacker
+/// without the token who starts an exchange and gets the server's answer can check only the
+/// one guess it committed to in its hello: replaying its own ephemeral secret with every
+/// other guess of a dictionary that holds the real token confirms none of them (SPAKE2's
+/// ephemeral is drawn from the generator given here, so the attacker's state can be rebuilt
+/// for each guess); and a passive observer sees nothing but the two exchange messages and the
+/// confirmations.
+#[test]
+fn an_exchange_gives_nothing_to_test_guesses_of_the_token_against() {
+    use crate::auth::{Key, Side};
+    let token = "password123";
+    let (_s, ep) = server(Some(token));
+    let dictionary = ["123456", "letmein", "password", token, "qwerty", "dragon"];
+    // The attacker commits to a guess, with an ephemeral it can replay; after one answer it
+    // tries the whole dictionary off line.
+    let context = super::server::exchange_context(None);
+    let start = |guess: &str| {
+        crate::auth::Exchange::start_client_with(&Key::from_token(guess), &context, Replay(0))
+    };
+    let confirmed_after = |committed: &str| -> Vec<&str> {
+        let mut s = TcpStream::connect(&ep).unwrap();
+        let hello = Request::Hello {
+            version: super::message::VERSION,
+            rank: None,
+            exchange: start(committed).1,
+        };
+        let Reply::Challenge {
+            exchange: answer,
+            mac,
+        } = exchange(&mut s, &hello)
+        else {
+            panic!("no challenge")
+        };
+        dictionary
+            .iter()
+            .copied()
+            .filter(|guess| {
+                start(guess)
+                    .0
+                    .finish(&answer)
+                    .is_some_and(|session| session.verify(&mac, super::server::SERVER_ROLE, &[]))
+            })
+            .collect()
+    };
+    assert_eq!(
+        confirmed_after("letmein"),
+        Vec::<&str>::new(),
+        "no guess is confirmed off line"
+    );
+    // Committing to the right guess confirms it, and only it: one online guess per connection.
+    assert_eq!(confirmed_after(token), [token]);
+    // The same attacker holding the token: its own exchange confirms (the check is real).
+    let (state, theirs) =
+        crate::auth::Exchange::start(Side::Client, &Key::from_token(token), &context);
+    let mut s = TcpStream::connect(&ep).unwrap();
+    let hello = Request::Hello {
+        version: super::message::VERSION,
+        rank: None,
+        exchange: theirs,
+    };
+    let challenge = exchange(&mut s, &hello);
+    let proof = proof_for(state, &challenge);
+    assert_eq!(exchange(&mut s, &proof), Reply::Ok);
+}
+
 /// A client does not trust whatever answers the port: a squatter that accepts at once, or
 /// that answers with a made-up proof, is refused by the client before it sends anything.
 #[test]
@@ -389,7 +471,7 @@ fn a_port_squatter_is_refused_by_the_client() {
     for answer in [
         Reply::Ok,
         Reply::Challenge {
-            nonce: vec![1; 32],
+            exchange: vec![1; 33],
             mac: vec![2; 32],
         },
     ] {
@@ -415,22 +497,10 @@ fn a_port_squatter_is_refused_by_the_client() {
 
 /// A raw connection that passed the handshake with `token`.
 fn authenticated(ep: &str, token: &str) -> TcpStream {
-    use super::message::VERSION;
-    let key = crate::auth::Key::from_token(token);
-    let client = crate::auth::nonce().to_vec();
+    let (hello, state) = hello_with(token, None);
     let mut s = TcpStream::connect(ep).unwrap();
-    let hello = Request::Hello {
-        version: VERSION,
-        nonce: client.clone(),
-    };
-    let Reply::Challenge { nonce, .. } = exchange(&mut s, &hello) else {
-        panic!("no challenge")
-    };
-    let proof = Request::Proof {
-        mac: key
-            .prove(super::server::CLIENT_ROLE, &client, &nonce, b"")
-            .to_vec(),
-    };
+    let challenge = exchange(&mut s, &hello);
+    let proof = proof_for(state, &challenge);
     assert_eq!(exchange(&mut s, &proof), Reply::Ok);
     s
 }
@@ -490,4 +560,75 @@ fn a_value_set_once_never_changes() {
     assert!(b.set("addr/0", b"theirs").is_err());
     assert!(b.compare_set("addr/0", Some(b"mine"), b"theirs").is_err());
     assert_eq!(a.get("addr/0", T).unwrap(), b"mine");
+}
+
+/// A generator that replays the same bytes every time it is made (counter mode over a seed):
+/// the attacker's ephemeral secret, rebuilt for each guess. Test-only: never a real one.
+struct Replay(u64);
+
+impl rand_core::RngCore for Replay {
+    fn next_u32(&mut self) -> u32 {
+        self.next_u64() as u32
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.0
+    }
+    fn fill_bytes(&mut self, dest: &mut [u8]) {
+        for chunk in dest.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+    fn try_fill_bytes(&mut self, dest: &mut [u8]) -> Result<(), rand_core::Error> {
+        self.fill_bytes(dest);
+        Ok(())
+    }
+}
+
+impl rand_core::CryptoRng for Replay {}
+
+/// Finding 1 of the v4 attack suite: with one key for every rank, a process holding it could
+/// publish rank 1's address first and pass for rank 1. With per-rank keys a client proves the
+/// rank it claims, and may change only that rank's entries: rank 1's key can publish rank 1's
+/// address and nothing of rank 2's or rank 0's, cannot claim to be rank 2, and the round's
+/// token alone (what torchrun's ranks would hold) is not a rank's key.
+#[test]
+fn with_per_rank_keys_a_rank_writes_only_its_own_entries() {
+    use crate::auth::Key;
+    let round = "round-token";
+    let s = StoreServer::bind_per_rank("127.0.0.1:0", round).unwrap();
+    let ep = s.local_addr().to_string();
+    let key_of = |r: u32| Key::from_token(round).rank_key(r);
+    let mut one = StoreClient::connect_with(&ep, Some(&Credential::rank(key_of(1), 1)), T).unwrap();
+    assert_eq!(
+        one.set_once("ddp/pg/addr/1", b"mine").unwrap(),
+        CompareSet::Swapped
+    );
+    for other in ["ddp/pg/addr/2", "nccl/3/unique_id", "nccl/generation/0"] {
+        let err = one.set_once(other, b"forged").unwrap_err();
+        assert!(
+            err.to_string().contains("rank 1 may not change"),
+            "{other}: {err}"
+        );
+    }
+    let err = one.set("ddp/pg/addr/2", b"forged").unwrap_err();
+    assert!(err.to_string().contains("it is rank 2's"), "{err}");
+    // Keys no rank owns stay open to every rank.
+    assert_eq!(one.add("ddp/pg/arrivals", 1).unwrap(), 1);
+    // Rank 2's entry is still free for rank 2.
+    let mut two = StoreClient::connect_with(&ep, Some(&Credential::rank(key_of(2), 2)), T).unwrap();
+    assert_eq!(
+        two.set_once("ddp/pg/addr/2", b"real").unwrap(),
+        CompareSet::Swapped
+    );
+    assert_eq!(one.get("ddp/pg/addr/2", T).unwrap(), b"real");
+    // Rank 1's key claiming rank 2, and the round's token as one shared key, are refused.
+    let short = Duration::from_millis(500);
+    let err =
+        StoreClient::connect_with(&ep, Some(&Credential::rank(key_of(1), 2)), short).unwrap_err();
+    assert!(err.to_string().contains("prove"), "{err}");
+    let err = StoreClient::connect(&ep, Some(round), short).unwrap_err();
+    assert!(matches!(err, CommError::Store { .. }), "{err}");
+    assert!(s.refused_connections() >= 2);
 }

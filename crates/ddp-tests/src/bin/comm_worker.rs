@@ -13,6 +13,11 @@
 //! - `mismatch-len`: rank 1 passes one element more; every rank must get `Mismatch`.
 //! - `stall`: rank 1 sleeps `--stall-ms` before the barrier the others wait in.
 //! - `barrier`: joins and runs one barrier.
+//! - `forge-addr`: an attack by a rank-key holder (finding 1 of the v4 attack suite): before
+//!   joining, rank 1 connects to rank 0's store with its own key and tries to publish rank
+//!   2's address (rank 2 starts a second late, so the forgery would come first), printing
+//!   `rank 1: forging rank 2's address: refused (…)` or `… accepted`; then every rank joins
+//!   and runs one barrier.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -78,6 +83,9 @@ fn main() -> ExitCode {
         shared_memory: !args.tcp,
     };
     let rank = env.rank;
+    if args.scenario == "forge-addr" {
+        forge_addr(&env);
+    }
     let t0 = Instant::now();
     let result = ProcessGroup::init(&env, opts)
         .map_err(Failure::from)
@@ -112,8 +120,30 @@ fn run(args: &Args, pg: &mut ProcessGroup) -> Res {
         "loop-big" => loop_big(pg),
         "mismatch-len" => mismatch_len(pg),
         "stall" => stall(pg, Duration::from_millis(args.stall_ms)),
-        "barrier" => Ok(pg.barrier()?),
+        "barrier" | "forge-addr" => Ok(pg.barrier()?),
         s => Err(wrong(format!("unknown scenario {s:?}"))),
+    }
+}
+
+/// `forge-addr`'s attack (see the module doc): rank 1 tries to publish rank 2's address.
+fn forge_addr(env: &LaunchEnv) {
+    use ddp_comm::store::{CompareSet, PrefixStore, Store, keys};
+    match env.rank {
+        1 => {
+            let tried = ddp_comm::job_auth::JobAuth::for_client(env)
+                .and_then(|mut auth| auth.connect(Duration::from_secs(30)))
+                .and_then(|mut store| {
+                    PrefixStore::new(&mut store, keys::PROCESS_GROUP)
+                        .set_once(&keys::peer_addr(2), b"127.0.0.1:9 forged")
+                });
+            match tried {
+                Ok(CompareSet::Swapped) => println!("rank 1: forging rank 2's address: accepted"),
+                Ok(other) => println!("rank 1: forging rank 2's address: too late ({other:?})"),
+                Err(e) => println!("rank 1: forging rank 2's address: refused ({e})"),
+            }
+        }
+        2 => std::thread::sleep(Duration::from_secs(1)),
+        _ => {}
     }
 }
 
