@@ -180,6 +180,14 @@ impl Link {
         Ok(n)
     }
 
+    /// For a shared-memory link: whether the ring from the peer holds bytes not read yet
+    /// (which a peer that finished and went away wrote before it left).
+    pub(crate) fn shm_has_data(&self) -> bool {
+        self.shm
+            .as_ref()
+            .is_some_and(|s| matches!(s.readable(1), Avail::Bytes(_)))
+    }
+
     /// For a shared-memory link: true when the peer's TCP socket shows it went away. Nothing
     /// else is ever sent over the socket of a shared-memory peer, so readability means EOF.
     pub(crate) fn tcp_hung_up(&self) -> bool {
