@@ -10,6 +10,7 @@
 //! - [`error`]: [`CommError`], the one error type of the store and of every collective
 //!   (`ddp-comm` returns it too).
 //! - [`failure_note`]: how a rank tells `ddprun` that its failure only relayed a peer's.
+//! - [`port_range`]: keeping the ports a job listens on in a range (`DDP_PORT_RANGE`).
 //!
 //! A few items are public only for ddp-comm's process groups, which share the store's
 //! handshake and refusal log, and are hidden from these docs (`refusals`, the frame I/O of
@@ -34,6 +35,7 @@ pub mod env;
 pub mod error;
 pub mod failure_note;
 pub mod job_auth;
+pub mod port_range;
 #[doc(hidden)]
 pub mod refusals;
 pub mod store;

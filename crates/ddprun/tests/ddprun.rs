@@ -768,3 +768,29 @@ fn a_signal_during_the_grace_period_after_a_failure_ends_the_job() {
         assert_all_gone(&pids);
     }
 }
+
+/// `DDP_PORT_RANGE` keeps the ranks' store inside the range (the ranks' own listeners are
+/// ddp-comm's, tested there), and a malformed value is refused with one line naming it.
+#[test]
+fn the_ranks_store_port_stays_in_ddp_port_range() {
+    let lo: u16 = ddp_testkit::free_port();
+    let range = format!("{lo}-{}", lo.saturating_add(20));
+    let r = run(ddprun_cmd(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo P=$MASTER_PORT",
+    ])
+    .env("DDP_PORT_RANGE", &range));
+    assert_eq!(r.code(), Some(0), "{}", r.stderr);
+    for rank in 0..2 {
+        let line = r.rank_lines(rank)[0];
+        let port: u16 = line.trim_start_matches("P=").parse().unwrap();
+        assert!((lo..=lo + 20).contains(&port), "{port} not in {range}");
+    }
+    let r = run(ddprun_cmd(&["--nproc-per-node", "2", "--", "true"]).env("DDP_PORT_RANGE", "9000"));
+    assert_ne!(r.code(), Some(0));
+    assert!(r.stderr.contains("DDP_PORT_RANGE"), "{}", r.stderr);
+}

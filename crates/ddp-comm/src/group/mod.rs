@@ -62,6 +62,7 @@ use std::time::{Duration, Instant};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::job_auth::JobAuth;
+use crate::port_range::PortRange;
 use crate::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
 
 pub use compression::Compression;
@@ -102,6 +103,9 @@ pub struct GroupOptions {
     pub connect_timeout: Duration,
     /// Use shared memory between ranks on the same host (default true).
     pub shared_memory: bool,
+    /// The ports this rank's listener for its peers may take (default: the value of
+    /// `DDP_PORT_RANGE`, read when the group starts; without it, a port the kernel picks).
+    pub listen_ports: Option<PortRange>,
 }
 
 impl Default for GroupOptions {
@@ -116,6 +120,7 @@ impl Default for GroupOptions {
                 .map(Duration::from_secs_f64)
         };
         GroupOptions {
+            listen_ports: None,
             timeout: secs("DDP_TIMEOUT_SECS").unwrap_or(Duration::from_secs(300)),
             connect_timeout: secs("DDP_CONNECT_TIMEOUT_SECS").unwrap_or(Duration::from_secs(60)),
             shared_memory: !matches!(
@@ -234,8 +239,15 @@ impl ProcessGroup {
 
         let ip = mesh::local_ip_towards(&endpoint)
             .map_err(|e| CommError::io(format!("finding the interface to {endpoint}"), None, e))?;
-        let listener = std::net::TcpListener::bind((ip, 0))
-            .map_err(|e| CommError::io(format!("binding a listener on {ip}"), None, e))?;
+        let ports = match opts.listen_ports {
+            Some(range) => Some(range),
+            None => PortRange::from_env()?,
+        };
+        let listener = match ports {
+            Some(range) => range.bind(ip, rank),
+            None => std::net::TcpListener::bind((ip, 0)),
+        }
+        .map_err(|e| CommError::io(format!("binding a listener on {ip}"), None, e))?;
         let identity = crate::auth::Identity::generate();
         let me = PeerInfo {
             addr: listener

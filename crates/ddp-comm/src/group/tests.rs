@@ -29,6 +29,7 @@ pub(crate) fn opts(shm: bool) -> GroupOptions {
         timeout: Duration::from_secs(20),
         connect_timeout: Duration::from_secs(10),
         shared_memory: shm,
+        listen_ports: None,
     }
 }
 
@@ -374,4 +375,70 @@ fn a_group_of_one_traces_nothing_without_ddp_trace() {
     drop(pg);
     assert!(!crate::trace::enabled());
     assert_eq!(crate::trace::flush().unwrap(), None);
+}
+
+/// Three free adjacent ports of this host.
+fn free_ports_from() -> u16 {
+    (30000..60000u16)
+        .find(|&p| (p..p + 3).all(|q| TcpListener::bind(("127.0.0.1", q)).is_ok()))
+        .expect("three free adjacent ports")
+}
+
+/// `DDP_PORT_RANGE` (here the option it sets): the ranks' listeners take ports of the range
+/// only (seen on the links the higher ranks opened to them), and a range too small for this
+/// host's ranks is an error naming the variable.
+#[test]
+fn listeners_stay_in_the_port_range_and_a_full_range_is_named() {
+    let lo = free_ports_from();
+    let range = crate::port_range::PortRange { lo, hi: lo + 2 };
+    let o = GroupOptions {
+        listen_ports: Some(range),
+        ..opts(false)
+    };
+    let ports = run_ranks(3, o, move |pg| {
+        let r = pg.rank();
+        let links = &pg.mesh.as_ref().expect("a group of three").links;
+        // The links this rank accepted, from the ranks above it, end at its listener's port.
+        let accepted: Vec<u16> = links[r + 1..]
+            .iter()
+            .flatten()
+            .map(|l| l.tcp.local_addr().unwrap().port())
+            .collect();
+        pg.barrier().unwrap();
+        accepted
+    });
+    let seen: Vec<u16> = ports.iter().flatten().copied().collect();
+    assert_eq!(seen.len(), 3, "{ports:?}");
+    assert!(
+        seen.iter().all(|p| (lo..=lo + 2).contains(p)),
+        "{ports:?} not in {lo}-{}",
+        lo + 2
+    );
+    // One port for two ranks of one host: the second rank to bind cannot.
+    let o = GroupOptions {
+        listen_ports: Some(crate::port_range::PortRange { lo, hi: lo }),
+        connect_timeout: Duration::from_secs(2),
+        ..opts(false)
+    };
+    let port = free_port();
+    let errors: Vec<String> = (0..2)
+        .map(|r| {
+            let o = o.clone();
+            std::thread::spawn(move || {
+                ProcessGroup::init(&env(r, 2, port, "range-token"), o)
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("DDP_PORT_RANGE") && e.contains("no port")),
+        "{errors:?}"
+    );
 }

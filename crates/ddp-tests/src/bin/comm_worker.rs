@@ -42,6 +42,9 @@ struct Args {
     /// For `stall`: how long rank 1 sleeps.
     #[arg(long, default_value_t = 5000)]
     stall_ms: u64,
+    /// How long rank 1 waits before it joins the group (the others join at once).
+    #[arg(long, default_value_t = 0)]
+    rank1_join_delay_ms: u64,
 }
 
 /// A scenario failure: a wrong result (exit 1) or a communication error (exit 3).
@@ -81,10 +84,14 @@ fn main() -> ExitCode {
         timeout: Duration::from_secs_f64(args.timeout_secs),
         connect_timeout: Duration::from_secs_f64(args.connect_timeout_secs),
         shared_memory: !args.tcp,
+        listen_ports: None,
     };
     let rank = env.rank;
     if args.scenario == "forge-addr" {
         forge_addr(&env);
+    }
+    if rank == 1 {
+        std::thread::sleep(Duration::from_millis(args.rank1_join_delay_ms));
     }
     let t0 = Instant::now();
     let result = ProcessGroup::init(&env, opts)
