@@ -422,3 +422,73 @@ fn a_flood_on_the_ranks_store_does_not_disturb_the_job() {
     res.assert_success();
     assert!(opened > 0, "the flood never reached the store");
 }
+
+/// The TCP ports process `pid` listens on (its sockets in `/proc/<pid>/fd` that
+/// `/proc/net/tcp` lists as listening): what any local user can read.
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    l.strip_prefix("socket:[")
+                        .and_then(|s| s.strip_suffix(']'))
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?);
+            let port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
+            (*state == "0A" && inodes.iter().any(|i| i == inode)).then_some(port)
+        })
+        .collect()
+}
+
+/// Finding 2 of the v4 attack suite: a flood of connections from 127.0.0.1 (any local process,
+/// without a key) to rank 0's listener for its peers, found in /proc/net/tcp, while rank 1 is
+/// still to join. A silent one per address used to push the real rank 1 out (its handshake was
+/// reset and rank 0 timed out after 60 s); now a connection that has sent nothing makes room
+/// first, and the job runs as unflooded.
+#[test]
+fn a_local_flood_on_rank_0s_listener_does_not_keep_rank_1_out() {
+    let mut job = RankJob::new(WORKER, 2)
+        .arg("matrix")
+        .args(["--tcp", "--rank1-join-delay-ms", "3000"])
+        .deadline(Duration::from_secs(120))
+        .spawn()
+        .expect("spawning ranks");
+    let store = job.master_port();
+    let pid = job.pid(0).expect("rank 0 runs");
+    let until = Instant::now() + Duration::from_secs(10);
+    let listener = loop {
+        if let Some(p) = listening_ports(pid).into_iter().find(|&p| p != store) {
+            break p;
+        }
+        assert!(
+            Instant::now() < until,
+            "rank 0 never listened for its peers"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let flood = ddp_testkit::Flood::start(
+        "127.0.0.1".parse().unwrap(),
+        format!("127.0.0.1:{listener}").parse().unwrap(),
+    );
+    let res = job.wait();
+    let opened = flood.opened();
+    drop(flood);
+    eprintln!("rank 0's listener flooded with {opened} connections from 127.0.0.1");
+    res.assert_success();
+    assert!(
+        opened > 50,
+        "the flood hardly reached the listener: {opened}"
+    );
+}
