@@ -24,6 +24,8 @@ use train_cnn_runs::{compare, train};
 mod ci;
 #[cfg(test)]
 mod import_cycles;
+#[cfg(test)]
+mod profile_placement;
 mod readme_deps;
 
 #[derive(Parser, Debug)]
