@@ -141,10 +141,22 @@ impl GradientSynchronizer {
         if !self.check_replicas || self.replicas_checked || self.world_size == 1 {
             return Ok(());
         }
+        self.replicas_checked = true;
+        self.check_replicas(module)
+    }
+
+    /// Compares the ranks' trainable parameters now, as the first synchronisation does by
+    /// itself: a fingerprint of their values on each rank, all-gathered (8 bytes a rank).
+    /// Every rank must call it; [`DdpError::NotReplicated`] names the first rank whose
+    /// parameters differ from rank 0's. For a check at another point (after loading weights
+    /// on each rank, say), and for `cargo xtask bench ddp`'s measure of its cost.
+    pub fn check_replicas<M: Module>(&mut self, module: &M) -> Result<()> {
+        if self.world_size == 1 {
+            return Ok(());
+        }
         let fingerprint = replicas::parameters_fingerprint(module);
         let mut all = vec![0i64; self.world_size];
         comm::lock(&self.group).all_gather(&[fingerprint], &mut all)?;
-        self.replicas_checked = true;
         match all.iter().position(|&f| f != all[0]) {
             Some(rank) => Err(DdpError::NotReplicated { rank }),
             None => Ok(()),

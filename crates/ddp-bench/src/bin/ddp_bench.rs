@@ -35,6 +35,11 @@
 //! unsharded` (the sharded step time over the unsharded one, measured in the same run), and
 //! the optimizer state each rank holds (the largest over ranks), unsharded → sharded. Peak
 //! memory per rank needs one process per mode: `cargo xtask bench zero`.
+//!
+//! The very last column, `replica check ms`: what the first synchronisation adds once, the
+//! comparison of the ranks' parameters that catches a forgotten `replicate_model`
+//! ([`GradientSynchronizer::check_replicas`]: a fingerprint of every parameter's values and an
+//! all-gather of 8 bytes a rank), timed alone (median of 5).
 
 use std::time::{Duration, Instant};
 
@@ -168,6 +173,8 @@ struct Row {
     buckets: usize,
     /// Adam, unsharded then sharded: step ms and optimizer state MiB per rank (the largest).
     adam: Option<[(f64, f64); 2]>,
+    /// The replica check the first synchronisation makes (median of 5, ms).
+    check: f64,
 }
 
 fn bench<M: Module>(
@@ -231,7 +238,15 @@ fn bench<M: Module>(
             opts.push(t3 - t2);
         }
     }
+    // What the first step's sync did besides its buckets, timed alone.
+    let mut checks = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        sync.check_replicas(&model)?;
+        checks.push(t.elapsed());
+    }
     Ok(Row {
+        check: median(checks),
         compute: median(compute),
         skew: median(skews),
         fill: median(fills),
@@ -320,10 +335,10 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     };
     if ddp.is_main() {
         println!(
-            "| model | params | ranks | transport | wire | bucket MiB | buckets | compute ms | skew ms | sync ms | sync vs first | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % | Adam step ms, unsharded → sharded | sharded vs unsharded | Adam state MiB per rank, unsharded → sharded |"
+            "| model | params | ranks | transport | wire | bucket MiB | buckets | compute ms | skew ms | sync ms | sync vs first | fill ms | allreduce ms | write-back ms | raw allreduce ms | sync/raw | optim ms | overhead % | beyond raw % | Adam step ms, unsharded → sharded | sharded vs unsharded | Adam state MiB per rank, unsharded → sharded | replica check ms (first step only) |"
         );
         println!(
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
     }
     for &model in &args.models {
@@ -374,7 +389,7 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
                         },
                     );
                     println!(
-                        "| {model:?} | {params} | {} | {transport} | {compression} | {mib} | {} | {:.1} | {:.1} | {:.1} | {speedup} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} | {sharded} |",
+                        "| {model:?} | {params} | {} | {transport} | {compression} | {mib} | {} | {:.1} | {:.1} | {:.1} | {speedup} | {:.1} | {:.1} | {:.1} | {:.1} | {ratio} | {:.1} | {overhead:.1} | {beyond:.1} | {sharded} | {:.1} |",
                         ddp.world_size(),
                         row.buckets,
                         row.compute,
@@ -384,7 +399,8 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
                         row.allreduce,
                         row.write_back,
                         row.raw,
-                        row.optim
+                        row.optim,
+                        row.check
                     );
                 }
             }
