@@ -459,7 +459,7 @@ fn listening_ports(pid: u32) -> Vec<u16> {
 /// first, and the job runs as unflooded.
 #[test]
 fn a_local_flood_on_rank_0s_listener_does_not_keep_rank_1_out() {
-    let mut job = RankJob::new(WORKER, 2)
+    let job = RankJob::new(WORKER, 2)
         .arg("matrix")
         .args(["--tcp", "--rank1-join-delay-ms", "3000"])
         .deadline(Duration::from_secs(120))
