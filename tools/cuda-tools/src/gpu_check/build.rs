@@ -172,10 +172,11 @@ pub const GPU_STACK_OPT_LEVEL: u8 = 2;
 
 /// The packages the workspace manifest `manifest` compiles at opt-level 0 in the dev profile:
 /// the GPU stack's host code (CubeCL's compilers, wgpu, Burn's CubeCL backend), unoptimised in
-/// CI's build to make it faster (Cargo.toml says why).
+/// CI's build to make it faster (`.cargo/config.toml` says why).
 ///
 /// The bundle compiles them at [`GPU_STACK_OPT_LEVEL`] instead, with `--config` overrides of
-/// that list, which lives in Cargo.toml alone: at opt-level 0 the stripped CUDA binaries grew
+/// that list, which lives in `.cargo/config.toml` alone (the workspace's per-package
+/// profile settings, in the same TOML form as a manifest's): at opt-level 0 the stripped CUDA binaries grew
 /// from 652 to 832 MiB and the bundle to 70 MiB, over the 60 allowed; optimised, the kernel
 /// compilers also spend less of the GPU machine's minutes. Everything else is CI's build, so
 /// its dependencies below the GPU stack are reused.
@@ -199,9 +200,9 @@ pub fn optimised_gpu_stack(manifest: &str) -> Result<Vec<String>, toml::de::Erro
         .collect())
 }
 
-/// [`optimised_gpu_stack`] of the workspace's Cargo.toml.
+/// [`optimised_gpu_stack`] of the workspace's `.cargo/config.toml`.
 fn read_gpu_stack(root: &Path) -> Result<Vec<String>, GpuCheckError> {
-    let path = root.join("Cargo.toml");
+    let path = root.join(".cargo").join("config.toml");
     let text =
         std::fs::read_to_string(&path).map_err(|e| GpuCheckError::io("cannot read", &path, e))?;
     optimised_gpu_stack(&text).map_err(|source| GpuCheckError::Manifest { path, source })
@@ -537,9 +538,9 @@ debug = false
     }
 
     #[test]
-    fn the_workspace_manifest_lists_the_gpu_stack() {
-        let text =
-            std::fs::read_to_string(cargo_tasks::workspace_root().join("Cargo.toml")).unwrap();
+    fn the_workspace_config_lists_the_gpu_stack() {
+        let path = cargo_tasks::workspace_root().join(".cargo/config.toml");
+        let text = std::fs::read_to_string(path).unwrap();
         let stack = optimised_gpu_stack(&text).unwrap();
         for package in ["cubecl-cuda", "cubecl-llvm", "cubecl-core", "burn-cubecl"] {
             assert!(stack.iter().any(|p| p == package), "{package}: {stack:?}");

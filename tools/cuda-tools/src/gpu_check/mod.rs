@@ -133,10 +133,11 @@ pub enum GpuCheckError {
         /// Its kind.
         kind: &'static str,
     },
-    /// The workspace manifest could not be read as TOML.
-    #[error("{path}: not a readable Cargo manifest: {source}")]
+    /// The workspace's `.cargo/config.toml` (its per-package profile settings) could not be
+    /// read as TOML.
+    #[error("{path}: not a readable TOML file of cargo's: {source}")]
     Manifest {
-        /// The manifest.
+        /// The file.
         path: PathBuf,
         /// The parse error.
         source: toml::de::Error,
