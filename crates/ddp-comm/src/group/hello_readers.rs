@@ -1,13 +1,15 @@
 //! The threads that read the hellos of the connections a rank accepts at rendezvous, each
 //! within its deadline, so that silent or trickling connections hold nobody else up — and so
-//! that a flood of silent connections from one address (every local process comes from
-//! 127.0.0.1) cannot keep the expected peers out: when an address's share is full, a
-//! connection that has sent nothing yet makes room first, whatever its age. A rank sends its
-//! hello the moment it connects, so its bytes are there (or read) by then.
+//! that a flood of connections from one address (every local process comes from 127.0.0.1,
+//! and any local user can find a rank's port in /proc/net/tcp) cannot keep the expected peers
+//! out. A newcomer is always taken: when [`HelloReaders::capacity`] connections are being
+//! read, one is cut to make room — the oldest that has sent nothing for [`SILENT_GRACE`], else
+//! the oldest of all. A rank sends its whole hello the moment it connects, and it is read in
+//! about a millisecond, so a flood must open `capacity` connections within that time to cut
+//! it (256 by default: hundreds of thousands a second).
 
-use std::collections::HashMap;
 use std::io::{self, Read};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,9 +20,11 @@ use crate::wire::ReadBy;
 
 /// How long an accepted connection has to send its whole hello (a rank sends it at once).
 pub(super) const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
-/// How long a connection that has sent part of a hello is left before a newer one from the
-/// same address may take its place.
-const MIN_HELLO_GRACE: Duration = Duration::from_millis(100);
+/// How long a connection may have sent nothing before it is the first to be cut for a newer
+/// one (a rank's hello may still be on its way just after the accept).
+const SILENT_GRACE: Duration = Duration::from_millis(50);
+/// The fewest connections read at once (more for a world larger than half of it).
+pub(super) const MIN_CAPACITY: usize = 256;
 /// Stack of a thread reading one hello.
 const HELLO_STACK: usize = 128 << 10;
 
@@ -36,6 +40,8 @@ struct Reading {
     since: Instant,
     /// Its thread has read a byte of it.
     spoke: Arc<AtomicBool>,
+    /// Its thread is done (its result waits in the channel): nothing left to cut.
+    done: Arc<AtomicBool>,
 }
 
 impl Reading {
@@ -76,35 +82,39 @@ impl<R: Read> Read for Marking<'_, R> {
     }
 }
 
-/// The threads reading hellos, at most `per_source` per address.
+/// The threads reading hellos, at most `capacity` at once.
 pub(super) struct HelloReaders<H> {
-    per_source: usize,
+    capacity: usize,
     parse: fn(&mut dyn Read) -> io::Result<H>,
     sender: mpsc::Sender<(u64, ReadHello<H>)>,
     receiver: mpsc::Receiver<(u64, ReadHello<H>)>,
-    /// Per address, the connections being read, oldest first.
-    reading: HashMap<IpAddr, Vec<Reading>>,
+    /// The connections being read, oldest first.
+    reading: Vec<Reading>,
     next_id: u64,
 }
 
 impl<H: Send + 'static> HelloReaders<H> {
-    /// Readers that read each hello with `parse`, at most `per_source` at once per address.
-    pub(super) fn new(per_source: usize, parse: fn(&mut dyn Read) -> io::Result<H>) -> Self {
+    /// Readers that read each hello with `parse`, at most `capacity` at once.
+    pub(super) fn new(capacity: usize, parse: fn(&mut dyn Read) -> io::Result<H>) -> Self {
         let (sender, receiver) = mpsc::channel();
         HelloReaders {
-            per_source,
+            capacity: capacity.max(1),
             parse,
             sender,
             receiver,
-            reading: HashMap::new(),
+            reading: Vec::new(),
             next_id: 0,
         }
     }
 
+    /// How many connections a rank of a world of `world` reads at once.
+    pub(super) fn capacity(world: usize) -> usize {
+        MIN_CAPACITY.max(2 * world)
+    }
+
     /// Starts reading the hello of `s` from `from`, within [`HELLO_TIMEOUT`] and before
-    /// `deadline`. Past the address's share, the oldest connection that has sent nothing is
-    /// cut; when every one has sent something, the oldest once it had [`MIN_HELLO_GRACE`].
-    /// `Err`: why the connection was dropped instead.
+    /// `deadline`. At capacity, first cuts the oldest connection silent for [`SILENT_GRACE`],
+    /// else the oldest still being read. `Err`: why the connection was dropped instead.
     pub(super) fn start(
         &mut self,
         s: TcpStream,
@@ -116,24 +126,36 @@ impl<H: Send + 'static> HelloReaders<H> {
             .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(1))))
             .and_then(|()| s.try_clone())
             .map_err(|_| "a socket error")?;
-        let mine = self.reading.entry(from.ip()).or_default();
-        if mine.len() >= self.per_source {
-            let cut = match mine.iter().position(|r| !r.spoke()) {
-                Some(silent) => silent,
-                // Every one sent part of a hello: the oldest goes once it had time to finish.
-                None if mine[0].since.elapsed() >= MIN_HELLO_GRACE => 0,
-                None => return Err("too many handshakes from one address"),
-            };
-            let _ = mine.remove(cut).handle.shutdown(std::net::Shutdown::Both);
+        let busy = || {
+            self.reading
+                .iter()
+                .filter(|r| !r.done.load(Ordering::Relaxed))
+        };
+        if busy().count() >= self.capacity {
+            let candidates: Vec<usize> = (0..self.reading.len())
+                .filter(|&i| !self.reading[i].done.load(Ordering::Relaxed))
+                .collect();
+            let silent = candidates.iter().copied().find(|&i| {
+                let r = &self.reading[i];
+                r.since.elapsed() >= SILENT_GRACE && !r.spoke()
+            });
+            if let Some(cut) = silent.or(candidates.first().copied()) {
+                let _ = self
+                    .reading
+                    .remove(cut)
+                    .handle
+                    .shutdown(std::net::Shutdown::Both);
+            }
         }
         let id = self.next_id;
         self.next_id += 1;
         let sender = self.sender.clone();
         let parse = self.parse;
         let spoke = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
         let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
         {
-            let spoke = Arc::clone(&spoke);
+            let (spoke, done) = (Arc::clone(&spoke), Arc::clone(&done));
             std::thread::Builder::new()
                 .name("ddp-hello".into())
                 .stack_size(HELLO_STACK)
@@ -143,15 +165,17 @@ impl<H: Send + 'static> HelloReaders<H> {
                         spoke: &spoke,
                     };
                     let hello = parse(&mut reader).ok();
+                    done.store(true, Ordering::Relaxed);
                     let _ = sender.send((id, (s, from, hello)));
                 })
                 .map_err(|_| "no thread to read its hello")?;
         }
-        mine.push(Reading {
+        self.reading.push(Reading {
             id,
             handle,
             since: Instant::now(),
             spoke,
+            done,
         });
         Ok(())
     }
@@ -159,18 +183,13 @@ impl<H: Send + 'static> HelloReaders<H> {
     /// A hello read (or failed) since the last call, if any.
     pub(super) fn finished(&mut self) -> Option<ReadHello<H>> {
         let (id, read) = self.receiver.try_recv().ok()?;
-        if let Some(mine) = self.reading.get_mut(&read.1.ip()) {
-            mine.retain(|r| r.id != id);
-            if mine.is_empty() {
-                self.reading.remove(&read.1.ip());
-            }
-        }
+        self.reading.retain(|r| r.id != id);
         Some(read)
     }
 
     /// Cuts every connection still being read (their threads then end at once).
     pub(super) fn cut_all(&mut self) {
-        for r in self.reading.drain().flat_map(|(_, v)| v) {
+        for r in self.reading.drain(..) {
             let _ = r.handle.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -188,53 +207,59 @@ mod tests {
         Ok(String::from_utf8_lossy(&buf).into_owned())
     }
 
-    /// A flood of silent connections from one address, faster than the grace period empties
-    /// the share, does not keep a peer that speaks at once out: it is read every time, and
-    /// the flood's connections are the ones cut. (Before, a full share of connections younger
-    /// than 100 ms refused the newcomer.)
+    /// Reads connections until `peer_hello` is read (or 5 s pass).
+    fn read_until_hello(readers: &mut HelloReaders<String>, what: &str) {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            assert!(Instant::now() < until, "{what}: the hello was never read");
+            match readers.finished() {
+                Some((_, _, Some(h))) => {
+                    assert_eq!(h, "hello");
+                    return;
+                }
+                Some((_, _, None)) => {}
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    }
+
+    /// Floods from one address, faster than anything is read: silent connections, and
+    /// connections that sent part of a hello and stall (before, a full share of those younger
+    /// than 100 ms refused the newcomer: a local flood of one byte a connection kept every
+    /// rank out). The peer that speaks at once is taken every time and read; the flood's
+    /// connections are the ones cut.
     #[test]
-    fn a_silent_flood_from_one_address_never_keeps_a_speaking_peer_out() {
+    fn a_flood_from_one_address_never_keeps_a_speaking_peer_out() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut readers = HelloReaders::new(8, read_line);
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut flood = Vec::new();
-        let mut read = 0;
-        for round in 0..5 {
-            // The share filled with silent connections, all younger than the grace period.
-            for _ in 0..8 {
-                flood.push(TcpStream::connect(addr).unwrap());
+        for round in 0..6 {
+            let stalling = round % 2 == 1;
+            let mut connect = |readers: &mut HelloReaders<String>| {
+                let mut c = TcpStream::connect(addr).unwrap();
+                if stalling {
+                    c.write_all(b"he").unwrap();
+                }
+                flood.push(c);
                 let (s, from) = listener.accept().unwrap();
-                readers.start(s, from, deadline).unwrap();
+                assert_eq!(readers.start(s, from, deadline), Ok(()), "round {round}");
+            };
+            // Capacity filled, all younger than any grace period.
+            for _ in 0..8 {
+                connect(&mut readers);
             }
             let mut peer = TcpStream::connect(addr).unwrap();
             peer.write_all(b"hello").unwrap();
             let (s, from) = listener.accept().unwrap();
             assert_eq!(readers.start(s, from, deadline), Ok(()), "round {round}");
-            // More silent connections come while it is read.
-            for _ in 0..8 {
-                flood.push(TcpStream::connect(addr).unwrap());
-                let (s, from) = listener.accept().unwrap();
-                readers.start(s, from, deadline).unwrap();
+            // More come while it is read (fewer than the capacity: it is not the oldest).
+            for _ in 0..4 {
+                connect(&mut readers);
             }
-            let until = Instant::now() + Duration::from_secs(5);
-            loop {
-                assert!(
-                    Instant::now() < until,
-                    "round {round}: the hello was never read"
-                );
-                match readers.finished() {
-                    Some((_, _, Some(h))) => {
-                        assert_eq!(h, "hello");
-                        read += 1;
-                        break;
-                    }
-                    Some((_, _, None)) => {}
-                    None => std::thread::sleep(Duration::from_millis(1)),
-                }
-            }
+            read_until_hello(&mut readers, &format!("round {round}"));
         }
-        assert_eq!(read, 5);
         readers.cut_all();
     }
 }

@@ -383,15 +383,15 @@ pub(crate) fn establish(
     }
 
     // 2. Accept every higher rank. Each connection's hello is read on a thread of its own
-    // (within its deadline), so silent or trickling connections hold nobody else up; one
-    // address holds at most `per_source` of them (a silent one is cut for a newer one).
+    // (within its deadline), so silent or trickling connections hold nobody else up; at
+    // capacity an older one is cut for a newer one (see `hello_readers`).
     let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
     let mut pending: Vec<usize> = (rank + 1..world).collect();
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::io("rendezvous: listener", None, e))?;
     let refusals = RefusalLog::new(format!("rank {rank}'s rendezvous"));
-    let mut hellos = HelloReaders::new(world.max(8), read_hello);
+    let mut hellos = HelloReaders::new(HelloReaders::<Hello>::capacity(world), read_hello);
     let result = (|| {
         while !pending.is_empty() {
             while let Some((mut s, from, hello)) = hellos.finished() {
