@@ -3,25 +3,25 @@
 //! (`Ddp::replicate_model`), so that a forgotten replication fails at once instead of training
 //! a model of its own on each rank (see `GradientSynchronizer::check_replicas_once`).
 
-use std::hash::Hasher;
-
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
-use fnv::FnvHasher;
+use xxhash_rust::xxh3::Xxh3;
 
 /// A fingerprint of the values of `module`'s trainable parameters (their bytes, in visit
-/// order).
+/// order), with XXH3 (`xxhash-rust`): it reads every byte of the model once, at about ten
+/// gigabytes a second (FNV, one byte at a time, took 204 ms for a 10.5 M-parameter MLP, most
+/// of a training step; `cargo xtask bench ddp`'s last column).
 pub(super) fn parameters_fingerprint<M: Module>(module: &M) -> i64 {
-    struct Hashing(FnvHasher);
+    struct Hashing(Xxh3);
     impl ModuleVisitor for Hashing {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let value = param.val();
             if value.is_require_grad() {
-                self.0.write(value.into_data().as_bytes());
+                self.0.update(value.into_data().as_bytes());
             }
         }
     }
-    let mut h = Hashing(FnvHasher::default());
+    let mut h = Hashing(Xxh3::new());
     module.visit(&mut h);
-    h.0.finish() as i64
+    h.0.digest() as i64
 }
