@@ -36,6 +36,10 @@
 //!   [`ProcessGroup::set_node_aware`]).
 //! - `DDP_SHM_RING_KIB`: size of each shared-memory ring (default 512 KiB).
 //! - `DDP_TRACE`: records a span per collective (see [`crate::trace`]).
+//! - `DDP_PORT_RANGE=LO-HI`: the ports this rank's listener for its peers may take (see
+//!   [`crate::port_range`]).
+//! - `DDP_JOB_TOKEN`, `DDP_RANK_KEYS`: how the rank authenticates (see [`crate::job_auth`] and
+//!   [`crate::env::RANK_KEYS_VAR`]).
 
 mod algorithms;
 mod compression;
