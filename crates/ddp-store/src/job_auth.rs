@@ -1,7 +1,9 @@
 //! Which secret a job's processes authenticate with, so that no job runs unauthenticated by
 //! accident.
 //!
-//! - `DDP_JOB_TOKEN` set (ddprun always sets it): that token.
+//! - `DDP_JOB_TOKEN` set (ddprun always sets it): that token; with `DDP_RANK_KEYS=1`
+//!   (ddprun's ranks) it is this rank's own key, rank 0's the round's, from which rank 0's
+//!   store derives every rank's ([`JobAuth::serve`]).
 //! - Not set, every rank on this host (`LOCAL_WORLD_SIZE == WORLD_SIZE` and `MASTER_ADDR` an
 //!   address of this machine): the store and the mesh listen on loopback only, and rank 0
 //!   shares a fresh random secret through a file only this user can read: mode 0600, in a
