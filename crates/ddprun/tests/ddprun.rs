@@ -156,18 +156,23 @@ fn wait_for_pid_files(n: usize) -> String {
 /// --path crates/ddprun` users check first).
 /// Without `--master-port`, `MASTER_PORT` from the environment is the ranks' port (torchrun
 /// reads it so); one that is not a port is refused with one line, not ignored.
-#[test]
-fn master_port_from_the_environment_is_honoured() {
-    let port = ddp_testkit::free_port().to_string();
-    let r = run(ddprun_cmd(&[
+/// `nproc` ranks that print the `MASTER_PORT` ddprun gave them, with `var=value` set.
+fn echo_master_port(nproc: &str, var: &str, value: &str) -> Run {
+    run(ddprun_cmd(&[
         "--nproc-per-node",
-        "1",
+        nproc,
         "--",
         "sh",
         "-c",
         "echo P=$MASTER_PORT",
     ])
-    .env("MASTER_PORT", &port));
+    .env(var, value))
+}
+
+#[test]
+fn master_port_from_the_environment_is_honoured() {
+    let port = ddp_testkit::free_port().to_string();
+    let r = echo_master_port("1", "MASTER_PORT", &port);
     assert_eq!(r.code(), Some(0), "{}", r.stderr);
     assert_eq!(r.rank_lines(0), [format!("P={port}")]);
     let r = run(ddprun_cmd(&["--nproc-per-node", "1", "--", "true"]).env("MASTER_PORT", "http"));
@@ -775,15 +780,7 @@ fn a_signal_during_the_grace_period_after_a_failure_ends_the_job() {
 fn the_ranks_store_port_stays_in_ddp_port_range() {
     let lo: u16 = ddp_testkit::free_port();
     let range = format!("{lo}-{}", lo.saturating_add(20));
-    let r = run(ddprun_cmd(&[
-        "--nproc-per-node",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        "echo P=$MASTER_PORT",
-    ])
-    .env("DDP_PORT_RANGE", &range));
+    let r = echo_master_port("2", "DDP_PORT_RANGE", &range);
     assert_eq!(r.code(), Some(0), "{}", r.stderr);
     for rank in 0..2 {
         let line = r.rank_lines(rank)[0];
