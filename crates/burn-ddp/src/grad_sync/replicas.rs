@@ -8,9 +8,8 @@ use burn::tensor::Tensor;
 use xxhash_rust::xxh3::Xxh3;
 
 /// A fingerprint of the values of `module`'s trainable parameters (their bytes, in visit
-/// order), with XXH3 (`xxhash-rust`): with FNV, a byte at a time, the check took 204 ms for a
-/// 10.5 M-parameter MLP, most of a training step; with XXH3 89 ms, all-gather and the copies to
-/// host memory included (`cargo xtask bench ddp`'s last column, docs/benchmarks.md).
+/// order), with XXH3 (`xxhash-rust`): the check reads every byte of the model once, so the
+/// hash must keep up with memory (`cargo xtask bench ddp`'s last column measures it).
 pub(super) fn parameters_fingerprint<M: Module>(module: &M) -> i64 {
     struct Hashing(Xxh3);
     impl ModuleVisitor for Hashing {
