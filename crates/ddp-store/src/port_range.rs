@@ -59,20 +59,15 @@ impl PortRange {
     }
 
     /// How many ports the range holds.
-    pub fn len(&self) -> usize {
+    fn ports(&self) -> usize {
         usize::from(self.hi - self.lo) + 1
-    }
-
-    /// Always false: a range holds at least one port.
-    pub fn is_empty(&self) -> bool {
-        false
     }
 
     /// A listener on `ip` at the first port of the range that is free, trying from the port at
     /// `offset` (e.g. the rank) and wrapping round; an [`io::ErrorKind::AddrInUse`] error
     /// naming the range when none is.
     pub fn bind(&self, ip: IpAddr, offset: usize) -> io::Result<TcpListener> {
-        let n = self.len();
+        let n = self.ports();
         let mut last = None;
         for i in 0..n {
             let port = self.lo + ((offset + i) % n) as u16;
@@ -107,7 +102,7 @@ mod tests {
                 hi: 29699
             })
         );
-        assert_eq!(PortRange::parse("7-7").unwrap().len(), 1);
+        assert_eq!(PortRange::parse("7-7").unwrap().ports(), 1);
         for bad in ["29600", "0-10", "10-5", "a-b", "1-70000", "-5"] {
             let e = PortRange::parse(bad).unwrap_err();
             assert!(e.to_string().contains(PORT_RANGE_VAR), "{bad}: {e}");

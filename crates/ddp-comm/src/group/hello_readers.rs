@@ -126,15 +126,11 @@ impl<H: Send + 'static> HelloReaders<H> {
             .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(1))))
             .and_then(|()| s.try_clone())
             .map_err(|_| "a socket error")?;
-        let busy = || {
-            self.reading
-                .iter()
-                .filter(|r| !r.done.load(Ordering::Relaxed))
-        };
-        if busy().count() >= self.capacity {
-            let candidates: Vec<usize> = (0..self.reading.len())
-                .filter(|&i| !self.reading[i].done.load(Ordering::Relaxed))
-                .collect();
+        // Connections whose hello is read wait in the channel: nothing left to cut.
+        let candidates: Vec<usize> = (0..self.reading.len())
+            .filter(|&i| !self.reading[i].done.load(Ordering::Relaxed))
+            .collect();
+        if candidates.len() >= self.capacity {
             let silent = candidates.iter().copied().find(|&i| {
                 let r = &self.reading[i];
                 r.since.elapsed() >= SILENT_GRACE && !r.spoke()
@@ -224,9 +220,7 @@ mod tests {
     }
 
     /// Floods from one address, faster than anything is read: silent connections, and
-    /// connections that sent part of a hello and stall (before, a full share of those younger
-    /// than 100 ms refused the newcomer: a local flood of one byte a connection kept every
-    /// rank out). The peer that speaks at once is taken every time and read; the flood's
+    /// connections that sent part of a hello and stall. The peer that speaks at once is taken every time and read; the flood's
     /// connections are the ones cut.
     #[test]
     fn a_flood_from_one_address_never_keeps_a_speaking_peer_out() {
