@@ -21,10 +21,34 @@ const COUNTED_SOURCES: usize = 256;
 struct Window {
     count: u64,
     reasons: HashMap<&'static str, u64>,
-    sources: HashMap<IpAddr, u64>,
+    sources: HashMap<Source, u64>,
     others: u64,
     since: Option<Instant>,
     last_report: Option<Instant>,
+}
+
+/// Where a refused connection came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Source {
+    /// A network address.
+    Ip(IpAddr),
+    /// A Unix socket (a process of this host, of a user allowed to open it).
+    LocalSocket,
+}
+
+impl From<IpAddr> for Source {
+    fn from(ip: IpAddr) -> Self {
+        Source::Ip(ip)
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Ip(ip) => ip.fmt(f),
+            Source::LocalSocket => f.write_str("the local socket"),
+        }
+    }
 }
 
 /// A summary log of refused connections for one listener (the store, a rank's mesh).
@@ -52,7 +76,8 @@ impl RefusalLog {
 
     /// Counts one refusal of a connection from `source`, because of `reason`; logs at once
     /// when no summary was logged for [`SUMMARY_EVERY`].
-    pub fn note(&self, source: IpAddr, reason: &'static str) {
+    pub fn note(&self, source: impl Into<Source>, reason: &'static str) {
+        let source = source.into();
         self.total
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
@@ -134,7 +159,7 @@ mod tests {
         let w = log.window.lock().unwrap();
         // The first was reported at once; the other 999 wait for the next summary.
         assert_eq!(w.count, 999);
-        assert_eq!(w.sources[&a], 999);
+        assert_eq!(w.sources[&Source::Ip(a)], 999);
         assert!(w.last_report.is_some());
     }
 }

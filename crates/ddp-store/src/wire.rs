@@ -175,23 +175,51 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Option<Vec<u8>>> 
     Ok(Some(buf))
 }
 
+/// A socket whose reads can be given a timeout: TCP, a Unix socket, or a stream that is one
+/// of them.
+#[doc(hidden)]
+pub trait TimedSocket {
+    /// Sets the timeout of the next reads (`None`: none).
+    fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()>;
+    /// Reads some bytes (a shared reference, as `&TcpStream` reads).
+    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize>;
+}
+
+impl TimedSocket for std::net::TcpStream {
+    fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_read_timeout(self, timeout)
+    }
+    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&mut &*self).read(buf)
+    }
+}
+
+impl TimedSocket for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
+    }
+    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&mut &*self).read(buf)
+    }
+}
+
 /// Reads from a socket with one deadline for the whole exchange: each read's timeout is what
 /// is left of it, so a peer that trickles one byte now and then cannot stretch a handshake
 /// past its limit (a per-read timeout would let it hold the connection for hours).
 #[doc(hidden)]
-pub struct ReadBy<'a> {
-    stream: &'a std::net::TcpStream,
+pub struct ReadBy<'a, S: TimedSocket + ?Sized = std::net::TcpStream> {
+    stream: &'a S,
     deadline: std::time::Instant,
 }
 
-impl<'a> ReadBy<'a> {
+impl<'a, S: TimedSocket + ?Sized> ReadBy<'a, S> {
     /// Reads from `stream` until `deadline`.
-    pub fn new(stream: &'a std::net::TcpStream, deadline: std::time::Instant) -> Self {
+    pub fn new(stream: &'a S, deadline: std::time::Instant) -> Self {
         ReadBy { stream, deadline }
     }
 }
 
-impl Read for ReadBy<'_> {
+impl<S: TimedSocket + ?Sized> Read for ReadBy<'_, S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let left = self
             .deadline
@@ -203,7 +231,7 @@ impl Read for ReadBy<'_> {
             ));
         }
         self.stream.set_read_timeout(Some(left))?;
-        (&mut &*self.stream).read(buf)
+        self.stream.read_shared(buf)
     }
 }
 

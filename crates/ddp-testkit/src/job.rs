@@ -155,6 +155,16 @@ impl RankJob {
         self
     }
 
+    /// Puts every rank on an emulated host of its own (`DDP_HOST_ID=host-<rank>`), so that
+    /// the ranks meet over TCP on loopback, as ranks of different machines do (ranks of one
+    /// host meet over shared memory or a Unix socket).
+    pub fn own_hosts(mut self) -> Self {
+        for r in 0..self.world_size {
+            self = self.rank_env(r, "DDP_HOST_ID", format!("host-{r}"));
+        }
+        self
+    }
+
     /// Starts only these ranks (the others "never arrive").
     pub fn only_ranks(mut self, ranks: impl IntoIterator<Item = usize>) -> Self {
         self.ranks = Some(ranks.into_iter().collect());

@@ -10,12 +10,13 @@ use ddp_testkit::RankJob;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 
+/// `tcp`: no shared memory, every rank on an emulated host of its own.
 fn run(world: usize, scenario: &str, tcp: bool) {
     let mut job = RankJob::new(WORKER, world)
         .arg(scenario)
         .deadline(Duration::from_secs(240));
     if tcp {
-        job = job.arg("--tcp");
+        job = job.arg("--no-shm").own_hosts();
     }
     let res = job.run().expect("spawning ranks");
     res.assert_success();
@@ -34,6 +35,17 @@ fn matrix_world_2_shm() {
 #[test]
 fn matrix_world_2_tcp() {
     run(2, "matrix", true);
+}
+
+/// Ranks of one host without shared memory: the data travels over their Unix sockets.
+#[test]
+fn matrix_world_2_local_socket() {
+    RankJob::new(WORKER, 2)
+        .args(["matrix", "--no-shm"])
+        .deadline(Duration::from_secs(240))
+        .run()
+        .expect("spawning ranks")
+        .assert_success();
 }
 
 #[test]

@@ -320,21 +320,29 @@ fn compressed_gradients_keep_ranks_identical_and_near_the_reference() {
     // 1.2e-4; uncompressed, both stay below 4e-8 (5 steps).
     for (wire, tol) in [("bf16", 1.5e-3), ("fp16", 3e-4)] {
         equivalence_with(3, "sgd", &[], &[("DDP_COMPRESSION", wire)], tol);
-        equivalence_with(
-            2,
+        let adam = [
+            "--scenario",
+            "equiv",
+            "--optim",
             "adam",
-            &[],
-            &[("DDP_COMPRESSION", wire), ("DDP_SHARED_MEMORY", "0")],
-            tol,
-        );
+            "--steps",
+            "5",
+            "--batch",
+            "4",
+        ];
+        let run = launch_with(2, &format!("equiv-2-adam-{wire}-tcp"), &adam, |job| {
+            job.env("DDP_COMPRESSION", wire).own_hosts()
+        });
+        run.assert_matches_reference(2, tol);
     }
 }
 
-/// 16-bit gradients only where they pay: a group whose every link is shared memory sends f32
-/// (bitwise the uncompressed result, within f32 rounding of the reference), while over TCP
-/// bf16 really travels (its rounding shows). Before, shm paid the casts for nothing (slower).
+/// 16-bit gradients only where they pay: a group whose every link stays on one host (shared
+/// memory, or a Unix socket without it) sends f32 (bitwise the uncompressed result, within f32
+/// rounding of the reference), while over TCP (every rank its own emulated host) bf16 really
+/// travels (its rounding shows). Before, shm paid the casts for nothing (slower).
 #[test]
-fn compression_applies_over_tcp_and_not_over_shared_memory() {
+fn compression_applies_over_tcp_and_not_on_one_host() {
     let args = [
         "--scenario",
         "equiv",
@@ -347,12 +355,17 @@ fn compression_applies_over_tcp_and_not_over_shared_memory() {
     ];
     let shm = launch_with_env(2, "wire-shm-bf16", &args, &[("DDP_COMPRESSION", "bf16")]);
     shm.assert_matches_reference(2, 4e-8);
-    let tcp = launch_with_env(
+    // Over a Unix socket (one host, no shared memory) f32 travels too.
+    let local = launch_with_env(
         2,
-        "wire-tcp-bf16",
+        "wire-local-bf16",
         &args,
         &[("DDP_COMPRESSION", "bf16"), ("DDP_SHARED_MEMORY", "0")],
     );
+    local.assert_matches_reference(2, 4e-8);
+    let tcp = launch_with(2, "wire-tcp-bf16", &args, |job| {
+        job.env("DDP_COMPRESSION", "bf16").own_hosts()
+    });
     tcp.assert_matches_reference(2, 1.5e-3);
     let rounded = max_abs_diff(&tcp.params("rank0.f32"), &tcp.params("reference.f32"));
     assert!(

@@ -31,7 +31,7 @@ fn kill_mid_allreduce(world: usize, tcp: bool) {
         .args(["--timeout-secs", "100"])
         .deadline(Duration::from_secs(120));
     if tcp {
-        job = job.arg("--tcp");
+        job = job.arg("--no-shm").own_hosts();
     }
     // Each rank's failure note (as ddprun sets DDP_FAILURE_FILE): a survivor fails on a
     // peer's failure, and says so.
@@ -210,12 +210,12 @@ fn a_wrong_token_is_refused() {
 
 #[test]
 fn mismatched_lengths_fail_on_every_rank() {
-    for tcp in [false, true] {
+    for no_shm in [false, true] {
         let mut job = RankJob::new(WORKER, 3)
             .arg("mismatch-len")
             .deadline(Duration::from_secs(60));
-        if tcp {
-            job = job.arg("--tcp");
+        if no_shm {
+            job = job.arg("--no-shm");
         }
         // comm_worker exits 0 only if it received a Mismatch error.
         job.run().expect("spawning ranks").assert_success();
@@ -453,42 +453,53 @@ fn listening_ports(pid: u32) -> Vec<u16> {
 }
 
 /// Finding 2 of the v4 attack suite: a flood of connections from 127.0.0.1 (any local process,
-/// without a key) to rank 0's listener for its peers, found in /proc/net/tcp, while rank 1 is
-/// still to join. A silent one per address used to push the real rank 1 out (its handshake was
-/// reset and rank 0 timed out after 60 s); now a connection that has sent nothing makes room
-/// first, and the job runs as unflooded.
+/// without a key) to rank 0's TCP listener for its peers, found in /proc/net/tcp, while rank 1
+/// is still to join. A silent one per address used to push the real rank 1 out (its handshake
+/// was reset and rank 0 timed out after 60 s). Now rank 1 on the same host does not use that
+/// port at all (it meets rank 0 through rank 0's Unix socket, in a directory only the job's user
+/// can enter), and a rank 1 on another host (emulated) gets in over TCP, since a connection
+/// that has sent nothing makes room first: the job runs as unflooded, both ways.
 #[test]
 fn a_local_flood_on_rank_0s_listener_does_not_keep_rank_1_out() {
-    let job = RankJob::new(WORKER, 2)
-        .arg("matrix")
-        .args(["--tcp", "--rank1-join-delay-ms", "3000"])
-        .deadline(Duration::from_secs(120))
-        .spawn()
-        .expect("spawning ranks");
-    let store = job.master_port();
-    let pid = job.pid(0).expect("rank 0 runs");
-    let until = Instant::now() + Duration::from_secs(10);
-    let listener = loop {
-        if let Some(p) = listening_ports(pid).into_iter().find(|&p| p != store) {
-            break p;
+    for rank1_host in [None, Some("flood-host-b")] {
+        let mut job = RankJob::new(WORKER, 2)
+            .arg("matrix")
+            .args(["--no-shm", "--rank1-join-delay-ms", "3000"])
+            .deadline(Duration::from_secs(120));
+        if let Some(host) = rank1_host {
+            job = job
+                .rank_env(0, "DDP_HOST_ID", "flood-host-a")
+                .rank_env(1, "DDP_HOST_ID", host);
         }
-        assert!(
-            Instant::now() < until,
-            "rank 0 never listened for its peers"
+        let job = job.spawn().expect("spawning ranks");
+        let store = job.master_port();
+        let pid = job.pid(0).expect("rank 0 runs");
+        let until = Instant::now() + Duration::from_secs(10);
+        let listener = loop {
+            if let Some(p) = listening_ports(pid).into_iter().find(|&p| p != store) {
+                break p;
+            }
+            assert!(
+                Instant::now() < until,
+                "rank 0 never listened for its peers"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let flood = ddp_testkit::Flood::start(
+            "127.0.0.1".parse().unwrap(),
+            format!("127.0.0.1:{listener}").parse().unwrap(),
         );
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let flood = ddp_testkit::Flood::start(
-        "127.0.0.1".parse().unwrap(),
-        format!("127.0.0.1:{listener}").parse().unwrap(),
-    );
-    let res = job.wait();
-    let opened = flood.opened();
-    drop(flood);
-    eprintln!("rank 0's listener flooded with {opened} connections from 127.0.0.1");
-    res.assert_success();
-    assert!(
-        opened > 50,
-        "the flood hardly reached the listener: {opened}"
-    );
+        let res = job.wait();
+        let opened = flood.opened();
+        drop(flood);
+        eprintln!(
+            "rank 1 on {}: rank 0's listener flooded with {opened} connections from 127.0.0.1",
+            rank1_host.unwrap_or("rank 0's host")
+        );
+        res.assert_success();
+        assert!(
+            opened > 50,
+            "the flood hardly reached the listener: {opened}"
+        );
+    }
 }

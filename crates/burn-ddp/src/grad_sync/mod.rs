@@ -326,9 +326,9 @@ pub(crate) fn host_wire(requested: Compression, any_tcp: bool) -> Compression {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
         tracing::warn!(
-            "gradient compression {requested} not used: every link of this group is shared \
-             memory, where 16-bit gradients are slower than f32 (they pay only over TCP); \
-             gradients travel as f32"
+            "gradient compression {requested} not used: every link of this group stays on \
+             one host (shared memory or a Unix socket), where 16-bit gradients are slower than \
+             f32 (they pay only over TCP, between hosts); gradients travel as f32"
         );
     });
     Compression::None

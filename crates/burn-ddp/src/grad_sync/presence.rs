@@ -48,7 +48,8 @@ impl GradientSynchronizer {
         // called with bf16 on some ranks and f32 on others, and hang.
         let wire = wire_code(self.compression);
         buf.extend([wire, !wire]);
-        // Whether any rank reaches a peer over TCP: only there do 16-bit gradients pay.
+        // Whether any rank reaches a peer over TCP (another host): only there do 16-bit
+        // gradients pay.
         let tcp = comm::lock(&self.group)
             .transports()
             .contains(&ddp_comm::group::Transport::Tcp);
@@ -93,7 +94,8 @@ pub(crate) struct Presence {
     pub(crate) present: Vec<bool>,
     /// Whether every rank voted for the device (NCCL) path.
     pub(crate) on_device: bool,
-    /// Whether some rank reaches a peer over TCP (else every link is shared memory).
+    /// Whether some rank reaches a peer over TCP (else every link stays on one host: shared
+    /// memory or a Unix socket).
     pub(crate) any_tcp: bool,
 }
 

@@ -78,6 +78,9 @@ pub fn run_allreduce(runs: &AllreduceRuns) -> Result<(), String> {
             .arg(n.to_string())
             .arg("--no-prefix")
             .arg("--");
+        // `tcp`: every rank its own host identity, so that the ranks meet over TCP on
+        // loopback (ranks of one host would meet over a Unix socket).
+        let per_node = per_node.or((t == "tcp").then_some(1));
         if let Some(l) = per_node {
             // Host j holds ranks j·L … j·L + L − 1: each its own host identity.
             cmd.args([

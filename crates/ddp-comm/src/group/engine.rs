@@ -534,7 +534,7 @@ fn sleep_until_progress(
             if link.is_shm() {
                 // A peer that finished its part and left (its socket hung up) may have left
                 // bytes in the ring this rank still has to read: gone only once they are read.
-                if link.tcp_hung_up() && !(recv && link.shm_has_data()) {
+                if link.stream_hung_up() && !(recv && link.shm_has_data()) {
                     return Err(CommError::PeerClosed {
                         peer,
                         op: what.to_string(),
@@ -544,7 +544,7 @@ fn sleep_until_progress(
             } else {
                 let ev = if recv { libc::POLLIN } else { libc::POLLOUT };
                 fds.push(libc::pollfd {
-                    fd: link.tcp.as_raw_fd(),
+                    fd: link.stream.as_raw_fd(),
                     events: ev | libc::POLLRDHUP,
                     revents: 0,
                 });

@@ -9,13 +9,14 @@
 //! it (256 by default: hundreds of thousands a second).
 
 use std::io::{self, Read};
-use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::peer_stream::PeerStream;
+use crate::refusals::Source;
 use crate::wire::ReadBy;
 
 /// How long an accepted connection has to send its whole hello (a rank sends it at once).
@@ -30,13 +31,13 @@ const HELLO_STACK: usize = 128 << 10;
 
 /// A hello read by its thread: the connection, its source, the hello (`None`: none in time,
 /// or malformed).
-pub(super) type ReadHello<H> = (TcpStream, SocketAddr, Option<H>);
+pub(super) type ReadHello<H> = (PeerStream, Source, Option<H>);
 
 /// One connection being read.
 struct Reading {
     id: u64,
     /// A handle to cut it.
-    handle: TcpStream,
+    handle: PeerStream,
     since: Instant,
     /// Its thread has read a byte of it.
     spoke: Arc<AtomicBool>,
@@ -117,8 +118,8 @@ impl<H: Send + 'static> HelloReaders<H> {
     /// else the oldest still being read. `Err`: why the connection was dropped instead.
     pub(super) fn start(
         &mut self,
-        s: TcpStream,
-        from: SocketAddr,
+        s: PeerStream,
+        from: Source,
         deadline: Instant,
     ) -> std::result::Result<(), &'static str> {
         let handle = s
@@ -195,7 +196,13 @@ impl<H: Send + 'static> HelloReaders<H> {
 mod tests {
     use super::*;
     use std::io::Write;
-    use std::net::TcpListener;
+    use std::net::{TcpListener, TcpStream};
+
+    /// The next connection to `listener`, as the mesh hands it over.
+    fn accept(listener: &TcpListener) -> (PeerStream, Source) {
+        let (s, from) = listener.accept().unwrap();
+        (PeerStream::Tcp(s), from.ip().into())
+    }
 
     fn read_line(r: &mut dyn Read) -> io::Result<String> {
         let mut buf = [0u8; 5];
@@ -237,7 +244,7 @@ mod tests {
                     c.write_all(b"he").unwrap();
                 }
                 flood.push(c);
-                let (s, from) = listener.accept().unwrap();
+                let (s, from) = accept(&listener);
                 assert_eq!(readers.start(s, from, deadline), Ok(()), "round {round}");
             };
             // Capacity filled, all younger than any grace period.
@@ -246,7 +253,7 @@ mod tests {
             }
             let mut peer = TcpStream::connect(addr).unwrap();
             peer.write_all(b"hello").unwrap();
-            let (s, from) = listener.accept().unwrap();
+            let (s, from) = accept(&listener);
             assert_eq!(readers.start(s, from, deadline), Ok(()), "round {round}");
             // More come while it is read (fewer than the capacity: it is not the oldest).
             for _ in 0..4 {

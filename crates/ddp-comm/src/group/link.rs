@@ -1,13 +1,15 @@
-//! A connection to one peer: a TCP stream (always; the liveness channel) and, for a peer on the
-//! same host, a shared-memory ring pair that carries all data instead.
+//! A connection to one peer: a stream (always; the liveness channel: TCP to another host, a Unix
+//! socket on this one) and, for a peer on the same host, a shared-memory ring pair that carries
+//! all data instead.
 //!
 //! All calls are non-blocking; the engine decides when to spin, yield or sleep.
 
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use super::peer_stream::PeerStream;
 use super::shm::{Avail, ShmPair};
 use crate::error::CommError;
 
@@ -35,7 +37,7 @@ fn classify(e: io::Error) -> LinkError {
 
 /// One peer's connection.
 pub(crate) struct Link {
-    pub(crate) tcp: TcpStream,
+    pub(crate) stream: PeerStream,
     pub(crate) shm: Option<ShmPair>,
     stage: Vec<u8>,
     lo: usize,
@@ -45,11 +47,11 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    pub(crate) fn new(tcp: TcpStream, shm: Option<ShmPair>) -> io::Result<Self> {
-        tcp.set_nodelay(true)?;
-        tcp.set_nonblocking(true)?;
+    pub(crate) fn new(stream: PeerStream, shm: Option<ShmPair>) -> io::Result<Self> {
+        stream.set_nodelay()?;
+        stream.set_nonblocking(true)?;
         Ok(Link {
-            tcp,
+            stream,
             shm,
             stage: Vec::new(),
             lo: 0,
@@ -61,6 +63,11 @@ impl Link {
     /// True when data moves through shared memory.
     pub(crate) fn is_shm(&self) -> bool {
         self.shm.is_some()
+    }
+
+    /// True when the stream is a Unix socket (a peer on this host).
+    pub(crate) fn is_local(&self) -> bool {
+        self.stream.is_local()
     }
 
     /// Sends a prefix of `data`; returns how many bytes went (0 when the pipe is full).
@@ -83,7 +90,7 @@ impl Link {
             return shm.write(data).map_err(|()| LinkError::Closed);
         }
         loop {
-            match (&self.tcp).write(data) {
+            match (&self.stream).write(data) {
                 Ok(0) => return Err(LinkError::Closed),
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(0),
@@ -118,7 +125,7 @@ impl Link {
         let want = STAGE_BYTES - self.hi;
         if want > 0 {
             loop {
-                match (&self.tcp).read(&mut self.stage[self.hi..self.hi + want]) {
+                match (&self.stream).read(&mut self.stage[self.hi..self.hi + want]) {
                     Ok(0) => return Err(LinkError::Closed),
                     Ok(n) => {
                         self.hi += n;
@@ -163,7 +170,7 @@ impl Link {
         if self.shm.is_none() && self.hi == self.lo {
             // Nothing staged: let the kernel copy directly into the destination.
             loop {
-                return match (&self.tcp).read(dst) {
+                return match (&self.stream).read(dst) {
                     Ok(0) => Err(LinkError::Closed),
                     Ok(n) => Ok(n),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
@@ -188,11 +195,11 @@ impl Link {
             .is_some_and(|s| matches!(s.readable(1), Avail::Bytes(_)))
     }
 
-    /// For a shared-memory link: true when the peer's TCP socket shows it went away. Nothing
-    /// else is ever sent over the socket of a shared-memory peer, so readability means EOF.
-    pub(crate) fn tcp_hung_up(&self) -> bool {
+    /// For a shared-memory link: true when the peer's stream shows it went away. Nothing
+    /// else is ever sent over the stream of a shared-memory peer, so readability means EOF.
+    pub(crate) fn stream_hung_up(&self) -> bool {
         let mut p = libc::pollfd {
-            fd: self.tcp.as_raw_fd(),
+            fd: self.stream.as_raw_fd(),
             events: libc::POLLIN | libc::POLLRDHUP,
             revents: 0,
         };
@@ -227,7 +234,7 @@ impl Link {
         if let Some(shm) = &self.shm {
             shm.close(blame);
         }
-        let _ = self.tcp.shutdown(Shutdown::Write);
+        let _ = self.stream.shutdown(Shutdown::Write);
     }
 }
 

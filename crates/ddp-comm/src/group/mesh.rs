@@ -14,25 +14,30 @@
 //! with a share per address, so silent connections cannot hold the rendezvous; one without a
 //! valid signature, an out-of-range or duplicate rank is refused (counted in a summary log) and
 //! the listener keeps accepting.
+//! A rank connects to a peer on the same host through the Unix socket the peer published (in a
+//! directory only the job's user can enter, see [`super::local_socket`]), to one on another
+//! host over TCP.
 //! For a peer on the same host the connector creates a shared-memory segment and names it in
 //! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
 //! Hellos and replies are frames of the crate's codec ([`crate::wire`]).
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::hello_readers::HelloReaders;
 use super::link::Link;
+use super::local_socket::{self, LocalListener};
+use super::peer_stream::PeerStream;
 use super::shm::ShmPair;
 use crate::auth::{self, Identity};
 use crate::error::{CommError, Result};
-use crate::refusals::RefusalLog;
+use crate::refusals::{RefusalLog, Source};
 use crate::wire::{Malformed, ReadBy, Reader, Writer, read_frame, write_frame};
 
 const HELLO_MAGIC: u32 = 0x4844_4450; // "PDDH"
-const VERSION: u16 = 5;
+const VERSION: u16 = 6;
 /// The roles in the handshake's signatures.
 const HELLO_ROLE: &str = "ddp-mesh hello";
 const REPLY_ROLE: &str = "ddp-mesh reply";
@@ -52,6 +57,8 @@ pub(crate) struct PeerInfo {
     pub addr: SocketAddr,
     /// Host identity (ranks with equal identities can share memory).
     pub host: String,
+    /// Its Unix socket for the ranks on its host ("" for none).
+    pub socket: String,
     /// A fresh nonce of this rendezvous: the hellos it accepts are signed over it.
     pub nonce: [u8; auth::LEN],
     /// The public half of its identity: the hellos and replies it sends are signed by it.
@@ -60,16 +67,17 @@ pub(crate) struct PeerInfo {
 
 impl PeerInfo {
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut b = format!("{}\n{}\n", self.addr, self.host).into_bytes();
+        let mut b = format!("{}\n{}\n{}\n", self.addr, self.host, self.socket).into_bytes();
         b.extend_from_slice(&self.nonce);
         b.extend_from_slice(&self.identity);
         b
     }
 
     pub(crate) fn decode(b: &[u8]) -> Option<PeerInfo> {
-        let mut parts = b.splitn(3, |&c| c == b'\n');
+        let mut parts = b.splitn(4, |&c| c == b'\n');
         let addr = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
         let host = String::from_utf8(parts.next()?.to_vec()).ok()?;
+        let socket = String::from_utf8(parts.next()?.to_vec()).ok()?;
         let rest = parts.next()?;
         if rest.len() != auth::LEN + auth::PUBLIC_LEN {
             return None;
@@ -78,6 +86,7 @@ impl PeerInfo {
         Some(PeerInfo {
             addr,
             host,
+            socket,
             nonce: nonce.try_into().ok()?,
             identity: identity.try_into().ok()?,
         })
@@ -138,7 +147,7 @@ fn left(deadline: Instant) -> Duration {
 
 /// A connection to a lower rank awaiting its reply, with the segment offered to it and the
 /// hello sent.
-type Outgoing = (usize, TcpStream, Option<(ShmPair, PathBuf)>, Hello);
+type Outgoing = (usize, PeerStream, Option<(ShmPair, PathBuf)>, Hello);
 
 /// Settings for [`establish`].
 pub(crate) struct MeshConfig<'a> {
@@ -316,7 +325,7 @@ pub(crate) fn read_handshake(s: &mut impl io::Read) -> io::Result<Vec<u8>> {
 }
 
 /// Writes one handshake frame.
-pub(crate) fn write_handshake(s: &mut TcpStream, frame: &[u8]) -> io::Result<()> {
+pub(crate) fn write_handshake(s: &mut PeerStream, frame: &[u8]) -> io::Result<()> {
     write_frame(s, frame, MAX_HELLO)
 }
 
@@ -324,10 +333,13 @@ fn read_hello(mut s: &mut dyn io::Read) -> io::Result<Hello> {
     Hello::decode(&read_handshake(&mut s)?)
 }
 
-/// Connects this rank to every other rank. `infos[r]` is rank `r`'s published info.
+/// Connects this rank to every other rank. `infos[r]` is rank `r`'s published info; the
+/// ranks above it connect to `listener` (from other hosts) or `local` (from this host). `local`
+/// is closed and its directory removed on return.
 pub(crate) fn establish(
     cfg: &MeshConfig<'_>,
     listener: TcpListener,
+    local: Option<LocalListener>,
     infos: &[PeerInfo],
 ) -> Result<Vec<Option<Link>>> {
     let (rank, world) = (cfg.rank, cfg.world);
@@ -336,19 +348,10 @@ pub(crate) fn establish(
     // 1. Hellos to every lower rank.
     let mut outgoing: Vec<Outgoing> = Vec::new();
     for (peer, info) in infos.iter().enumerate().take(rank) {
+        let same_host = info.host == *my_host;
+        let mut s = connect(cfg, peer, info, same_host)?;
         let op = || format!("rendezvous: connecting to rank {peer} at {}", info.addr);
-        let mut s = connect_retry(info.addr, cfg.deadline).map_err(|e| {
-            if e.kind() == io::ErrorKind::TimedOut {
-                CommError::Timeout {
-                    op: op(),
-                    peer: Some(peer),
-                    after: cfg.started.elapsed(),
-                }
-            } else {
-                CommError::io(op(), Some(peer), e)
-            }
-        })?;
-        let shm = if cfg.shared_memory && info.host == *my_host {
+        let shm = if cfg.shared_memory && same_host {
             match ShmPair::create(rank, peer) {
                 Ok(x) => Some(x),
                 Err(e) => {
@@ -396,12 +399,12 @@ pub(crate) fn establish(
         while !pending.is_empty() {
             while let Some((mut s, from, hello)) = hellos.finished() {
                 let Some(hello) = hello else {
-                    refusals.note(from.ip(), "no complete hello in time");
+                    refusals.note(from, "no complete hello in time");
                     continue;
                 };
                 if let Some(code) = check_hello(cfg, infos, &pending, &hello) {
                     refusals.note(
-                        from.ip(),
+                        from,
                         if code == BAD_RANK {
                             "an unexpected rank"
                         } else {
@@ -437,10 +440,17 @@ pub(crate) fn establish(
             if pending.is_empty() {
                 break;
             }
-            match listener.accept() {
+            let accepted = match local.as_ref().map(LocalListener::accept) {
+                Some(Ok(s)) => Ok((PeerStream::Local(s), Source::LocalSocket)),
+                Some(Err(e)) if e.kind() != io::ErrorKind::WouldBlock => Err(e),
+                _ => listener
+                    .accept()
+                    .map(|(s, from)| (PeerStream::Tcp(s), from.ip().into())),
+            };
+            match accepted {
                 Ok((s, from)) => {
                     if let Err(reason) = hellos.start(s, from, cfg.deadline) {
-                        refusals.note(from.ip(), reason);
+                        refusals.note(from, reason);
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -463,6 +473,8 @@ pub(crate) fn establish(
     })();
     hellos.cut_all();
     refusals.flush(true);
+    // Every rank that connects here has: the socket and its directory go.
+    drop(local);
     result?;
 
     // 3. Replies from the lower ranks.
@@ -554,6 +566,44 @@ fn reply_signed(hello: &Hello, acceptor: &PeerInfo, reply: &Reply) -> bool {
         REPLY_ROLE,
         &[&hello.nonce, &acceptor.nonce, &context],
     )
+}
+
+/// A stream to `peer`: through its Unix socket when it is on this host (TCP when it has none, or
+/// when its socket is not on this machine: equal host identities on two machines), else TCP.
+fn connect(
+    cfg: &MeshConfig<'_>,
+    peer: usize,
+    info: &PeerInfo,
+    same_host: bool,
+) -> Result<PeerStream> {
+    let timed_out = |op: String| CommError::Timeout {
+        op,
+        peer: Some(peer),
+        after: cfg.started.elapsed(),
+    };
+    if same_host && !info.socket.is_empty() {
+        let op = || format!("rendezvous: connecting to rank {peer} at {}", info.socket);
+        match local_socket::connect(Path::new(&info.socket), cfg.deadline) {
+            Ok(s) => return Ok(PeerStream::Local(s)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => tracing::warn!(
+                "rank {}: rank {peer}'s socket {} is not on this machine (equal DDP_HOST_ID on two hosts?); using TCP",
+                cfg.rank,
+                info.socket
+            ),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => return Err(timed_out(op())),
+            Err(e) => return Err(CommError::io(op(), Some(peer), e)),
+        }
+    }
+    let op = || format!("rendezvous: connecting to rank {peer} at {}", info.addr);
+    connect_retry(info.addr, cfg.deadline)
+        .map(PeerStream::Tcp)
+        .map_err(|e| {
+            if e.kind() == io::ErrorKind::TimedOut {
+                timed_out(op())
+            } else {
+                CommError::io(op(), Some(peer), e)
+            }
+        })
 }
 
 fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {

@@ -6,9 +6,11 @@
 //!   publishes its address and host identity (host name + boot id) in the store, and connects
 //!   to every other rank (full mesh; the store's handshake proves the job token without
 //!   sending it, and the links' hellos are signed by identities published in the store).
-//! - **Transports**: every pair of ranks has a TCP connection. Ranks on the same host also
+//! - **Transports**: every pair of ranks has a stream: TCP between hosts, a Unix socket in a
+//!   directory only the job's user can enter between ranks of one host (another local user
+//!   cannot connect to it, as they can to a port on loopback). Ranks on the same host also
 //!   share a pair of memory rings (`/dev/shm`, unlinked once mapped) that carry all their data;
-//!   TCP then only tells whether the peer is alive.
+//!   the stream then only tells whether the peer is alive.
 //! - **Protocol**: every collective starts with a 32-byte header (kind, element type, length,
 //!   reduce op, root, call number) sent to every peer and checked, so mismatched calls fail with
 //!   [`CommError::Mismatch`] on every rank. Small payloads travel inside that first message
@@ -51,11 +53,13 @@ mod header;
 mod hello_readers;
 mod hierarchical;
 mod link;
+mod local_socket;
 pub(crate) mod mesh;
 pub use mesh::host_identity;
 mod node_gather;
 mod nodes;
 mod ordered;
+mod peer_stream;
 mod scatter;
 mod shards;
 mod shm;
@@ -157,7 +161,9 @@ pub enum Transport {
     SelfRank,
     /// Shared memory (same host).
     SharedMemory,
-    /// TCP.
+    /// A Unix socket (same host, shared memory off).
+    LocalSocket,
+    /// TCP (another host).
     Tcp,
 }
 
@@ -252,12 +258,27 @@ impl ProcessGroup {
             None => std::net::TcpListener::bind((ip, 0)),
         }
         .map_err(|e| CommError::io(format!("binding a listener on {ip}"), None, e))?;
+        // The ranks on this host connect here; those on other hosts to `listener`.
+        let local = match local_socket::LocalListener::bind() {
+            Ok(l) if !l.path().to_string_lossy().contains('\n') => Some(l),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(
+                    "rank {rank}: no Unix socket for the ranks on this host ({e}); they connect over TCP, which any local user can reach"
+                );
+                None
+            }
+        };
         let identity = crate::auth::Identity::generate();
         let me = PeerInfo {
             addr: listener
                 .local_addr()
                 .map_err(|e| CommError::io("listener address", None, e))?,
             host: mesh::host_identity(),
+            socket: local
+                .as_ref()
+                .map(|l| l.path().to_string_lossy().into_owned())
+                .unwrap_or_default(),
             nonce: crate::auth::nonce(),
             identity: identity.public(),
         };
@@ -345,7 +366,7 @@ impl ProcessGroup {
             deadline,
             started,
         };
-        let links = mesh::establish(&cfg, listener, &infos)?;
+        let links = mesh::establish(&cfg, listener, local, &infos)?;
         crate::trace::on_group_ready(rank, world, &mut store);
         let local = infos.iter().filter(|i| i.host == me.host).count();
         let nodes = nodes::Nodes::from_hosts(&infos.iter().map(|i| &i.host).collect::<Vec<_>>());
@@ -424,6 +445,7 @@ impl ProcessGroup {
                 |r| match self.mesh.as_ref().and_then(|m| m.links[r].as_ref()) {
                     None => Transport::SelfRank,
                     Some(l) if l.is_shm() => Transport::SharedMemory,
+                    Some(l) if l.is_local() => Transport::LocalSocket,
                     Some(_) => Transport::Tcp,
                 },
             )

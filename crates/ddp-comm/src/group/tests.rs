@@ -4,6 +4,7 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::peer_stream::PeerStream;
 use super::*;
 use crate::env::EnvSource;
 
@@ -105,12 +106,53 @@ fn all_reduce_small_and_large_tcp_and_shm() {
     }
 }
 
+/// Ranks of one host share memory, or without it meet over the Unix socket; ranks of two
+/// hosts over TCP.
 #[test]
-fn transports_follow_the_option() {
+fn transports_follow_the_option_and_the_hosts() {
     let t = run_ranks(2, opts(true), |pg| pg.transports());
     assert_eq!(t[0], vec![Transport::SelfRank, Transport::SharedMemory]);
     let t = run_ranks(2, opts(false), |pg| pg.transports());
-    assert_eq!(t[1], vec![Transport::Tcp, Transport::SelfRank]);
+    assert_eq!(t[1], vec![Transport::LocalSocket, Transport::SelfRank]);
+    let hosts = ["host-a", "host-a", "host-b"].map(String::from);
+    let t = run_ranks_on(&hosts, opts(false), |pg| pg.transports());
+    assert_eq!(
+        t[0],
+        vec![Transport::SelfRank, Transport::LocalSocket, Transport::Tcp]
+    );
+    let t = run_ranks_on(&hosts, opts(true), |pg| pg.transports());
+    assert_eq!(
+        t[2],
+        vec![Transport::Tcp, Transport::Tcp, Transport::SelfRank]
+    );
+}
+
+/// A rank's socket directory (private to the user) is gone once the group stands: nothing
+/// is left to connect to or to clean up, and the group works on.
+#[test]
+fn the_local_socket_is_removed_once_the_mesh_stands() {
+    let paths = run_ranks(2, opts(false), |pg| {
+        let r = pg.rank();
+        let mesh = pg.mesh.as_mut().expect("a group of two");
+        let mut ns = PrefixStore::new(&mut mesh.store, keys::PROCESS_GROUP);
+        let me = ns.get(&keys::peer_addr(r), Duration::from_secs(5)).unwrap();
+        let socket = PeerInfo::decode(&me).unwrap().socket;
+        pg.barrier().unwrap();
+        let mut x = [1.0f32];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x[0], 2.0);
+        std::path::PathBuf::from(socket)
+    });
+    for p in &paths {
+        let dir = p.parent().expect("a socket in a directory");
+        assert!(
+            dir.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("ddp-comm-")),
+            "{}",
+            p.display()
+        );
+        assert!(!dir.exists(), "{} left behind", dir.display());
+    }
 }
 
 #[test]
@@ -255,12 +297,14 @@ fn rank0_accepting(
         PeerInfo {
             addr,
             host: "a".into(),
+            socket: String::new(),
             nonce: crate::auth::nonce(),
             identity: zero.public(),
         },
         PeerInfo {
             addr,
             host: "b".into(),
+            socket: String::new(),
             nonce: crate::auth::nonce(),
             identity: one.public(),
         },
@@ -277,16 +321,16 @@ fn rank0_accepting(
             deadline: started + within,
             started,
         };
-        mesh::establish(&cfg, listener, &infos).map(|links| links.iter().flatten().count())
+        mesh::establish(&cfg, listener, None, &infos).map(|links| links.iter().flatten().count())
     });
     (published, one, t)
 }
 
 /// Sends `hello` to `addr` and returns the reply.
 fn exchange(addr: std::net::SocketAddr, hello: &mesh::Hello) -> Option<mesh::Reply> {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut s = PeerStream::Tcp(std::net::TcpStream::connect(addr).unwrap());
     mesh::write_handshake(&mut s, &hello.encode()).unwrap();
-    mesh::decode_reply(&mesh::read_handshake(&mut s).unwrap())
+    mesh::decode_reply(&mesh::read_handshake(&mut &s).unwrap())
 }
 
 /// A hello recorded for another nonce (a replay from an earlier rendezvous) is refused, and
@@ -395,14 +439,19 @@ fn listeners_stay_in_the_port_range_and_a_full_range_is_named() {
         listen_ports: Some(range),
         ..opts(false)
     };
-    let ports = run_ranks(3, o, move |pg| {
+    // Three emulated hosts: their links are TCP (on one host, Unix sockets).
+    let hosts = ["a", "b", "c"].map(String::from);
+    let ports = run_ranks_on(&hosts, o, move |pg| {
         let r = pg.rank();
         let links = &pg.mesh.as_ref().expect("a group of three").links;
         // The links this rank accepted, from the ranks above it, end at its listener's port.
         let accepted: Vec<u16> = links[r + 1..]
             .iter()
             .flatten()
-            .map(|l| l.tcp.local_addr().unwrap().port())
+            .map(|l| match &l.stream {
+                PeerStream::Tcp(s) => s.local_addr().unwrap().port(),
+                PeerStream::Local(_) => panic!("a Unix socket between emulated hosts"),
+            })
             .collect();
         pg.barrier().unwrap();
         accepted

@@ -55,21 +55,17 @@ impl ProcessGroup {
         self.trace_op("broadcast_bytes", "u8", bytes, Some(root))
     }
 
-    /// `shm`, `tcp`, `mixed` (some peers each way) or `self` (a group of one).
+    /// `shm`, `unix`, `tcp`, `mixed` (peers of more than one kind) or `self` (a group of one).
     fn transport_name(&self) -> &'static str {
-        let (mut shm, mut tcp) = (false, false);
-        for t in self.transports() {
-            match t {
-                Transport::SharedMemory => shm = true,
-                Transport::Tcp => tcp = true,
-                _ => {}
-            }
-        }
-        match (shm, tcp) {
-            (true, true) => "mixed",
-            (true, false) => "shm",
-            (false, true) => "tcp",
-            (false, false) => "self",
+        let mut kinds = self.transports();
+        kinds.retain(|t| *t != Transport::SelfRank);
+        kinds.dedup();
+        match kinds.as_slice() {
+            [] => "self",
+            [Transport::SharedMemory] => "shm",
+            [Transport::LocalSocket] => "unix",
+            [Transport::Tcp] => "tcp",
+            _ => "mixed",
         }
     }
 }

@@ -30,9 +30,10 @@ use ddp_comm::{CommError, Element, GroupOptions, LaunchEnv, ProcessGroup, Reduce
 struct Args {
     /// The scenario to run.
     scenario: String,
-    /// Force TCP between ranks of this host.
+    /// No shared memory: the data travels over the streams (a Unix socket between ranks of
+    /// one host, TCP between hosts).
     #[arg(long)]
-    tcp: bool,
+    no_shm: bool,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
@@ -83,7 +84,7 @@ fn main() -> ExitCode {
     let opts = GroupOptions {
         timeout: Duration::from_secs_f64(args.timeout_secs),
         connect_timeout: Duration::from_secs_f64(args.connect_timeout_secs),
-        shared_memory: !args.tcp,
+        shared_memory: !args.no_shm,
         listen_ports: None,
     };
     let rank = env.rank;

@@ -1,0 +1,204 @@
+//! The channel ranks on one host meet through: a Unix socket in a directory of this rank's own
+//! (a fresh random name, mode 0700, under `$XDG_RUNTIME_DIR` or else the temporary directory),
+//! so only the job's user (and root) can open it. Another local user cannot connect to it, flood
+//! it or squat its name (the directory is created by this process, atomically, and a name
+//! already taken is never reused), as they can a TCP port on loopback. Ranks on other hosts
+//! still meet over TCP. The listener lives for the rendezvous only: once every peer is
+//! connected it is closed and its directory removed.
+
+use std::io;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Longest socket path the kernel takes (`sockaddr_un`'s 108 bytes, less the final NUL).
+const MAX_PATH: usize = 107;
+/// The socket's name in its directory.
+const SOCKET_NAME: &str = "peers.sock";
+
+/// This rank's listener for the ranks on its host.
+#[derive(Debug)]
+pub(crate) struct LocalListener {
+    listener: UnixListener,
+    path: PathBuf,
+    /// Removed (with the socket) when the listener is dropped.
+    _dir: tempfile::TempDir,
+}
+
+impl LocalListener {
+    /// Binds a listener in a new private directory (non-blocking).
+    pub(crate) fn bind() -> io::Result<LocalListener> {
+        let dir = private_dir(&base_dir())
+            .or_else(|e| private_dir(&std::env::temp_dir()).map_err(|_| e))?;
+        let path = dir.path().join(SOCKET_NAME);
+        if path.as_os_str().len() > MAX_PATH {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the socket path {} is longer than a Unix socket's {MAX_PATH} bytes",
+                    path.display()
+                ),
+            ));
+        }
+        let listener = UnixListener::bind(&path)?;
+        listener.set_nonblocking(true)?;
+        Ok(LocalListener {
+            listener,
+            path,
+            _dir: dir,
+        })
+    }
+
+    /// Where the peers on this host connect.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A connection waiting to be accepted, if any (`WouldBlock` when none).
+    pub(crate) fn accept(&self) -> io::Result<UnixStream> {
+        self.listener.accept().map(|(s, _)| s)
+    }
+}
+
+/// `$XDG_RUNTIME_DIR` when it names a directory (the user's own, 0700, cleaned at logout),
+/// else the temporary directory.
+fn base_dir() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute() && p.is_dir())
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+/// A new directory under `base` only this user can enter: created by this call (never one
+/// that existed), mode 0700, owned by this process's user, which is checked.
+fn private_dir(base: &Path) -> io::Result<tempfile::TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("ddp-comm-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(base)?;
+    let meta = std::fs::metadata(dir.path())?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not private to this user (owner {}, mode {:o})",
+                dir.path().display(),
+                meta.uid(),
+                meta.mode() & 0o777
+            ),
+        ));
+    }
+    Ok(dir)
+}
+
+/// Connects to the local socket at `path`, retrying until `deadline`. `NotFound` at once: no
+/// such socket on this host (the peer is on another host with an equal host identity).
+pub(crate) fn connect(path: &Path, deadline: Instant) -> io::Result<UnixStream> {
+    let addr = socket2::SockAddr::unix(path)?;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)
+            .and_then(|s| {
+                s.connect_timeout(
+                    &addr,
+                    left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
+                )?;
+                Ok(UnixStream::from(std::os::fd::OwnedFd::from(s)))
+            });
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(e),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, e));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    #[test]
+    fn the_socket_lives_in_a_private_directory_removed_with_the_listener() {
+        let l = LocalListener::bind().unwrap();
+        let dir = l.path().parent().unwrap().to_path_buf();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o700, "{}", dir.display());
+        // SAFETY: no preconditions.
+        assert_eq!(meta.uid(), unsafe { libc::geteuid() });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut c = connect(l.path(), deadline).unwrap();
+        c.write_all(b"hi").unwrap();
+        let mut a = loop {
+            match l.accept() {
+                Ok(s) => break s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    assert!(Instant::now() < deadline, "no connection to accept");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        a.set_nonblocking(false).unwrap();
+        let mut got = [0u8; 2];
+        a.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hi");
+        drop(l);
+        assert!(!dir.exists(), "{} left behind", dir.display());
+    }
+
+    #[test]
+    fn a_socket_that_is_not_there_is_not_found_at_once() {
+        let started = Instant::now();
+        let e = connect(
+            Path::new("/nonexistent-ddp-comm-dir/peers.sock"),
+            started + Duration::from_secs(10),
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// Run as root (as CI runs): a process of another user (`nobody`) cannot open the socket,
+    /// even one whose own mode lets everyone in, which a TCP port on loopback would have let it. Not as root: only the mode is checked
+    /// (by the test above), since no other user can be taken on.
+    #[test]
+    fn another_user_cannot_open_it() {
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("not root: cannot run a process as another user; mode checked elsewhere");
+            return;
+        }
+        use std::os::unix::process::CommandExt;
+        let l = LocalListener::bind().unwrap();
+        // As a umask of 0 would leave it: the socket itself open to all, so that only the
+        // directory keeps others out.
+        std::fs::set_permissions(l.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let out = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket,sys\n\
+                 s=socket.socket(socket.AF_UNIX)\n\
+                 try:\n    s.connect(sys.argv[1]); print('connected')\n\
+                 except PermissionError: print('denied')",
+            ])
+            .arg(l.path())
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .expect("python3 (CI installs it) run as user nobody");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            said.trim(),
+            "denied",
+            "{said} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
