@@ -503,3 +503,52 @@ fn a_local_flood_on_rank_0s_listener_does_not_keep_rank_1_out() {
         );
     }
 }
+
+/// Issue 46, the process group's part: rank 2 is SIGKILLed between and inside 4 MB
+/// all-reduces; ranks 0 and 1, the same processes, re-form the group with a replacement
+/// started with `--rejoin` (as a launcher would start it), and all three finish every
+/// all-reduce, each result checked. Over shared memory and over Unix sockets.
+#[test]
+fn a_rank_killed_mid_allreduce_is_replaced_without_restarting_the_others() {
+    for no_shm in [false, true] {
+        let token = ddp_testkit::job_token();
+        let job = |extra: &[&str]| {
+            let job = RankJob::new(WORKER, 3)
+                .args(["reform", "--iterations", "400"])
+                .args(extra)
+                .env("DDP_JOB_TOKEN", &token)
+                .deadline(Duration::from_secs(120));
+            if no_shm { job.arg("--no-shm") } else { job }
+        };
+        let mut first = job(&[]).spawn().expect("spawning ranks");
+        assert!(
+            first.wait_for_output(&[2], "iter 20", Duration::from_secs(60)),
+            "rank 2 never reached iteration 20:\n{}",
+            first.output_so_far(2)
+        );
+        first.kill(2).expect("kill rank 2");
+        let replacement = job(&["--rejoin"])
+            .master_port(first.master_port())
+            .only_ranks([2])
+            .spawn()
+            .expect("spawning the replacement");
+        let survivors = first.wait();
+        let replaced = replacement.wait();
+        let report = format!("{}\n{}", survivors.report(), replaced.report());
+        for r in [0, 1] {
+            let rank = survivors.rank(r);
+            assert!(rank.success(), "rank {r} (no_shm {no_shm}):\n{report}");
+            assert!(
+                rank.stdout.contains("re-formed as generation 1")
+                    && rank.stdout.contains("reform ok"),
+                "rank {r}:\n{report}"
+            );
+        }
+        let rank2 = replaced.rank(2);
+        assert!(rank2.success(), "the replacement:\n{report}");
+        assert!(
+            rank2.stdout.contains("generation 1 from iteration"),
+            "{report}"
+        );
+    }
+}

@@ -60,6 +60,8 @@ mod node_gather;
 mod nodes;
 mod ordered;
 mod peer_stream;
+mod reform;
+mod rendezvous;
 mod scatter;
 mod shards;
 mod shm;
@@ -71,12 +73,12 @@ use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::job_auth::JobAuth;
 use crate::port_range::PortRange;
-use crate::store::{CompareSet, PrefixStore, Store, StoreClient, StoreServer, keys};
+use crate::store::{StoreClient, StoreServer};
 
 pub use compression::Compression;
 use engine::{HDR, Header, Kind, Msg, NODE_AWARE_OP, Op, Waiting, drive, op_code, op_name};
 use link::Link;
-use mesh::{MeshConfig, PeerInfo};
+use rendezvous::Claim;
 
 /// A reduction for [`ProcessGroup::all_reduce`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -187,6 +189,12 @@ struct Mesh {
     // Kept alive for the group's lifetime (rank 0 serves, everyone holds a client).
     store: StoreClient,
     _server: Option<StoreServer>,
+    /// Which forming of the group this mesh is (0: the first; see [`ProcessGroup::reform`]).
+    generation: u64,
+    /// The store's address (for messages).
+    endpoint: String,
+    /// The options the group was formed with (a re-forming uses them again).
+    options: GroupOptions,
 }
 
 /// A group of rank processes that run collectives together.
@@ -228,9 +236,18 @@ impl ProcessGroup {
             pg.timeout = opts.timeout;
             return Ok(pg);
         }
+        let mut pg = Self::start(env, opts, Claim::In(0))?;
+        if let Some(m) = pg.mesh.as_mut() {
+            crate::trace::on_group_ready(pg.rank, pg.world_size, &mut m.store);
+        }
+        Ok(pg)
+    }
+
+    /// Connects to the job's store (rank 0 serves it) and forms this rank's mesh, claiming its
+    /// slot as `claim` says.
+    fn start(env: &LaunchEnv, opts: GroupOptions, claim: Claim) -> Result<Self> {
         let _span = crate::trace::span("rendezvous", "setup").arg("world", env.world_size);
         let started = Instant::now();
-        let deadline = started + opts.connect_timeout;
         let (rank, world) = (env.rank, env.world_size);
         let mut auth = JobAuth::for_group(env)?;
         let endpoint = auth.endpoint.clone();
@@ -245,159 +262,15 @@ impl ProcessGroup {
         } else {
             None
         };
-        let mut store = auth.connect(opts.connect_timeout)?;
-
-        let ip = mesh::local_ip_towards(&endpoint)
-            .map_err(|e| CommError::io(format!("finding the interface to {endpoint}"), None, e))?;
-        let ports = match opts.listen_ports {
-            Some(range) => Some(range),
-            None => PortRange::from_env()?,
-        };
-        let listener = match ports {
-            Some(range) => range.bind(ip, rank),
-            None => std::net::TcpListener::bind((ip, 0)),
-        }
-        .map_err(|e| CommError::io(format!("binding a listener on {ip}"), None, e))?;
-        // The ranks on this host connect here; those on other hosts to `listener`.
-        let local = match local_socket::LocalListener::bind() {
-            Ok(l) if !l.path().to_string_lossy().contains('\n') => Some(l),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::warn!(
-                    "rank {rank}: no Unix socket for the ranks on this host ({e}); they connect over TCP, which any local user can reach"
-                );
-                None
-            }
-        };
-        let identity = crate::auth::Identity::generate();
-        let me = PeerInfo {
-            addr: listener
-                .local_addr()
-                .map_err(|e| CommError::io("listener address", None, e))?,
-            host: mesh::host_identity(),
-            socket: local
-                .as_ref()
-                .map(|l| l.path().to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            nonce: crate::auth::nonce(),
-            identity: identity.public(),
-        };
-        let mut ns = PrefixStore::new(&mut store, keys::PROCESS_GROUP);
-        // Once and for all: no other process holding the job's key can replace it.
-        match ns.set_once(&keys::peer_addr(rank), &me.encode())? {
-            CompareSet::Swapped => {}
-            CompareSet::Current(Some(v)) if v == me.encode() => {}
-            CompareSet::Current(_) => {
-                return Err(CommError::Store {
-                    addr: endpoint.clone(),
-                    msg: format!(
-                        "another process already joined as rank {rank} of this job \
-                         (two ranks with RANK={rank}, or a leftover process of an earlier run \
-                         on the same MASTER_PORT)"
-                    ),
-                });
-            }
-        }
-
-        let addr_keys: Vec<String> = (0..world).map(keys::peer_addr).collect();
-        let key_refs: Vec<&str> = addr_keys.iter().map(String::as_str).collect();
-        // Ranks other than 0 give up a little earlier, while rank 0 still serves the store, so
-        // every rank can name the missing ranks itself.
-        let margin = if rank == 0 {
-            Duration::ZERO
-        } else {
-            (opts.connect_timeout / 10).min(Duration::from_millis(500))
-        };
-        let give_up = deadline.checked_sub(margin).unwrap_or(deadline);
-        // In slices: every WAIT_PROGRESS a line says which ranks this rank still waits for.
-        let waited = loop {
-            let left = give_up.saturating_duration_since(Instant::now());
-            match ns.wait(&key_refs, left.min(WAIT_PROGRESS)) {
-                Err(CommError::Timeout { .. }) if !left.saturating_sub(WAIT_PROGRESS).is_zero() => {
-                    let missing = missing_ranks(&mut ns, &addr_keys)?;
-                    let line = format!(
-                        "rank {rank}: waiting for rank(s) {} of {world} to join ({:.0} s of {:.0} s)",
-                        mesh::list(&missing),
-                        started.elapsed().as_secs_f64(),
-                        opts.connect_timeout.as_secs_f64()
-                    );
-                    tracing::warn!("{line}");
-                    if !tracing::dispatcher::has_been_set() {
-                        // Said even by a program that set up no logging: it is why it waits.
-                        eprintln!("{line}");
-                    }
-                }
-                other => break other,
-            }
-        };
-        if let Err(e) = waited {
-            if !matches!(e, CommError::Timeout { .. }) {
-                return Err(e);
-            }
-            let missing = missing_ranks(&mut ns, &addr_keys)?;
-            if rank == 0 {
-                // Keep serving briefly for ranks that started later than us.
-                std::thread::sleep(Duration::from_millis(300));
-            }
-            return Err(CommError::Timeout {
-                op: format!(
-                    "rendezvous: rank(s) {} of {world} never joined",
-                    mesh::list(&missing)
-                ),
-                peer: missing.first().copied(),
-                after: started.elapsed(),
-            });
-        }
-        let mut infos = Vec::with_capacity(world);
-        for (r, k) in addr_keys.iter().enumerate() {
-            let v = ns.get(k, Duration::from_secs(1))?;
-            infos.push(PeerInfo::decode(&v).ok_or_else(|| CommError::Store {
-                addr: endpoint.clone(),
-                msg: format!("rank {r} published a malformed address"),
-            })?);
-        }
-
-        let cfg = MeshConfig {
-            rank,
-            world,
-            identity: &identity,
-            nonce: me.nonce,
-            shared_memory: opts.shared_memory,
-            deadline,
-            started,
-        };
-        let links = mesh::establish(&cfg, listener, local, &infos)?;
-        crate::trace::on_group_ready(rank, world, &mut store);
-        let local = infos.iter().filter(|i| i.host == me.host).count();
-        let nodes = nodes::Nodes::from_hosts(&infos.iter().map(|i| &i.host).collect::<Vec<_>>());
-        let node_aware = node_aware_from_env()?;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tracing::debug!(
-            rank,
-            world,
-            local,
-            "process group ready in {:?}",
-            started.elapsed()
-        );
+        let store = auth.connect(opts.connect_timeout)?;
+        let mesh = rendezvous::join(rank, world, claim, &opts, &endpoint, store, server, started)?;
         Ok(ProcessGroup {
             rank,
             world_size: world,
             timeout: opts.timeout,
             seq: 0,
             poisoned: None,
-            mesh: Some(Mesh {
-                links,
-                msgs: (0..world).map(|_| Msg::default()).collect(),
-                scratch: Vec::new(),
-                stage: Vec::new(),
-                half: Vec::new(),
-                spin: local <= cores,
-                node_aware: node_aware && nodes.as_ref().is_some_and(nodes::Nodes::worth_it),
-                nodes,
-                remote: infos.iter().map(|i| i.host != me.host).collect(),
-                store,
-                _server: server,
-            }),
+            mesh: Some(mesh),
         })
     }
 
@@ -765,23 +638,6 @@ impl Drop for ProcessGroup {
 }
 
 const _: () = assert!(HDR.is_multiple_of(8));
-
-/// How often a rank waiting at rendezvous for the others says which it still waits for.
-const WAIT_PROGRESS: Duration = Duration::from_secs(10);
-
-/// The ranks whose address is not in the store yet.
-fn missing_ranks<S: Store + ?Sized>(
-    ns: &mut PrefixStore<'_, S>,
-    addr_keys: &[String],
-) -> Result<Vec<usize>> {
-    let mut missing = Vec::new();
-    for (r, k) in addr_keys.iter().enumerate() {
-        if ns.try_get(k)?.is_none() {
-            missing.push(r);
-        }
-    }
-    Ok(missing)
-}
 
 #[cfg(test)]
 pub(crate) mod tests;

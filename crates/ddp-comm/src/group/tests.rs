@@ -4,9 +4,11 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::mesh::{MeshConfig, PeerInfo};
 use super::peer_stream::PeerStream;
 use super::*;
 use crate::env::EnvSource;
+use crate::store::{PrefixStore, Store, keys};
 
 use ddp_testkit::free_port;
 
@@ -490,4 +492,89 @@ fn listeners_stay_in_the_port_range_and_a_full_range_is_named() {
             .any(|e| e.contains("DDP_PORT_RANGE") && e.contains("no port")),
         "{errors:?}"
     );
+}
+
+/// A lost rank is replaced without restarting the others: rank 2's process goes away (its
+/// links close), the survivors' next collective fails, they re-form the group, a
+/// replacement rejoins as rank 2, and the three all-reduce again, in a new generation.
+#[test]
+fn survivors_re_form_the_group_with_a_replacement() {
+    for shm in [true, false] {
+        let port = free_port();
+        let token = format!("reform-token-{shm}");
+        let o = opts(shm);
+        let survivors: Vec<_> = (0..2)
+            .map(|r| {
+                let (o, token) = (o.clone(), token.clone());
+                std::thread::spawn(move || {
+                    let mut pg = ProcessGroup::init(&env(r, 3, port, &token), o).unwrap();
+                    pg.barrier().unwrap();
+                    let mut x = [1.0f32; 1000];
+                    let lost = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+                    pg.reform().unwrap();
+                    let mut y = [(r + 1) as f32; 1000];
+                    pg.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+                    (lost.to_string(), y[999], pg.generation())
+                })
+            })
+            .collect();
+        let (o2, token2) = (o.clone(), token.clone());
+        let replaced = std::thread::spawn(move || {
+            let pg = ProcessGroup::init(&env(2, 3, port, &token2), o2.clone()).unwrap();
+            let mut pg = pg;
+            pg.barrier().unwrap();
+            drop(pg); // lost: its links close under the others
+            let mut pg = ProcessGroup::rejoin(&env(2, 3, port, &token2), o2).unwrap();
+            let mut y = [3.0f32; 1000];
+            pg.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+            (y[999], pg.generation())
+        });
+        let mut errors = Vec::new();
+        for (r, h) in survivors.into_iter().enumerate() {
+            let (lost, sum, generation) = h.join().unwrap();
+            assert_eq!((sum, generation), (6.0, 1), "rank {r}");
+            errors.push(lost);
+        }
+        // The first to notice names rank 2; the other may name the survivor that broke off.
+        assert!(errors.iter().any(|e| e.contains("rank 2")), "{errors:?}");
+        assert_eq!(replaced.join().unwrap(), (6.0, 1));
+    }
+}
+
+/// Without a replacement the survivors' re-forming ends at its deadline naming the rank that
+/// never joined, and leaves the group poisoned; rank 0 cannot rejoin (it served the store).
+#[test]
+fn re_forming_without_a_replacement_times_out_naming_the_lost_rank() {
+    let port = free_port();
+    let o = GroupOptions {
+        connect_timeout: Duration::from_secs(2),
+        ..opts(true)
+    };
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let o = o.clone();
+            std::thread::spawn(move || {
+                let mut pg = ProcessGroup::init(&env(r, 3, port, "lonely"), o).unwrap();
+                pg.barrier().unwrap();
+                if r == 2 {
+                    return None;
+                }
+                let mut x = [1.0f32; 10];
+                pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+                let e = pg.reform().unwrap_err();
+                let again = pg.barrier().unwrap_err();
+                Some((e.to_string(), again.to_string()))
+            })
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate().take(2) {
+        let (e, again) = h.join().unwrap().unwrap();
+        assert!(e.contains("rank(s) 2"), "rank {r}: {e}");
+        assert!(
+            again.contains("re-forming the group failed"),
+            "rank {r}: {again}"
+        );
+    }
+    let e = ProcessGroup::rejoin(&env(0, 3, port, "lonely"), o).unwrap_err();
+    assert!(e.to_string().contains("rank 0 serves"), "{e}");
 }

@@ -25,6 +25,21 @@ pub fn peer_addr(rank: usize) -> String {
     format!("addr/{rank}")
 }
 
+/// Rank `rank`'s published address in the group's generation `generation` (in
+/// [`PROCESS_GROUP`]): [`peer_addr`] for the first (0), `{generation}/addr/{rank}` for each
+/// re-forming after a lost rank.
+pub fn peer_addr_in(generation: u64, rank: usize) -> String {
+    if generation == 0 {
+        peer_addr(rank)
+    } else {
+        format!("{generation}/addr/{rank}")
+    }
+}
+
+/// The group's latest generation (in [`PROCESS_GROUP`]; absent: 0), moved on by the survivors
+/// of a lost rank with a compare-and-set.
+pub const MESH_GENERATION: &str = "mesh_generation";
+
 /// The trace clock synchronisation's namespace.
 pub const TRACE: &str = "ddp/trace";
 
@@ -108,6 +123,8 @@ mod tests {
     fn each_rank_owns_the_entries_it_publishes() {
         let full = |ns: &str, k: String| format!("{ns}/{k}");
         assert_eq!(owner(&full(PROCESS_GROUP, peer_addr(3))), Some(3));
+        assert_eq!(owner(&full(PROCESS_GROUP, peer_addr_in(2, 3))), Some(3));
+        assert_eq!(owner(&full(PROCESS_GROUP, MESH_GENERATION.into())), None);
         assert_eq!(owner(&full("nccl", nccl_generation(2))), Some(2));
         assert_eq!(owner(&full("nccl", nccl_arrived(7, 5))), Some(5));
         assert_eq!(owner(&full("nccl", nccl_unique_id(7))), Some(0));

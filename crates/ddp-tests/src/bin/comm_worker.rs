@@ -46,6 +46,13 @@ struct Args {
     /// How long rank 1 waits before it joins the group (the others join at once).
     #[arg(long, default_value_t = 0)]
     rank1_join_delay_ms: u64,
+    /// Join a running group in place of a lost process of this rank
+    /// (`ProcessGroup::rejoin`).
+    #[arg(long)]
+    rejoin: bool,
+    /// For `reform`: how many all-reduces in all.
+    #[arg(long, default_value_t = 300)]
+    iterations: u64,
 }
 
 /// A scenario failure: a wrong result (exit 1) or a communication error (exit 3).
@@ -95,16 +102,19 @@ fn main() -> ExitCode {
         std::thread::sleep(Duration::from_millis(args.rank1_join_delay_ms));
     }
     let t0 = Instant::now();
-    let result = ProcessGroup::init(&env, opts)
-        .map_err(Failure::from)
-        .and_then(|mut pg| {
-            println!(
-                "rank {rank}: joined in {:?} (node-aware all-reduce {})",
-                t0.elapsed(),
-                if pg.node_aware() { "on" } else { "off" }
-            );
-            run(&args, &mut pg)
-        });
+    let joined = if args.rejoin {
+        ProcessGroup::rejoin(&env, opts)
+    } else {
+        ProcessGroup::init(&env, opts)
+    };
+    let result = joined.map_err(Failure::from).and_then(|mut pg| {
+        println!(
+            "rank {rank}: joined in {:?} (node-aware all-reduce {})",
+            t0.elapsed(),
+            if pg.node_aware() { "on" } else { "off" }
+        );
+        run(&args, &mut pg)
+    });
     match result {
         Ok(()) => {
             println!("rank {rank}: {} ok", args.scenario);
@@ -126,6 +136,7 @@ fn run(args: &Args, pg: &mut ProcessGroup) -> Res {
         "matrix" => matrix(pg),
         "big" => big(pg),
         "loop-big" => loop_big(pg),
+        "reform" => reform(pg, args.iterations),
         "mismatch-len" => mismatch_len(pg),
         "stall" => stall(pg, Duration::from_millis(args.stall_ms)),
         "barrier" | "forge-addr" => Ok(pg.barrier()?),
@@ -354,6 +365,56 @@ fn loop_big(pg: &mut ProcessGroup) -> Res {
         println!("rank {}: iter {k}", pg.rank());
     }
     Ok(())
+}
+
+/// All-reduces of 1 M floats, `iterations` in all, each checked; when one fails (a lost
+/// peer), the group is re-formed and the ranks go on from the furthest any of them got (a
+/// rank that finished an all-reduce holds its whole result). A replacement started with
+/// `--rejoin` joins at that point.
+fn reform(pg: &mut ProcessGroup, iterations: u64) -> Res {
+    let rank = pg.rank();
+    let world = pg.world_size() as f32;
+    let mut next = agree_on_next(pg, 0)?;
+    println!(
+        "rank {rank}: generation {} from iteration {next}",
+        pg.generation()
+    );
+    while next < iterations {
+        let k = (next % 7 + 1) as f32;
+        let mut x = vec![(rank + 1) as f32 * k; 1 << 20];
+        match pg.all_reduce(&mut x, ReduceOp::Sum) {
+            Ok(()) => {
+                let want = k * world * (world + 1.0) / 2.0;
+                if let Some(i) = x.iter().position(|&v| v != want) {
+                    return Err(wrong(format!(
+                        "iteration {next}: [{i}] = {} != {want}",
+                        x[i]
+                    )));
+                }
+                next += 1;
+                if next % 10 == 0 {
+                    println!("rank {rank}: iter {next}");
+                }
+            }
+            Err(e) => {
+                println!("rank {rank}: lost a peer in iteration {next}: {e}");
+                pg.reform()?;
+                next = agree_on_next(pg, next)?;
+                println!(
+                    "rank {rank}: re-formed as generation {} from iteration {next}",
+                    pg.generation()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The furthest iteration any rank got to.
+fn agree_on_next(pg: &mut ProcessGroup, mine: u64) -> Res<u64> {
+    let mut n = [mine as i64];
+    pg.all_reduce(&mut n, ReduceOp::Max)?;
+    Ok(n[0] as u64)
 }
 
 fn mismatch_len(pg: &mut ProcessGroup) -> Res {

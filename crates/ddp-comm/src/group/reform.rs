@@ -1,0 +1,124 @@
+//! Re-forming a group after a lost rank, without a process restart (as c10d's process-group
+//! abort and re-init): the survivors break their links, move the group to its next generation
+//! with one compare-and-set in the store, and form a new mesh together with the process that
+//! replaces the lost one ([`ProcessGroup::rejoin`]). Every rank agrees on the generation it
+//! joins (the store's compare-and-set), every slot of a generation is claimed once, and the
+//! collectives start numbering again from the first.
+//!
+//! Rank 0 serves the store, so a lost rank 0 cannot be replaced this way: its survivors'
+//! re-forming fails (the store is gone), as today's restart path expects.
+
+use std::time::Instant;
+
+use super::rendezvous::{self, Claim, current_generation};
+use super::{GroupOptions, Mesh, ProcessGroup};
+use crate::env::LaunchEnv;
+use crate::error::{CommError, Result};
+use crate::store::{CompareSet, PrefixStore, Store, keys};
+
+impl ProcessGroup {
+    /// Joins a running group in place of a lost process of rank `env.rank`: claims the rank's
+    /// slot in the first generation where it is free, waiting (within
+    /// [`GroupOptions::connect_timeout`]) for the survivors to re-form
+    /// ([`ProcessGroup::reform`]) while the lost process's slot is the current one's.
+    ///
+    /// Rank 0 cannot rejoin: it served the store, which was lost with it.
+    pub fn rejoin(env: &LaunchEnv, opts: GroupOptions) -> Result<Self> {
+        if env.world_size == 1 {
+            return Self::init(env, opts);
+        }
+        if env.rank == 0 {
+            return Err(CommError::InvalidArgument(
+                "rank 0 serves the group's store: a lost rank 0 cannot be replaced while the \
+                 job runs (restart the job from its checkpoint)"
+                    .into(),
+            ));
+        }
+        Self::start(env, opts, Claim::Replacing)
+    }
+
+    /// Re-forms the group after a collective failed because a rank was lost: breaks every
+    /// link (so that peers still inside a collective with this rank fail now, and re-form
+    /// too), starts the group's next generation (or joins the one another survivor started)
+    /// and forms a new mesh with every rank of it, the lost rank's replacement included
+    /// ([`ProcessGroup::rejoin`]), within [`GroupOptions::connect_timeout`]. The group is
+    /// usable again (no longer poisoned); the next collective is the first of the new
+    /// generation on every rank. What each rank holds (a model, a step) is the caller's to
+    /// make consistent, e.g. by a broadcast from a survivor.
+    ///
+    /// On error the group stays poisoned. A group of one has nothing to re-form.
+    pub fn reform(&mut self) -> Result<()> {
+        let Some(mesh) = self.mesh.take() else {
+            self.poisoned = None;
+            self.seq = 0;
+            return Ok(());
+        };
+        for l in mesh.links.iter().flatten() {
+            l.abort(None);
+        }
+        let Mesh {
+            links,
+            mut store,
+            _server: server,
+            generation,
+            endpoint,
+            options,
+            ..
+        } = mesh;
+        drop(links);
+        let started = Instant::now();
+        let joined = next_generation(
+            &mut PrefixStore::new(&mut store, keys::PROCESS_GROUP),
+            generation,
+        )
+        .and_then(|next| {
+            tracing::warn!(
+                "rank {}: re-forming the group as its generation {next}",
+                self.rank
+            );
+            rendezvous::join(
+                self.rank,
+                self.world_size,
+                Claim::In(next),
+                &options,
+                &endpoint,
+                store,
+                server,
+                started,
+            )
+        });
+        match joined {
+            Ok(mesh) => {
+                self.mesh = Some(mesh);
+                self.seq = 0;
+                self.poisoned = None;
+                Ok(())
+            }
+            Err(e) => {
+                self.poisoned = Some(format!("re-forming the group failed: {e}"));
+                Err(e)
+            }
+        }
+    }
+
+    /// Which forming of the group this is: 0 for the first, one more for each
+    /// [`ProcessGroup::reform`] (or the generation a [`ProcessGroup::rejoin`] joined).
+    pub fn generation(&self) -> u64 {
+        self.mesh.as_ref().map_or(0, |m| m.generation)
+    }
+}
+
+/// The generation after `left`: started by this rank (a compare-and-set from `left`) or by
+/// another survivor first (then the one it started, or a later one).
+fn next_generation<S: Store + ?Sized>(ns: &mut PrefixStore<'_, S>, left: u64) -> Result<u64> {
+    let expected = (left > 0).then(|| left.to_string());
+    let desired = (left + 1).to_string();
+    match ns.compare_set(
+        keys::MESH_GENERATION,
+        expected.as_deref().map(str::as_bytes),
+        desired.as_bytes(),
+    )? {
+        CompareSet::Swapped => Ok(left + 1),
+        CompareSet::Current(_) => Ok(current_generation(ns)?.max(left + 1)),
+    }
+}
