@@ -42,6 +42,16 @@ pub const RESTART_COUNT_VARS: [&str; 2] = ["TORCHELASTIC_RESTART_COUNT", "DDP_RE
 /// ranks; `TORCHELASTIC_RESTART_COUNT` counts failed rounds only.
 pub const ROUND_VAR: &str = "DDP_ROUND";
 
+/// Set to `1` by a launcher in a process it starts in place of a lost rank of a running job
+/// (`ddprun --recover live`): the process joins the running group
+/// (`ProcessGroup::rejoin`) instead of forming a new one.
+pub const REJOIN_VAR: &str = "DDP_REJOIN";
+
+/// Whether this process replaces a lost rank of a running job ([`REJOIN_VAR`] is `1`).
+pub fn rejoining() -> bool {
+    std::env::var(REJOIN_VAR).is_ok_and(|v| v.trim() == "1")
+}
+
 /// A launch variable that is missing or malformed. The message names the variable and value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -552,3 +552,75 @@ fn a_rank_killed_mid_allreduce_is_replaced_without_restarting_the_others() {
         );
     }
 }
+
+/// The pid a rank printed in its `reform` line containing `what`.
+fn reform_pid(lines: &[&str], what: &str) -> Option<u32> {
+    let line = lines.iter().find(|l| l.contains(what))?;
+    let (_, rest) = line.split_once("(pid ")?;
+    rest.split(')').next()?.parse().ok()
+}
+
+/// `ddprun --recover live`: the last of 3 ranks SIGKILLs itself in the middle of the job
+/// (before its 40th all-reduce); ddprun starts a replacement for it with `DDP_REJOIN=1` while
+/// ranks 0 and 1 run on (the same processes: their pids before and after match), the group
+/// re-forms, every all-reduce is done and checked, and ddprun exits 0 saying one rank was
+/// replaced. Without a budget (`--max-restarts 0`), `--recover live` is refused with one line.
+#[test]
+fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
+    use std::process::Command;
+    let ddprun = std::path::Path::new(WORKER).with_file_name("ddprun");
+    let launched = ddp_testkit::Launched::spawn(
+        Command::new(&ddprun)
+            .args([
+                "--nproc-per-node",
+                "3",
+                "--recover",
+                "live",
+                "--max-restarts",
+                "1",
+                "--",
+            ])
+            .args([WORKER, "reform", "--iterations", "300", "--die-at", "40"]),
+    )
+    .expect("start ddprun");
+    let ended = launched.wait_until(Instant::now() + Duration::from_secs(120));
+    let all = format!("{}\n{}", ended.stdout, ended.stderr);
+    assert!(ended.status.success(), "{}\n{all}", ended.status);
+    for r in [0, 1] {
+        let lines = ddp_testkit::rank_lines(&ended.stdout, r);
+        let before = reform_pid(&lines, "generation 0 from iteration 0");
+        let after = reform_pid(&lines, "re-formed as generation 1");
+        assert!(
+            before.is_some() && before == after,
+            "rank {r}: {before:?} then {after:?}\n{all}"
+        );
+    }
+    let rank2 = ddp_testkit::rank_lines(&ended.stdout, 2);
+    assert!(
+        rank2
+            .iter()
+            .any(|l| l.contains("generation 1 from iteration 40")),
+        "{all}"
+    );
+    assert!(
+        ended.stderr.contains("starting a replacement for rank 2")
+            && ended.stderr.contains("1 lost rank(s) replaced"),
+        "{all}"
+    );
+
+    let refused = ddp_testkit::Launched::spawn(
+        Command::new(&ddprun)
+            .args(["--nproc-per-node", "2", "--recover", "live", "--"])
+            .args([WORKER, "barrier"]),
+    )
+    .expect("start ddprun")
+    .wait_until(Instant::now() + Duration::from_secs(30));
+    assert!(!refused.status.success());
+    assert!(
+        refused
+            .stderr
+            .contains("--recover live needs --max-restarts"),
+        "{}",
+        refused.stderr
+    );
+}

@@ -70,6 +70,13 @@ pub struct LaunchConfig {
     /// attempt can never join) and `TORCHELASTIC_RESTART_COUNT` / `DDP_RESTART_COUNT` set to
     /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
     pub max_restarts: usize,
+    /// Live recovery (`--recover live`, one node): a rank other than global rank 0 that dies
+    /// of its own failure is replaced by a new process for the same rank, started with
+    /// `DDP_REJOIN=1`, while the others keep running and re-form their group with it
+    /// (`ProcessGroup::reform` / `ProcessGroup::rejoin`). Each replacement counts against
+    /// [`Self::max_restarts`]. Any other failure (rank 0's, a rank failing on a peer's, a
+    /// second one while stopping) stops every rank as without it.
+    pub live_recovery: bool,
     /// Record a timeline of every rank into this directory (sets `DDP_TRACE` for the ranks,
     /// see [`ddp_trace`]) and merge the rank files into `DIR/trace.json` when the launch
     /// has ended, also when ranks failed. `None`: `DDP_TRACE` from [`Self::extra_env`] or
@@ -99,6 +106,7 @@ impl Default for LaunchConfig {
             forward_signals: false,
             extra_env: Vec::new(),
             max_restarts: 0,
+            live_recovery: false,
             trace: None,
         }
     }
@@ -150,6 +158,19 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
             "the fewest nodes ({min}) must be between 1 and the most nodes ({})",
             cfg.nnodes
         )));
+    }
+    if cfg.live_recovery && cfg.nnodes > 1 {
+        return Err(LaunchError::InvalidConfig(
+            "--recover live runs on one node for now; a job of several nodes restarts its group \
+             (--recover restart)"
+                .into(),
+        ));
+    }
+    if cfg.live_recovery && cfg.max_restarts == 0 {
+        return Err(LaunchError::InvalidConfig(
+            "--recover live needs --max-restarts 1 or more: each replacement counts against it"
+                .into(),
+        ));
     }
     if cfg.nnodes > 1 && cfg.rdzv_heartbeat.is_zero() {
         return Err(LaunchError::InvalidConfig(

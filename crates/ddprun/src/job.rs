@@ -237,6 +237,8 @@ impl Node<'_> {
             };
             let shared = super::Shared {
                 cfg,
+                // Live recovery runs on one node only (checked with the configuration).
+                replacements_left: 0,
                 notes: self.notes,
                 forwarding: self.forwarding,
             };
@@ -379,6 +381,7 @@ impl Node<'_> {
             elapsed: Duration::ZERO,
             attempt: 0,
             restarts,
+            replaced: Vec::new(),
             job_stop: (exit_code != 0).then_some(JobStop { line, exit_code }),
         }
     }

@@ -31,17 +31,17 @@
 mod config;
 mod failure_notes;
 mod job;
+mod live;
 mod net;
 mod output;
 mod rendezvous;
 mod report;
 mod signals;
+mod spawn;
 mod trace;
 
 use std::collections::BTreeMap;
-use std::io;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -52,12 +52,10 @@ pub use report::{AttemptEnd, Failure, JobStop, LaunchError, LaunchReport, RankEx
 pub use signals::signal_name;
 
 use config::{attempt_env, common_env};
-use ddp_comm::env::{RANK_KEYS_VAR, TOKEN_VAR};
-
 use failure_notes::FailureNotes;
-use output::Sink;
 use rendezvous::messages::Cause;
 use signals::{SignalForwarding, kill_group};
+use spawn::RankSpawner;
 
 /// How often the watch loop checks the ranks.
 const POLL: Duration = Duration::from_millis(5);
@@ -131,18 +129,27 @@ pub fn launch(
     }
     let node_ranks = 0..cfg.nproc_per_node;
     let mut restarts = Vec::new();
+    // Lost ranks replaced live so far (they share the restarts' budget).
+    let mut replaced = 0;
     for attempt in 0.. {
         let mut env = attempt_env(cfg, &env, attempt)?;
         if let Some(dir) = &trace_dir {
             trace::prepare(dir, attempt, node_ranks.clone(), &mut env)?;
         }
+        let used = attempt + replaced;
         let shared = Shared {
             cfg,
+            replacements_left: if cfg.live_recovery {
+                cfg.max_restarts.saturating_sub(used)
+            } else {
+                0
+            },
             notes: &notes,
             forwarding: forwarding.as_ref(),
         };
         let mut report = launch_once(shared, &env, 0, program, args, &mut NoHooks)?;
         report.attempt = attempt;
+        replaced += report.replaced.len();
         // A signal to the launcher ends the job whenever it came, even after the last rank
         // had exited (between the watch and this line).
         if report.interrupted.is_none()
@@ -150,7 +157,9 @@ pub fn launch(
         {
             report.interrupted = Some((sig, 0));
         }
-        let again = !report.success() && report.interrupted.is_none() && attempt < cfg.max_restarts;
+        let again = !report.success()
+            && report.interrupted.is_none()
+            && attempt + replaced < cfg.max_restarts;
         if !again {
             report.restarts = restarts;
             if let Some(dir) = &trace_dir {
@@ -163,7 +172,7 @@ pub fn launch(
         // restart when it happens, not only at the end.
         eprintln!(
             "{summary}; restarting the group (restart {} of {})",
-            attempt + 1,
+            attempt + replaced + 1,
             cfg.max_restarts
         );
         restarts.push(AttemptEnd {
@@ -197,6 +206,8 @@ impl RoundHooks for NoHooks {
 #[derive(Clone, Copy)]
 struct Shared<'a> {
     cfg: &'a LaunchConfig,
+    /// How many lost ranks may still be replaced live (`--recover live`; 0 without it).
+    replacements_left: usize,
     /// Where the ranks note a failure that only relayed a peer's.
     notes: &'a FailureNotes,
     /// The caught SIGINT/SIGTERM, with `forward_signals`.
@@ -223,15 +234,25 @@ fn launch_once(
         "launching ranks"
     );
 
-    // SAFETY: getpid has no preconditions.
-    let launcher_pid = unsafe { libc::getpid() };
     let (done_tx, done_rx) = mpsc::channel();
-    let mut pumps = Vec::new();
+    let mut spawner = RankSpawner {
+        cfg,
+        notes,
+        env,
+        program,
+        args,
+        first_rank,
+        done: Some(done_tx),
+        pumps: Vec::new(),
+    };
     let mut ranks: Vec<Rank> = Vec::with_capacity(cfg.nproc_per_node);
     for local in 0..cfg.nproc_per_node {
-        let rank = first_rank + local;
-        let (note_var, note_file) = match notes.for_rank(rank) {
-            Ok(v) => v,
+        match spawner.spawn(local, false) {
+            Ok(child) => ranks.push(Rank {
+                rank: first_rank + local,
+                child,
+                exit: None,
+            }),
             Err(e) => {
                 for r in &mut ranks {
                     kill_group(r.child.id(), libc::SIGKILL);
@@ -239,109 +260,12 @@ fn launch_once(
                 }
                 return Err(e);
             }
-        };
-        let mut cmd = Command::new(program);
-        cmd.args(args)
-            .env(note_var, note_file)
-            .envs(env)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .envs(
-                env.get(TOKEN_VAR)
-                    .map(|round| {
-                        [
-                            (TOKEN_VAR, config::rank_token(round, rank)),
-                            (RANK_KEYS_VAR, "1".to_string()),
-                        ]
-                    })
-                    .into_iter()
-                    .flatten(),
-            )
-            .envs(cfg.extra_env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .process_group(0);
-        if cfg.prefix_output {
-            cmd.stdout(Stdio::piped());
-            if !(cfg.rank0_stderr_direct && rank == 0) {
-                cmd.stderr(Stdio::piped());
-            }
         }
-        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-        // system calls (prctl, getppid, kill).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(
-                    libc::PR_SET_PDEATHSIG,
-                    libc::SIGKILL as libc::c_ulong,
-                    0,
-                    0,
-                    0,
-                ) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                // The launcher may have died before prctl took effect.
-                if libc::getppid() != launcher_pid {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-                Ok(())
-            });
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(source) => {
-                for r in &mut ranks {
-                    kill_group(r.child.id(), libc::SIGKILL);
-                    let _ = r.child.wait();
-                }
-                return Err(LaunchError::Spawn {
-                    rank,
-                    program: program.to_string_lossy().into_owned(),
-                    source,
-                });
-            }
-        };
-        tracing::debug!(rank, pid = child.id(), "rank started");
-        if cfg.prefix_output {
-            let streams = [
-                child
-                    .stdout
-                    .take()
-                    .map(|s| Box::new(s) as Box<dyn io::Read + Send>),
-                child
-                    .stderr
-                    .take()
-                    .map(|s| Box::new(s) as Box<dyn io::Read + Send>),
-            ];
-            for (stream, sink) in streams.into_iter().zip([Sink::Stdout, Sink::Stderr]) {
-                let Some(stream) = stream else { continue };
-                match output::pump(rank, stream, sink, done_tx.clone()) {
-                    Ok(h) => pumps.push(h),
-                    Err(source) => {
-                        // Without a reader the rank would block on a full pipe: give up.
-                        kill_group(child.id(), libc::SIGKILL);
-                        let _ = child.wait();
-                        for r in &mut ranks {
-                            kill_group(r.child.id(), libc::SIGKILL);
-                            let _ = r.child.wait();
-                        }
-                        return Err(LaunchError::Io {
-                            what: format!("starting the output thread of rank {rank}"),
-                            source,
-                        });
-                    }
-                }
-            }
-        }
-        ranks.push(Rank {
-            rank,
-            child,
-            exit: None,
-        });
     }
-    drop(done_tx);
 
-    let report = watch(shared, &mut ranks, start, first_rank, hooks);
+    let report = watch(shared, &mut ranks, start, &mut spawner, hooks);
+    spawner.done = None;
+    let pumps = std::mem::take(&mut spawner.pumps);
 
     // Every rank is reaped. Kill what is left of each rank's process group (a background
     // grandchild would otherwise outlive the job and hold the output pipe open).
@@ -372,19 +296,23 @@ fn launch_once(
 
 /// Polls the ranks until all have exited; stops the others on the first failure or on a
 /// forwarded signal.
-fn watch(
+fn watch<A: AsRef<std::ffi::OsStr>>(
     shared: Shared<'_>,
     ranks: &mut [Rank],
     start: Instant,
-    first_rank: usize,
+    spawner: &mut RankSpawner<'_, A>,
     hooks: &mut dyn RoundHooks,
 ) -> LaunchReport {
+    let first_rank = spawner.first_rank;
     let Shared {
         cfg,
         notes,
         forwarding,
+        mut replacements_left,
     } = shared;
     let mut first_failure: Option<Failure> = None;
+    // Failures a replacement process recovered (`--recover live`).
+    let mut replaced: Vec<Failure> = Vec::new();
     let mut job_stop: Option<JobStop> = None;
     let mut interrupted: Option<(i32, usize)> = None;
     let mut signals_seen = 0u32;
@@ -421,6 +349,32 @@ fn watch(
                             RankExit::Signal(_) => None,
                         },
                     };
+                    let quiet = first_failure.is_none()
+                        && newly_failed.is_none()
+                        && stop_at.is_none()
+                        && interrupted.is_none()
+                        && job_stop.is_none();
+                    match live::verdict(cfg.live_recovery, &failure, replacements_left, quiet) {
+                        live::Verdict::Replace(line) => {
+                            eprintln!("{line}");
+                            match spawner.spawn(r.rank - first_rank, true) {
+                                Ok(child) => {
+                                    r.child = child;
+                                    r.exit = None;
+                                    replacements_left -= 1;
+                                    replaced.push(failure);
+                                    running += 1;
+                                    continue;
+                                }
+                                Err(e) => eprintln!(
+                                    "ddprun: the replacement for rank {} did not start ({e}); stopping every rank",
+                                    r.rank
+                                ),
+                            }
+                        }
+                        live::Verdict::Stop(Some(line)) if quiet => eprintln!("{line}"),
+                        live::Verdict::Stop(_) => {}
+                    }
                     // Several ranks seen failed in one poll (5 ms): the likelier cause (a
                     // rank killed by a signal, then a rank's own error, then one that only
                     // relayed a peer's), else the lowest rank.
@@ -529,6 +483,7 @@ fn watch(
         elapsed: start.elapsed(),
         attempt: 0,
         restarts: Vec::new(),
+        replaced,
         job_stop,
     }
 }

@@ -24,6 +24,15 @@ use std::time::Duration;
 use clap::Parser;
 use ddprun::{LaunchConfig, LaunchError, launch};
 
+/// `--recover`: what a rank's failure costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Recover {
+    /// Stop every rank; start the group again within --max-restarts.
+    Restart,
+    /// Replace the lost rank while the others run.
+    Live,
+}
+
 /// Start, watch and stop the rank processes of a data-parallel job on this node.
 ///
 /// Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
@@ -110,6 +119,12 @@ struct Args {
         default_value_t = 0
     )]
     max_restarts: u32,
+    /// What a rank's failure costs (one node): `restart` stops every rank and starts the
+    /// group again (within --max-restarts); `live` replaces a lost rank other than 0 by a new
+    /// process with DDP_REJOIN=1 while the others keep running and re-form their group with
+    /// it (each replacement counts against --max-restarts; other failures stop every rank).
+    #[arg(long, value_enum, default_value_t = Recover::Restart)]
+    recover: Recover,
     /// Leave rank 0's stderr unprefixed and connected to ddprun's own, so a progress bar rank 0
     /// draws there sees the terminal (its stdout and the other ranks stay prefixed).
     #[arg(long = "rank0-stderr-direct")]
@@ -217,6 +232,7 @@ fn main() -> ExitCode {
         forward_signals: true,
         extra_env: Vec::new(),
         max_restarts: args.max_restarts as usize,
+        live_recovery: args.recover == Recover::Live,
         trace: args.trace,
     };
     let (program, rest) = args
@@ -231,6 +247,12 @@ fn main() -> ExitCode {
                 eprintln!(
                     "ddprun: every rank of the job exited 0 in round {} (rounds counted from 0)",
                     report.attempt
+                );
+            } else if !report.replaced.is_empty() {
+                eprintln!(
+                    "ddprun: all {} ranks exited 0; {} lost rank(s) replaced while the others ran",
+                    report.exits.len(),
+                    report.replaced.len()
                 );
             } else if report.attempt > 0 {
                 eprintln!(

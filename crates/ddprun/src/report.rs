@@ -157,6 +157,9 @@ pub struct LaunchReport {
     pub attempt: usize,
     /// How the earlier attempts ended, in order (empty without restarts).
     pub restarts: Vec<AttemptEnd>,
+    /// The rank failures of this attempt that a replacement process recovered while the
+    /// others ran (`LaunchConfig::live_recovery`), in order.
+    pub replaced: Vec<Failure>,
     /// On a job of several nodes: the job stopped this node's ranks (a failure elsewhere, a
     /// lost node, a scale-up) or ended without a failure here.
     pub job_stop: Option<JobStop>,

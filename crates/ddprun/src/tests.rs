@@ -137,6 +137,7 @@ fn report_exit_codes_and_summaries() {
         elapsed: Duration::from_millis(10),
         attempt: 0,
         restarts: Vec::new(),
+        replaced: Vec::new(),
         job_stop: None,
     };
     assert!(ok.success());

@@ -223,10 +223,16 @@ impl std::fmt::Debug for ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Reads the launch environment and joins the group (world size 1 when nothing is set).
+    /// Reads the launch environment and joins the group (world size 1 when nothing is set);
+    /// in a process started in place of a lost rank (`DDP_REJOIN=1`, see
+    /// [`crate::env::REJOIN_VAR`]), rejoins the running group ([`ProcessGroup::rejoin`]).
     pub fn from_env() -> Result<Self> {
         let env = LaunchEnv::from_env()?;
-        Self::init(&env, GroupOptions::default())
+        if crate::env::rejoining() {
+            Self::rejoin(&env, GroupOptions::default())
+        } else {
+            Self::init(&env, GroupOptions::default())
+        }
     }
 
     /// Joins the group described by `env`: rank 0 serves the store, everyone connects.

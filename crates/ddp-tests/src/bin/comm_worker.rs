@@ -53,6 +53,10 @@ struct Args {
     /// For `reform`: how many all-reduces in all.
     #[arg(long, default_value_t = 300)]
     iterations: u64,
+    /// For `reform`: the last rank SIGKILLs itself before this all-reduce (unless it is a
+    /// replacement, `--rejoin` or `DDP_REJOIN=1`).
+    #[arg(long)]
+    die_at: Option<u64>,
 }
 
 /// A scenario failure: a wrong result (exit 1) or a communication error (exit 3).
@@ -102,7 +106,7 @@ fn main() -> ExitCode {
         std::thread::sleep(Duration::from_millis(args.rank1_join_delay_ms));
     }
     let t0 = Instant::now();
-    let joined = if args.rejoin {
+    let joined = if args.rejoin || ddp_comm::env::rejoining() {
         ProcessGroup::rejoin(&env, opts)
     } else {
         ProcessGroup::init(&env, opts)
@@ -136,7 +140,12 @@ fn run(args: &Args, pg: &mut ProcessGroup) -> Res {
         "matrix" => matrix(pg),
         "big" => big(pg),
         "loop-big" => loop_big(pg),
-        "reform" => reform(pg, args.iterations),
+        "reform" => reform(
+            pg,
+            args.iterations,
+            args.die_at
+                .filter(|_| !args.rejoin && !ddp_comm::env::rejoining()),
+        ),
         "mismatch-len" => mismatch_len(pg),
         "stall" => stall(pg, Duration::from_millis(args.stall_ms)),
         "barrier" | "forge-addr" => Ok(pg.barrier()?),
@@ -371,15 +380,20 @@ fn loop_big(pg: &mut ProcessGroup) -> Res {
 /// peer), the group is re-formed and the ranks go on from the furthest any of them got (a
 /// rank that finished an all-reduce holds its whole result). A replacement started with
 /// `--rejoin` joins at that point.
-fn reform(pg: &mut ProcessGroup, iterations: u64) -> Res {
+fn reform(pg: &mut ProcessGroup, iterations: u64, die_at: Option<u64>) -> Res {
     let rank = pg.rank();
+    let pid = std::process::id();
     let world = pg.world_size() as f32;
     let mut next = agree_on_next(pg, 0)?;
     println!(
-        "rank {rank}: generation {} from iteration {next}",
+        "rank {rank} (pid {pid}): generation {} from iteration {next}",
         pg.generation()
     );
     while next < iterations {
+        if die_at == Some(next) && rank + 1 == pg.world_size() {
+            // SAFETY: raise has no preconditions; SIGKILL ends this process here.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
         let k = (next % 7 + 1) as f32;
         let mut x = vec![(rank + 1) as f32 * k; 1 << 20];
         match pg.all_reduce(&mut x, ReduceOp::Sum) {
@@ -401,7 +415,7 @@ fn reform(pg: &mut ProcessGroup, iterations: u64) -> Res {
                 pg.reform()?;
                 next = agree_on_next(pg, next)?;
                 println!(
-                    "rank {rank}: re-formed as generation {} from iteration {next}",
+                    "rank {rank} (pid {pid}): re-formed as generation {} from iteration {next}",
                     pg.generation()
                 );
             }

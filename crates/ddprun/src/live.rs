@@ -1,0 +1,105 @@
+//! Live recovery on one node (`--recover live`): a rank that dies is replaced by a new process
+//! for the same rank, started with `DDP_REJOIN=1`, while the others keep running; they re-form
+//! the group with it (`ProcessGroup::reform` and `ProcessGroup::rejoin` in ddp-comm). Each
+//! replacement counts against `--max-restarts`. Where a replacement cannot help, the launcher
+//! falls back to stopping every rank (and to a restart of the whole group, within the budget),
+//! and says why in one line.
+
+use super::cause_of;
+use super::rendezvous::messages::Cause;
+use super::report::Failure;
+
+/// Whether the failure of `failure.rank` is replaced live, else why not (`None`: live recovery
+/// is off, the line would say nothing new).
+pub(crate) enum Verdict {
+    /// Start a replacement; the line says so.
+    Replace(String),
+    /// Stop every rank as without live recovery; the line says why (if live recovery is on).
+    Stop(Option<String>),
+}
+
+/// What to do about `failure`: `on` is `--recover live`, `budget_left` the restarts left,
+/// `quiet` whether nothing else is failing or stopping (a failure while the others stop, or a
+/// second failure, is never replaced).
+pub(crate) fn verdict(on: bool, failure: &Failure, budget_left: usize, quiet: bool) -> Verdict {
+    if !on {
+        return Verdict::Stop(None);
+    }
+    let rank = failure.rank;
+    let why_not = if rank == 0 {
+        Some("rank 0 serves the ranks' store, which went with it".to_string())
+    } else if cause_of(failure) == Cause::Relayed {
+        Some(format!(
+            "rank {rank} failed on a peer's failure (a program that does not re-form its group)"
+        ))
+    } else if !quiet {
+        Some("another rank failed or the ranks are being stopped".to_string())
+    } else if budget_left == 0 {
+        Some("the --max-restarts budget is spent".to_string())
+    } else {
+        None
+    };
+    match why_not {
+        None => Verdict::Replace(format!(
+            "ddprun: {}; starting a replacement for rank {rank} while the others run (live \
+             recovery; {} restart(s) left after it)",
+            failure.what_happened(),
+            budget_left - 1
+        )),
+        Some(why) => Verdict::Stop(Some(format!(
+            "ddprun: {}; no live recovery ({why}): stopping every rank",
+            failure.what_happened()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::RankExit;
+    use std::time::Duration;
+
+    fn killed(rank: usize) -> Failure {
+        Failure {
+            rank,
+            exit: RankExit::Signal(libc::SIGKILL),
+            elapsed: Duration::from_secs(1),
+            stopped: 0,
+            relayed_from: None,
+        }
+    }
+
+    #[test]
+    fn only_a_quiet_own_failure_of_a_rank_other_than_0_within_budget_is_replaced() {
+        assert!(
+            matches!(verdict(true, &killed(2), 1, true), Verdict::Replace(l) if l.contains("rank 2"))
+        );
+        assert!(matches!(
+            verdict(false, &killed(2), 1, true),
+            Verdict::Stop(None)
+        ));
+        for (f, budget, quiet, why) in [
+            (killed(0), 1, true, "rank 0 serves"),
+            (killed(2), 0, true, "budget is spent"),
+            (killed(2), 1, false, "another rank failed"),
+            (
+                Failure {
+                    exit: RankExit::Code(3),
+                    relayed_from: Some(1),
+                    ..killed(2)
+                },
+                1,
+                true,
+                "peer's failure",
+            ),
+        ] {
+            match verdict(true, &f, budget, quiet) {
+                Verdict::Stop(Some(line)) => assert!(line.contains(why), "{line}"),
+                _ => panic!(
+                    "rank {} with budget {budget}, quiet {quiet}: replaced",
+                    f.rank
+                ),
+            }
+        }
+    }
+}
