@@ -37,6 +37,29 @@ pub fn note_peer_failure(peer: usize, what: &str) {
     }
 }
 
+/// Withdraws this rank's note (its group re-formed after the peer's failure it noted, so a
+/// later failure of its own is not taken for a relayed one). Nothing to do without the
+/// variable or the file.
+///
+/// # Errors
+/// The note exists and cannot be removed (the error names the file).
+pub fn withdraw_peer_failure() -> io::Result<()> {
+    let Some(path) = std::env::var_os(FAILURE_FILE_VAR).filter(|p| !p.is_empty()) else {
+        return Ok(());
+    };
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!(
+                "cannot withdraw this rank's failure note {}: {e}",
+                Path::new(&path).display()
+            ),
+        )),
+    }
+}
+
 /// The peer whose failure the rank that owns `path` relayed, if it wrote one (`Ok(None)`: the
 /// file does not exist, the failure was the rank's own).
 pub fn relayed_from(path: &Path) -> io::Result<Option<usize>> {
@@ -69,6 +92,12 @@ mod tests {
         unsafe { std::env::set_var(FAILURE_FILE_VAR, &path) };
         note_peer_failure(3, "rank 3 closed its connection");
         note_peer_failure(0, "later");
+        assert_eq!(relayed_from(&path).unwrap(), Some(3));
+        // Withdrawn after a recovery: a later failure is the rank's own again.
+        withdraw_peer_failure().unwrap();
+        assert_eq!(relayed_from(&path).unwrap(), None);
+        withdraw_peer_failure().unwrap();
+        note_peer_failure(3, "rank 3 closed its connection");
         unsafe { std::env::remove_var(FAILURE_FILE_VAR) };
         assert_eq!(relayed_from(&path).unwrap(), Some(3));
         std::fs::write(&path, "garbage").unwrap();

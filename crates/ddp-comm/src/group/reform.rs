@@ -92,7 +92,9 @@ impl ProcessGroup {
                 self.mesh = Some(mesh);
                 self.seq = 0;
                 self.poisoned = None;
-                Ok(())
+                // The peer failure this rank noted for its launcher is recovered.
+                crate::failure_note::withdraw_peer_failure()
+                    .map_err(|e| CommError::io("re-forming the group", None, e))
             }
             Err(e) => {
                 self.poisoned = Some(format!("re-forming the group failed: {e}"));

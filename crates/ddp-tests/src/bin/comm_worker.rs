@@ -54,7 +54,7 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     iterations: u64,
     /// For `reform`: the last rank SIGKILLs itself before this all-reduce (unless it is a
-    /// replacement, `--rejoin` or `DDP_REJOIN=1`).
+    /// replacement, `--rejoin` or `DDP_REJOIN=1`, or a restarted group's).
     #[arg(long)]
     die_at: Option<u64>,
 }
@@ -143,8 +143,15 @@ fn run(args: &Args, pg: &mut ProcessGroup) -> Res {
         "reform" => reform(
             pg,
             args.iterations,
-            args.die_at
-                .filter(|_| !args.rejoin && !ddp_comm::env::rejoining()),
+            // Only the first process of the first attempt dies (not a replacement, nor a
+            // restarted group).
+            args.die_at.filter(|_| {
+                !args.rejoin
+                    && !ddp_comm::env::rejoining()
+                    && std::env::var("DDP_RESTART_COUNT")
+                        .ok()
+                        .is_none_or(|c| c == "0")
+            }),
         ),
         "mismatch-len" => mismatch_len(pg),
         "stall" => stall(pg, Duration::from_millis(args.stall_ms)),
@@ -386,11 +393,13 @@ fn reform(pg: &mut ProcessGroup, iterations: u64, die_at: Option<u64>) -> Res {
     let world = pg.world_size() as f32;
     let mut next = agree_on_next(pg, 0)?;
     println!(
-        "rank {rank} (pid {pid}): generation {} from iteration {next}",
-        pg.generation()
+        "rank {rank} (pid {pid}): generation {} from iteration {next} at {} ms",
+        pg.generation(),
+        unix_ms()
     );
     while next < iterations {
         if die_at == Some(next) && rank + 1 == pg.world_size() {
+            println!("rank {rank}: dying at {} ms", unix_ms());
             // SAFETY: raise has no preconditions; SIGKILL ends this process here.
             unsafe { libc::raise(libc::SIGKILL) };
         }
@@ -415,13 +424,21 @@ fn reform(pg: &mut ProcessGroup, iterations: u64, die_at: Option<u64>) -> Res {
                 pg.reform()?;
                 next = agree_on_next(pg, next)?;
                 println!(
-                    "rank {rank} (pid {pid}): re-formed as generation {} from iteration {next}",
-                    pg.generation()
+                    "rank {rank} (pid {pid}): re-formed as generation {} from iteration {next} at {} ms",
+                    pg.generation(),
+                    unix_ms()
                 );
             }
         }
     }
     Ok(())
+}
+
+/// Milliseconds since the Unix epoch (the recovery's timeline across processes).
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 /// The furthest iteration any rank got to.
