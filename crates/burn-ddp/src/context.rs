@@ -213,6 +213,19 @@ impl DdpBuilder {
                 g
             }
             None => {
+                if ddp_comm::env::rejoining() && env.world_size > 1 {
+                    // A replacement for a lost rank cannot be given the training's state yet:
+                    // joining as a fresh rank would only collide with the lost one's slot.
+                    return Err(DdpError::InvalidSetting {
+                        setting: ddp_comm::env::REJOIN_VAR,
+                        reason: "this process was started in place of a lost rank (ddprun \
+                                 --recover live), but burn-ddp cannot yet hand a training's \
+                                 model, optimizer state and position to a replacement: run \
+                                 the job with --recover restart (the default) and \
+                                 --max-restarts, which resumes from the checkpoint"
+                            .into(),
+                    });
+                }
                 let pg = ProcessGroup::init(&env, self.group_options)?;
                 let (g, fresh) = comm::install(pg);
                 if fresh {

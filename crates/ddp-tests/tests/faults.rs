@@ -624,3 +624,35 @@ fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
         refused.stderr
     );
 }
+
+/// A burn-ddp training program started in place of a lost rank (`DDP_REJOIN=1`, as
+/// `ddprun --recover live` starts one) says in one line that burn-ddp cannot hand it the
+/// training's state yet and how to run the job instead, and exits non-zero without a panic.
+#[test]
+fn a_burn_ddp_replacement_is_told_to_restart_instead() {
+    let out = tempfile::tempdir().unwrap();
+    let res = RankJob::new(env!("CARGO_BIN_EXE_ddp_worker"), 2)
+        .args([
+            "--scenario",
+            "equiv",
+            "--steps",
+            "1",
+            "--optim",
+            "sgd",
+            "--out",
+        ])
+        .arg(out.path())
+        .env("DDP_CONNECT_TIMEOUT_SECS", "3")
+        .rank_env(1, ddp_comm::env::REJOIN_VAR, "1")
+        .deadline(Duration::from_secs(60))
+        .run()
+        .expect("spawning ranks");
+    let r1 = res.rank(1);
+    assert!(!r1.success() && !r1.timed_out, "{}", res.report());
+    assert!(
+        r1.stderr.contains("--recover restart") && !r1.stderr.contains("panicked"),
+        "{}",
+        res.report()
+    );
+    assert!(!res.rank(0).success(), "{}", res.report());
+}
