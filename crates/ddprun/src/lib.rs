@@ -357,6 +357,9 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
                     match live::verdict(cfg.live_recovery, &failure, replacements_left, quiet) {
                         live::Verdict::Replace(line) => {
                             eprintln!("{line}");
+                            // What is left of the lost process's group (a stray grandchild)
+                            // goes with it, as at the end of a launch.
+                            kill_group(r.child.id(), libc::SIGKILL);
                             match spawner.spawn(r.rank - first_rank, true) {
                                 Ok(child) => {
                                     r.child = child;
