@@ -28,6 +28,8 @@
 //!   A ring closed this way carries the rank that caused it, so ranks that only see the
 //!   cascade still name the culprit (over TCP they name the neighbour that gave up).
 //!   The collective timeout bounds each stall (no byte moved), not a whole transfer.
+//!   A poisoned group can be re-formed ([`ProcessGroup::reform`]) with a process that
+//!   replaces a lost rank ([`ProcessGroup::rejoin`]), as a new generation of the group.
 //!
 //! # Environment
 //! - `DDP_TIMEOUT_SECS`, `DDP_CONNECT_TIMEOUT_SECS`, `DDP_SHARED_MEMORY=0`: defaults of
@@ -42,6 +44,8 @@
 //!   [`crate::port_range`]).
 //! - `DDP_JOB_TOKEN`, `DDP_RANK_KEYS`: how the rank authenticates (see [`crate::job_auth`] and
 //!   [`crate::env::RANK_KEYS_VAR`]).
+//! - `DDP_REJOIN=1`: [`ProcessGroup::from_env`] rejoins a running group in place of a lost
+//!   rank ([`ProcessGroup::rejoin`]; `ddprun --recover live` sets it).
 
 mod algorithms;
 mod compression;
