@@ -99,6 +99,23 @@ fn invalid_configs_give_one_clear_error() {
             },
             "threads_per_rank",
         ),
+        (
+            LaunchConfig {
+                nnodes: 2,
+                live_recovery: true,
+                max_restarts: 1,
+                ..cfg(1)
+            },
+            "one node for now",
+        ),
+        (
+            LaunchConfig {
+                live_recovery: true,
+                max_restarts: 0,
+                ..cfg(1)
+            },
+            "--recover live needs --max-restarts",
+        ),
     ];
     for (c, needle) in cases {
         let err = common_env(&c).unwrap_err().to_string();

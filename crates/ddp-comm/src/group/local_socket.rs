@@ -29,8 +29,11 @@ pub(crate) struct LocalListener {
 impl LocalListener {
     /// Binds a listener in a new private directory (non-blocking).
     pub(crate) fn bind() -> io::Result<LocalListener> {
-        let dir = private_dir(&base_dir())
-            .or_else(|e| private_dir(&std::env::temp_dir()).map_err(|_| e))?;
+        let (base, temp) = (base_dir(), std::env::temp_dir());
+        let dir = match private_dir(&base) {
+            Err(e) if base != temp => private_dir(&temp).map_err(|_| e)?,
+            made => made?,
+        };
         let path = dir.path().join(SOCKET_NAME);
         if path.as_os_str().len() > MAX_PATH {
             return Err(io::Error::new(
