@@ -6,7 +6,7 @@
 //! cargo xtask setup-cuda-build [--llvm DIR] [--check]
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
 //! cargo xtask compare [--ranks N] [--per-rank-batch 4,8,16,32,64] [--seeds K] …
-//! cargo xtask bench ddp|syncbn|data|handshake
+//! cargo xtask bench ddp|syncbn|data|handshake|resnet
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--compression none,bf16] [--iters N] [--pin]
 //!                             [--nodes 2x4,…] [--collectives all-reduce,reduce-scatter,all-gather]
@@ -105,6 +105,30 @@ enum Bench {
         #[arg(last = true)]
         extra: Vec<String>,
     },
+    /// ResNet-18 (CIFAR layout) training steps, burn-ddp beside PyTorch in the same run: each
+    /// alone, DDP in a world of one, DDP on N ranks with BatchNorm and SyncBatchNorm (PyTorch
+    /// over gloo on the CPU). PyTorch is python3's, else installed with pip into
+    /// `$DDP_TORCH_DIR` (default `~/.cache/burn-ddp/torch`).
+    Resnet {
+        /// Ranks of the distributed rows.
+        #[arg(long, default_value_t = 2)]
+        nproc: u32,
+        /// Images per rank and step.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Timed steps per row.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Untimed steps first.
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// cpu, or cuda (a build with ddp-bench's `cuda` feature; the GPU check runs it).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Burn's rows only: no PyTorch, nothing installed.
+        #[arg(long)]
+        no_torch: bool,
+    },
     /// Items/s of the sharded loader vs Burn's DataLoaderBuilder on the same dataset/batcher.
     Data {
         /// More arguments for the benchmark (`data_bench --help`).
@@ -182,6 +206,24 @@ fn main() -> ExitCode {
         Cmd::Bench {
             what: Bench::Zero { nproc, extra },
         } => ddp_bench_runs::zero::run(&nproc, &extra),
+        Cmd::Bench {
+            what:
+                Bench::Resnet {
+                    nproc,
+                    batch,
+                    steps,
+                    warmup,
+                    device,
+                    no_torch,
+                },
+        } => ddp_bench_runs::resnet::run(&ddp_bench_runs::resnet::ResnetRuns {
+            nproc,
+            batch,
+            steps,
+            warmup,
+            device,
+            no_torch,
+        }),
         Cmd::Bench {
             what: Bench::Data { extra },
         } => ddp_bench_runs::program::run_program(

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 pub use burn_ddp::checkpoint::CheckpointError;
 
 use crate::metrics::EpochMetrics;
-use crate::model::CnnConfig;
+use crate::model::ModelConfig;
 
 /// The file name of the checkpoint under the output directory.
 pub const FILE_NAME: &str = burn_ddp::checkpoint::DEFAULT_FILE_NAME;
@@ -33,7 +33,7 @@ pub struct CheckpointMeta {
     /// Seed of the data order (the sampler uses `seed + epoch`).
     pub seed: u64,
     /// The network's shape (a resumed run must build the same one).
-    pub model: CnnConfig,
+    pub model: ModelConfig,
     /// The norm layer the model was trained with (informational: the records are compatible).
     pub norm: String,
     /// Per-rank batch size of the run that wrote it.
@@ -52,7 +52,7 @@ pub struct CheckpointMeta {
 }
 
 /// The parameter values of a checkpoint's model record, in visit order: the record decoded
-/// into a BatchNorm CNN on the CPU (BatchNorm and SyncBatchNorm models have the same records).
+/// into a BatchNorm network on the CPU (BatchNorm and SyncBatchNorm models have the same records).
 /// Records name parameters by per-process ids, so compare these, not the bytes.
 ///
 /// # Errors

@@ -2,7 +2,8 @@
 //!
 //! Run it alone (one process) or as N ranks under a launcher (`ddprun`, torchrun-style env).
 //! Rank 0 shows a progress bar, prints the per-epoch table, writes `metrics.csv`,
-//! `metrics.json`, `curves.svg` and `checkpoint.bin` under `--out`.
+//! `metrics.json`, `curves.svg` and `checkpoint.bin` under `--out`. `train-cnn bench …` times
+//! ResNet-18 steps instead ([`train_cnn::bench`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,10 +14,10 @@ use burn_ddp::Ddp;
 use burn_ddp::sync_batch_norm::SyncBatchNorm;
 use clap::Parser;
 use train_cnn::data::DataSpec;
-use train_cnn::model::NormLayer;
+use train_cnn::model::{ModelKind, NormLayer};
 use train_cnn::train::{self, LrSchedule, TrainConfig, TrainError};
 
-/// Train a small CNN with BatchNorm on one rank of a data-parallel run.
+/// Train a small CNN (or ResNet-18) with BatchNorm on one rank of a data-parallel run.
 #[derive(Debug, Parser)]
 #[command(name = "train-cnn", version)]
 struct Args {
@@ -44,7 +45,11 @@ struct Args {
     /// Synthetic evaluation images.
     #[arg(long, default_value_t = 2000)]
     eval_size: usize,
-    /// Output channels of the conv blocks, comma-separated.
+    /// The network: the small CNN (`--channels`) or ResNet-18 in its CIFAR layout (11.2 M
+    /// parameters; on the CPU, slow: for GPUs and benchmarks).
+    #[arg(long, value_enum, default_value_t = ModelKind::Cnn)]
+    model: ModelKind,
+    /// Output channels of the small CNN's conv blocks, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "16,32,32")]
     channels: Vec<usize>,
     /// Output directory (metrics, plot, checkpoint).
@@ -108,6 +113,17 @@ fn main() -> ExitCode {
     // Collectives inside Burn's forward and backward passes (SyncBatchNorm) can only fail by
     // panicking, e.g. when another rank died: one `train-cnn: error: …` line, no backtrace.
     burn_ddp::report_panics_as_errors("train-cnn");
+    // `train-cnn bench …`: ResNet-18 steps timed (`cargo xtask bench resnet`), no training run.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "bench") {
+        let args = train_cnn::bench::Args::parse_from(std::env::args_os().skip(1));
+        return match train_cnn::bench::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("train-cnn bench: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args = Args::parse();
     if let Some(dir) = &args.trace {
         // SAFETY: no other thread runs yet; the tracer reads the variable on first use.
@@ -146,6 +162,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         seed: args.seed,
         data: args.data,
         synthetic_sizes: (args.train_size, args.eval_size),
+        model: args.model,
         channels: args.channels,
         out: args.out,
         resume: args.resume,

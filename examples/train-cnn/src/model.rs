@@ -1,4 +1,6 @@
-//! The CNN: conv blocks (conv 3×3 → norm → ReLU → max-pool 2×2) then a linear classifier.
+//! The networks train-cnn trains ([`Net`], chosen by [`ModelConfig`]): the small CNN of this
+//! module, conv blocks (conv 3×3 → norm → ReLU → max-pool 2×2) then a linear classifier, and
+//! ResNet-18 in its CIFAR layout ([`crate::resnet`]).
 //!
 //! The model is generic over its normalisation layer through [`NormLayer`], so the same code builds
 //! it with Burn's [`BatchNorm`] (per-rank statistics) or with burn-ddp's `SyncBatchNorm`
@@ -12,6 +14,9 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::resnet::{ResNet, ResNetConfig};
 
 /// A normalisation layer over `[batch, channels, h, w]` activations.
 ///
@@ -50,8 +55,8 @@ impl NormLayer for SyncBatchNorm {
     }
 }
 
-/// The shape of the network.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// The shape of the small CNN.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CnnConfig {
     /// Output channels of each conv block (3–4 blocks is the intended size).
     pub channels: Vec<usize>,
@@ -124,8 +129,150 @@ impl CnnConfig {
     }
 }
 
+/// Which network to train (`--model`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ModelKind {
+    /// The small CNN ([`CnnConfig`], `--channels`).
+    #[default]
+    Cnn,
+    /// ResNet-18 in its CIFAR layout ([`ResNetConfig::resnet18`]).
+    Resnet18,
+}
+
+impl ModelKind {
+    /// The name `--model` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Cnn => "cnn",
+            ModelKind::Resnet18 => "resnet18",
+        }
+    }
+}
+
+/// The shape of either network. Serialised without a tag, so the checkpoints written before
+/// the ResNet existed (a bare [`CnnConfig`]) still read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModelConfig {
+    /// The small CNN.
+    Cnn(CnnConfig),
+    /// A CIFAR-layout ResNet.
+    ResNet(ResNetConfig),
+}
+
+impl ModelConfig {
+    /// The network `kind` for `channels × rows × cols` images of `num_classes` classes;
+    /// `cnn_channels` are the CNN's block widths (unused by the ResNet).
+    pub fn new(
+        kind: ModelKind,
+        cnn_channels: &[usize],
+        (channels, rows, cols): (usize, usize, usize),
+        num_classes: usize,
+    ) -> Self {
+        match kind {
+            ModelKind::Cnn => ModelConfig::Cnn(CnnConfig {
+                channels: cnn_channels.to_vec(),
+                rows,
+                cols,
+                num_classes,
+            }),
+            ModelKind::Resnet18 => {
+                ModelConfig::ResNet(ResNetConfig::resnet18(channels, num_classes))
+            }
+        }
+    }
+
+    /// Checks that the network can be built.
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            ModelConfig::Cnn(c) => c.validate(),
+            ModelConfig::ResNet(c) => c.validate(),
+        }
+    }
+
+    /// Builds the network with norm layer `N` on `device`.
+    pub fn init<N: NormLayer>(&self, device: &Device) -> Net<N> {
+        match self {
+            ModelConfig::Cnn(c) => Net::Cnn(c.init(device)),
+            ModelConfig::ResNet(c) => Net::ResNet(c.init(device)),
+        }
+    }
+}
+
+impl std::fmt::Display for ModelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelConfig::Cnn(c) => write!(
+                f,
+                "a CNN of blocks {:?} for {}×{} images and {} classes (--model cnn --channels)",
+                c.channels, c.rows, c.cols, c.num_classes
+            ),
+            ModelConfig::ResNet(c) => write!(
+                f,
+                "a ResNet of stages {:?} × {} blocks for {} input channel(s) and {} classes \
+                 (--model resnet18)",
+                c.widths, c.blocks_per_stage, c.in_channels, c.num_classes
+            ),
+        }
+    }
+}
+
+/// Either network, one module type for the training loop and the checkpoints.
+// One value per process: the ResNet's size is no cost worth a box, which Burn's derive would
+// have to see through.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Net<N> {
+    /// The small CNN.
+    Cnn(Cnn<N>),
+    /// A CIFAR-layout ResNet.
+    ResNet(ResNet<N>),
+}
+
+impl<N: NormLayer> Net<N> {
+    /// Logits `[batch, classes]` for images `[batch, channels, rows, cols]`.
+    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        match self {
+            Net::Cnn(m) => m.forward(images),
+            Net::ResNet(m) => m.forward(images),
+        }
+    }
+}
+
+/// The number of trainable parameters of `model`: its values without the norm layers' running
+/// statistics (`running_mean`, `running_var`), which Burn's `num_params` counts and PyTorch
+/// keeps as buffers.
+pub fn trainable_params<M: Module>(model: &M) -> usize {
+    /// The names of the fields entered so far; a value's own field name is the last one.
+    #[derive(Default)]
+    struct Count {
+        path: Vec<String>,
+        total: usize,
+    }
+    impl burn::module::ModuleVisitor for Count {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let buffer = self
+                .path
+                .last()
+                .is_some_and(|name| name == "running_mean" || name == "running_var");
+            if !buffer {
+                self.total += param.shape().num_elements();
+            }
+        }
+    }
+    let mut count = Count::default();
+    model.visit(&mut count);
+    count.total
+}
+
 /// Every parameter value of `model` in visit order, as f32 (to compare two runs).
-pub fn parameter_values<N: NormLayer>(model: &Cnn<N>) -> Vec<f32> {
+pub fn parameter_values<M: Module>(model: &M) -> Vec<f32> {
     #[derive(Default)]
     struct Collect(Vec<f32>);
     impl burn::module::ModuleVisitor for Collect {
@@ -184,6 +331,17 @@ mod tests {
         // conv weights (no bias) + 4 vectors per norm (γ, β and the running statistics) + head.
         let expected = 16 * 9 + 32 * 16 * 9 + 32 * 32 * 9 + 4 * (16 + 32 + 32) + 32 * 9 * 10 + 10;
         assert_eq!(model.num_params(), expected);
+        assert_eq!(trainable_params(&model), expected - 2 * (16 + 32 + 32));
+    }
+
+    #[test]
+    fn checkpoints_written_before_the_resnet_still_name_their_cnn() {
+        let old = r#"{"channels":[16,32,32],"rows":28,"cols":28,"num_classes":10}"#;
+        let read: ModelConfig = serde_json::from_str(old).unwrap();
+        assert_eq!(read, ModelConfig::Cnn(CnnConfig::small(28, 28, 10)));
+        let resnet = ModelConfig::new(ModelKind::Resnet18, &[], (1, 28, 28), 10);
+        let json = serde_json::to_string(&resnet).unwrap();
+        assert_eq!(serde_json::from_str::<ModelConfig>(&json).unwrap(), resnet);
     }
 
     #[test]

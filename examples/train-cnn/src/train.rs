@@ -21,7 +21,7 @@ use burn_ddp::data::LoaderState;
 use crate::checkpoint::{self, CheckpointError, CheckpointMeta, PartialEpoch};
 use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
 use crate::metrics::{self, EpochMetrics};
-use crate::model::{Cnn, CnnConfig, NormLayer};
+use crate::model::{ModelConfig, ModelKind, Net, NormLayer};
 use crate::plot::{self, PlotError};
 
 /// Settings of one training run (the program's arguments).
@@ -41,7 +41,9 @@ pub struct TrainConfig {
     pub data: DataSpec,
     /// Sizes of the synthetic train and eval splits.
     pub synthetic_sizes: (usize, usize),
-    /// Output channels of the conv blocks.
+    /// The network.
+    pub model: ModelKind,
+    /// Output channels of the small CNN's conv blocks.
     pub channels: Vec<usize>,
     /// Directory for metrics, plot and checkpoint.
     pub out: PathBuf,
@@ -77,6 +79,7 @@ impl TrainConfig {
             seed: 42,
             data: DataSpec::Synthetic,
             synthetic_sizes: (10000, 2000),
+            model: ModelKind::Cnn,
             channels: vec![16, 32, 32],
             out: out.into(),
             resume: false,
@@ -199,7 +202,7 @@ impl OutputPaths {
 #[derive(Debug)]
 pub struct Trained<N> {
     /// The trained model.
-    pub model: Cnn<N>,
+    pub model: Net<N>,
     /// Metrics of every epoch (including those before a resume).
     pub history: Vec<EpochMetrics>,
     /// The epoch the run resumed after, if it resumed.
@@ -208,7 +211,7 @@ pub struct Trained<N> {
     pub paths: OutputPaths,
 }
 
-/// Trains a CNN with norm layer `N` on this rank of the job `ddp` as `cfg` says (a world of
+/// Trains the network `cfg.model` with norm layer `N` on this rank of the job `ddp` as `cfg` says (a world of
 /// one when the program was started alone).
 ///
 /// Every rank calls this; rank 0 alone shows progress and writes files.
@@ -230,12 +233,12 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
     }
     let splits = data::open(&cfg.data, cfg.seed, cfg.synthetic_sizes)?;
     let (rows, cols) = splits.dims();
-    let model_cfg = CnnConfig {
-        channels: cfg.channels.clone(),
-        rows,
-        cols,
-        num_classes: splits.num_classes(),
-    };
+    let model_cfg = ModelConfig::new(
+        cfg.model,
+        &cfg.channels,
+        (data::CHANNELS, rows, cols),
+        splits.num_classes(),
+    );
     model_cfg.validate().map_err(TrainError::Config)?;
     let world = ddp.world_size();
     let shard_len = splits.train.0.len().div_ceil(world);
@@ -251,7 +254,7 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
     device.seed(cfg.seed);
     let init_device = Device::flex().autodiff();
     init_device.seed(cfg.seed);
-    let mut model: Cnn<N> = model_cfg.init(&init_device);
+    let mut model: Net<N> = model_cfg.init(&init_device);
     if init_device != device {
         // Parameters are drawn lazily, on first use: draw them here, on the CPU, first; then
         // `fork` moves them as trainable leaves (`to_device` would record the move in the
@@ -299,7 +302,7 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
         };
         if ck.metadata.model != model_cfg {
             return Err(TrainError::Config(format!(
-                "the checkpoint holds a model {:?}, these settings build {:?}",
+                "the checkpoint holds {}, but these settings build {}",
                 ck.metadata.model, model_cfg
             )));
         }
@@ -359,14 +362,15 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
         say(
             &bar,
             format!(
-                "train-cnn: {} ranks × batch {} ({} {}), {} train / {} eval images of {rows}×{cols}, {} parameters",
+                "train-cnn: {} ranks × batch {} ({} with {} {}), {} train / {} eval images of {rows}×{cols}, {} parameters",
                 world,
                 cfg.batch_size,
+                cfg.model.name(),
                 N::NAME,
                 cfg.data,
                 splits.train.0.len(),
                 splits.eval.0.len(),
-                model.num_params()
+                crate::model::trainable_params(&model)
             ),
         );
         if remaining == 0 {
@@ -578,7 +582,7 @@ fn count_correct(
 /// padding, so nothing is counted twice) and the sums are added across ranks.
 fn evaluate<N: NormLayer>(
     ddp: &Ddp,
-    model: &Cnn<N>,
+    model: &Net<N>,
     splits: &Splits,
     batcher: &ImageBatcher,
     device: &Device,

@@ -6,7 +6,7 @@ use burn::tensor::Device;
 use burn_ddp::Ddp;
 use ddp_comm::LaunchEnv;
 use train_cnn::metrics::EpochMetrics;
-use train_cnn::model::Cnn;
+use train_cnn::model::Net;
 use train_cnn::train::{LrSchedule, TrainConfig, train};
 
 /// Burn's random initialisation draws from a process-wide generator seeded by `--seed`; tests
@@ -27,7 +27,7 @@ fn alone() -> Ddp {
         .unwrap()
 }
 
-fn values(model: &Cnn<BatchNorm>) -> Vec<f32> {
+fn values(model: &Net<BatchNorm>) -> Vec<f32> {
     train_cnn::model::parameter_values(model)
 }
 
@@ -110,7 +110,15 @@ fn resume_refuses_a_different_model() {
     cfg.channels = vec![4, 8, 16];
     let e = train::<BatchNorm>(&alone(), &cfg).unwrap_err();
     assert!(
-        e.to_string().contains("the checkpoint holds a model"),
+        e.to_string()
+            .contains("the checkpoint holds a CNN of blocks [4, 8, 8] for 28×28 images"),
+        "{e}"
+    );
+    // A ResNet is not resumed from the CNN's checkpoint either.
+    cfg.model = train_cnn::model::ModelKind::Resnet18;
+    let e = train::<BatchNorm>(&alone(), &cfg).unwrap_err();
+    assert!(
+        e.to_string().contains("but these settings build a ResNet"),
         "{e}"
     );
 }

@@ -6,11 +6,15 @@
 //! - [`allreduce`]: `bench allreduce`;
 //! - [`ddp`]: `bench ddp`;
 //! - [`zero`]: `bench zero`, the sharded optimizer against the unsharded one;
+//! - [`resnet`]: `bench resnet`, ResNet-18 steps beside PyTorch's ([`torch`] finds or installs
+//!   PyTorch);
 //! - [`program`]: the one-process benchmarks (`bench syncbn`, `bench data`, `bench handshake`).
 
 pub mod allreduce;
 pub mod ddp;
 pub mod program;
+pub mod resnet;
+pub mod torch;
 pub mod zero;
 
 use std::path::PathBuf;

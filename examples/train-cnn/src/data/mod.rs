@@ -198,7 +198,10 @@ pub fn open(
     })
 }
 
-/// A batch of images `[batch, 1, rows, cols]` and their classes `[batch]`.
+/// Channels of every image train-cnn reads (grey: MNIST and the synthetic set).
+pub const CHANNELS: usize = 1;
+
+/// A batch of images `[batch, CHANNELS, rows, cols]` and their classes `[batch]`.
 #[derive(Debug, Clone)]
 pub struct ImageBatch {
     /// The images.
@@ -234,7 +237,7 @@ impl Batcher<ImageItem, ImageBatch> for ImageBatcher {
         }
         ImageBatch {
             images: Tensor::from_data(
-                TensorData::new(pixels, [n, 1, self.rows, self.cols]),
+                TensorData::new(pixels, [n, CHANNELS, self.rows, self.cols]),
                 device,
             ),
             targets: Tensor::from_data(TensorData::new(labels, [n]), device),
