@@ -177,6 +177,16 @@ impl DdpBuilder {
             Some(env) => env,
             None => LaunchEnv::from_env().map_err(ddp_comm::CommError::from)?,
         };
+        // Emulated GPU hosts (`ddprun --emulate-gpu-hosts`) are said on every rank, first.
+        ddp_comm::gpu_hosts::check(|var| std::env::var(var).ok()).map_err(|reason| {
+            DdpError::InvalidSetting {
+                setting: ddp_comm::gpu_hosts::EMULATED_HOST_VAR,
+                reason,
+            }
+        })?;
+        if let Some(host) = ddp_comm::gpu_hosts::emulated_host() {
+            tracing::warn!("{}", ddp_comm::gpu_hosts::announcement(env.rank, &host));
+        }
         // The device first: a node without a usable GPU fails on every rank with one clear
         // error before any rank joins the group or loads data.
         let device = self.device.resolve(env.local_rank, env.local_world_size)?;

@@ -31,7 +31,9 @@ pub mod collectives;
 pub mod group;
 pub mod log;
 
-pub use ddp_store::{auth, env, error, failure_note, job_auth, port_range, refusals, store, wire};
+pub use ddp_store::{
+    auth, env, error, failure_note, gpu_hosts, job_auth, port_range, refusals, store, wire,
+};
 pub use ddp_trace as trace;
 
 pub use collectives::Collectives;

@@ -143,7 +143,12 @@ impl NcclGroup {
                 "rank {rank} is out of range for a world of {world_size}"
             )));
         }
+        ddp_comm::gpu_hosts::check(|var| std::env::var(var).ok())
+            .map_err(CommError::InvalidArgument)?;
         let device = device.resolve(visible_cuda_devices()?)?;
+        if let Some(host) = ddp_comm::gpu_hosts::emulated_host() {
+            tracing::info!(rank, device, host = %host, "NCCL rank on an emulated GPU host");
+        }
         let ctx = CudaContext::new(device)
             .map_err(|e| cuda_error(&format!("creating a context on device {device}"), e))?;
         let stream = ctx

@@ -383,7 +383,13 @@ fn child_entry_two_process_rank() {
     std::process::exit(0);
 }
 
-fn spawn_rank(rank: usize, port: u16) -> Child {
+/// Starts rank `rank` of the two-process test; `emulated`: as an emulated GPU host of its own
+/// (`ddprun --emulate-gpu-hosts`'s variables).
+fn spawn_rank(rank: usize, port: u16, emulated: bool) -> Child {
+    let hosts = emulated
+        .then(|| ddp_comm::gpu_hosts::rank_vars(rank))
+        .into_iter()
+        .flatten();
     Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -400,6 +406,7 @@ fn spawn_rank(rank: usize, port: u16) -> Child {
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("DDP_JOB_TOKEN", TOKEN)
+        .envs(hosts)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -418,16 +425,21 @@ impl Drop for Children {
     }
 }
 
-#[test]
-#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
-fn two_processes_on_one_gpu_work_or_fail_cleanly() {
-    // NCCL normally refuses two ranks on one GPU ("Duplicate GPU detected"). Either outcome is
-    // acceptable here; a hang, a panic or a wrong result is not. When NCCL accepts, rank 1
-    // then dies and rank 0 must report the dead peer within its 10 s timeout.
+/// What the two rank processes of a two-process test printed, and their exit codes.
+struct TwoRanks {
+    codes: [Option<i32>; 2],
+    outs: Vec<String>,
+}
+
+/// Runs the two rank processes (`emulated`: as emulated GPU hosts) to their end, within 120 s.
+fn run_two_ranks(emulated: bool) -> TwoRanks {
     check_libraries().expect("this test needs CUDA and NCCL");
     let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
     let port = server.local_addr().port();
-    let mut children = Children(vec![spawn_rank(0, port), spawn_rank(1, port)]);
+    let mut children = Children(vec![
+        spawn_rank(0, port, emulated),
+        spawn_rank(1, port, emulated),
+    ]);
     // Drain the pipes while the ranks run, so a chatty rank can never block on a full pipe.
     let readers: Vec<_> = children
         .0
@@ -466,6 +478,16 @@ fn two_processes_on_one_gpu_work_or_fail_cleanly() {
             println!("rank {i} (exit {:?}): {line}", codes[i]);
         }
     }
+    TwoRanks { codes, outs }
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
+fn two_processes_on_one_gpu_work_or_fail_cleanly() {
+    // NCCL normally refuses two ranks on one GPU ("Duplicate GPU detected"). Either outcome is
+    // acceptable here; a hang, a panic or a wrong result is not. When NCCL accepts, rank 1
+    // then dies and rank 0 must report the dead peer within its 10 s timeout.
+    let TwoRanks { codes, outs } = run_two_ranks(false);
     let init_failed = outs.iter().all(|o| o.contains("init-error"));
     let worked = outs.iter().all(|o| o.contains("collectives-ok"));
     assert!(
@@ -480,4 +502,248 @@ fn two_processes_on_one_gpu_work_or_fail_cleanly() {
         assert!(outs[0].contains("dead-peer-error"), "{}", outs[0]);
         println!("OUTCOME two ranks on one GPU: collectives correct; dead peer reported");
     }
+}
+
+/// Two processes as emulated GPU hosts (each its own `NCCL_HOSTID`, NCCL's socket transport):
+/// NCCL must accept them on one GPU (or on two), every collective is checked, and when rank 1
+/// leaves, rank 0 reports the dead peer within its 10 s timeout.
+#[test]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
+fn two_emulated_gpu_hosts_run_every_collective_and_report_a_dead_peer() {
+    let TwoRanks { codes, outs } = run_two_ranks(true);
+    assert!(
+        outs.iter().all(|o| o.contains("collectives-ok")),
+        "NCCL did not run the collectives between emulated hosts: {codes:?}\n{outs:?}"
+    );
+    assert_eq!(codes, [Some(0), Some(0)], "{outs:?}");
+    assert!(outs[0].contains("dead-peer-error"), "{}", outs[0]);
+    println!("OUTCOME two emulated GPU hosts: collectives correct; dead peer reported");
+}
+
+/// The variable that runs [`child_entry_emulated_rank`]: `collectives` or `killed`.
+const SCENARIO_VAR: &str = "DDP_NCCL_TEST_SCENARIO";
+
+/// Values of rank `r` at index `i`: small integers, so every sum over up to 4 ranks is exact in
+/// f32, f64 and bf16 whatever order NCCL adds in, and the result must equal the host's bitwise.
+fn small_int(r: usize, i: usize) -> f64 {
+    ((r + 1) * (i % 7)) as f64
+}
+
+/// `all_reduce_host` (sum and mean) of one element type against the sums computed here.
+fn check_all_reduce<T: ddp_nccl::NcclElement + Copy + PartialEq + std::fmt::Debug>(
+    g: &mut NcclGroup,
+    from: impl Fn(f64) -> T,
+    what: &str,
+) {
+    let (r, world) = (g.rank(), g.world_size());
+    let n = 1000;
+    let total = |i: usize| (0..world).map(|q| small_int(q, i)).sum::<f64>();
+    let mut v: Vec<T> = (0..n).map(|i| from(small_int(r, i))).collect();
+    g.all_reduce_host(&mut v, ReduceOp::Sum).unwrap();
+    let want: Vec<T> = (0..n).map(|i| from(total(i))).collect();
+    assert_eq!(v, want, "{what} sum on rank {r}");
+    // A mean over 2 or 4 ranks divides by a power of two: exact too.
+    let mut v: Vec<T> = (0..n).map(|i| from(small_int(r, i))).collect();
+    g.all_reduce_host(&mut v, ReduceOp::Mean).unwrap();
+    let want: Vec<T> = (0..n).map(|i| from(total(i) / world as f64)).collect();
+    assert_eq!(v, want, "{what} mean on rank {r}");
+}
+
+/// One rank of the emulated-host tests (runs only when spawned by them).
+#[test]
+#[ignore = "child process of the emulated GPU host tests (not a test by itself)"]
+fn child_entry_emulated_rank() {
+    let Ok(scenario) = std::env::var(SCENARIO_VAR) else {
+        return;
+    };
+    let env = LaunchEnv::from_env().unwrap();
+    let mut store = StoreClient::connect(
+        &env.master_endpoint(),
+        env.job_token.as_deref(),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let o = NcclOptions {
+        init_timeout: Duration::from_secs(60),
+        timeout: Duration::from_secs(10),
+        ..opts()
+    };
+    let mut g = match NcclGroup::init(&env, &mut store, &o) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("CHILD rank={} init-error {e}", env.rank);
+            std::process::exit(3);
+        }
+    };
+    let (r, world) = (env.rank, env.world_size);
+    if scenario == "killed" {
+        // Every rank all-reduces 64 MiB in a loop; the test SIGKILLs the last rank mid-loop.
+        println!("CHILD rank={r} looping");
+        let mut big = vec![1.0f32; 16 << 20];
+        let t = Instant::now();
+        loop {
+            if let Err(e) = g.all_reduce_host(&mut big, ReduceOp::Mean) {
+                println!(
+                    "CHILD rank={r} dead-peer-error after {:.1}s: {e}",
+                    t.elapsed().as_secs_f64()
+                );
+                std::process::exit(4);
+            }
+        }
+    }
+    check_all_reduce(&mut g, |x| x as f32, "f32");
+    check_all_reduce(&mut g, |x| x, "f64");
+    check_all_reduce(&mut g, half::bf16::from_f64, "bf16");
+    // Values that are not exact: within the rounding of the f32 sums (a stated bound).
+    let mut v: Vec<f32> = (0..1000).map(|i| 0.1 * (r + 1) as f32 * i as f32).collect();
+    g.all_reduce_host(&mut v, ReduceOp::Sum).unwrap();
+    for (i, x) in v.iter().enumerate() {
+        let want: f64 = (0..world).map(|q| 0.1 * (q + 1) as f64 * i as f64).sum();
+        assert!(
+            (f64::from(*x) - want).abs() <= 1e-6 * want.max(1.0),
+            "f32 sum at {i}: {x} vs {want}"
+        );
+    }
+    // Broadcast from the last rank, all-gather.
+    let mut b = vec![r as f64; 5];
+    g.broadcast_host(&mut b, world - 1).unwrap();
+    assert_eq!(b, vec![(world - 1) as f64; 5]);
+    let mut gathered = vec![0i32; 2 * world];
+    g.all_gather_host(&[r as i32, -(r as i32)], &mut gathered)
+        .unwrap();
+    let want: Vec<i32> = (0..world as i32).flat_map(|q| [q, -q]).collect();
+    assert_eq!(gathered, want);
+    // Reduce-scatter over uneven shards (rank q owns q + 2 values), then all-gather them back.
+    let counts: Vec<usize> = (0..world).map(|q| q + 2).collect();
+    let len: usize = counts.iter().sum();
+    let stream = g.stream().clone();
+    let mut shards = stream
+        .clone_htod(&ramp(len, |i| (i + 10 * r) as f32))
+        .unwrap();
+    g.reduce_scatter(&mut shards, &counts, ReduceOp::Sum)
+        .unwrap();
+    let reduced = stream.clone_dtoh(&shards).unwrap();
+    let start: usize = counts[..r].iter().sum();
+    let expect = |i: usize| (world * i + 10 * (0..world).sum::<usize>()) as f32;
+    for (i, value) in reduced.iter().enumerate().skip(start).take(counts[r]) {
+        assert_eq!(*value, expect(i), "reduce_scatter at {i}");
+    }
+    g.all_gather_into(&mut shards, &counts).unwrap();
+    assert_eq!(stream.clone_dtoh(&shards).unwrap(), ramp(len, expect));
+    g.barrier().unwrap();
+    println!("CHILD rank={r} collectives-ok world={world}");
+    std::process::exit(0);
+}
+
+/// Starts `world` rank processes of `scenario`, each an emulated GPU host of its own.
+fn spawn_emulated(world: usize, scenario: &str) -> (StoreServer, Children) {
+    check_libraries().expect("this test needs CUDA and NCCL");
+    let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
+    let port = server.local_addr().port();
+    let children = (0..world)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "child_entry_emulated_rank",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(SCENARIO_VAR, scenario)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("DDP_JOB_TOKEN", TOKEN)
+                .envs(ddp_comm::gpu_hosts::rank_vars(rank))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    (server, Children(children))
+}
+
+/// Reads every child's stdout to its end (in threads) and waits for each exit, within `limit`.
+fn finish(mut children: Children, limit: Duration) -> (Vec<Option<i32>>, Vec<String>) {
+    let readers: Vec<_> = children
+        .0
+        .iter_mut()
+        .map(|c| {
+            let mut out = c.stdout.take().unwrap();
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + limit;
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; children.0.len()];
+    while codes.iter().any(Option::is_none) {
+        assert!(
+            Instant::now() < deadline,
+            "ranks still running after {limit:?} (hang)"
+        );
+        for (i, c) in children.0.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                codes[i] = c.try_wait().unwrap().map(|s| s.code());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outs = readers.into_iter().map(|r| r.join().unwrap()).collect();
+    (codes.into_iter().map(Option::unwrap).collect(), outs)
+}
+
+/// NCCL between 2 and then 4 processes, each an emulated GPU host (one GPU is enough): all-reduce
+/// sum and mean in f32, f64 and bf16 bitwise equal to the exact sums, f32 sums of inexact values
+/// within 1e-6, broadcast, all-gather, uneven reduce-scatter and all-gather.
+#[test]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
+fn emulated_gpu_hosts_run_the_collectives_at_2_and_4_ranks() {
+    for world in [2, 4] {
+        let (_server, children) = spawn_emulated(world, "collectives");
+        let (codes, outs) = finish(children, Duration::from_secs(180));
+        for (r, (code, out)) in codes.iter().zip(&outs).enumerate() {
+            assert!(
+                *code == Some(0) && out.contains(&format!("collectives-ok world={world}")),
+                "rank {r} of {world}: exit {code:?}\n{out}"
+            );
+        }
+        println!("OUTCOME {world} emulated GPU hosts: every collective correct (f32, f64, bf16)");
+    }
+}
+
+/// A rank SIGKILLed in the middle of 64 MiB NCCL all-reduces between 3 emulated GPU hosts: every
+/// other rank fails its all-reduce within the 10 s timeout (plus slack) and exits non-zero.
+#[test]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
+fn a_rank_killed_mid_nccl_all_reduce_fails_the_others_within_the_timeout() {
+    let world = 3;
+    let (_server, mut children) = spawn_emulated(world, "killed");
+    // Let them all-reduce for a while first.
+    std::thread::sleep(Duration::from_secs(15));
+    let victim = &mut children.0[world - 1];
+    assert!(
+        victim.try_wait().unwrap().is_none(),
+        "the victim ended early"
+    );
+    victim.kill().unwrap();
+    let killed_at = Instant::now();
+    let (codes, outs) = finish(children, Duration::from_secs(60));
+    for r in 0..world - 1 {
+        assert_eq!(codes[r], Some(4), "rank {r}: {}", outs[r]);
+        assert!(outs[r].contains("dead-peer-error"), "rank {r}: {}", outs[r]);
+    }
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(40),
+        "the survivors took {:?}",
+        killed_at.elapsed()
+    );
+    println!("OUTCOME a rank killed mid NCCL all-reduce: the others failed and exited");
 }

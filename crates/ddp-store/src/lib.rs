@@ -34,6 +34,7 @@ pub mod auth;
 pub mod env;
 pub mod error;
 pub mod failure_note;
+pub mod gpu_hosts;
 pub mod job_auth;
 pub mod port_range;
 #[doc(hidden)]

@@ -31,6 +31,25 @@ pub fn flatten<M: Module>(m: &M) -> Vec<f32> {
     f.values
 }
 
+/// Per-rank variables `(rank, name, value)` that let `world` NCCL ranks run on this machine:
+/// none where it has a GPU per rank (each rank takes GPU `LOCAL_RANK`), else every rank an
+/// emulated GPU host of its own ([`ddp_comm::gpu_hosts`], as `ddprun --emulate-gpu-hosts`
+/// sets), so that ranks share the GPU(s) through NCCL's socket transport.
+#[cfg(feature = "cuda")]
+pub fn nccl_rank_env(world: usize) -> Vec<(usize, &'static str, String)> {
+    let gpus = ddp_nccl::visible_cuda_devices().unwrap_or(0);
+    if gpus >= world {
+        return Vec::new();
+    }
+    (0..world)
+        .flat_map(|r| {
+            ddp_comm::gpu_hosts::rank_vars(r)
+                .into_iter()
+                .map(move |(k, v)| (r, k, v))
+        })
+        .collect()
+}
+
 /// Writes `v` as little-endian f32 values (what the tests read back).
 ///
 /// # Errors

@@ -302,12 +302,39 @@ mod cuda {
         cuda_equivalence(2, "sgd", "auto");
     }
 
-    /// Two GPUs, gradients all-reduced by NCCL (required: no host fallback).
+    /// `equiv` on `world` CUDA ranks with NCCL required (no host fallback): a GPU each where
+    /// the machine has that many, else sharing its GPU as emulated GPU hosts (each rank an
+    /// NCCL host of its own, NCCL's socket transport on loopback).
+    fn nccl_equivalence(world: usize, optim: &str) {
+        let args = [
+            "--scenario",
+            "equiv",
+            "--optim",
+            optim,
+            "--steps",
+            "5",
+            "--batch",
+            "4",
+            "--device",
+            "cuda",
+        ];
+        let run = launch_with(world, &format!("nccl-{world}-{optim}"), &args, |job| {
+            ddp_tests::nccl_rank_env(world)
+                .into_iter()
+                .fold(job.env("DDP_NCCL", "required"), |job, (r, k, v)| {
+                    job.rank_env(r, k, v)
+                })
+        });
+        run.assert_matches_reference(world, 1e-4);
+    }
+
+    /// Gradients all-reduced by NCCL between 2 and 4 processes, on one GPU or several.
     #[test]
-    #[ignore = "needs 2 CUDA devices"]
-    fn two_gpus_over_nccl_match_one_process_on_the_joined_batch() {
-        cuda_equivalence(2, "sgd", "required");
-        cuda_equivalence(2, "adam", "required");
+    #[ignore = "needs CUDA"]
+    fn nccl_ranks_match_one_process_on_the_joined_batch() {
+        nccl_equivalence(2, "sgd");
+        nccl_equivalence(2, "adam");
+        nccl_equivalence(4, "sgd");
     }
 }
 

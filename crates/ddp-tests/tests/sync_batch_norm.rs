@@ -645,11 +645,17 @@ mod cuda {
         check_ranks(&case);
     }
 
-    /// Two GPUs, statistics over NCCL, uneven batches (one rank with a single sample).
+    /// Statistics over NCCL between 2 and 4 processes (a GPU each, or sharing one as emulated
+    /// GPU hosts), uneven batches: one rank with a single sample, one with none.
     #[test]
-    #[ignore = "needs 2 CUDA devices"]
-    fn two_gpus_uneven_batches_over_nccl_match_joined_batch() {
-        for (rows, spatial) in [(vec![7, 1], vec![3, 5]), (vec![2, 9], vec![])] {
+    #[ignore = "needs CUDA"]
+    fn nccl_ranks_uneven_batches_match_joined_batch() {
+        let cases = [
+            (vec![7, 1], vec![3, 5]),
+            (vec![2, 9], vec![]),
+            (vec![5, 3, 0, 4], vec![3, 4]),
+        ];
+        for (rows, spatial) in cases {
             let mut case = make_case(&rows, 6, &spatial, 3, 41);
             case.device = "cuda".into();
             case.nccl = true;
@@ -675,7 +681,17 @@ fn run_ranks(case: &Case) -> Vec<RankResult> {
     std::fs::create_dir_all(&dir).unwrap();
     let case_path = dir.join("case.json");
     std::fs::write(&case_path, serde_json::to_vec(case).unwrap()).unwrap();
-    let job = ddp_testkit::RankJob::new(env!("CARGO_BIN_EXE_syncbn_worker"), world)
+    let job = ddp_testkit::RankJob::new(env!("CARGO_BIN_EXE_syncbn_worker"), world);
+    // NCCL ranks on fewer GPUs than ranks: emulated GPU hosts.
+    #[cfg(feature = "cuda")]
+    let job = if case.nccl && case.device == "cuda" {
+        ddp_tests::nccl_rank_env(world)
+            .into_iter()
+            .fold(job, |job, (r, k, v)| job.rank_env(r, k, v))
+    } else {
+        job
+    };
+    let job = job
         .arg(&case_path)
         .arg(&dir)
         .env("DDP_TIMEOUT_SECS", "60")

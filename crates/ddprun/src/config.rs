@@ -77,6 +77,11 @@ pub struct LaunchConfig {
     /// [`Self::max_restarts`]. Any other failure (rank 0's, a rank failing on a peer's, a
     /// second one while stopping) stops every rank as without it.
     pub live_recovery: bool,
+    /// Emulated GPU hosts (`--emulate-gpu-hosts`): every rank an NCCL host of its own
+    /// ([`ddp_comm::gpu_hosts::rank_vars`]: `NCCL_HOSTID`, NCCL's socket transport on
+    /// loopback), so that several ranks share one GPU through NCCL. For tests and benchmarks
+    /// on a machine with fewer GPUs than ranks; the launch says so in its first line.
+    pub emulate_gpu_hosts: bool,
     /// Record a timeline of every rank into this directory (sets `DDP_TRACE` for the ranks,
     /// see [`ddp_trace`]) and merge the rank files into `DIR/trace.json` when the launch
     /// has ended, also when ranks failed. `None`: `DDP_TRACE` from [`Self::extra_env`] or
@@ -107,6 +112,7 @@ impl Default for LaunchConfig {
             extra_env: Vec::new(),
             max_restarts: 0,
             live_recovery: false,
+            emulate_gpu_hosts: false,
             trace: None,
         }
     }

@@ -104,6 +104,14 @@ pub fn launch(
         return Err(LaunchError::InvalidConfig("no program to launch".into()));
     }
     let env = common_env(cfg)?;
+    if cfg.emulate_gpu_hosts {
+        // The job's first line: never on without the user seeing it.
+        eprintln!(
+            "ddprun: emulated GPU hosts: each rank is an NCCL host of its own (NCCL_HOSTID, \
+             NCCL_NET=Socket on loopback), so several ranks may share one GPU; for tests and \
+             benchmarks, not a real job's speed"
+        );
+    }
     let forwarding = if cfg.forward_signals {
         Some(
             SignalForwarding::install().map_err(|source| LaunchError::Io {

@@ -125,6 +125,11 @@ struct Args {
     /// it (each replacement counts against --max-restarts; other failures stop every rank).
     #[arg(long, value_enum, default_value_t = Recover::Restart)]
     recover: Recover,
+    /// Make every rank an NCCL host of its own (NCCL_HOSTID per rank, NCCL_NET=Socket on
+    /// loopback, DDP_EMULATED_GPU_HOST), so that several ranks share one GPU through NCCL: for
+    /// tests and benchmarks on a machine with fewer GPUs than ranks (said in the first line).
+    #[arg(long = "emulate-gpu-hosts")]
+    emulate_gpu_hosts: bool,
     /// Leave rank 0's stderr unprefixed and connected to ddprun's own, so a progress bar rank 0
     /// draws there sees the terminal (its stdout and the other ranks stay prefixed).
     #[arg(long = "rank0-stderr-direct")]
@@ -233,6 +238,7 @@ fn main() -> ExitCode {
         extra_env: Vec::new(),
         max_restarts: args.max_restarts as usize,
         live_recovery: args.recover == Recover::Live,
+        emulate_gpu_hosts: args.emulate_gpu_hosts,
         trace: args.trace,
     };
     let (program, rest) = args

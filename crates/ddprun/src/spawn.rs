@@ -12,6 +12,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use ddp_comm::env::{RANK_KEYS_VAR, REJOIN_VAR, TOKEN_VAR};
+use ddp_comm::gpu_hosts;
 
 use super::config::{self, LaunchConfig};
 use super::failure_notes::FailureNotes;
@@ -61,6 +62,12 @@ impl<A: AsRef<OsStr>> RankSpawner<'_, A> {
                     .flatten(),
             )
             .envs(rejoin.then_some((REJOIN_VAR, "1")))
+            .envs(
+                cfg.emulate_gpu_hosts
+                    .then(|| gpu_hosts::rank_vars(rank))
+                    .into_iter()
+                    .flatten(),
+            )
             .envs(cfg.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .process_group(0);

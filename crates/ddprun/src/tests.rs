@@ -404,3 +404,37 @@ fn launch_of_a_missing_program_is_a_spawn_error() {
     assert!(matches!(err, LaunchError::Spawn { rank: 0, .. }), "{err}");
     assert!(err.to_string().contains("/nonexistent/ddp-program"));
 }
+
+/// `--emulate-gpu-hosts`: every rank gets an NCCL host identity of its own and NCCL's socket
+/// transport; without it, none of those variables.
+#[test]
+fn emulated_gpu_hosts_give_each_rank_its_own_nccl_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "printf '%s %s %s' \"$NCCL_HOSTID\" \"$NCCL_NET\" \"$DDP_EMULATED_GPU_HOST\" > {}/$RANK",
+        dir.path().display()
+    );
+    for emulate in [true, false] {
+        let c = LaunchConfig {
+            prefix_output: false,
+            emulate_gpu_hosts: emulate,
+            ..cfg(3)
+        };
+        let report = launch(&c, "sh", &["-c", &script]).unwrap();
+        assert!(report.success(), "{report:?}");
+        let seen: Vec<String> = (0..3)
+            .map(|r| std::fs::read_to_string(dir.path().join(r.to_string())).unwrap())
+            .collect();
+        if emulate {
+            for (r, s) in seen.iter().enumerate() {
+                assert_eq!(
+                    *s,
+                    format!("burn-ddp-emulated-gpu-host-{r} Socket gpu-host-{r}"),
+                    "rank {r}"
+                );
+            }
+        } else {
+            assert!(seen.iter().all(|s| s.trim().is_empty()), "{seen:?}");
+        }
+    }
+}

@@ -73,6 +73,11 @@ pub struct TrainArgs {
     /// Gradients on the wire: none, bf16, fp16 (16-bit values, f32 accumulation).
     #[arg(long, value_name = "none|bf16|fp16")]
     pub compression: Option<String>,
+    /// With --gpus N on a machine with fewer GPUs: every rank an NCCL host of its own
+    /// (`ddprun --emulate-gpu-hosts`), so that the N ranks share the GPU(s) through NCCL; for
+    /// trying the multi-GPU path on one GPU, not for speed.
+    #[arg(long, requires = "gpus")]
+    pub emulate_gpu_hosts: bool,
     /// Run this `train-cnn` binary instead of building one in release (e.g. a debug build).
     #[arg(long, value_name = "PATH")]
     pub program: Option<PathBuf>,
@@ -215,6 +220,7 @@ pub(crate) fn launch_ranks(
     ranks: usize,
     max_restarts: usize,
     trace: Option<&Path>,
+    emulate_gpu_hosts: bool,
     program: &Path,
     args: &[OsString],
 ) -> Result<(), String> {
@@ -224,6 +230,7 @@ pub(crate) fn launch_ranks(
         forward_signals: true,
         max_restarts,
         trace: trace.map(Path::to_path_buf),
+        emulate_gpu_hosts,
         ..LaunchConfig::default()
     };
     let report = launch(&cfg, program.as_os_str(), args).map_err(|e| e.to_string())?;
@@ -249,7 +256,8 @@ pub(crate) fn launch_ranks(
 pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
     let (ranks, backend) = a.ranks_and_backend()?;
     if a.gpus.is_some() && backend == BackendArg::Cuda {
-        check_cuda(ranks)?;
+        // Emulated GPU hosts share the GPU(s): one is enough.
+        check_cuda(if a.emulate_gpu_hosts { 1 } else { ranks })?;
     }
     let program = build_example(root, a.program.as_deref(), backend)?;
     let out = root.join(a.out.as_deref().unwrap_or(Path::new("runs/train")));
@@ -277,7 +285,14 @@ pub fn train(root: &Path, a: &TrainArgs) -> Result<(), String> {
         a.compression.as_deref(),
         &out,
     );
-    launch_ranks(ranks, a.max_restarts, a.trace.as_deref(), &program, &args)
+    launch_ranks(
+        ranks,
+        a.max_restarts,
+        a.trace.as_deref(),
+        a.emulate_gpu_hosts,
+        &program,
+        &args,
+    )
 }
 
 /// The last epoch's metrics of a run (its `metrics.json`).

@@ -217,7 +217,7 @@ pub fn compare(root: &Path, a: &CompareArgs) -> Result<(), String> {
                     .join(mode.dir_name());
                 let args = run_args(a, mode, batch, seed, wire.as_deref(), &dir);
                 let t = Instant::now();
-                train::launch_ranks(n, 0, None, &program, &args)
+                train::launch_ranks(n, 0, None, false, &program, &args)
                     .map_err(|e| format!("{} (b={b}, seed {seed}): {e}", mode.label(&wire)))?;
                 let r = read_result(&dir, b, seed, mode, n, batch * n)?;
                 runs.push(r);
