@@ -88,7 +88,10 @@ pub const CARGO_BUILDS: &[CargoBuild] = &[
 pub const XTASK: &str = "xtask";
 
 /// Files of the repository packed as they are: (path in the repository, name in the bundle).
-pub const REPO_FILES: &[(&str, &str)] = &[("scripts/gloo_allreduce.py", "gloo_allreduce.py")];
+pub const REPO_FILES: &[(&str, &str)] = &[
+    ("scripts/gloo_allreduce.py", "gloo_allreduce.py"),
+    ("scripts/resnet18_torch.py", "resnet18_torch.py"),
+];
 
 /// The Debian packages of the Vulkan loader for the wgpu rows, downloaded into `.gl/` (the GPU
 /// machine has NVIDIA's Vulkan driver but maybe no loader).

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use super::process::{self, Exit};
 use super::report::{self, Report, Row, Status};
 
+mod one_gpu;
 mod tasks;
 #[cfg(test)]
 mod tests;
@@ -65,10 +66,15 @@ pub enum Task {
     DdprunNccl,
     /// samples/s of train-cnn on cuda, wgpu and cpu; BatchNorm vs SyncBatchNorm on CUDA.
     StepTimes,
-    /// `xtask train --gpus 1 --program train-cnn` (this binary).
+    /// `xtask train --gpus 1 --program train-cnn` (this binary), then `--gpus 2
+    /// --emulate-gpu-hosts`.
     XtaskTrain,
     /// ddp-comm's shared-memory all-reduce at 2, 4, 8 ranks, PyTorch gloo beside it.
     CpuScaling,
+    /// train-cnn under `ddprun --emulate-gpu-hosts` at 2 and 4 ranks on one GPU, NCCL required.
+    EmulatedHosts,
+    /// ResNet-18 steps: Burn, burn-ddp (1 and 2 ranks on one GPU) and PyTorch, one table.
+    ResnetBench,
 }
 
 /// How a check runs.
@@ -155,10 +161,22 @@ pub const CHECKS: &[Check] = &[
         binaries: &["ddp-nccl-tests"],
     },
     Check {
-        label: "cargo xtask train --gpus 1 (the xtask binary, --program)",
-        kind: Kind::Task(Task::XtaskTrain, 150),
+        label: "cargo xtask train --gpus 1, --gpus 2 --emulate-gpu-hosts (the xtask binary)",
+        kind: Kind::Task(Task::XtaskTrain, 240),
         needs: Needs::Cuda,
         binaries: &["train-cnn"],
+    },
+    Check {
+        label: "NCCL ranks on one GPU (emulated GPU hosts): ddprun 2 and 4 ranks, train-cnn, ZeRO-1",
+        kind: Kind::Task(Task::EmulatedHosts, 300),
+        needs: Needs::Cuda,
+        binaries: &["ddprun", "train-cnn"],
+    },
+    Check {
+        label: "ResNet-18 step time: Burn, burn-ddp 1 and 2 ranks, PyTorch beside it",
+        kind: Kind::Task(Task::ResnetBench, 300),
+        needs: Needs::Cuda,
+        binaries: &["ddprun", "train-cnn"],
     },
     Check {
         label: "CPU all-reduce scaling: 2, 4, 8 ranks (shm), gloo beside it",

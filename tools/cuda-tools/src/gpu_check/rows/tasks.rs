@@ -43,13 +43,13 @@ pub(super) struct Steps<'a> {
 
 impl Steps<'_> {
     /// A program of the bundle.
-    fn bin(&self, name: &str) -> PathBuf {
+    pub(super) fn bin(&self, name: &str) -> PathBuf {
         self.ctx.bin_dir.join(name)
     }
 
     /// Runs `program args` with `env` on top of the row environment; returns how it ended
     /// and what it printed.
-    fn run(
+    pub(super) fn run(
         &self,
         program: &Path,
         args: &[&str],
@@ -70,7 +70,7 @@ impl Steps<'_> {
     }
 
     /// [`Self::run`], failing unless it exits 0.
-    fn run_ok(
+    pub(super) fn run_ok(
         &self,
         program: &Path,
         args: &[&str],
@@ -89,7 +89,7 @@ impl Steps<'_> {
     }
 
     /// Appends a line to the row's log (OUTCOME and BENCH lines end up below the table).
-    fn line(&self, line: &str) {
+    pub(super) fn line(&self, line: &str) {
         use std::io::Write;
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
@@ -144,6 +144,8 @@ pub(super) fn run_task(ctx: &Ctx, task: Task, label: &str, limit: u64, log: &Pat
         Task::StepTimes => step_times(&steps),
         Task::XtaskTrain => xtask_train(&steps),
         Task::CpuScaling => cpu_scaling(&steps),
+        Task::EmulatedHosts => super::one_gpu::emulated_hosts(&steps),
+        Task::ResnetBench => super::one_gpu::resnet_bench(&steps),
     };
     let (status, note) = match result {
         Ok(()) => (Status::Pass, String::new()),
@@ -160,7 +162,7 @@ pub(super) fn run_task(ctx: &Ctx, task: Task, label: &str, limit: u64, log: &Pat
 }
 
 /// The last epoch of a train-cnn run's `metrics.json`.
-fn last_epoch(run: &Path) -> Result<serde_json::Value, String> {
+pub(super) fn last_epoch(run: &Path) -> Result<serde_json::Value, String> {
     let file = run.join("metrics.json");
     let text = std::fs::read_to_string(&file)
         .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
@@ -342,12 +344,11 @@ fn step_times(s: &Steps) -> Result<(), StepError> {
 /// [`Task::XtaskTrain`]: `xtask train --gpus 1` with the bundle's train-cnn as `--program`.
 fn xtask_train(s: &Steps) -> Result<(), StepError> {
     let train = s.bin("train-cnn").display().to_string();
-    s.run_ok(
-        &s.ctx.xtask,
-        &[
-            "train",
-            "--gpus",
-            "1",
+    // One rank per GPU, then two ranks on one GPU as emulated GPU hosts (NCCL between them).
+    for (gpus, more) in [("1", None), ("2", Some("--emulate-gpu-hosts"))] {
+        let mut args = vec!["train", "--gpus", gpus];
+        args.extend(more);
+        args.extend([
             "--epochs",
             "1",
             "--program",
@@ -360,9 +361,10 @@ fn xtask_train(s: &Steps) -> Result<(), StepError> {
             "--eval-size",
             "500",
             "--no-progress",
-        ],
-        &[],
-    )?;
+        ]);
+        s.run_ok(&s.ctx.xtask, &args, &[])?;
+    }
+    s.line("OUTCOME cargo xtask train --gpus 1, then --gpus 2 --emulate-gpu-hosts: both trained");
     Ok(())
 }
 
