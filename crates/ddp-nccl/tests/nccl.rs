@@ -311,13 +311,9 @@ fn init_times_out_and_names_the_rank_that_never_came() {
     g.barrier().unwrap();
 }
 
-/// One rank of the two-process test (runs only when spawned by it).
-#[test]
-#[ignore = "child process of two_processes_on_one_gpu (not a test by itself)"]
-fn child_entry_two_process_rank() {
-    if std::env::var(CHILD_VAR).is_err() {
-        return;
-    }
+/// A child rank's NCCL group from its launch variables (10 s collective timeout); on a failed
+/// creation it prints `init-error` and exits 3.
+fn child_group(init_timeout: Duration) -> (LaunchEnv, NcclGroup) {
     let env = LaunchEnv::from_env().unwrap();
     let mut store = StoreClient::connect(
         &env.master_endpoint(),
@@ -326,17 +322,27 @@ fn child_entry_two_process_rank() {
     )
     .unwrap();
     let o = NcclOptions {
-        init_timeout: Duration::from_secs(30),
+        init_timeout,
         timeout: Duration::from_secs(10),
         ..opts()
     };
-    let mut g = match NcclGroup::init(&env, &mut store, &o) {
-        Ok(g) => g,
+    match NcclGroup::init(&env, &mut store, &o) {
+        Ok(g) => (env, g),
         Err(e) => {
             println!("CHILD rank={} init-error {e}", env.rank);
             std::process::exit(3);
         }
-    };
+    }
+}
+
+/// One rank of the two-process test (runs only when spawned by it).
+#[test]
+#[ignore = "child process of two_processes_on_one_gpu (not a test by itself)"]
+fn child_entry_two_process_rank() {
+    if std::env::var(CHILD_VAR).is_err() {
+        return;
+    }
+    let (env, mut g) = child_group(Duration::from_secs(30));
     let r = env.rank;
     let mut v = vec![(r + 1) as f32; 1000];
     g.all_reduce_host(&mut v, ReduceOp::Sum).unwrap();
@@ -556,25 +562,7 @@ fn child_entry_emulated_rank() {
     let Ok(scenario) = std::env::var(SCENARIO_VAR) else {
         return;
     };
-    let env = LaunchEnv::from_env().unwrap();
-    let mut store = StoreClient::connect(
-        &env.master_endpoint(),
-        env.job_token.as_deref(),
-        Duration::from_secs(30),
-    )
-    .unwrap();
-    let o = NcclOptions {
-        init_timeout: Duration::from_secs(60),
-        timeout: Duration::from_secs(10),
-        ..opts()
-    };
-    let mut g = match NcclGroup::init(&env, &mut store, &o) {
-        Ok(g) => g,
-        Err(e) => {
-            println!("CHILD rank={} init-error {e}", env.rank);
-            std::process::exit(3);
-        }
-    };
+    let (env, mut g) = child_group(Duration::from_secs(60));
     let (r, world) = (env.rank, env.world_size);
     if scenario == "killed" {
         // Every rank all-reduces 64 MiB in a loop; the test SIGKILLs the last rank mid-loop.

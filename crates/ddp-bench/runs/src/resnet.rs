@@ -28,6 +28,23 @@ pub struct ResnetRuns {
     pub no_torch: bool,
 }
 
+impl ResnetRuns {
+    /// The arguments both programs take for these settings (`--device`, `--batch`, `--steps`,
+    /// `--warmup`).
+    pub fn program_args(&self) -> Vec<String> {
+        vec![
+            "--device".into(),
+            self.device.clone(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--steps".into(),
+            self.steps.to_string(),
+            "--warmup".into(),
+            self.warmup.to_string(),
+        ]
+    }
+}
+
 /// What one row's rank 0 printed after `RESNET `.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Measured {
@@ -86,16 +103,7 @@ pub fn run(r: &ResnetRuns) -> Result<(), String> {
         Some(torch::find_or_install()?)
     };
     let script = root.join("scripts").join("resnet18_torch.py");
-    let common = [
-        "--device".to_string(),
-        r.device.clone(),
-        "--batch".into(),
-        r.batch.to_string(),
-        "--steps".into(),
-        r.steps.to_string(),
-        "--warmup".into(),
-        r.warmup.to_string(),
-    ];
+    let common = r.program_args();
     let mut rows = Vec::new();
     let bench = release.join("train-cnn");
     let n = r.nproc.to_string();

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use ddp_bench_runs::resnet::{self, ResnetRuns};
 
-use super::tasks::{StepError, Steps, compare_epochs, last_epoch};
+use super::tasks::{DDPRUN_TRAIN_ARGS, StepError, Steps, compare_epochs, last_epoch};
 
 /// How far ZeRO-1's losses on NCCL may be from the unsharded run's (relative): the same
 /// optimisation, but NCCL's reductions are not promised bitwise between the two layouts.
@@ -25,33 +25,19 @@ pub(super) fn emulated_hosts(s: &Steps) -> Result<(), StepError> {
             if shard { "-sharded" } else { "" }
         );
         let shard_flag: &[&str] = if shard { &["--shard-optimizer"] } else { &[] };
+        let mut args = vec![
+            "--nproc-per-node",
+            ranks,
+            "--emulate-gpu-hosts",
+            "--",
+            &train,
+        ];
+        args.extend(DDPRUN_TRAIN_ARGS);
+        args.extend(["--seed", "7", "--out", &out_dir]);
+        args.extend(shard_flag);
         let out = s.run_ok(
             &s.bin("ddprun"),
-            &[
-                "--nproc-per-node",
-                ranks,
-                "--emulate-gpu-hosts",
-                "--",
-                &train,
-                "--backend",
-                "cuda",
-                "--sync-bn",
-                "--epochs",
-                "1",
-                "--train-size",
-                "2000",
-                "--eval-size",
-                "500",
-                "--no-progress",
-                "--seed",
-                "7",
-                "--out",
-                &out_dir,
-            ]
-            .iter()
-            .chain(shard_flag)
-            .copied()
-            .collect::<Vec<_>>(),
+            &args,
             &[("DDP_NCCL", "required"), ("RUST_LOG", "burn_ddp=info")],
         )?;
         for (needle, what) in [
@@ -108,16 +94,7 @@ pub(super) fn resnet_bench(s: &Steps) -> Result<(), StepError> {
         device: "cuda".into(),
         no_torch: false,
     };
-    let common = [
-        "--device".to_string(),
-        "cuda".into(),
-        "--batch".into(),
-        r.batch.to_string(),
-        "--steps".into(),
-        r.steps.to_string(),
-        "--warmup".into(),
-        r.warmup.to_string(),
-    ];
+    let common = r.program_args();
     let common: Vec<&str> = common.iter().map(String::as_str).collect();
     let train = s.bin("train-cnn").display().to_string();
     let ddprun = s.bin("ddprun");

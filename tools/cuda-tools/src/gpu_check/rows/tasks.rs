@@ -236,30 +236,31 @@ fn compare_backends(s: &Steps) -> Result<(), StepError> {
     Ok(())
 }
 
+/// train-cnn's arguments under ddprun in the NCCL rows: one epoch of 2000 images on CUDA with
+/// SyncBatchNorm.
+pub(super) const DDPRUN_TRAIN_ARGS: [&str; 10] = [
+    "--backend",
+    "cuda",
+    "--sync-bn",
+    "--epochs",
+    "1",
+    "--train-size",
+    "2000",
+    "--eval-size",
+    "500",
+    "--no-progress",
+];
+
 /// [`Task::DdprunNccl`]: train-cnn as a world of one under ddprun, NCCL required and its
 /// communicator logged.
 fn ddprun_nccl(s: &Steps) -> Result<(), StepError> {
     let train = s.bin("train-cnn").display().to_string();
+    let mut args = vec!["--nproc-per-node", "1", "--", &train];
+    args.extend(DDPRUN_TRAIN_ARGS);
+    args.extend(["--out", "/tmp/gpu-check-ddprun"]);
     let out = s.run_ok(
         &s.bin("ddprun"),
-        &[
-            "--nproc-per-node",
-            "1",
-            "--",
-            &train,
-            "--backend",
-            "cuda",
-            "--sync-bn",
-            "--epochs",
-            "1",
-            "--train-size",
-            "2000",
-            "--eval-size",
-            "500",
-            "--no-progress",
-            "--out",
-            "/tmp/gpu-check-ddprun",
-        ],
+        &args,
         &[("DDP_NCCL", "required"), ("RUST_LOG", "burn_ddp=info")],
     )?;
     if !out.contains("one-rank NCCL communicator") {
