@@ -29,7 +29,8 @@ use burn_ddp::sync_batch_norm::SyncBatchNorm;
 use burn_ddp::{Ddp, DdpOptimizer};
 use clap::{Parser, ValueEnum};
 
-use crate::model::{NormLayer, trainable_params};
+use crate::norm::NormLayer;
+use crate::params::trainable_params;
 use crate::resnet::{ResNet, ResNetConfig};
 
 /// The Burn release the workspace pins (`burn = "=0.22.1"`), for the table's labels.

@@ -7,6 +7,8 @@ pub mod checkpoint;
 pub mod data;
 pub mod metrics;
 pub mod model;
+pub mod norm;
+pub mod params;
 pub mod plot;
 pub mod resnet;
 pub mod rng;

@@ -2,58 +2,21 @@
 //! module, conv blocks (conv 3×3 → norm → ReLU → max-pool 2×2) then a linear classifier, and
 //! ResNet-18 in its CIFAR layout ([`crate::resnet`]).
 //!
-//! The model is generic over its normalisation layer through [`NormLayer`], so the same code builds
-//! it with Burn's [`BatchNorm`] (per-rank statistics) or with burn-ddp's `SyncBatchNorm`
-//! (statistics over all ranks). Both share BatchNorm's record layout (`gamma`, `beta`,
-//! `running_mean`, `running_var`), so a checkpoint of one loads into the other.
+//! Both are generic over their normalisation layer ([`NormLayer`], module [`crate::norm`]), so
+//! the same code builds them with Burn's `BatchNorm` (per-rank statistics) or with burn-ddp's
+//! `SyncBatchNorm` (statistics over all ranks), whose records load into each other.
 
-use burn::module::{Module, ModuleDisplay};
+use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
-use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use serde::{Deserialize, Serialize};
 
+pub use crate::norm::NormLayer;
+pub use crate::params::{parameter_values, trainable_params};
 use crate::resnet::{ResNet, ResNetConfig};
-
-/// A normalisation layer over `[batch, channels, h, w]` activations.
-///
-/// Implemented for Burn's [`BatchNorm`] (per-rank statistics) and burn-ddp's [`SyncBatchNorm`]
-/// (statistics over all ranks).
-pub trait NormLayer: Module + ModuleDisplay + Sized {
-    /// Short name for logs and reports.
-    const NAME: &'static str;
-    /// A fresh layer over `num_features` channels.
-    fn init(num_features: usize, device: &Device) -> Self;
-    /// Normalises `x`.
-    fn forward(&self, x: Tensor<4>) -> Tensor<4>;
-}
-
-impl NormLayer for BatchNorm {
-    const NAME: &'static str = "BatchNorm";
-
-    fn init(num_features: usize, device: &Device) -> Self {
-        BatchNormConfig::new(num_features).init(device)
-    }
-
-    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        BatchNorm::forward(self, x)
-    }
-}
-
-impl NormLayer for SyncBatchNorm {
-    const NAME: &'static str = "SyncBatchNorm";
-
-    fn init(num_features: usize, device: &Device) -> Self {
-        SyncBatchNormConfig::new(num_features).init(device)
-    }
-
-    fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        SyncBatchNorm::forward(self, x)
-    }
-}
 
 /// The shape of the small CNN.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,53 +202,6 @@ impl<N: NormLayer> Net<N> {
     }
 }
 
-/// The number of trainable parameters of `model`: its values without the norm layers' running
-/// statistics (`running_mean`, `running_var`), which Burn's `num_params` counts and PyTorch
-/// keeps as buffers.
-pub fn trainable_params<M: Module>(model: &M) -> usize {
-    /// The names of the fields entered so far; a value's own field name is the last one.
-    #[derive(Default)]
-    struct Count {
-        path: Vec<String>,
-        total: usize,
-    }
-    impl burn::module::ModuleVisitor for Count {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            let buffer = self
-                .path
-                .last()
-                .is_some_and(|name| name == "running_mean" || name == "running_var");
-            if !buffer {
-                self.total += param.shape().num_elements();
-            }
-        }
-    }
-    let mut count = Count::default();
-    model.visit(&mut count);
-    count.total
-}
-
-/// Every parameter value of `model` in visit order, as f32 (to compare two runs).
-pub fn parameter_values<M: Module>(model: &M) -> Vec<f32> {
-    #[derive(Default)]
-    struct Collect(Vec<f32>);
-    impl burn::module::ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            self.0.extend(data.try_to_vec::<f32>().unwrap_or_default());
-        }
-    }
-    let mut c = Collect::default();
-    model.visit(&mut c);
-    c.0
-}
-
 /// conv 3×3 → norm → ReLU → max-pool 2×2.
 #[derive(Module, Debug)]
 pub struct ConvBlock<N> {
@@ -318,6 +234,8 @@ impl<N: NormLayer> Cnn<N> {
 
 #[cfg(test)]
 mod tests {
+    use burn::nn::BatchNorm;
+
     use super::*;
 
     #[test]

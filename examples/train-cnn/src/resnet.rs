@@ -17,7 +17,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::model::NormLayer;
+use crate::norm::NormLayer;
 
 /// The shape of a CIFAR-layout ResNet.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,7 +164,7 @@ mod tests {
     use burn_ddp::sync_batch_norm::SyncBatchNorm;
 
     use super::*;
-    use crate::model::trainable_params;
+    use crate::params::trainable_params;
 
     /// PyTorch's count for its CIFAR ResNet-18 (3 input channels, 10 classes);
     /// `scripts/resnet18_torch.py --count-params` prints the same number (checked by
