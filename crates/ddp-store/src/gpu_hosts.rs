@@ -8,9 +8,9 @@
 //! `NCCL_NET=Socket` on the loopback interface, a multi-node NCCL job on one machine, with real
 //! all-reduces, reduce-scatters, all-gathers and broadcasts between processes.
 //!
-//! It is never on by itself: `ddprun --emulate-gpu-hosts` (or a test's
-//! `RankJob::emulated_gpu_hosts`) sets [`rank_vars`] for each rank, [`EMULATED_HOST_VAR`]
-//! among them; a rank that finds that variable says so in its first log lines
+//! It is never on by itself: `ddprun --emulate-gpu-hosts` (or the multi-process tests'
+//! `nccl_rank_env`) sets [`rank_vars`] for each rank, [`EMULATED_HOST_VAR`] among them; a rank
+//! that finds that variable says so in its first log lines
 //! ([`announcement`]), and refuses a set-up where NCCL would not see what the variable says
 //! ([`check`]). It is for tests and benchmarks on one GPU: the traffic between the ranks
 //! takes sockets on loopback, not NVLink or PCIe peer copies, so it is no model of a real
