@@ -1,5 +1,7 @@
 //! [`Ddp`]: this process's place in a data-parallel job (rank, world size, device, group).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
@@ -39,6 +41,8 @@ pub struct DdpBuilder {
     /// `None`: `DDP_COMPRESSION` decides (default: none).
     compression: Option<Compression>,
     nccl: NcclSetting,
+    /// The program recovers a lost rank live ([`DdpBuilder::live_recovery`]).
+    live_recovery: bool,
 }
 
 impl std::fmt::Debug for DdpBuilder {
@@ -49,7 +53,8 @@ impl std::fmt::Debug for DdpBuilder {
             .field("group_options", &self.group_options)
             .field("launch_env_given", &self.env.is_some())
             .field("compression", &self.compression)
-            .field("nccl", &self.nccl);
+            .field("nccl", &self.nccl)
+            .field("live_recovery", &self.live_recovery);
         s.finish()
     }
 }
@@ -63,11 +68,22 @@ impl Default for DdpBuilder {
             env: None,
             compression: None,
             nccl: NcclSetting::default(),
+            live_recovery: false,
         }
     }
 }
 
 impl DdpBuilder {
+    /// Declares that this program recovers a lost rank live ([`Ddp::recover`]; `ddprun
+    /// --recover live`): a process started in place of a lost rank (`DDP_REJOIN=1`) then joins
+    /// the running group instead of refusing to start, skips [`Ddp::replicate_model`]'s
+    /// broadcast, and must call [`Ddp::recover`] before its first step, where the survivors
+    /// hand it their state. CPU ranks only for now (the NCCL communicator is not re-created).
+    pub fn live_recovery(mut self) -> Self {
+        self.live_recovery = true;
+        self
+    }
+
     /// Runs this rank on `device` instead of the automatic choice. The automatic choice is
     /// PyTorch's `"cuda" if torch.cuda.is_available() else "cpu"`: CUDA device `LOCAL_RANK`
     /// when built with the `cuda` feature and the CUDA driver reports a device, otherwise the
@@ -223,20 +239,33 @@ impl DdpBuilder {
                 g
             }
             None => {
-                if ddp_comm::env::rejoining() && env.world_size > 1 {
-                    // A replacement for a lost rank cannot be given the training's state yet:
-                    // joining as a fresh rank would only collide with the lost one's slot.
+                let replacing = ddp_comm::env::rejoining() && env.world_size > 1;
+                if replacing && !self.live_recovery {
+                    // A program that does not hand its state to a replacement: joining as a
+                    // fresh rank would only collide with the lost one's slot.
                     return Err(DdpError::InvalidSetting {
                         setting: ddp_comm::env::REJOIN_VAR,
                         reason: "this process was started in place of a lost rank (ddprun \
-                                 --recover live), but burn-ddp cannot yet hand a training's \
-                                 model, optimizer state and position to a replacement: run \
-                                 the job with --recover restart (the default) and \
-                                 --max-restarts, which resumes from the checkpoint"
+                                 --recover live), but this program does not recover live (it \
+                                 does not build its Ddp with DdpBuilder::live_recovery and \
+                                 call Ddp::recover): run the job with --recover restart (the \
+                                 default) and --max-restarts, which resumes from the checkpoint"
                             .into(),
                     });
                 }
-                let pg = ProcessGroup::init(&env, self.group_options)?;
+                if replacing && is_gpu(&device) {
+                    return Err(DdpError::InvalidSetting {
+                        setting: ddp_comm::env::REJOIN_VAR,
+                        reason: "live recovery runs on CPU ranks only for now (the NCCL \
+                                 communicator is not re-created): run with --recover restart"
+                            .into(),
+                    });
+                }
+                let pg = if replacing {
+                    ProcessGroup::rejoin(&env, self.group_options)?
+                } else {
+                    ProcessGroup::init(&env, self.group_options)?
+                };
                 let (g, fresh) = comm::install(pg);
                 if fresh {
                     comm::record_joined_with(joining);
@@ -248,7 +277,14 @@ impl DdpBuilder {
             let g = comm::lock(&group);
             (g.rank(), g.world_size())
         };
-        let device_comm = DeviceComm::connect(&env, &group, &group_options, &device, self.nccl)?;
+        let replacement = ddp_comm::env::rejoining() && world_size > 1 && self.live_recovery;
+        // A replacement joins a running group: the survivors make no more set-up collectives
+        // (and its device is the CPU, checked above).
+        let device_comm = if replacement {
+            None
+        } else {
+            DeviceComm::connect(&env, &group, &group_options, &device, self.nccl)?
+        };
         tracing::info!(
             rank,
             world_size,
@@ -273,6 +309,7 @@ impl DdpBuilder {
             bucket_cap_bytes: self.bucket_cap_bytes,
             compression,
             device_comm,
+            replacement: replacement.then(|| Arc::new(AtomicBool::new(true))),
         })
     }
 }
@@ -324,6 +361,10 @@ pub struct Ddp {
     compression: Compression,
     /// NCCL on this rank's CUDA device, when every rank could create it.
     device_comm: Option<DeviceComm>,
+    /// `Some` when this process was started in place of a lost rank and joined the running
+    /// group ([`DdpBuilder::live_recovery`]); the flag says it still waits for the survivors'
+    /// state (its first [`Ddp::recover`]). Shared by the clones of this `Ddp`.
+    pub(crate) replacement: Option<Arc<AtomicBool>>,
 }
 
 impl Ddp {
@@ -370,6 +411,19 @@ impl Ddp {
     /// The largest gradient bucket in bytes.
     pub fn bucket_cap_bytes(&self) -> usize {
         self.bucket_cap_bytes
+    }
+
+    /// Whether NCCL carries this rank's collectives.
+    pub(crate) fn has_device_comm(&self) -> bool {
+        self.device_comm.is_some()
+    }
+
+    /// Whether this is a replacement that has not received the survivors' state yet; clears
+    /// it (the first [`Ddp::recover`] receives it).
+    pub(crate) fn take_pending_handover(&self) -> bool {
+        self.replacement
+            .as_ref()
+            .is_some_and(|pending| pending.swap(false, Ordering::SeqCst))
     }
 
     /// The process group shared by everything in this process (also reachable through

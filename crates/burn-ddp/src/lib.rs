@@ -93,6 +93,7 @@ pub mod grad_sync;
 pub mod learner;
 mod optimizer;
 mod panic_report;
+pub mod recovery;
 mod replicate;
 pub mod sharding;
 pub mod sync_batch_norm;

@@ -195,7 +195,9 @@ impl Ddp {
     /// first differing rank and tensor, e.g. ``tensor #2 is `fc2.weight`: param [64, 10] F32 on
     /// rank 0 but `fc2.weight`: param [64, 12] F32 on rank 1``; a communication error otherwise.
     pub fn replicate_model<M: Module>(&self, model: M) -> Result<M> {
-        if self.world_size() == 1 {
+        // A replacement for a lost rank gets its parameters in `Ddp::recover`; the running
+        // ranks broadcast nothing now.
+        if self.world_size() == 1 || self.is_replacement() {
             return Ok(model);
         }
         // Rank 0 sends its newest running statistics; the others' pending updates must not

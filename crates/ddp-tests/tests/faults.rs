@@ -625,9 +625,9 @@ fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
     );
 }
 
-/// A burn-ddp training program started in place of a lost rank (`DDP_REJOIN=1`, as
-/// `ddprun --recover live` starts one) says in one line that burn-ddp cannot hand it the
-/// training's state yet and how to run the job instead, and exits non-zero without a panic.
+/// A burn-ddp training program that does not recover live (no `DdpBuilder::live_recovery`),
+/// started in place of a lost rank (`DDP_REJOIN=1`, as `ddprun --recover live` starts one),
+/// says in one line how to run the job instead, and exits non-zero without a panic.
 #[test]
 fn a_burn_ddp_replacement_is_told_to_restart_instead() {
     let out = tempfile::tempdir().unwrap();
@@ -655,4 +655,83 @@ fn a_burn_ddp_replacement_is_told_to_restart_instead() {
         res.report()
     );
     assert!(!res.rank(0).success(), "{}", res.report());
+}
+
+/// `ddp_worker --scenario live` (SGD with momentum, 3 ranks, 12 steps) under `ddprun --recover
+/// live`, once as it is and once with rank 2 SIGKILLing itself before step 5 (ranks 0 and 1 lose
+/// it in step 5's gradient all-reduce): the job exits 0, ranks 0 and 1 are the same processes
+/// throughout, the replacement takes the survivors' state at step 5, nothing is read from disk,
+/// and every rank's final parameters are bitwise those of the run that never failed.
+#[test]
+fn a_rank_lost_in_the_gradient_all_reduce_costs_one_step_and_changes_no_bit() {
+    use std::process::Command;
+    let worker = env!("CARGO_BIN_EXE_ddp_worker");
+    let ddprun = std::path::Path::new(worker).with_file_name("ddprun");
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let mut outputs = Vec::new();
+    for (dir, kill) in dirs.iter().zip([false, true]) {
+        let mut cmd = Command::new(&ddprun);
+        cmd.args([
+            "--nproc-per-node",
+            "3",
+            "--recover",
+            "live",
+            "--max-restarts",
+            "1",
+        ])
+        .args(["--", worker, "--scenario", "live", "--steps", "12", "--out"])
+        .arg(dir.path())
+        .env("DDP_TIMEOUT_SECS", "30")
+        .env("RAYON_NUM_THREADS", "1");
+        if kill {
+            cmd.args(["--victim", "2", "--die-at-step", "5"]);
+        }
+        let ended = ddp_testkit::Launched::spawn(&mut cmd)
+            .expect("start ddprun")
+            .wait_until(Instant::now() + Duration::from_secs(120));
+        let all = format!("{}\n{}", ended.stdout, ended.stderr);
+        assert!(
+            ended.status.success(),
+            "kill={kill}: {}\n{all}",
+            ended.status
+        );
+        outputs.push((ended.stdout, all));
+    }
+    let (stdout, all) = &outputs[1];
+    for r in [0, 1] {
+        let lines = ddp_testkit::rank_lines(stdout, r);
+        let pid = |prefix: &str| {
+            lines
+                .iter()
+                .find_map(|l| l.strip_prefix(prefix))
+                .and_then(|rest| rest.split_whitespace().next().map(str::to_string))
+        };
+        let start = pid(&format!("PID rank={r} pid="));
+        let end = pid(&format!("END rank={r} pid="));
+        assert!(
+            start.is_some() && start == end,
+            "rank {r}: {start:?} then {end:?}\n{all}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| *l == format!("RECOVERED rank={r} step=5")),
+            "{all}"
+        );
+    }
+    assert!(
+        ddp_testkit::rank_lines(stdout, 2).contains(&"RECOVERED rank=2 step=5"),
+        "{all}"
+    );
+    assert!(all.contains("1 lost rank(s) replaced"), "{all}");
+    for r in 0..3 {
+        let read =
+            |d: &tempfile::TempDir| std::fs::read(d.path().join(format!("rank{r}.f32"))).unwrap();
+        let (straight, recovered) = (read(&dirs[0]), read(&dirs[1]));
+        assert!(!straight.is_empty());
+        assert!(
+            straight == recovered,
+            "rank {r}: the parameters differ from the uninterrupted run's"
+        );
+    }
 }

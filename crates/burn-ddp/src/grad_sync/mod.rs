@@ -145,6 +145,13 @@ impl GradientSynchronizer {
         self.check_replicas(module)
     }
 
+    /// Leaves out the comparison of the first synchronisation: after [`crate::Ddp::recover`],
+    /// which made every rank's parameters equal and where the survivors' synchronisers had
+    /// made theirs already.
+    pub(crate) fn skip_replica_check(&mut self) {
+        self.replicas_checked = true;
+    }
+
     /// Compares the ranks' trainable parameters now, as the first synchronisation does by
     /// itself: a fingerprint of their values on each rank, all-gathered (8 bytes a rank).
     /// Every rank must call it; [`DdpError::NotReplicated`] names the first rank whose

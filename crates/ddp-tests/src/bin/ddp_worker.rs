@@ -9,7 +9,10 @@
 //!
 //! Scenarios: `equiv` (N ranks × batch b vs 1 × N·b), `accum` (4 micro-batches per step),
 //! `unused` (a branch used only on rank 1, another never used), `mismatch` (rank 1 builds a
-//! different model: must fail on every rank), `learner` (burn-train `Learner` vs the loop).
+//! different model: must fail on every rank), `learner` (burn-train `Learner` vs the loop),
+//! `live` (the loop `Ddp::recover` makes recoverable; `--victim R --die-at-step K` makes rank R
+//! SIGKILL itself before step K, so that the others lose it in that step's gradient all-reduce;
+//! a replacement started by `ddprun --recover live` does not).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,6 +40,7 @@ enum Scenario {
     Unused,
     Mismatch,
     Learner,
+    Live,
 }
 
 /// The device the ranks train on.
@@ -80,6 +84,12 @@ struct Args {
     /// Device of every rank.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// `live`: the rank that kills itself.
+    #[arg(long)]
+    victim: Option<usize>,
+    /// `live`: the step before which the victim kills itself.
+    #[arg(long)]
+    die_at_step: Option<u64>,
     /// Rank 0 compares its parameters with the single-process reference and fails above this
     /// max |Δparam| (prints an `OUTCOME` line; the GPU check script uses it).
     #[arg(long)]
@@ -254,8 +264,62 @@ fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<
     ddp.barrier().map_err(|e| e.to_string())
 }
 
+/// The `live` scenario: SGD with momentum (its state must be handed over too), every step's
+/// batch a function of the step; on a lost peer, [`Ddp::recover`] and the step again. Prints
+/// `PID rank=R pid=P` at the start and `END rank=R pid=P steps=N` at the end (the survivors'
+/// must match), and `RECOVERED rank=R step=K` after each recovery.
+fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
+    use burn_ddp::checkpoint::Progress;
+    let (rank, world, b) = (ddp.rank(), ddp.world_size(), args.batch);
+    let pid = std::process::id();
+    println!("PID rank={rank} pid={pid}");
+    let device = ddp.device().clone().autodiff();
+    device.seed(1000 + rank as u64);
+    let e = |e: burn_ddp::DdpError| e.to_string();
+    let mut model = ddp.replicate_model(Mlp::new(HIDDEN, &device)).map_err(e)?;
+    let mut optim = DdpOptimizer::new(ddp, optimizer(Optim::Sgd));
+    let mut progress = Progress::default();
+    if ddp.is_replacement() {
+        (model, progress) = ddp.recover(model, &mut optim, progress).map_err(e)?;
+        println!("RECOVERED rank={rank} step={}", progress.step);
+    }
+    while progress.step < args.steps as u64 {
+        let step = progress.step;
+        if args.victim == Some(rank) && args.die_at_step == Some(step) && !ddp.is_replacement() {
+            // SAFETY: kill and getpid have no preconditions.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let (x, y) = batch(shard(step as usize, 0, rank, world, b, 1), &device);
+        let loss = mse(model.forward(x, false), y);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        match optim.try_step(LR, model.clone(), grads) {
+            Ok(m) => {
+                model = m;
+                progress.step += 1;
+            }
+            Err(err) if err.lost_a_peer() => {
+                eprintln!("rank {rank}: lost a peer in step {step}: {err}");
+                (model, progress) = ddp.recover(model, &mut optim, progress).map_err(e)?;
+                println!("RECOVERED rank={rank} step={}", progress.step);
+            }
+            Err(err) => return Err(err.to_string()),
+        }
+    }
+    check_identical(ddp, &model, args.steps)?;
+    std::fs::create_dir_all(&args.out).map_err(|e| e.to_string())?;
+    write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
+        .map_err(|e| e.to_string())?;
+    println!("END rank={rank} pid={pid} steps={}", progress.step);
+    Ok(())
+}
+
 fn run(args: &Args) -> Result<(), String> {
     let builder = Ddp::builder().bucket_cap_bytes(args.bucket_bytes);
+    let builder = if args.scenario == Scenario::Live {
+        builder.live_recovery()
+    } else {
+        builder
+    };
     let builder = match args.device {
         DeviceArg::Cpu => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
@@ -263,6 +327,9 @@ fn run(args: &Args) -> Result<(), String> {
         DeviceArg::Cuda => builder.cuda(),
     };
     let ddp = builder.init().map_err(|e| e.to_string())?;
+    if args.scenario == Scenario::Live {
+        return run_live(args, &ddp);
+    }
     let (rank, world) = (ddp.rank(), ddp.world_size());
     let device = ddp.device().clone().autodiff();
     device.seed(1000 + rank as u64);

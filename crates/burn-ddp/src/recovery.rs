@@ -1,0 +1,158 @@
+//! Live recovery of a lost rank: the survivors re-form the group with a replacement process and
+//! hand it their state from memory, without a restart and without reading a checkpoint.
+//!
+//! A loop opts in with [`crate::DdpBuilder::live_recovery`] and runs under `ddprun --recover
+//! live`. When a step's gradient synchronisation fails because a peer was lost
+//! ([`DdpError::lost_a_peer`]), every survivor calls [`Ddp::recover`] with the model it held
+//! before the step and its progress; the replacement, started by the launcher with
+//! `DDP_REJOIN=1`, calls it right after `init`. Then:
+//!
+//! 1. the survivors re-form the process group in its next generation, the replacement in it
+//!    ([`ddp_comm::ProcessGroup::reform`] and `rejoin`);
+//! 2. every rank says how many optimizer steps it has finished; the **source** is the lowest
+//!    rank among those that finished the most. A rank whose all-reduce of step `k` completed
+//!    holds every rank's contribution to it, so when the peer died after some survivors
+//!    finished step `k` and before others did, the run rolls forward to the end of step `k`;
+//!    when none finished it, everyone is at its start (the failed step's update was never
+//!    applied: [`crate::DdpOptimizer`] updates only after a synchronisation that succeeded);
+//! 3. the source broadcasts its model record, its optimizer state and its [`Progress`] (the
+//!    step, and the sharded loader's position) in the checkpoint's own encoding, and every
+//!    other rank restores them, so every rank holds the source's state bitwise;
+//! 4. the caller redoes the step at the returned progress: the same batch (a pure function of
+//!    the seed and the step, or the loader's restored position) on the same parameters gives
+//!    the step of the run that never failed, bitwise, since every reduction sums in rank order.
+//!
+//! Not covered yet: a death inside SyncBatchNorm's exchange (inside Burn's forward, which can
+//! only panic), the sharded optimizer (ZeRO-1: a lost rank's shard exists nowhere else), CUDA
+//! ranks (NCCL's communicator is not re-created), several nodes, rank 0 (it serves the store).
+//! Per-rank BatchNorm statistics of the replaced rank come from the source, as after a resume
+//! at another world size.
+
+use std::path::PathBuf;
+
+use burn::module::Module;
+use burn_ddp_checkpoint::{Checkpoint, Progress};
+use ddp_comm::CommError;
+
+use crate::checkpoint::OptimizerState;
+use crate::comm;
+use crate::context::Ddp;
+use crate::error::{DdpError, Result};
+use crate::optimizer::DdpOptimizer;
+
+impl DdpError {
+    /// Whether this error is a lost peer's doing (a connection closed, an I/O error or a
+    /// timeout on a link, or a group an earlier such error broke): what [`Ddp::recover`]
+    /// recovers from.
+    pub fn lost_a_peer(&self) -> bool {
+        matches!(
+            self,
+            DdpError::Comm(
+                CommError::PeerClosed { .. }
+                    | CommError::Io { .. }
+                    | CommError::Timeout { .. }
+                    | CommError::Poisoned(_)
+            )
+        )
+    }
+}
+
+impl Ddp {
+    /// Whether this process was started in place of a lost rank (`DDP_REJOIN=1` under `ddprun
+    /// --recover live`, with [`crate::DdpBuilder::live_recovery`]): it must call
+    /// [`Ddp::recover`] before its first step.
+    pub fn is_replacement(&self) -> bool {
+        self.replacement.is_some()
+    }
+
+    /// Re-forms the group after a lost rank and gives every rank the same state; see the
+    /// [module docs](self). Survivors pass the model they held before the failed step (a
+    /// clone kept before [`DdpOptimizer::try_step`]) and their progress; a replacement passes
+    /// its freshly built model and [`Progress::default`]. Returns the model and progress to go
+    /// on from: redo the step at `progress.step`. Collective over the re-formed group.
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidSetting`] for what it does not cover (a sharded optimizer, an NCCL
+    /// communicator); [`DdpError::Comm`] when the group cannot re-form (no replacement within
+    /// `DDP_CONNECT_TIMEOUT_SECS`, a second loss); [`DdpError::Checkpoint`] when the state does
+    /// not fit this model or optimizer.
+    pub fn recover<M: Module>(
+        &self,
+        model: M,
+        optim: &mut DdpOptimizer,
+        progress: Progress,
+    ) -> Result<(M, Progress)> {
+        let refuse = |reason: &str| DdpError::InvalidSetting {
+            setting: "Ddp::recover",
+            reason: reason.into(),
+        };
+        if optim.is_sharded() {
+            return Err(refuse(
+                "a sharded optimizer (ZeRO-1) cannot recover live: the lost rank's shard of the \
+                 optimizer state exists nowhere else; restart from the checkpoint",
+            ));
+        }
+        if self.has_device_comm() {
+            return Err(refuse(
+                "live recovery does not re-create the NCCL communicator yet; restart from the \
+                 checkpoint",
+            ));
+        }
+        let _span = ddp_comm::trace::span("recover", "ddp").arg("step", progress.step);
+        let group = self.group().clone();
+        // A replacement's first call: it joined the re-formed group in `init`. Any later call
+        // (another rank lost) re-forms as a survivor.
+        let arriving = self.take_pending_handover();
+        let (source, generation) = {
+            let mut pg = comm::lock(&group);
+            if !arriving {
+                pg.reform()?;
+            }
+            // Every rank's finished steps; an arriving replacement has none (-1).
+            let mine = if arriving { -1 } else { progress.step as i64 };
+            let mut steps = vec![0i64; self.world_size()];
+            pg.all_gather(&[mine], &mut steps)?;
+            let most = steps.iter().copied().max().unwrap_or(-1);
+            if most < 0 {
+                return Err(refuse(
+                    "no rank of the re-formed group holds a training state",
+                ));
+            }
+            let source = steps.iter().position(|&s| s == most).unwrap_or(0);
+            (source, pg.generation())
+        };
+        let mut bytes = if self.rank() == source {
+            let state = optim.state_bytes()?;
+            Checkpoint::capture_with_state(&model, state, progress, self.world_size(), ())?
+                .to_bytes()?
+        } else {
+            Vec::new()
+        };
+        comm::lock(&group).broadcast_bytes(&mut bytes, source)?;
+        // Equal parameters by construction: the first synchronisation of a replacement's fresh
+        // optimizer must not compare them (the survivors' would not: a collective of its own).
+        optim.synchronizer_mut().skip_replica_check();
+        if self.rank() == source {
+            tracing::warn!(
+                rank = self.rank(),
+                generation,
+                step = progress.step,
+                "re-formed the group after a lost rank; handed this rank's state to the others"
+            );
+            return Ok((model, progress));
+        }
+        let origin = PathBuf::from(format!("<state handed over by rank {source}>"));
+        let ck = Checkpoint::<()>::from_bytes(&bytes, &origin)?;
+        let model = ck.restore_model(model, &origin)?;
+        let handed = ck.progress;
+        optim.load_state_bytes(ck.optimizer)?;
+        tracing::warn!(
+            rank = self.rank(),
+            generation,
+            source,
+            step = handed.step,
+            "re-formed the group after a lost rank; took rank {source}'s state"
+        );
+        Ok((model, handed))
+    }
+}
