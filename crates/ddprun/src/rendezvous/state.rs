@@ -440,14 +440,21 @@ impl State {
         std::time::Duration::from_millis(ms)
     }
 
-    /// The members that have not read the job's end yet (empty unless the job is over).
+    /// The launchers that have not read the job's end yet (empty unless the job is over): its
+    /// members and every launcher still waiting to join, also when the end names no member (a
+    /// state written by another launchers'-key holder): the host must not close the rendezvous
+    /// under a live launcher that has not read how the job ended.
     pub fn unacked(&self) -> Vec<String> {
         match &self.phase {
-            Phase::Finished { members, acked, .. } => members
-                .iter()
-                .filter(|m| !acked.contains(m))
-                .cloned()
-                .collect(),
+            Phase::Finished { members, acked, .. } => {
+                let mut owed: Vec<String> = Vec::new();
+                for id in members.iter().chain(self.waiting.iter().map(|j| &j.id)) {
+                    if !acked.contains(id) && !owed.contains(id) {
+                        owed.push(id.clone());
+                    }
+                }
+                owed
+            }
             _ => Vec::new(),
         }
     }
@@ -568,6 +575,23 @@ mod tests {
         assert!(s.ack("n1") && !s.ack("n1"));
         assert_eq!(s.unacked(), ["host"]);
         assert!(!s.finish(failed(9)), "a finished job stays finished");
+    }
+
+    /// An end that names no member (written by another launchers'-key holder while two
+    /// launchers wait) is still owed to both: the host waits for them to read it.
+    #[test]
+    fn an_end_without_members_is_owed_to_every_waiting_launcher() {
+        let mut s = State::new(spec(3, 3, 0));
+        s.join(joiner("host", 0, 1));
+        s.join(joiner("n1", 1, 2));
+        s.phase = Phase::Finished {
+            end: failed(0),
+            members: Vec::new(),
+            acked: Vec::new(),
+        };
+        assert_eq!(s.unacked(), ["host", "n1"]);
+        assert!(s.ack("host"));
+        assert_eq!(s.unacked(), ["n1"]);
     }
 
     /// Every node done ends the round as done, once; scale-ups do not spend the budget.
