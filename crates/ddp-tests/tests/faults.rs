@@ -657,6 +657,67 @@ fn a_burn_ddp_replacement_is_told_to_restart_instead() {
     assert!(!res.rank(0).success(), "{}", res.report());
 }
 
+/// One `ddp_worker --scenario live` job of 3 ranks under `ddprun --recover live --max-restarts
+/// 1`, writing into `dir`, with `extra` worker arguments; returns its stdout and everything it
+/// printed, after checking that it exited 0.
+fn live_job(dir: &std::path::Path, steps: &str, extra: &[&str]) -> (String, String) {
+    use std::process::Command;
+    let worker = env!("CARGO_BIN_EXE_ddp_worker");
+    let ddprun = std::path::Path::new(worker).with_file_name("ddprun");
+    let mut cmd = Command::new(&ddprun);
+    cmd.args([
+        "--nproc-per-node",
+        "3",
+        "--recover",
+        "live",
+        "--max-restarts",
+        "1",
+    ])
+    .args([
+        "--",
+        worker,
+        "--scenario",
+        "live",
+        "--steps",
+        steps,
+        "--out",
+    ])
+    .arg(dir)
+    .args(extra)
+    .env("DDP_TIMEOUT_SECS", "30")
+    .env("RAYON_NUM_THREADS", "1");
+    let ended = ddp_testkit::Launched::spawn(&mut cmd)
+        .expect("start ddprun")
+        .wait_until(Instant::now() + Duration::from_secs(120));
+    let all = format!("{}\n{}", ended.stdout, ended.stderr);
+    assert!(ended.status.success(), "{extra:?}: {}\n{all}", ended.status);
+    (ended.stdout, all)
+}
+
+/// Every rank's final parameters in `a` and `b` are the same bytes.
+fn assert_same_parameters(a: &std::path::Path, b: &std::path::Path, all: &str) {
+    for r in 0..3 {
+        let read = |d: &std::path::Path| std::fs::read(d.join(format!("rank{r}.f32"))).unwrap();
+        let (straight, recovered) = (read(a), read(b));
+        assert!(!straight.is_empty());
+        assert!(
+            straight == recovered,
+            "rank {r}: the parameters differ from the uninterrupted run's\n{all}"
+        );
+    }
+}
+
+/// The step at which rank `r` recovered (its `RECOVERED` line), if it did.
+fn recovered_at(stdout: &str, r: usize) -> Option<u64> {
+    ddp_testkit::rank_lines(stdout, r).iter().find_map(|l| {
+        l.strip_prefix(&format!("RECOVERED rank={r} step="))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
 /// `ddp_worker --scenario live` (SGD with momentum, 3 ranks, 12 steps) under `ddprun --recover
 /// live`, once as it is and once with rank 2 SIGKILLing itself before step 5 (ranks 0 and 1 lose
 /// it in step 5's gradient all-reduce): the job exits 0, ranks 0 and 1 are the same processes
@@ -664,42 +725,16 @@ fn a_burn_ddp_replacement_is_told_to_restart_instead() {
 /// and every rank's final parameters are bitwise those of the run that never failed.
 #[test]
 fn a_rank_lost_in_the_gradient_all_reduce_costs_one_step_and_changes_no_bit() {
-    use std::process::Command;
-    let worker = env!("CARGO_BIN_EXE_ddp_worker");
-    let ddprun = std::path::Path::new(worker).with_file_name("ddprun");
-    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
-    let mut outputs = Vec::new();
-    for (dir, kill) in dirs.iter().zip([false, true]) {
-        let mut cmd = Command::new(&ddprun);
-        cmd.args([
-            "--nproc-per-node",
-            "3",
-            "--recover",
-            "live",
-            "--max-restarts",
-            "1",
-        ])
-        .args(["--", worker, "--scenario", "live", "--steps", "12", "--out"])
-        .arg(dir.path())
-        .env("DDP_TIMEOUT_SECS", "30")
-        .env("RAYON_NUM_THREADS", "1");
-        if kill {
-            cmd.args(["--victim", "2", "--die-at-step", "5"]);
-        }
-        let ended = ddp_testkit::Launched::spawn(&mut cmd)
-            .expect("start ddprun")
-            .wait_until(Instant::now() + Duration::from_secs(120));
-        let all = format!("{}\n{}", ended.stdout, ended.stderr);
-        assert!(
-            ended.status.success(),
-            "kill={kill}: {}\n{all}",
-            ended.status
-        );
-        outputs.push((ended.stdout, all));
-    }
-    let (stdout, all) = &outputs[1];
+    let straight = tempfile::tempdir().unwrap();
+    let killed = tempfile::tempdir().unwrap();
+    live_job(straight.path(), "12", &[]);
+    let (stdout, all) = live_job(
+        killed.path(),
+        "12",
+        &["--victim", "2", "--die-at-step", "5"],
+    );
     for r in [0, 1] {
-        let lines = ddp_testkit::rank_lines(stdout, r);
+        let lines = ddp_testkit::rank_lines(&stdout, r);
         let pid = |prefix: &str| {
             lines
                 .iter()
@@ -712,26 +747,35 @@ fn a_rank_lost_in_the_gradient_all_reduce_costs_one_step_and_changes_no_bit() {
             start.is_some() && start == end,
             "rank {r}: {start:?} then {end:?}\n{all}"
         );
-        assert!(
-            lines
-                .iter()
-                .any(|l| *l == format!("RECOVERED rank={r} step=5")),
-            "{all}"
-        );
     }
-    assert!(
-        ddp_testkit::rank_lines(stdout, 2).contains(&"RECOVERED rank=2 step=5"),
-        "{all}"
-    );
-    assert!(all.contains("1 lost rank(s) replaced"), "{all}");
     for r in 0..3 {
-        let read =
-            |d: &tempfile::TempDir| std::fs::read(d.path().join(format!("rank{r}.f32"))).unwrap();
-        let (straight, recovered) = (read(&dirs[0]), read(&dirs[1]));
-        assert!(!straight.is_empty());
-        assert!(
-            straight == recovered,
-            "rank {r}: the parameters differ from the uninterrupted run's"
+        assert_eq!(recovered_at(&stdout, r), Some(5), "rank {r}\n{all}");
+    }
+    assert!(all.contains("1 lost rank(s) replaced"), "{all}");
+    assert_same_parameters(straight.path(), killed.path(), &all);
+}
+
+/// The same job of 1500 steps with rank 2 SIGKILLed 20, 60 and 150 ms after its first step,
+/// wherever it then is (forward, backward, inside the all-reduce, the optimizer step): each time
+/// every rank recovers at the same step, the job exits 0, and every rank's final parameters are
+/// bitwise those of the uninterrupted run, also where the survivors had not all finished the
+/// step's all-reduce when the peer died (the run then rolls forward to the furthest survivor).
+#[test]
+fn a_rank_killed_at_any_moment_of_a_step_changes_no_bit() {
+    let straight = tempfile::tempdir().unwrap();
+    live_job(straight.path(), "1500", &[]);
+    for ms in ["20", "60", "150"] {
+        let killed = tempfile::tempdir().unwrap();
+        let (stdout, all) = live_job(
+            killed.path(),
+            "1500",
+            &["--victim", "2", "--die-after-ms", ms],
         );
+        let at: Vec<Option<u64>> = (0..3).map(|r| recovered_at(&stdout, r)).collect();
+        assert!(
+            at[0].is_some() && at.iter().all(|s| *s == at[0]),
+            "killed after {ms} ms: recovered at {at:?}\n{all}"
+        );
+        assert_same_parameters(straight.path(), killed.path(), &all);
     }
 }

@@ -90,6 +90,10 @@ struct Args {
     /// `live`: the step before which the victim kills itself.
     #[arg(long)]
     die_at_step: Option<u64>,
+    /// `live`: the victim kills itself this many milliseconds after its first step, wherever
+    /// it then is (forward, backward, all-reduce, optimizer step).
+    #[arg(long)]
+    die_after_ms: Option<u64>,
     /// Rank 0 compares its parameters with the single-process reference and fails above this
     /// max |Δparam| (prints an `OUTCOME` line; the GPU check script uses it).
     #[arg(long)]
@@ -267,7 +271,9 @@ fn run_learner(args: &Args, ddp: &Ddp, initial: Mlp, device: &Device) -> Result<
 /// The `live` scenario: SGD with momentum (its state must be handed over too), every step's
 /// batch a function of the step; on a lost peer, [`Ddp::recover`] and the step again. Prints
 /// `PID rank=R pid=P` at the start and `END rank=R pid=P steps=N` at the end (the survivors'
-/// must match), and `RECOVERED rank=R step=K` after each recovery.
+/// must match), `RECOVERED rank=R step=K ms=T` after each recovery (T: the time `recover` took),
+/// and the wall-clock milliseconds of a death (`DYING at=…`) and of a replacement's first
+/// finished step (`FIRST STEP rank=R at=…`), for the time a recovery costs.
 fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
     use burn_ddp::checkpoint::Progress;
     let (rank, world, b) = (ddp.rank(), ddp.world_size(), args.batch);
@@ -279,15 +285,43 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
     let mut model = ddp.replicate_model(Mlp::new(HIDDEN, &device)).map_err(e)?;
     let mut optim = DdpOptimizer::new(ddp, optimizer(Optim::Sgd));
     let mut progress = Progress::default();
+    let unix_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    };
+    let die = move || {
+        println!("DYING at={}", unix_ms());
+        // SAFETY: kill and getpid have no preconditions.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    };
+    let victim = args.victim == Some(rank) && !ddp.is_replacement();
+    let recover = |model, optim: &mut DdpOptimizer, progress| {
+        let t = std::time::Instant::now();
+        let (model, progress): (Mlp, Progress) = ddp.recover(model, optim, progress).map_err(e)?;
+        println!(
+            "RECOVERED rank={rank} step={} ms={:.1}",
+            progress.step,
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok::<_, String>((model, progress))
+    };
+    let mut first_step = ddp.is_replacement();
     if ddp.is_replacement() {
-        (model, progress) = ddp.recover(model, &mut optim, progress).map_err(e)?;
-        println!("RECOVERED rank={rank} step={}", progress.step);
+        (model, progress) = recover(model, &mut optim, progress)?;
     }
     while progress.step < args.steps as u64 {
         let step = progress.step;
-        if args.victim == Some(rank) && args.die_at_step == Some(step) && !ddp.is_replacement() {
-            // SAFETY: kill and getpid have no preconditions.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        if victim && args.die_at_step == Some(step) {
+            die();
+        }
+        if victim && step == 1 {
+            if let Some(ms) = args.die_after_ms {
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(ms));
+                    die();
+                });
+            }
         }
         let (x, y) = batch(shard(step as usize, 0, rank, world, b, 1), &device);
         let loss = mse(model.forward(x, false), y);
@@ -296,11 +330,13 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
             Ok(m) => {
                 model = m;
                 progress.step += 1;
+                if std::mem::take(&mut first_step) {
+                    println!("FIRST STEP rank={rank} at={}", unix_ms());
+                }
             }
             Err(err) if err.lost_a_peer() => {
                 eprintln!("rank {rank}: lost a peer in step {step}: {err}");
-                (model, progress) = ddp.recover(model, &mut optim, progress).map_err(e)?;
-                println!("RECOVERED rank={rank} step={}", progress.step);
+                (model, progress) = recover(model, &mut optim, progress)?;
             }
             Err(err) => return Err(err.to_string()),
         }
