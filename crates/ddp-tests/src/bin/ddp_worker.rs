@@ -315,13 +315,14 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
         if victim && args.die_at_step == Some(step) {
             die();
         }
-        if victim && step == 1 {
-            if let Some(ms) = args.die_after_ms {
-                std::thread::spawn(move || {
-                    std::thread::sleep(std::time::Duration::from_millis(ms));
-                    die();
-                });
-            }
+        if victim
+            && step == 1
+            && let Some(ms) = args.die_after_ms
+        {
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                die();
+            });
         }
         let (x, y) = batch(shard(step as usize, 0, rank, world, b, 1), &device);
         let loss = mse(model.forward(x, false), y);
