@@ -661,6 +661,17 @@ fn a_burn_ddp_replacement_is_told_to_restart_instead() {
 /// 1`, writing into `dir`, with `extra` worker arguments; returns its stdout and everything it
 /// printed, after checking that it exited 0.
 fn live_job(dir: &std::path::Path, steps: &str, extra: &[&str]) -> (String, String) {
+    live_job_on(dir, steps, extra, false)
+}
+
+/// [`live_job`]; `bf16_over_tcp`: every rank its own emulated host (`DDP_HOST_ID`, so the group
+/// runs over TCP) and bf16 gradients on the wire (`DDP_COMPRESSION=bf16`).
+fn live_job_on(
+    dir: &std::path::Path,
+    steps: &str,
+    extra: &[&str],
+    bf16_over_tcp: bool,
+) -> (String, String) {
     use std::process::Command;
     let worker = env!("CARGO_BIN_EXE_ddp_worker");
     let ddprun = std::path::Path::new(worker).with_file_name("ddprun");
@@ -672,20 +683,17 @@ fn live_job(dir: &std::path::Path, steps: &str, extra: &[&str]) -> (String, Stri
         "live",
         "--max-restarts",
         "1",
-    ])
-    .args([
         "--",
-        worker,
-        "--scenario",
-        "live",
-        "--steps",
-        steps,
-        "--out",
-    ])
-    .arg(dir)
-    .args(extra)
-    .env("DDP_TIMEOUT_SECS", "30")
-    .env("RAYON_NUM_THREADS", "1");
+    ]);
+    if bf16_over_tcp {
+        cmd.args(["sh", "-c", "DDP_HOST_ID=host-$RANK exec \"$@\"", "sh"])
+            .env("DDP_COMPRESSION", "bf16");
+    }
+    cmd.args([worker, "--scenario", "live", "--steps", steps, "--out"])
+        .arg(dir)
+        .args(extra)
+        .env("DDP_TIMEOUT_SECS", "30")
+        .env("RAYON_NUM_THREADS", "1");
     let ended = ddp_testkit::Launched::spawn(&mut cmd)
         .expect("start ddprun")
         .wait_until(Instant::now() + Duration::from_secs(120));
@@ -778,4 +786,24 @@ fn a_rank_killed_at_any_moment_of_a_step_changes_no_bit() {
         );
         assert_same_parameters(straight.path(), killed.path(), &all);
     }
+}
+
+/// The same with bf16 gradients over TCP (every rank its own emulated host, so the compression
+/// really applies): rank 2 killed before step 5 of 12, every rank's final parameters bitwise
+/// those of the uninterrupted bf16 run.
+#[test]
+fn live_recovery_with_bf16_gradients_over_tcp_changes_no_bit() {
+    let straight = tempfile::tempdir().unwrap();
+    let killed = tempfile::tempdir().unwrap();
+    live_job_on(straight.path(), "12", &[], true);
+    let (stdout, all) = live_job_on(
+        killed.path(),
+        "12",
+        &["--victim", "2", "--die-at-step", "5"],
+        true,
+    );
+    for r in 0..3 {
+        assert_eq!(recovered_at(&stdout, r), Some(5), "rank {r}\n{all}");
+    }
+    assert_same_parameters(straight.path(), killed.path(), &all);
 }
