@@ -442,39 +442,11 @@ fn run_two_ranks(emulated: bool) -> TwoRanks {
     check_libraries().expect("this test needs CUDA and NCCL");
     let server = StoreServer::bind("127.0.0.1:0", Some(TOKEN.into())).unwrap();
     let port = server.local_addr().port();
-    let mut children = Children(vec![
+    let children = Children(vec![
         spawn_rank(0, port, emulated),
         spawn_rank(1, port, emulated),
     ]);
-    // Drain the pipes while the ranks run, so a chatty rank can never block on a full pipe.
-    let readers: Vec<_> = children
-        .0
-        .iter_mut()
-        .map(|c| {
-            let mut out = c.stdout.take().unwrap();
-            std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = out.read_to_string(&mut s);
-                s
-            })
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut codes = [None, None];
-    while codes.iter().any(Option::is_none) {
-        assert!(
-            Instant::now() < deadline,
-            "rank processes still running after 120 s (hang)"
-        );
-        for (i, c) in children.0.iter_mut().enumerate() {
-            if codes[i].is_none() {
-                codes[i] = c.try_wait().unwrap().map(|s| s.code());
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let codes = codes.map(|c| c.expect("both exited"));
-    let outs: Vec<String> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+    let (codes, outs) = finish(children, Duration::from_secs(120));
     for (i, o) in outs.iter().enumerate() {
         // libtest may print "test NAME ... " on the same line before the child's output.
         for line in o
@@ -484,7 +456,10 @@ fn run_two_ranks(emulated: bool) -> TwoRanks {
             println!("rank {i} (exit {:?}): {line}", codes[i]);
         }
     }
-    TwoRanks { codes, outs }
+    TwoRanks {
+        codes: [codes[0], codes[1]],
+        outs,
+    }
 }
 
 #[test]
@@ -656,7 +631,8 @@ fn spawn_emulated(world: usize, scenario: &str) -> (StoreServer, Children) {
     (server, Children(children))
 }
 
-/// Reads every child's stdout to its end (in threads) and waits for each exit, within `limit`.
+/// Reads every child's stdout to its end (in threads, so that a chatty rank never blocks on a
+/// full pipe) and waits for each exit, within `limit` (a hang fails the test).
 fn finish(mut children: Children, limit: Duration) -> (Vec<Option<i32>>, Vec<String>) {
     let readers: Vec<_> = children
         .0

@@ -99,14 +99,9 @@ fn equivalence(world: usize, optim: &str) {
     equivalence_with(world, optim, &[], &[], 1e-5);
 }
 
-/// `equiv` (5 steps, batch 4) with more worker arguments and variables, rank 0 within `tol` of
-/// the single-process reference.
-fn equivalence_with(world: usize, optim: &str, more: &[&str], env: &[(&str, &str)], tol: f32) {
-    let mut name = format!("equiv-{world}-{optim}");
-    for part in more.iter().chain(env.iter().map(|(_, v)| v)) {
-        name = format!("{name}-{part}");
-    }
-    let mut args = vec![
+/// The worker's arguments for `equiv` with `optim`: 5 steps of batch 4.
+fn equiv_args(optim: &str) -> Vec<&str> {
+    vec![
         "--scenario",
         "equiv",
         "--optim",
@@ -115,7 +110,17 @@ fn equivalence_with(world: usize, optim: &str, more: &[&str], env: &[(&str, &str
         "5",
         "--batch",
         "4",
-    ];
+    ]
+}
+
+/// `equiv` (5 steps, batch 4) with more worker arguments and variables, rank 0 within `tol` of
+/// the single-process reference.
+fn equivalence_with(world: usize, optim: &str, more: &[&str], env: &[(&str, &str)], tol: f32) {
+    let mut name = format!("equiv-{world}-{optim}");
+    for part in more.iter().chain(env.iter().map(|(_, v)| v)) {
+        name = format!("{name}-{part}");
+    }
+    let mut args = equiv_args(optim);
     args.extend(more);
     let run = launch_with_env(world, &name, &args, env);
     run.assert_matches_reference(world, tol);
@@ -306,18 +311,8 @@ mod cuda {
     /// the machine has that many, else sharing its GPU as emulated GPU hosts (each rank an
     /// NCCL host of its own, NCCL's socket transport on loopback).
     fn nccl_equivalence(world: usize, optim: &str) {
-        let args = [
-            "--scenario",
-            "equiv",
-            "--optim",
-            optim,
-            "--steps",
-            "5",
-            "--batch",
-            "4",
-            "--device",
-            "cuda",
-        ];
+        let mut args = equiv_args(optim);
+        args.extend(["--device", "cuda"]);
         let run = launch_with(world, &format!("nccl-{world}-{optim}"), &args, |job| {
             ddp_tests::nccl_rank_env(world)
                 .into_iter()
