@@ -81,6 +81,13 @@ impl Launched {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// Whether it is still running (its exit, once seen, is kept for [`Self::wait_until`]).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     /// Waits until it ends, at most until `deadline`.
     ///
     /// # Panics

@@ -28,6 +28,24 @@ fn wait_for_file(path: &Path) {
     }
 }
 
+/// Waits (at most 30 s) until `node` has written its rank's pid to `path`; `false` when the
+/// launcher ended first.
+fn started_its_rank(node: &mut Node, path: &Path) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !path.exists() {
+        if !node.running() {
+            return path.exists();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
 fn signal(pid: i32, sig: i32) {
     // SAFETY: kill has no memory-safety preconditions.
     unsafe { libc::kill(pid, sig) };
@@ -63,7 +81,6 @@ fn a_failure_is_never_lost_to_a_scale_up() {
         let dir = tempfile::tempdir().unwrap();
         let go = dir.path().join("go");
         let pid = dir.path().join("pid");
-        let port = free_port();
         let opts = [
             "--nnodes",
             "1:2",
@@ -88,8 +105,29 @@ fn a_failure_is_never_lost_to_a_scale_up() {
         } else {
             &[]
         };
-        let node0 = Node::start_with(0, &port, &token, &opts, &script, vars);
-        wait_for_file(&pid);
+        // A port from `free_port` is not reserved: with runs in parallel another launcher may
+        // take it first, and node 0 then ends before its rank starts. Another port then, three
+        // times at most; any other early end fails the test with node 0's stderr.
+        let (node0, port) = (0..3)
+            .find_map(|attempt| {
+                let port = free_port();
+                let mut node0 = Node::start_with(0, &port, &token, &opts, &script, vars);
+                if started_its_rank(&mut node0, &pid) {
+                    return Some((node0, port));
+                }
+                let ended = node0.wait();
+                assert!(
+                    ended.stderr.contains(&port),
+                    "run {i}: node 0 ended before its rank started: {}",
+                    ended.stderr
+                );
+                eprintln!(
+                    "run {i}, attempt {attempt}: port {port} taken: {}",
+                    ended.stderr
+                );
+                None
+            })
+            .unwrap_or_else(|| panic!("run {i}: node 0 never started its rank"));
         let rank: i32 = std::fs::read_to_string(&pid)
             .unwrap()
             .trim()

@@ -115,6 +115,11 @@ impl Node {
         self.0.id() as i32
     }
 
+    /// Whether the launcher is still running.
+    pub fn running(&mut self) -> bool {
+        self.0.running()
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill has no memory-safety preconditions.
         unsafe { libc::kill(self.pid(), sig) };
