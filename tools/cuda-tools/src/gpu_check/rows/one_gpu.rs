@@ -1,4 +1,4 @@
-//! The task rows that run several NCCL ranks on the one GPU a lent machine has, each rank an
+//! The task rows that run several NCCL ranks on the one GPU a machine has, each rank an
 //! emulated GPU host (`ddprun --emulate-gpu-hosts`: its own `NCCL_HOSTID`, NCCL's socket
 //! transport on loopback): train-cnn end to end at 2 and 4 ranks, and the ResNet-18 benchmark
 //! with PyTorch beside it, launched the same way.
