@@ -310,6 +310,9 @@ impl DdpBuilder {
             compression,
             device_comm,
             replacement: replacement.then(|| Arc::new(AtomicBool::new(true))),
+            recovers_live: self.live_recovery
+                && world_size > 1
+                && ddp_comm::env::live_recovery_launched(),
         })
     }
 }
@@ -365,6 +368,9 @@ pub struct Ddp {
     /// group ([`DdpBuilder::live_recovery`]); the flag says it still waits for the survivors'
     /// state (its first [`Ddp::recover`]). Shared by the clones of this `Ddp`.
     pub(crate) replacement: Option<Arc<AtomicBool>>,
+    /// The program recovers live ([`DdpBuilder::live_recovery`]) and its launcher replaces lost
+    /// ranks (`DDP_RECOVER=live`), in a world of more than one.
+    pub(crate) recovers_live: bool,
 }
 
 impl Ddp {

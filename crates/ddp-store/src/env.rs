@@ -52,6 +52,16 @@ pub fn rejoining() -> bool {
     std::env::var(REJOIN_VAR).is_ok_and(|v| v.trim() == "1")
 }
 
+/// Set to `live` by a launcher on every rank of a job that replaces lost ranks while the others
+/// run (`ddprun --recover live`), so that a program knows its survivors will re-form the group
+/// rather than be stopped (burn-ddp's `Ddp::recovers_live`).
+pub const RECOVER_VAR: &str = "DDP_RECOVER";
+
+/// Whether the launcher replaces lost ranks live ([`RECOVER_VAR`] is `live`).
+pub fn live_recovery_launched() -> bool {
+    std::env::var(RECOVER_VAR).is_ok_and(|v| v.trim() == "live")
+}
+
 /// A launch variable that is missing or malformed. The message names the variable and value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

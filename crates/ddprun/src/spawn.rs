@@ -1,7 +1,8 @@
 //! Starting one rank process: its command line and variables (the rank's own token), its
 //! process group and parent-death signal, and the threads that copy its output with a
 //! `[rank k] ` prefix. The same for the first start of a rank and for a replacement of a lost
-//! one (`--recover live`), which also gets `DDP_REJOIN=1`.
+//! one (`--recover live`, which sets `DDP_RECOVER=live` on every rank), which also gets
+//! `DDP_REJOIN=1`.
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -11,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use ddp_comm::env::{RANK_KEYS_VAR, REJOIN_VAR, TOKEN_VAR};
+use ddp_comm::env::{RANK_KEYS_VAR, RECOVER_VAR, REJOIN_VAR, TOKEN_VAR};
 use ddp_comm::gpu_hosts;
 
 use super::config::{self, LaunchConfig};
@@ -62,6 +63,7 @@ impl<A: AsRef<OsStr>> RankSpawner<'_, A> {
                     .flatten(),
             )
             .envs(rejoin.then_some((REJOIN_VAR, "1")))
+            .envs(cfg.live_recovery.then_some((RECOVER_VAR, "live")))
             .envs(
                 cfg.emulate_gpu_hosts
                     .then(|| gpu_hosts::rank_vars(rank))

@@ -68,7 +68,9 @@ impl<B: SyncBatchNormBackend> Backward<B, 3> for SyncBatchNormBackward {
                 .all_reduce_sum::<B>(local)
                 .unwrap_or_else(|e| {
                     // The autodiff backward pass can't return errors; the collective is broken
-                    // on every rank, so every rank stops with this message.
+                    // on every rank, so every rank stops with this message (or, inside
+                    // `Ddp::catch_lost_peer`, unwinds there on a lost peer).
+                    let e = super::error::unwind_if_lost_peer(e);
                     tracing::error!(
                         "SyncBatchNorm backward: all-reduce of the per-channel sums failed: {e}"
                     );

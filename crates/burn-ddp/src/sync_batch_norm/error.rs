@@ -37,3 +37,14 @@ pub enum SyncBatchNormError {
     #[error("SyncBatchNorm: {0}")]
     Device(String),
 }
+
+/// A lost peer's [`SyncBatchNormError::Comm`] unwinds to an enclosing
+/// [`Ddp::catch_lost_peer`](crate::Ddp::catch_lost_peer); any other error is returned.
+pub(crate) fn unwind_if_lost_peer(error: SyncBatchNormError) -> SyncBatchNormError {
+    match error {
+        SyncBatchNormError::Comm(e) => {
+            SyncBatchNormError::Comm(crate::recovery::unwind::unwind_if_caught(e))
+        }
+        other => other,
+    }
+}

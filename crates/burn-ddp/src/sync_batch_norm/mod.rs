@@ -266,9 +266,11 @@ impl SyncBatchNorm {
     /// enabled (also updating the running statistics), running statistics otherwise.
     ///
     /// # Panics
-    /// On any [`SyncBatchNormError`]; use [`try_forward`](Self::try_forward) to handle them.
+    /// On any [`SyncBatchNormError`]; use [`try_forward`](Self::try_forward) to handle them. Inside
+    /// [`Ddp::catch_lost_peer`](crate::Ddp::catch_lost_peer), a lost peer returns there instead.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         self.try_forward(input).unwrap_or_else(|e| {
+            let e = error::unwind_if_lost_peer(e);
             tracing::error!("SyncBatchNorm forward failed: {e}");
             panic!("SyncBatchNorm forward failed: {e}")
         })

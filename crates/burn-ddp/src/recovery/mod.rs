@@ -22,17 +22,29 @@
 //!    the seed and the step, or the loader's restored position) on the same parameters gives
 //!    the step of the run that never failed, bitwise, since every reduction sums in rank order.
 //!
-//! Not covered yet: a death inside SyncBatchNorm's exchange (inside Burn's forward, which can
-//! only panic), the sharded optimizer (ZeRO-1: a lost rank's shard exists nowhere else), CUDA
+//! A step's forward and backward run inside [`Ddp::catch_lost_peer`] when the model has
+//! SyncBatchNorm layers: their exchange runs inside Burn's forward and backward, which cannot
+//! return errors, so a lost peer there unwinds to it instead of panicking. A model
+//! with running statistics (BatchNorm, SyncBatchNorm) takes a [`StepStart`] before each step: the
+//! failed step's forward already updated them, and the step is redone from their values before
+//! it. [`Ddp::recover_with`] also hands over the program's own state (its metrics so far).
+//!
+//! Not covered yet: the sharded optimizer (ZeRO-1: a lost rank's shard exists nowhere else), CUDA
 //! ranks (NCCL's communicator is not re-created), several nodes, rank 0 (it serves the store).
 //! Per-rank BatchNorm statistics of the replaced rank come from the source, as after a resume
-//! at another world size.
+//! at another world size (SyncBatchNorm's are the same on every rank).
+
+mod step_start;
+pub(crate) mod unwind;
+
+pub use step_start::StepStart;
 
 use std::path::PathBuf;
 
 use burn::module::Module;
 use burn_ddp_checkpoint::{Checkpoint, Progress};
-use ddp_comm::CommError;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::checkpoint::OptimizerState;
 use crate::comm;
@@ -45,15 +57,7 @@ impl DdpError {
     /// timeout on a link, or a group an earlier such error broke): what [`Ddp::recover`]
     /// recovers from.
     pub fn lost_a_peer(&self) -> bool {
-        matches!(
-            self,
-            DdpError::Comm(
-                CommError::PeerClosed { .. }
-                    | CommError::Io { .. }
-                    | CommError::Timeout { .. }
-                    | CommError::Poisoned(_)
-            )
-        )
+        matches!(self, DdpError::Comm(e) if unwind::comm_lost_a_peer(e))
     }
 }
 
@@ -65,11 +69,31 @@ impl Ddp {
         self.replacement.is_some()
     }
 
+    /// Runs `f` (a step's forward and backward) so that a lost peer inside SyncBatchNorm's
+    /// exchange, which Burn's forward and backward cannot return, comes back as `Err` with
+    /// [`DdpError::lost_a_peer`] instead of a panic; then call [`Ddp::recover`] as for a failed
+    /// gradient synchronisation. Any other panic goes on unwinding. What `f` built is dropped.
+    ///
+    /// # Errors
+    /// [`DdpError::Comm`]: the peer lost inside `f`.
+    pub fn catch_lost_peer<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        unwind::catching(f).map_err(DdpError::Comm)
+    }
+
+    /// Whether a lost rank of this job is replaced while the others run: the program declared
+    /// [`crate::DdpBuilder::live_recovery`], its launcher runs `--recover live` (`DDP_RECOVER=live`
+    /// on every rank) and the world has more than one rank. A loop keeps what [`Ddp::recover`]
+    /// needs (a [`StepStart`], its progress) only then.
+    pub fn recovers_live(&self) -> bool {
+        self.recovers_live
+    }
+
     /// Re-forms the group after a lost rank and gives every rank the same state; see the
     /// [module docs](self). Survivors pass the model they held before the failed step (a
-    /// clone kept before [`DdpOptimizer::try_step`]) and their progress; a replacement passes
-    /// its freshly built model and [`Progress::default`]. Returns the model and progress to go
-    /// on from: redo the step at `progress.step`. Collective over the re-formed group.
+    /// clone kept before [`DdpOptimizer::try_step`], or [`StepStart::restore`]'s) and their
+    /// progress; a replacement passes its freshly built model and [`Progress::default`]. Returns
+    /// the model and progress to go on from: redo the step at `progress.step`. Collective over
+    /// the re-formed group.
     ///
     /// # Errors
     /// [`DdpError::InvalidSetting`] for what it does not cover (a sharded optimizer, an NCCL
@@ -82,6 +106,23 @@ impl Ddp {
         optim: &mut DdpOptimizer,
         progress: Progress,
     ) -> Result<(M, Progress)> {
+        let (model, progress, ()) = self.recover_with(model, optim, progress, ())?;
+        Ok((model, progress))
+    }
+
+    /// [`Ddp::recover`], also handing over the program's own state `state` (what a checkpoint
+    /// keeps as its metadata: metrics so far, the epoch's sums): every rank returns the
+    /// source's. A replacement passes any value (its `Default`); it is replaced.
+    ///
+    /// # Errors
+    /// As [`Ddp::recover`].
+    pub fn recover_with<M: Module, T: Serialize + DeserializeOwned>(
+        &self,
+        model: M,
+        optim: &mut DdpOptimizer,
+        progress: Progress,
+        state: T,
+    ) -> Result<(M, Progress, T)> {
         let refuse = |reason: &str| DdpError::InvalidSetting {
             setting: "Ddp::recover",
             reason: reason.into(),
@@ -122,8 +163,8 @@ impl Ddp {
             (source, pg.generation())
         };
         let mut bytes = if self.rank() == source {
-            let state = optim.state_bytes()?;
-            Checkpoint::capture_with_state(&model, state, progress, self.world_size(), ())?
+            let optimizer = optim.state_bytes()?;
+            Checkpoint::capture_with_state(&model, optimizer, progress, self.world_size(), &state)?
                 .to_bytes()?
         } else {
             Vec::new()
@@ -139,20 +180,19 @@ impl Ddp {
                 step = progress.step,
                 "re-formed the group after a lost rank; handed this rank's state to the others"
             );
-            return Ok((model, progress));
+            return Ok((model, progress, state));
         }
         let origin = PathBuf::from(format!("<state handed over by rank {source}>"));
-        let ck = Checkpoint::<()>::from_bytes(&bytes, &origin)?;
+        let ck = Checkpoint::<T>::from_bytes(&bytes, &origin)?;
         let model = ck.restore_model(model, &origin)?;
-        let handed = ck.progress;
         optim.load_state_bytes(ck.optimizer)?;
         tracing::warn!(
             rank = self.rank(),
             generation,
             source,
-            step = handed.step,
+            step = ck.progress.step,
             "re-formed the group after a lost rank; took rank {source}'s state"
         );
-        Ok((model, handed))
+        Ok((model, ck.progress, ck.metadata))
     }
 }
