@@ -200,7 +200,9 @@ enum Backend {
 
 /// `burn_ddp::init()` with this program's device and compression settings.
 fn join(backend: Backend, compression: Option<ddp_comm::Compression>) -> Result<Ddp, TrainError> {
-    let builder = Ddp::builder();
+    // Under `ddprun --recover live` a lost rank is replaced while the others run; the loop
+    // hands the replacement its state (`train::train`).
+    let builder = Ddp::builder().live_recovery();
     let builder = match compression {
         Some(c) => builder.compression(c),
         None => builder,

@@ -17,6 +17,7 @@ use ddp_comm::ReduceOp;
 
 use burn_ddp::checkpoint::{Checkpointer, Progress};
 use burn_ddp::data::LoaderState;
+use burn_ddp::recovery::StepStart;
 
 use crate::checkpoint::{self, CheckpointError, CheckpointMeta, PartialEpoch};
 use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
@@ -164,6 +165,21 @@ pub enum TrainError {
     Plot(#[from] PlotError),
 }
 
+impl TrainError {
+    /// Whether a peer's loss caused this error: what live recovery recovers from
+    /// ([`DdpError::lost_a_peer`]).
+    pub fn lost_a_peer(&self) -> bool {
+        matches!(self, TrainError::Ddp(e) if e.lost_a_peer())
+    }
+}
+
+/// Where a run stands after its last finished step or epoch.
+struct Committed {
+    progress: Progress,
+    history: Vec<EpochMetrics>,
+    partial: Option<PartialEpoch>,
+}
+
 impl From<burn_ddp::DdpError> for TrainError {
     fn from(e: burn_ddp::DdpError) -> Self {
         match e {
@@ -288,7 +304,40 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
     let mut seed = cfg.seed;
     let mut resumed_at = None;
     let mut partial = None;
-    let resume = cfg.resume || (cfg.resume_if_present && ckpt.exists(ddp.group())?);
+    let meta_of =
+        |seed: u64, history: &[EpochMetrics], partial: Option<PartialEpoch>| CheckpointMeta {
+            seed,
+            model: model_cfg.clone(),
+            norm: N::NAME.to_string(),
+            batch_size: cfg.batch_size,
+            lr: cfg.lr,
+            schedule: (cfg.schedule.name().to_string(), cfg.epochs),
+            data: cfg.data.to_string(),
+            history: history.to_vec(),
+            partial,
+        };
+    // A process started in place of a lost rank (`ddprun --recover live`) takes the survivors'
+    // state from their memory, not from the checkpoint.
+    let mut handed_over = None;
+    if ddp.is_replacement() {
+        let (restored, progress, handed) = ddp.recover_with(
+            model,
+            &mut optim,
+            Progress::default(),
+            meta_of(seed, &[], None),
+        )?;
+        model = restored;
+        seed = handed.seed;
+        history = handed.history;
+        partial = handed.partial;
+        handed_over = Some(progress);
+        tracing::info!(
+            step = progress.step,
+            "took the survivors' state in place of a lost rank"
+        );
+    }
+    let resume = handed_over.is_none()
+        && (cfg.resume || (cfg.resume_if_present && ckpt.exists(ddp.group())?));
     if resume {
         let Some(ck) = ckpt.read::<CheckpointMeta>(ddp.group())? else {
             return Err(CheckpointError::Io {
@@ -350,6 +399,7 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
         );
     }
     let resumed_after = resumed_at.map(|p| p.epochs_done as usize);
+    let started_at = resumed_at.or(handed_over);
 
     let start = history.len();
     let remaining = cfg.epochs.saturating_sub(start);
@@ -398,137 +448,208 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
     debug_assert_eq!(loader.num_batches(), batches_per_epoch);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut header_printed = false;
-    if let Some(state) = resumed_at.and_then(|p| p.loader) {
+    if let Some(state) = started_at.and_then(|p| p.loader) {
         // A checkpoint from the middle of an epoch: continue that epoch at its next batch.
         loader.load_state(state);
     }
-    let meta = |history: &[EpochMetrics], partial: Option<PartialEpoch>| CheckpointMeta {
-        seed,
-        model: model_cfg.clone(),
-        norm: N::NAME.to_string(),
-        batch_size: cfg.batch_size,
-        lr: cfg.lr,
-        schedule: (cfg.schedule.name().to_string(), cfg.epochs),
-        data: cfg.data.to_string(),
-        history: history.to_vec(),
+    let meta =
+        |history: &[EpochMetrics], partial: Option<PartialEpoch>| meta_of(seed, history, partial);
+    let live = ddp.recovers_live();
+    // Where the run stands after its last finished step or epoch: what a checkpoint keeps, and
+    // what the survivors of a lost rank hand its replacement (`ddprun --recover live`).
+    let mut committed = Committed {
+        progress: started_at.unwrap_or(Progress {
+            step: (start * batches_per_epoch) as u64,
+            epochs_done: start as u64,
+            loader: Some(LoaderState::at_epoch(start as u64)),
+        }),
+        history,
         partial,
     };
-    for epoch in start..cfg.epochs {
-        let t0 = Instant::now();
-        if loader.epoch() != epoch as u64 {
-            loader.set_epoch(epoch as u64);
-        }
-        // Batches of this epoch done before this pass, counted at this world size from the
-        // epoch's global sample position (a checkpoint of another world size continues the
-        // epoch's data order from there, and the schedule from the same point).
-        let state = loader.state();
-        let skip = state.samples_done.map_or(state.batches_done, |done| {
-            (done / (cfg.batch_size * world) as u64) as usize
-        });
-        // loss × n, correct, n; a resumed epoch's sums so far are counted once, on rank 0.
-        let mut sums = [0f64; 3];
-        let mut seconds_before = 0.0;
-        if let Some(p) = partial.take().filter(|_| skip > 0) {
-            seconds_before = p.seconds;
-            if ddp.is_main() {
+    // The model's values at the start of the step in progress, under live recovery.
+    let mut step_start = None;
+    let mut printed = start;
+    // The epochs from `committed` on; a lost peer returns its error with `model` and `committed`
+    // as they were at the last finished step (`step_start` holds the running statistics the
+    // failed step's forward changed).
+    let mut run = |model: &mut Net<N>,
+                   optim: &mut DdpOptimizer,
+                   committed: &mut Committed,
+                   step_start: &mut Option<StepStart<Net<N>>>|
+     -> Result<(), TrainError> {
+        for epoch in committed.history.len()..cfg.epochs {
+            let t0 = Instant::now();
+            if loader.epoch() != epoch as u64 {
+                loader.set_epoch(epoch as u64);
+            }
+            // Batches of this epoch done before this pass, counted at this world size from the
+            // epoch's global sample position (a checkpoint of another world size continues the
+            // epoch's data order from there, and the schedule from the same point).
+            let state = loader.state();
+            let skip = state.samples_done.map_or(state.batches_done, |done| {
+                (done / (cfg.batch_size * world) as u64) as usize
+            });
+            // Loss × n, correct, n over all ranks so far (every rank holds the same sums).
+            let mut sums = [0f64; 3];
+            let mut seconds_before = 0.0;
+            if let Some(p) = committed.partial.filter(|_| skip > 0) {
+                seconds_before = p.seconds;
                 sums = p.sums;
             }
-        }
-        bar.inc((skip * cfg.batch_size * world) as u64);
-        let (mut sync_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
-        for (j, batch) in loader.batches().enumerate() {
-            let i = skip + j;
-            let batch = batch?;
-            let lr = cfg.schedule.at(
-                cfg.lr,
-                epoch * batches_per_epoch + i,
-                cfg.epochs * batches_per_epoch,
+            bar.set_position(
+                (epoch - start) as u64 * per_epoch_global + (skip * cfg.batch_size * world) as u64,
             );
-            let items = batch.targets.dims()[0];
-            let n = items as f64;
-            let logits = model.forward(batch.images);
-            let correct = count_correct(logits.clone(), batch.targets.clone());
-            let loss = loss_fn.forward(logits, batch.targets);
-            let loss_value = loss.clone().into_scalar::<f32>() as f64;
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.try_step(lr, model, grads)?;
-            let st = optim.last_sync_stats();
-            sync_time += st.total;
-            wait_time += st.presence;
-            sums[0] += loss_value * n;
-            sums[1] += correct as f64;
-            sums[2] += n;
-            bar.inc(items as u64 * world as u64);
-            bar.set_message(format!(
-                "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
-                epoch + 1,
-                cfg.epochs,
-                bar.per_sec()
-            ));
-            let step = (epoch * batches_per_epoch + i + 1) as u64;
-            if ckpt.due_after_step(step) && i + 1 < batches_per_epoch {
-                let mut so_far = sums;
-                sum_over_ranks(ddp, &mut so_far)?;
-                let progress = Progress {
+            let (mut sync_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
+            for (j, batch) in loader.batches().enumerate() {
+                let i = skip + j;
+                let batch = batch?;
+                let lr = cfg.schedule.at(
+                    cfg.lr,
+                    epoch * batches_per_epoch + i,
+                    cfg.epochs * batches_per_epoch,
+                );
+                let items = batch.targets.dims()[0];
+                let n = items as f64;
+                *step_start = live.then(|| StepStart::take(&*model));
+                // SyncBatchNorm's exchange runs inside the forward and backward: a peer lost
+                // there returns here as an error too.
+                let (loss_value, correct, grads) = ddp.catch_lost_peer(|| {
+                    let logits = model.forward(batch.images);
+                    let correct = count_correct(logits.clone(), batch.targets.clone());
+                    let loss = loss_fn.forward(logits, batch.targets);
+                    let loss_value = loss.clone().into_scalar::<f32>() as f64;
+                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
+                    (loss_value, correct, grads)
+                })?;
+                // This step's sums over all ranks, added in step order: the epoch's metrics are
+                // the same bits whether or not a rank was replaced on the way.
+                let mut step_sums = [loss_value * n, correct as f64, n];
+                sum_over_ranks(ddp, &mut step_sums)?;
+                *model = optim.try_step(lr, model.clone(), grads)?;
+                *step_start = None;
+                for (sum, add) in sums.iter_mut().zip(step_sums) {
+                    *sum += add;
+                }
+                let st = optim.last_sync_stats();
+                sync_time += st.total;
+                wait_time += st.presence;
+                bar.inc(items as u64 * world as u64);
+                bar.set_message(format!(
+                    "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
+                    epoch + 1,
+                    cfg.epochs,
+                    bar.per_sec()
+                ));
+                let step = (epoch * batches_per_epoch + i + 1) as u64;
+                committed.progress = Progress {
                     step,
                     epochs_done: epoch as u64,
                     loader: Some(loader.state()),
                 };
-                let p = PartialEpoch {
-                    sums: so_far,
+                committed.partial = Some(PartialEpoch {
+                    sums,
                     seconds: seconds_before + t0.elapsed().as_secs_f64(),
-                };
-                ckpt.save(
-                    ddp.group(),
-                    &model,
-                    &optim,
-                    progress,
-                    &meta(&history, Some(p)),
-                )?;
-            }
-        }
-        let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
-        sum_over_ranks(ddp, &mut sums)?;
-        // Mean over ranks of this epoch's time in gradient sync and in waiting for the others.
-        let mut comm = [sync_time.as_secs_f64(), wait_time.as_secs_f64()];
-        sum_over_ranks(ddp, &mut comm)?;
-        let (eval_loss, eval_accuracy) = if cfg.eval_last_only && epoch + 1 < cfg.epochs {
-            (f64::NAN, f64::NAN)
-        } else {
-            evaluate(ddp, &model, &splits, &batcher, &device)?
-        };
-        let m = EpochMetrics {
-            epoch: epoch + 1,
-            train_loss: sums[0] / sums[2],
-            train_accuracy: sums[1] / sums[2],
-            eval_loss,
-            eval_accuracy,
-            samples_per_sec: sums[2] / train_seconds,
-            seconds: t0.elapsed().as_secs_f64(),
-            sync_seconds: comm[0] / world as f64,
-            wait_seconds: comm[1] / world as f64,
-        };
-        history.push(m);
-        if ddp.is_main() {
-            let table = metrics::table(&history);
-            let mut lines = table.lines();
-            let header = lines.next().unwrap_or_default();
-            if !cfg.quiet {
-                if !header_printed {
-                    say(&bar, header);
-                    header_printed = true;
+                });
+                if ckpt.due_after_step(step) && i + 1 < batches_per_epoch {
+                    ckpt.save(
+                        ddp.group(),
+                        &*model,
+                        &*optim,
+                        committed.progress,
+                        &meta(&committed.history, committed.partial),
+                    )?;
                 }
-                say(&bar, lines.last().unwrap_or_default());
             }
-            write_outputs(&paths, &history)?;
+            let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
+            // Mean over ranks of this epoch's time in gradient sync and in waiting for the
+            // others.
+            let mut comm = [sync_time.as_secs_f64(), wait_time.as_secs_f64()];
+            sum_over_ranks(ddp, &mut comm)?;
+            let (eval_loss, eval_accuracy) = if cfg.eval_last_only && epoch + 1 < cfg.epochs {
+                (f64::NAN, f64::NAN)
+            } else {
+                evaluate(ddp, model, &splits, &batcher, &device)?
+            };
+            let m = EpochMetrics {
+                epoch: epoch + 1,
+                train_loss: sums[0] / sums[2],
+                train_accuracy: sums[1] / sums[2],
+                eval_loss,
+                eval_accuracy,
+                samples_per_sec: sums[2] / train_seconds,
+                seconds: t0.elapsed().as_secs_f64(),
+                sync_seconds: comm[0] / world as f64,
+                wait_seconds: comm[1] / world as f64,
+            };
+            let mut history = committed.history.clone();
+            history.push(m);
+            if ddp.is_main() {
+                let table = metrics::table(&history);
+                let mut lines = table.lines();
+                let header = lines.next().unwrap_or_default();
+                // An epoch's end redone after a lost rank prints its line once.
+                if !cfg.quiet && epoch >= printed {
+                    if !header_printed {
+                        say(&bar, header);
+                        header_printed = true;
+                    }
+                    say(&bar, lines.last().unwrap_or_default());
+                    printed = epoch + 1;
+                }
+                write_outputs(&paths, &history)?;
+            }
+            let progress = Progress {
+                step: ((epoch + 1) * batches_per_epoch) as u64,
+                epochs_done: epoch as u64 + 1,
+                loader: Some(LoaderState::at_epoch(epoch as u64 + 1)),
+            };
+            ckpt.save(
+                ddp.group(),
+                &*model,
+                &*optim,
+                progress,
+                &meta(&history, None),
+            )?;
+            *committed = Committed {
+                progress,
+                history,
+                partial: None,
+            };
         }
-        let progress = Progress {
-            step: ((epoch + 1) * batches_per_epoch) as u64,
-            epochs_done: epoch as u64 + 1,
-            loader: Some(LoaderState::at_epoch(epoch as u64 + 1)),
-        };
-        ckpt.save(ddp.group(), &model, &optim, progress, &meta(&history, None))?;
+        Ok(())
+    };
+    loop {
+        match run(&mut model, &mut optim, &mut committed, &mut step_start) {
+            Ok(()) => break,
+            Err(e) if live && e.lost_a_peer() => {
+                tracing::warn!(
+                    step = committed.progress.step,
+                    "lost a peer ({e}); re-forming the group with its replacement"
+                );
+                let before = match step_start.take() {
+                    Some(start) => start.restore(model),
+                    None => model,
+                };
+                let (restored, progress, handed) = ddp.recover_with(
+                    before,
+                    &mut optim,
+                    committed.progress,
+                    meta(&committed.history, committed.partial),
+                )?;
+                model = restored;
+                if let Some(state) = progress.loader {
+                    loader.load_state(state);
+                }
+                committed = Committed {
+                    progress,
+                    history: handed.history,
+                    partial: handed.partial,
+                };
+            }
+            Err(e) => return Err(e),
+        }
     }
+    let history = committed.history;
     bar.finish_and_clear();
     if ddp.is_main() && remaining == 0 {
         write_outputs(&paths, &history)?;

@@ -408,3 +408,87 @@ fn a_save_slower_than_the_collective_deadline_succeeds() {
     );
     assert!(Checkpoint::read(&out.join(FILE_NAME)).is_ok());
 }
+
+/// Under `--recover live`: rank 1 records its process id (every start of it, `$MARKS/pids.1`)
+/// and, in its first start only, kills itself (SIGKILL) `$KILL_DELAY_MS` after the first
+/// mid-epoch checkpoint exists — or, with `$KILL_IN_WRITE` set, once rank 0's next checkpoint
+/// write is half-way (its temporary file exists). The replacement deletes the checkpoint before
+/// it starts: the state it trains on can only come from the survivors' memory.
+const LIVE_KILL_RANK_1: &str = r#"
+echo $$ >> "$MARKS/pids.$RANK"
+if [ "$DDP_REJOIN" = 1 ]; then
+  rm -f "$CHECKPOINT"
+elif [ "$RANK" = 1 ]; then
+  ( dir=$(dirname "$CHECKPOINT")
+    while [ ! -f "$CHECKPOINT" ]; do sleep 0.005; done
+    if [ -n "$KILL_IN_WRITE" ]; then
+      while ! ls "$dir"/.checkpoint.bin.tmp-* >/dev/null 2>&1; do sleep 0.005; done
+    else
+      sleep "$(awk "BEGIN { print $KILL_DELAY_MS / 1000 }")"
+    fi
+    kill -9 $$ ) &
+fi
+exec "$@"
+"#;
+
+/// Lose a rank, lose one step: rank 1 of a 2-rank SyncBatchNorm run is SIGKILLed in the middle
+/// of training — at a moment that varies (forward with its SyncBatchNorm exchange, backward,
+/// the gradient all-reduce, the optimizer step) and once while a checkpoint is being written —
+/// under `ddprun --recover live`. Each time: one attempt, rank 1 replaced, rank 0 the same
+/// process throughout, no checkpoint read, and the final parameters and every printed
+/// train/eval metric **bitwise** those of the run that was never killed.
+#[test]
+fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
+    let args = |out: &Path| train_args(out, 2, " --checkpoint-every-steps 20");
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    let marks = dir.path().join("marks");
+    let report = launch_with_deadline(
+        config(0, &marks, &straight.join(FILE_NAME)),
+        env!("CARGO_BIN_EXE_train-cnn").into(),
+        args(&straight),
+    );
+    assert!(report.success(), "uninterrupted run failed: {report:?}");
+    let ha = read_json(&straight.join("metrics.json")).unwrap();
+    assert_eq!(ha.len(), 2);
+
+    for (case, env) in [
+        ("killed 0 ms after step 20", ("KILL_DELAY_MS", "0")),
+        ("killed 170 ms after step 20", ("KILL_DELAY_MS", "170")),
+        ("killed during a checkpoint write", ("KILL_IN_WRITE", "1")),
+    ] {
+        let out = dir.path().join(case.replace(' ', "-"));
+        let marks = out.join("marks");
+        let mut cfg = config(1, &marks, &out.join(FILE_NAME));
+        cfg.live_recovery = true;
+        cfg.extra_env.push((env.0.into(), env.1.into()));
+        cfg.extra_env
+            .push(("DDP_CHECKPOINT_WRITE_PAUSE_MS".into(), "100".into()));
+        let report = run_under(cfg, LIVE_KILL_RANK_1, args(&out), &marks);
+        assert!(report.success(), "{case}: {report:?}");
+        assert_eq!(report.attempt, 0, "{case}: the group restarted: {report:?}");
+        assert_eq!(report.replaced.len(), 1, "{case}: {report:?}");
+        assert_eq!(report.replaced[0].rank, 1, "{case}: {report:?}");
+        let pids = |rank: usize| -> Vec<String> {
+            std::fs::read_to_string(marks.join(format!("pids.{rank}")))
+                .unwrap()
+                .lines()
+                .map(String::from)
+                .collect()
+        };
+        assert_eq!(pids(0).len(), 1, "{case}: rank 0 started again");
+        assert_eq!(pids(1).len(), 2, "{case}: rank 1 not replaced once");
+        let max_diff = max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME));
+        assert_eq!(max_diff, 0.0, "{case}: final parameters differ");
+        let hb = read_json(&out.join("metrics.json")).unwrap();
+        assert_eq!(ha.len(), hb.len(), "{case}");
+        for (x, y) in ha.iter().zip(&hb) {
+            assert_eq!(
+                (x.train_loss, x.train_accuracy, x.eval_loss, x.eval_accuracy),
+                (y.train_loss, y.train_accuracy, y.eval_loss, y.eval_accuracy),
+                "{case}: epoch {}",
+                x.epoch
+            );
+        }
+    }
+}
