@@ -7,6 +7,7 @@
 //! cargo xtask train [--cpus N | --gpus N] [--sync-bn|--no-sync-bn] [--epochs E] …
 //! cargo xtask compare [--ranks N] [--per-rank-batch 4,8,16,32,64] [--seeds K] …
 //! cargo xtask bench ddp|syncbn|data|handshake|resnet
+//! cargo xtask bench recovery [--nproc N] [--epochs E] [--kill-after-ms T] [--repeats R]
 //! cargo xtask bench allreduce [--nproc 2,4] [--sizes 8K,1M,25M,100M] [--transport shm,tcp]
 //!                             [--compression none,bf16] [--iters N] [--pin]
 //!                             [--nodes 2x4,…] [--collectives all-reduce,reduce-scatter,all-gather]
@@ -129,6 +130,29 @@ enum Bench {
         #[arg(long)]
         no_torch: bool,
     },
+    /// What a lost rank costs: the same train-cnn job never killed, with rank 1 SIGKILLed and
+    /// replaced live (`--recover live`), and killed at the same moment and restarted from the
+    /// last epoch's checkpoint (`--max-restarts 1`): median wall times and the time lost.
+    Recovery {
+        /// Ranks of the job (rank 1 is killed).
+        #[arg(long, default_value_t = 2)]
+        nproc: u32,
+        /// Epochs; the kill falls in the second.
+        #[arg(long, default_value_t = 3)]
+        epochs: usize,
+        /// Synthetic training images.
+        #[arg(long, default_value_t = 8000)]
+        train_size: usize,
+        /// Images per rank and step.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// Milliseconds after the first epoch's checkpoint at which rank 1 is killed.
+        #[arg(long, default_value_t = 500)]
+        kill_after_ms: u64,
+        /// Launches of each kind (the median is shown).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+    },
     /// Items/s of the sharded loader vs Burn's DataLoaderBuilder on the same dataset/batcher.
     Data {
         /// More arguments for the benchmark (`data_bench --help`).
@@ -223,6 +247,24 @@ fn main() -> ExitCode {
             warmup,
             device,
             no_torch,
+        }),
+        Cmd::Bench {
+            what:
+                Bench::Recovery {
+                    nproc,
+                    epochs,
+                    train_size,
+                    batch,
+                    kill_after_ms,
+                    repeats,
+                },
+        } => ddp_bench_runs::recovery::run_recovery(&ddp_bench_runs::recovery::RecoveryRuns {
+            nproc,
+            epochs,
+            train_size,
+            batch,
+            kill_after_ms,
+            repeats,
         }),
         Cmd::Bench {
             what: Bench::Data { extra },

@@ -8,11 +8,13 @@
 //! - [`zero`]: `bench zero`, the sharded optimizer against the unsharded one;
 //! - [`resnet`]: `bench resnet`, ResNet-18 steps beside PyTorch's ([`torch`] finds or installs
 //!   PyTorch);
+//! - [`recovery`]: `bench recovery`, a lost rank's cost under live recovery against a restart;
 //! - [`program`]: the one-process benchmarks (`bench syncbn`, `bench data`, `bench handshake`).
 
 pub mod allreduce;
 pub mod ddp;
 pub mod program;
+pub mod recovery;
 pub mod resnet;
 pub mod torch;
 pub mod zero;
