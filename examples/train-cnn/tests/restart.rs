@@ -112,6 +112,19 @@ fn same_end(straight: &Path, restarted: &Path) -> (f32, Vec<EpochMetrics>, Vec<E
     (max_diff, ha, hb)
 }
 
+/// Every epoch's train and eval loss and accuracy of two runs, to the bit.
+fn assert_same_metrics(a: &[EpochMetrics], b: &[EpochMetrics], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: epochs");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(
+            (x.train_loss, x.train_accuracy, x.eval_loss, x.eval_accuracy),
+            (y.train_loss, y.train_accuracy, y.eval_loss, y.eval_accuracy),
+            "{what}: epoch {}",
+            x.epoch
+        );
+    }
+}
+
 /// The largest difference between the final parameters of two runs.
 fn max_param_diff(a: &Path, b: &Path) -> f32 {
     let (a, b) = (Checkpoint::read(a).unwrap(), Checkpoint::read(b).unwrap());
@@ -262,15 +275,7 @@ fn a_restart_with_per_rank_batch_norm_ends_as_an_uninterrupted_one() {
     assert_eq!(report.attempt, 1, "no restart happened: {report:?}");
     let (_, ha, hb) = same_end(&straight, &restarted);
     assert_eq!(ha.len(), 3);
-    assert_eq!(ha.len(), hb.len());
-    for (x, y) in ha.iter().zip(&hb) {
-        assert_eq!(
-            (x.train_loss, x.train_accuracy, x.eval_loss, x.eval_accuracy),
-            (y.train_loss, y.train_accuracy, y.eval_loss, y.eval_accuracy),
-            "epoch {}",
-            x.epoch
-        );
-    }
+    assert_same_metrics(&ha, &hb, "restarted");
     // The checkpoint holds both ranks' statistics, and they differ.
     let ck = Checkpoint::read(&restarted.join(FILE_NAME)).unwrap();
     assert_eq!(ck.rank_buffers.len(), 2);
@@ -481,14 +486,6 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
         let max_diff = max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME));
         assert_eq!(max_diff, 0.0, "{case}: final parameters differ");
         let hb = read_json(&out.join("metrics.json")).unwrap();
-        assert_eq!(ha.len(), hb.len(), "{case}");
-        for (x, y) in ha.iter().zip(&hb) {
-            assert_eq!(
-                (x.train_loss, x.train_accuracy, x.eval_loss, x.eval_accuracy),
-                (y.train_loss, y.train_accuracy, y.eval_loss, y.eval_accuracy),
-                "{case}: epoch {}",
-                x.epoch
-            );
-        }
+        assert_same_metrics(&ha, &hb, case);
     }
 }
