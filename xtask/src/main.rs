@@ -133,26 +133,7 @@ enum Bench {
     /// What a lost rank costs: the same train-cnn job never killed, with rank 1 SIGKILLed and
     /// replaced live (`--recover live`), and killed at the same moment and restarted from the
     /// last epoch's checkpoint (`--max-restarts 1`): median wall times and the time lost.
-    Recovery {
-        /// Ranks of the job (rank 1 is killed).
-        #[arg(long, default_value_t = 2)]
-        nproc: u32,
-        /// Epochs; the kill falls in the second.
-        #[arg(long, default_value_t = 3)]
-        epochs: usize,
-        /// Synthetic training images.
-        #[arg(long, default_value_t = 8000)]
-        train_size: usize,
-        /// Images per rank and step.
-        #[arg(long, default_value_t = 16)]
-        batch: usize,
-        /// Milliseconds after the first epoch's checkpoint at which rank 1 is killed.
-        #[arg(long, default_value_t = 500)]
-        kill_after_ms: u64,
-        /// Launches of each kind (the median is shown).
-        #[arg(long, default_value_t = 3)]
-        repeats: usize,
-    },
+    Recovery(ddp_bench_runs::recovery::RecoveryRuns),
     /// Items/s of the sharded loader vs Burn's DataLoaderBuilder on the same dataset/batcher.
     Data {
         /// More arguments for the benchmark (`data_bench --help`).
@@ -249,23 +230,8 @@ fn main() -> ExitCode {
             no_torch,
         }),
         Cmd::Bench {
-            what:
-                Bench::Recovery {
-                    nproc,
-                    epochs,
-                    train_size,
-                    batch,
-                    kill_after_ms,
-                    repeats,
-                },
-        } => ddp_bench_runs::recovery::run_recovery(&ddp_bench_runs::recovery::RecoveryRuns {
-            nproc,
-            epochs,
-            train_size,
-            batch,
-            kill_after_ms,
-            repeats,
-        }),
+            what: Bench::Recovery(runs),
+        } => ddp_bench_runs::recovery::run_recovery(&runs),
         Cmd::Bench {
             what: Bench::Data { extra },
         } => ddp_bench_runs::program::run_program(

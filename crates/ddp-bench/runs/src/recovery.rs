@@ -18,20 +18,26 @@ use std::time::Instant;
 
 use cargo_tasks::{cargo, run, target_dir, workspace_root};
 
-/// The settings of one `bench recovery`.
-#[derive(Debug, Clone)]
+/// The settings of one `bench recovery` (its command-line arguments).
+#[derive(Debug, Clone, clap::Args)]
 pub struct RecoveryRuns {
     /// Ranks of the job (rank 1 is killed).
+    #[arg(long, default_value_t = 2)]
     pub nproc: u32,
-    /// Epochs of the job; the kill falls in the second.
+    /// Epochs; the kill falls in the second.
+    #[arg(long, default_value_t = 3)]
     pub epochs: usize,
-    /// Training images (synthetic); the steps per epoch are this ÷ (ranks × batch).
+    /// Synthetic training images; the steps per epoch are this ÷ (ranks × batch).
+    #[arg(long, default_value_t = 8000)]
     pub train_size: usize,
     /// Images per rank and step.
+    #[arg(long, default_value_t = 16)]
     pub batch: usize,
     /// Milliseconds after the first epoch's checkpoint at which rank 1 is killed.
+    #[arg(long, default_value_t = 500)]
     pub kill_after_ms: u64,
-    /// Launches of each kind.
+    /// Launches of each kind (the median is shown).
+    #[arg(long, default_value_t = 3)]
     pub repeats: usize,
 }
 
