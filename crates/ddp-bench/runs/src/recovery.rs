@@ -14,7 +14,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cargo_tasks::{cargo, run, target_dir, workspace_root};
 
@@ -40,6 +40,9 @@ pub struct RecoveryRuns {
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
 }
+
+/// The longest one launch may take (the default job takes about 8 s).
+const LAUNCH_DEADLINE: Duration = Duration::from_secs(600);
 
 /// How a launch recovers from the kill.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,22 +152,42 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
         cmd.env("KILL_AFTER_MS", r.kill_after_ms.to_string());
     }
     eprintln!("bench recovery: {}", kind.name());
+    // ddprun's output into a file (no pipe to drain while waiting); the launch has a deadline,
+    // past which ddprun is killed (its ranks die with it: they have its parent-death signal).
+    std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let log_path = out.join("ddprun.log");
+    let log =
+        std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", log_path.display()))?;
     let start = Instant::now();
-    let output = cmd
-        .output()
+    let mut child = cmd
+        .stdout(log)
+        .stderr(log2)
+        .spawn()
         .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if start.elapsed() > LAUNCH_DEADLINE => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{}: still running after {LAUNCH_DEADLINE:?}; killed (output in {})",
+                    kind.name(),
+                    log_path.display()
+                ));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(format!("{}: waiting for ddprun: {e}", kind.name())),
+        }
+    };
     let secs = start.elapsed().as_secs_f64();
-    let stderr = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    if !output.status.success() {
-        return Err(format!(
-            "{} failed ({}):\n{stderr}",
-            kind.name(),
-            output.status
-        ));
+    let stderr =
+        std::fs::read_to_string(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    if !status.success() {
+        return Err(format!("{} failed ({status}):\n{stderr}", kind.name()));
     }
     let replaced = stderr.contains("starting a replacement for rank 1");
     let restarted = stderr.contains("restarting the group");
