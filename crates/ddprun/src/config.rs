@@ -70,12 +70,14 @@ pub struct LaunchConfig {
     /// attempt can never join) and `TORCHELASTIC_RESTART_COUNT` / `DDP_RESTART_COUNT` set to
     /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
     pub max_restarts: usize,
-    /// Live recovery (`--recover live`, one node): a rank other than global rank 0 that dies
-    /// of its own failure is replaced by a new process for the same rank, started with
-    /// `DDP_REJOIN=1`, while the others keep running and re-form their group with it
-    /// (`ProcessGroup::reform` / `ProcessGroup::rejoin`). Each replacement counts against
-    /// [`Self::max_restarts`]. Any other failure (rank 0's, a rank failing on a peer's, a
-    /// second one while stopping) stops every rank as without it.
+    /// Live recovery (`--recover live`): a rank other than global rank 0 that dies of its own
+    /// failure is replaced by a new process for the same rank, started with `DDP_REJOIN=1` by
+    /// its node's launcher, while the others (on every node) keep running and re-form their
+    /// group with it (`ProcessGroup::reform` / `ProcessGroup::rejoin`). Each replacement counts
+    /// against [`Self::max_restarts`]; on several nodes each launcher counts its own
+    /// replacements together with the job's group restarts. Any other failure (rank 0's, a rank
+    /// failing on a peer's, a second one while stopping) stops every rank as without it, and on
+    /// several nodes ends the round for every node.
     pub live_recovery: bool,
     /// Emulated GPU hosts (`--emulate-gpu-hosts`): every rank an NCCL host of its own
     /// ([`ddp_comm::gpu_hosts::rank_vars`]: `NCCL_HOSTID`, NCCL's socket transport on
@@ -164,13 +166,6 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
             "the fewest nodes ({min}) must be between 1 and the most nodes ({})",
             cfg.nnodes
         )));
-    }
-    if cfg.live_recovery && cfg.nnodes > 1 {
-        return Err(LaunchError::InvalidConfig(
-            "--recover live runs on one node for now; a job of several nodes restarts its group \
-             (--recover restart)"
-                .into(),
-        ));
     }
     if cfg.live_recovery && cfg.max_restarts == 0 {
         return Err(LaunchError::InvalidConfig(

@@ -70,6 +70,7 @@ pub(super) fn launch_nodes(
             .map(|a| a.to_string_lossy().into_owned())
             .collect(),
         max_restarts: cfg.max_restarts,
+        live_recovery: cfg.live_recovery,
         min_nodes: cfg.min_nodes.unwrap_or(cfg.nnodes),
         max_nodes: cfg.nnodes,
         heartbeat_ms: millis(cfg.rdzv_heartbeat),
@@ -182,6 +183,8 @@ impl Node<'_> {
     ) -> Result<LaunchReport, LaunchError> {
         let cfg = self.cfg;
         let mut restarts = Vec::new();
+        // This node's lost ranks replaced live so far (they share the budget with the rounds).
+        let mut replaced = 0;
         loop {
             let info = match member.join()? {
                 Joined::Started(info) => info,
@@ -237,8 +240,15 @@ impl Node<'_> {
             };
             let shared = super::Shared {
                 cfg,
-                // Live recovery runs on one node only (checked with the configuration).
-                replacements_left: 0,
+                // A rank of this node lost while the others run is replaced by this launcher
+                // alone; the other nodes' ranks re-form their group with it and their
+                // launchers see no failure.
+                replacements_left: if cfg.live_recovery {
+                    cfg.max_restarts
+                        .saturating_sub(info.failures_before + replaced)
+                } else {
+                    0
+                },
                 notes: self.notes,
                 forwarding: self.forwarding,
             };
@@ -251,6 +261,7 @@ impl Node<'_> {
                 &mut hooks,
             )?;
             report.attempt = info.round as usize;
+            replaced += report.replaced.len();
             if report.interrupted.is_none()
                 && let Some((sig, _)) = self.forwarding.and_then(SignalForwarding::received)
             {

@@ -1,6 +1,7 @@
-//! Live recovery on one node (`--recover live`): a rank that dies is replaced by a new process
-//! for the same rank, started with `DDP_REJOIN=1`, while the others keep running; they re-form
-//! the group with it (`ProcessGroup::reform` and `ProcessGroup::rejoin` in ddp-comm). Each
+//! Live recovery (`--recover live`): a rank that dies is replaced by a new process for the same
+//! rank, started with `DDP_REJOIN=1` by its own node's launcher, while the others keep running;
+//! they re-form the group with it (`ProcessGroup::reform` and `ProcessGroup::rejoin` in
+//! ddp-comm), on this node and on the others, whose launchers see no failure. Each
 //! replacement counts against `--max-restarts`. Where a replacement cannot help, the launcher
 //! falls back to stopping every rank (and to a restart of the whole group, within the budget),
 //! and says why in one line.

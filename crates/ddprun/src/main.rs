@@ -119,10 +119,11 @@ struct Args {
         default_value_t = 0
     )]
     max_restarts: u32,
-    /// What a rank's failure costs (one node): `restart` stops every rank and starts the
+    /// What a rank's failure costs: `restart` stops every rank (of every node) and starts the
     /// group again (within --max-restarts); `live` replaces a lost rank other than 0 by a new
-    /// process with DDP_REJOIN=1 while the others keep running and re-form their group with
-    /// it (each replacement counts against --max-restarts; other failures stop every rank).
+    /// process with DDP_REJOIN=1, started by its node's launcher, while the others keep
+    /// running and re-form their group with it (each replacement counts against this node's
+    /// --max-restarts; other failures stop every rank).
     #[arg(long, value_enum, default_value_t = Recover::Restart)]
     recover: Recover,
     /// Make every rank an NCCL host of its own (NCCL_HOSTID per rank, NCCL_NET=Socket on

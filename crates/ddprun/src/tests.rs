@@ -101,15 +101,6 @@ fn invalid_configs_give_one_clear_error() {
         ),
         (
             LaunchConfig {
-                nnodes: 2,
-                live_recovery: true,
-                max_restarts: 1,
-                ..cfg(1)
-            },
-            "one node for now",
-        ),
-        (
-            LaunchConfig {
                 live_recovery: true,
                 max_restarts: 0,
                 ..cfg(1)

@@ -489,3 +489,76 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
         assert_same_metrics(&ha, &hb, case);
     }
 }
+
+/// Lose a rank on another node: the same job on two launchers (one rank each, emulated hosts,
+/// TCP between them, gradients in bf16 on the wire), under `--recover live` on both; rank 1 —
+/// node 1's — is SIGKILLed right after the first mid-epoch checkpoint. Node 1's launcher alone
+/// replaces it; node 0's launcher sees no failure and its rank stays the same process; both
+/// exit 0 after one round, and the final parameters and every metric are bitwise those of the
+/// same two-launcher job that was never killed. (On one node the ranks' gradients meet in
+/// shared memory in f32: bf16 compresses only what crosses between hosts.)
+#[test]
+fn a_rank_replaced_live_on_another_node_ends_bitwise_as_the_run_never_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    for report in two_launchers(&straight, false) {
+        assert!(report.success(), "uninterrupted run failed: {report:?}");
+    }
+    let out = dir.path().join("killed");
+    for (node, report) in two_launchers(&out, true).into_iter().enumerate() {
+        assert!(report.success(), "node {node}: {report:?}");
+        assert_eq!(report.attempt, 0, "node {node}: a new round: {report:?}");
+        let replaced: Vec<usize> = report.replaced.iter().map(|f| f.rank).collect();
+        let expected: &[usize] = if node == 1 { &[1] } else { &[] };
+        assert_eq!(replaced, expected, "node {node}: {report:?}");
+    }
+    let pids = |rank: usize| {
+        std::fs::read_to_string(out.join("marks").join(format!("pids.{rank}")))
+            .unwrap()
+            .lines()
+            .count()
+    };
+    assert_eq!(pids(0), 1, "rank 0 (node 0) started again");
+    assert_eq!(pids(1), 2, "rank 1 (node 1) not replaced once");
+    let max_diff = max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME));
+    assert_eq!(max_diff, 0.0, "final parameters differ");
+    let ha = read_json(&straight.join("metrics.json")).unwrap();
+    let hb = read_json(&out.join("metrics.json")).unwrap();
+    assert_same_metrics(&ha, &hb, "two nodes, bf16");
+}
+
+/// train-cnn (2 epochs, a checkpoint every 20 steps, bf16 gradients) in `out` on two launchers
+/// of one rank each, their own emulated hosts; with `kill`, under `--recover live` and
+/// [`LIVE_KILL_RANK_1`] (rank 1 killed right after the first checkpoint). Both reports, by node.
+fn two_launchers(out: &Path, kill: bool) -> Vec<LaunchReport> {
+    let marks = out.join("marks");
+    let port = ddp_testkit::free_port();
+    let launches: Vec<_> = (0..2)
+        .map(|node| {
+            let mut cfg = config(usize::from(kill), &marks, &out.join(FILE_NAME));
+            cfg.live_recovery = kill;
+            cfg.nproc_per_node = 1;
+            cfg.nnodes = 2;
+            cfg.node_rank = node;
+            cfg.master_port = Some(port);
+            cfg.job_token = Some("two-nodes-live".into());
+            cfg.rdzv_heartbeat = Duration::from_secs(5);
+            cfg.extra_env.extend([
+                ("DDP_HOST_ID".into(), format!("emulated-host-{node}")),
+                ("KILL_DELAY_MS".into(), "0".into()),
+            ]);
+            let script = if kill {
+                LIVE_KILL_RANK_1
+            } else {
+                "exec \"$@\""
+            };
+            let train = train_args(out, 2, " --checkpoint-every-steps 20 --compression bf16");
+            let marks = marks.clone();
+            std::thread::spawn(move || run_under(cfg, script, train, &marks))
+        })
+        .collect();
+    launches
+        .into_iter()
+        .map(|h| h.join().expect("launch thread"))
+        .collect()
+}

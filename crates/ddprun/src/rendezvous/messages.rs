@@ -26,6 +26,10 @@ pub(crate) struct NodeSpec {
     pub command: Vec<String>,
     /// `--max-restarts`.
     pub max_restarts: usize,
+    /// `--recover live` (every node's ranks must re-form their group for a replacement on any
+    /// node to help; absent from a launcher that predates it: off).
+    #[serde(default)]
+    pub live_recovery: bool,
     /// `--nnodes MIN:MAX`, the MIN.
     pub min_nodes: usize,
     /// `--nnodes MIN:MAX`, the MAX.
@@ -66,6 +70,12 @@ impl NodeSpec {
             "--max-restarts",
             self.max_restarts.to_string(),
             reference.max_restarts.to_string(),
+        );
+        let recover = |live: bool| if live { "live" } else { "restart" }.to_string();
+        differ(
+            "--recover",
+            recover(self.live_recovery),
+            recover(reference.live_recovery),
         );
         differ(
             "--nnodes",
@@ -236,6 +246,7 @@ mod tests {
             nproc_per_node: 2,
             command: vec!["train".into(), "--epochs".into(), "1".into()],
             max_restarts: 2,
+            live_recovery: false,
             min_nodes: 1,
             max_nodes: 2,
             heartbeat_ms: 10_000,
@@ -282,6 +293,7 @@ mod tests {
         );
         let restarts = NodeSpec {
             max_restarts: 0,
+            live_recovery: true,
             max_nodes: 3,
             heartbeat_ms: 1_500,
             ..spec(1)
@@ -290,6 +302,7 @@ mod tests {
             restarts.differences(&spec(0)),
             [
                 "--max-restarts 0 (node 0 has 2)".to_string(),
+                "--recover live (node 0 has restart)".to_string(),
                 "--nnodes 1:3 (node 0 has 1:2)".to_string(),
                 "--rdzv-heartbeat-secs 1.5 (node 0 has 10)".to_string(),
             ]

@@ -478,6 +478,7 @@ mod tests {
             nproc_per_node: 2,
             command: vec!["train".into()],
             max_restarts: restarts,
+            live_recovery: false,
             min_nodes: min,
             max_nodes: max,
             heartbeat_ms: 2_000,

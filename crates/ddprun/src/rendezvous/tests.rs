@@ -25,6 +25,7 @@ fn spec(node: usize, min: usize, max: usize) -> NodeSpec {
         nproc_per_node: 2,
         command: vec!["train".into()],
         max_restarts: 1,
+        live_recovery: false,
         min_nodes: min,
         max_nodes: max,
         heartbeat_ms: 2_000,
