@@ -283,6 +283,36 @@ impl NcclGroup {
         }
     }
 
+    /// Replaces this rank's communicator by a new one over the same ranks and device, for a
+    /// group whose lost rank was replaced by a new process (live recovery): aborts the current
+    /// communicator (a collective still waiting on the lost rank returns), then creates the next
+    /// one through `store` as [`NcclGroup::init`] does, with the replacement (which calls
+    /// `init`: its rank's generation counter goes on from the lost process's, so every rank
+    /// meets in the same generation). Every rank of the group must take part. Keeps this
+    /// group's collective timeout.
+    ///
+    /// # Errors
+    /// As [`NcclGroup::init`]; the group then stays aborted.
+    pub fn recreate(&mut self, store: &mut StoreClient, opts: &NcclOptions) -> Result<()> {
+        self.abort();
+        let timeout = self.timeout;
+        let fresh = Self::create(
+            self.rank,
+            self.world_size,
+            DeviceChoice::Explicit(self.device),
+            IdSource::Store(store),
+            opts,
+        )?;
+        *self = fresh;
+        self.timeout = timeout;
+        tracing::info!(
+            rank = self.rank,
+            world_size = self.world_size,
+            "NCCL communicator re-created after a lost rank"
+        );
+        Ok(())
+    }
+
     fn usable(&self) -> Result<()> {
         match &self.broken {
             Some(why) => Err(CommError::Poisoned(why.clone())),

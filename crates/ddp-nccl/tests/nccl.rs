@@ -554,6 +554,23 @@ fn child_entry_emulated_rank() {
             }
         }
     }
+    if scenario == "recreated" {
+        // Live recovery's step on every rank: the communicator aborted and created again (the
+        // next generation through the store), then collectives on the new one.
+        check_all_reduce(&mut g, |x| x as f32, "f32 before");
+        let mut store = StoreClient::connect(
+            &env.master_endpoint(),
+            env.job_token.as_deref(),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+        g.recreate(&mut store, &opts()).unwrap();
+        assert!(g.broken_reason().is_none(), "{:?}", g.broken_reason());
+        check_all_reduce(&mut g, |x| x as f32, "f32 after");
+        g.barrier().unwrap();
+        println!("CHILD rank={r} recreated-ok world={world}");
+        std::process::exit(0);
+    }
     check_all_reduce(&mut g, |x| x as f32, "f32");
     check_all_reduce(&mut g, |x| x, "f64");
     check_all_reduce(&mut g, half::bf16::from_f64, "bf16");
@@ -681,6 +698,23 @@ fn emulated_gpu_hosts_run_the_collectives_at_2_and_4_ranks() {
         }
         println!("OUTCOME {world} emulated GPU hosts: every collective correct (f32, f64, bf16)");
     }
+}
+
+/// Live recovery's NCCL step between 2 emulated GPU hosts: every rank aborts its communicator
+/// and creates the next one through the store ([`NcclGroup::recreate`]); the all-reduces on
+/// the new one are exact.
+#[test]
+#[ignore = "needs CUDA and NCCL (cargo xtask gpu-check)"]
+fn a_communicator_recreated_on_every_rank_runs_the_collectives() {
+    let (_server, children) = spawn_emulated(2, "recreated");
+    let (codes, outs) = finish(children, Duration::from_secs(120));
+    for (r, (code, out)) in codes.iter().zip(&outs).enumerate() {
+        assert!(
+            *code == Some(0) && out.contains("recreated-ok world=2"),
+            "rank {r}: exit {code:?}\n{out}"
+        );
+    }
+    println!("OUTCOME 2 emulated GPU hosts: NCCL communicator re-created, collectives exact");
 }
 
 /// A rank SIGKILLed in the middle of 64 MiB NCCL all-reduces between 3 emulated GPU hosts: every
