@@ -78,7 +78,8 @@ impl DdpBuilder {
     /// --recover live`): a process started in place of a lost rank (`DDP_REJOIN=1`) then joins
     /// the running group instead of refusing to start, skips [`Ddp::replicate_model`]'s
     /// broadcast, and must call [`Ddp::recover`] before its first step, where the survivors
-    /// hand it their state. CPU ranks only for now (the NCCL communicator is not re-created).
+    /// hand it their state. On CUDA ranks whose collectives go through NCCL the survivors
+    /// re-create their communicator with the replacement's (built; not yet run on a GPU).
     pub fn live_recovery(mut self) -> Self {
         self.live_recovery = true;
         self
@@ -253,14 +254,6 @@ impl DdpBuilder {
                             .into(),
                     });
                 }
-                if replacing && is_gpu(&device) {
-                    return Err(DdpError::InvalidSetting {
-                        setting: ddp_comm::env::REJOIN_VAR,
-                        reason: "live recovery runs on CPU ranks only for now (the NCCL \
-                                 communicator is not re-created): run with --recover restart"
-                            .into(),
-                    });
-                }
                 let pg = if replacing {
                     ProcessGroup::rejoin(&env, self.group_options)?
                 } else {
@@ -278,10 +271,10 @@ impl DdpBuilder {
             (g.rank(), g.world_size())
         };
         let replacement = ddp_comm::env::rejoining() && world_size > 1 && self.live_recovery;
-        // A replacement joins a running group: the survivors make no more set-up collectives
-        // (and its device is the CPU, checked above).
+        // A replacement joins a running group: the survivors make no set-up collectives, only
+        // those of their re-forming (`DeviceComm::reform` in `Ddp::recover`).
         let device_comm = if replacement {
-            None
+            DeviceComm::rejoin(&env, &group, &group_options, &device)?
         } else {
             DeviceComm::connect(&env, &group, &group_options, &device, self.nccl)?
         };
@@ -309,6 +302,7 @@ impl DdpBuilder {
             bucket_cap_bytes: self.bucket_cap_bytes,
             compression,
             device_comm,
+            group_options,
             replacement: replacement.then(|| Arc::new(AtomicBool::new(true))),
             recovers_live: self.live_recovery
                 && world_size > 1
@@ -364,6 +358,8 @@ pub struct Ddp {
     compression: Compression,
     /// NCCL on this rank's CUDA device, when every rank could create it.
     device_comm: Option<DeviceComm>,
+    /// The group's deadlines (a live recovery re-creates the NCCL communicator with them).
+    group_options: GroupOptions,
     /// `Some` when this process was started in place of a lost rank and joined the running
     /// group ([`DdpBuilder::live_recovery`]); the flag says it still waits for the survivors'
     /// state (its first [`Ddp::recover`]). Shared by the clones of this `Ddp`.
@@ -419,9 +415,10 @@ impl Ddp {
         self.bucket_cap_bytes
     }
 
-    /// Whether NCCL carries this rank's collectives.
-    pub(crate) fn has_device_comm(&self) -> bool {
-        self.device_comm.is_some()
+    /// Live recovery, on a survivor once the host group re-formed: the device communicator
+    /// re-formed with the replacement's ([`DeviceComm::reform`]).
+    pub(crate) fn reform_device_comm(&self) -> Result<()> {
+        DeviceComm::reform(self.device_comm.as_ref(), &self.group, &self.group_options)
     }
 
     /// Whether this is a replacement that has not received the survivors' state yet; clears

@@ -89,6 +89,17 @@ pub struct RankJob {
     port: Option<u16>,
 }
 
+/// `program`, or, when [`BIN_DIR_VAR`] is set, the program of the same file name in that
+/// folder: test binaries copied to another machine (the GPU check) find the programs copied
+/// beside them, whatever path `env!("CARGO_BIN_EXE_…")` compiled in.
+pub fn bundled(program: impl Into<PathBuf>) -> PathBuf {
+    let program = program.into();
+    match (std::env::var_os(BIN_DIR_VAR), program.file_name()) {
+        (Some(dir), Some(name)) => PathBuf::from(dir).join(name),
+        _ => program,
+    }
+}
+
 impl RankJob {
     /// `world_size` ranks of `program` (all started unless [`RankJob::only_ranks`] says
     /// otherwise); the default deadline is 120 s.
@@ -97,11 +108,7 @@ impl RankJob {
     /// instead: test binaries copied to another machine (the GPU check) find the rank programs
     /// copied beside them, whatever path `env!("CARGO_BIN_EXE_…")` compiled in.
     pub fn new(program: impl Into<PathBuf>, world_size: usize) -> Self {
-        let program = program.into();
-        let program = match (std::env::var_os(BIN_DIR_VAR), program.file_name()) {
-            (Some(dir), Some(name)) => PathBuf::from(dir).join(name),
-            _ => program,
-        };
+        let program = bundled(program);
         RankJob {
             program,
             args: Vec::new(),

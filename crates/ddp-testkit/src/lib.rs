@@ -30,7 +30,9 @@ mod output;
 pub mod syncbn_case;
 
 pub use flood::{Flood, connect_from};
-pub use job::{BIN_DIR_VAR, JobResult, RankJob, RankResult, RunningJob, free_port, job_token};
+pub use job::{
+    BIN_DIR_VAR, JobResult, RankJob, RankResult, RunningJob, bundled, free_port, job_token,
+};
 pub use launchers::{Finished, Launched, Launchers};
 pub use output::{collect, rank_lines};
 

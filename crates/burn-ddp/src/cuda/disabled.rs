@@ -43,3 +43,13 @@ pub(crate) fn refuse_required_nccl(setting: NcclSetting) -> Result<()> {
     }
     Ok(())
 }
+
+/// A replacement in a job whose ranks use NCCL: impossible without the `cuda` feature.
+///
+/// # Errors
+/// Always.
+pub(crate) fn refuse_nccl_rejoin() -> Result<()> {
+    Err(DdpError::NcclUnavailable(format!(
+        "the running job's ranks use NCCL, but this replacement cannot: {WITHOUT_CUDA}"
+    )))
+}

@@ -65,6 +65,23 @@ impl NcclComm {
         Ok(created.map(|n| NcclComm::new(nccl::install(n).0)))
     }
 
+    /// Live recovery on a survivor: the communicator re-created with the group's replacement
+    /// (see [`nccl::recreate`]).
+    pub(crate) fn recreate(&self, group: &SharedGroup, options: &GroupOptions) -> Result<()> {
+        nccl::recreate(group, options, &self.nccl)
+    }
+
+    /// Live recovery on a replacement: its communicator, created with the survivors' and
+    /// installed (see [`nccl::rejoin`]).
+    pub(crate) fn rejoin(
+        env: &LaunchEnv,
+        group: &SharedGroup,
+        options: &GroupOptions,
+        device: &Device,
+    ) -> Result<NcclComm> {
+        Ok(NcclComm::new(nccl::rejoin(env, group, options, device)?))
+    }
+
     /// The number of ranks.
     pub(crate) fn world_size(&self) -> usize {
         nccl::lock(&self.nccl).world_size()

@@ -158,6 +158,70 @@ impl DeviceComm {
         Ok(None)
     }
 
+    /// Whether this is an NCCL communicator.
+    fn is_nccl(&self) -> bool {
+        match *self {
+            #[cfg(feature = "cuda")]
+            DeviceComm::Nccl(_) => true,
+            #[cfg(test)]
+            DeviceComm::Host(_) => false,
+        }
+    }
+
+    /// Live recovery, on a survivor once its host `group` re-formed: rank 0 tells the group,
+    /// the lost rank's replacement included (in [`DeviceComm::rejoin`]), whether the ranks use
+    /// NCCL; then `comm`'s NCCL communicator is aborted and created again with the
+    /// replacement's. Every survivor calls it at the same point.
+    ///
+    /// # Errors
+    /// The announcement's broadcast; creating the communicator.
+    // Without `cuda` there is no communicator to re-create or join.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn reform(
+        comm: Option<&DeviceComm>,
+        group: &SharedGroup,
+        options: &GroupOptions,
+    ) -> Result<()> {
+        if !announce_nccl(group, comm.is_some_and(DeviceComm::is_nccl))? {
+            return Ok(());
+        }
+        match comm {
+            #[cfg(feature = "cuda")]
+            Some(DeviceComm::Nccl(n)) => n.recreate(group, options),
+            _ => Ok(()),
+        }
+    }
+
+    /// Live recovery, on a replacement right after it joined the running host `group`: hears
+    /// from rank 0 whether the ranks use NCCL ([`DeviceComm::reform`] on the survivors) and,
+    /// if they do, creates its communicator on `device` with theirs.
+    ///
+    /// # Errors
+    /// The announcement's broadcast; the ranks use NCCL and this one cannot; creating the
+    /// communicator.
+    // Without `cuda` there is no communicator to re-create or join.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn rejoin(
+        env: &LaunchEnv,
+        group: &SharedGroup,
+        options: &GroupOptions,
+        device: &Device,
+    ) -> Result<Option<DeviceComm>> {
+        if !announce_nccl(group, false)? {
+            return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let nccl = enabled::NcclComm::rejoin(env, group, options, device)?;
+            Ok(Some(DeviceComm::Nccl(nccl)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            disabled::refuse_nccl_rejoin()?;
+            Ok(None)
+        }
+    }
+
     /// The number of ranks.
     pub(crate) fn world_size(&self) -> usize {
         match *self {
@@ -247,6 +311,17 @@ impl DeviceComm {
             DeviceComm::Host(ref h) => h.all_reduce_sum::<B>(local),
         }
     }
+}
+
+/// Whether the job's ranks use NCCL, as rank 0 says (`uses_nccl` there; ignored elsewhere): a
+/// one-byte broadcast over the host `group`.
+///
+/// # Errors
+/// The broadcast's.
+fn announce_nccl(group: &SharedGroup, uses_nccl: bool) -> Result<bool> {
+    let mut flag = vec![u8::from(uses_nccl)];
+    crate::comm::lock(group).broadcast_bytes(&mut flag, 0)?;
+    Ok(flag.first() == Some(&1))
 }
 
 #[cfg(test)]

@@ -202,6 +202,70 @@ pub(crate) fn connect(
     }
 }
 
+/// Live recovery, on a survivor once its host `group` re-formed with a lost rank's replacement:
+/// aborts `nccl`'s communicator and creates the next one with every rank of the group (the
+/// replacement creates its first in [`rejoin`]), sharing its id through the group's store.
+/// Everything holding `nccl` uses the new communicator.
+///
+/// # Errors
+/// The group has no store; creating the communicator failed (the old one stays aborted).
+pub(crate) fn recreate(
+    group: &SharedGroup,
+    options: &GroupOptions,
+    nccl: &SharedNccl,
+) -> Result<()> {
+    let mut g = comm::lock(group);
+    let store = g.store().ok_or_else(no_store)?;
+    let mut n = lock(nccl);
+    let opts = NcclOptions {
+        device: Some(n.device_ordinal()),
+        ..NcclOptions::from(options)
+    };
+    n.recreate(store, &opts)?;
+    Ok(())
+}
+
+/// Live recovery, on a replacement that joined the running host `group`: creates its NCCL
+/// communicator on `device` together with the survivors' [`recreate`], and installs it.
+///
+/// # Errors
+/// This rank cannot use NCCL on `device`; the group has no store; creating the communicator
+/// failed.
+pub(crate) fn rejoin(
+    env: &LaunchEnv,
+    group: &SharedGroup,
+    options: &GroupOptions,
+    device: &Device,
+) -> Result<SharedNccl> {
+    let ordinal = local_capability(device, NcclPolicy::Required).map_err(|why| {
+        DdpError::NcclUnavailable(format!(
+            "the running job's ranks use NCCL, but this replacement cannot: {why}"
+        ))
+    })?;
+    let opts = NcclOptions {
+        device: Some(ordinal),
+        ..NcclOptions::from(options)
+    };
+    let created = {
+        let mut g = comm::lock(group);
+        let store = g.store().ok_or_else(no_store)?;
+        NcclGroup::init(env, store, &opts)?
+    };
+    tracing::info!(
+        rank = created.rank(),
+        device = ordinal,
+        "joined the running job's NCCL communicator in place of a lost rank"
+    );
+    Ok(install(Arc::new(Mutex::new(created))).0)
+}
+
+/// The error of a process group without a rendezvous store.
+fn no_store() -> DdpError {
+    DdpError::Comm(ddp_comm::CommError::InvalidArgument(
+        "the process group has no rendezvous store to share the NCCL id through".into(),
+    ))
+}
+
 /// A world of one: a one-rank communicator with [`NcclPolicy::Required`], otherwise none.
 fn connect_alone(device: &Device, policy: NcclPolicy) -> Result<Option<SharedNccl>> {
     if policy != NcclPolicy::Required {

@@ -29,8 +29,13 @@
 //! failed step's forward already updated them, and the step is redone from their values before
 //! it. [`Ddp::recover_with`] also hands over the program's own state (its metrics so far).
 //!
-//! Not covered yet: the sharded optimizer (ZeRO-1: a lost rank's shard exists nowhere else), CUDA
-//! ranks (NCCL's communicator is not re-created), several nodes, rank 0 (it serves the store).
+//! On CUDA ranks whose gradients go through NCCL, the survivors also abort their NCCL
+//! communicator after step 1 and create the next one with the replacement's (which creates its
+//! own in `init`, right after joining the group); rank 0 first tells the group whether the
+//! ranks use NCCL (a one-byte broadcast the replacement waits for).
+//!
+//! Not covered yet: the sharded optimizer (ZeRO-1: a lost rank's shard exists nowhere else),
+//! rank 0 (it serves the store).
 //! Per-rank BatchNorm statistics of the replaced rank come from the source, as after a resume
 //! at another world size (SyncBatchNorm's are the same on every rank).
 
@@ -96,10 +101,10 @@ impl Ddp {
     /// the re-formed group.
     ///
     /// # Errors
-    /// [`DdpError::InvalidSetting`] for what it does not cover (a sharded optimizer, an NCCL
-    /// communicator); [`DdpError::Comm`] when the group cannot re-form (no replacement within
-    /// `DDP_CONNECT_TIMEOUT_SECS`, a second loss); [`DdpError::Checkpoint`] when the state does
-    /// not fit this model or optimizer.
+    /// [`DdpError::InvalidSetting`] for what it does not cover (a sharded optimizer);
+    /// [`DdpError::Comm`] when the group or its NCCL communicator cannot re-form (no
+    /// replacement within `DDP_CONNECT_TIMEOUT_SECS`, a second loss); [`DdpError::Checkpoint`]
+    /// when the state does not fit this model or optimizer.
     pub fn recover<M: Module>(
         &self,
         model: M,
@@ -133,22 +138,19 @@ impl Ddp {
                  optimizer state exists nowhere else; restart from the checkpoint",
             ));
         }
-        if self.has_device_comm() {
-            return Err(refuse(
-                "live recovery does not re-create the NCCL communicator yet; restart from the \
-                 checkpoint",
-            ));
-        }
         let _span = ddp_comm::trace::span("recover", "ddp").arg("step", progress.step);
         let group = self.group().clone();
         // A replacement's first call: it joined the re-formed group in `init`. Any later call
         // (another rank lost) re-forms as a survivor.
         let arriving = self.take_pending_handover();
+        if !arriving {
+            comm::lock(&group).reform()?;
+            // The NCCL communicator, when the ranks use one, aborted and created again with the
+            // replacement's (which it creates in `init`, right after joining the group).
+            self.reform_device_comm()?;
+        }
         let (source, generation) = {
             let mut pg = comm::lock(&group);
-            if !arriving {
-                pg.reform()?;
-            }
             // Every rank's finished steps; an arriving replacement has none (-1).
             let mine = if arriving { -1 } else { progress.step as i64 };
             let mut steps = vec![0i64; self.world_size()];

@@ -18,15 +18,17 @@ thread_local! {
 struct LostPeer(CommError);
 
 /// Whether a collective's error is a lost peer's doing (a connection closed, an I/O error or a
-/// timeout on a link, or a group an earlier such error broke).
+/// timeout on a link, or a group an earlier such error broke; on NCCL, a remote rank's failure
+/// or a failed connection: `ncclRemoteError`, `ncclSystemError`).
 pub(crate) fn comm_lost_a_peer(e: &CommError) -> bool {
-    matches!(
-        e,
+    match e {
         CommError::PeerClosed { .. }
-            | CommError::Io { .. }
-            | CommError::Timeout { .. }
-            | CommError::Poisoned(_)
-    )
+        | CommError::Io { .. }
+        | CommError::Timeout { .. }
+        | CommError::Poisoned(_) => true,
+        CommError::Nccl { name, .. } => name == "ncclRemoteError" || name == "ncclSystemError",
+        _ => false,
+    }
 }
 
 /// Where a collective's error can only panic: unwinds to the enclosing [`catching`] when there
@@ -55,4 +57,43 @@ pub(crate) fn catching<T>(f: impl FnOnce() -> T) -> Result<T, CommError> {
         Ok(lost) => lost.0,
         Err(other) => resume_unwind(other),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_peer_is_a_broken_link_a_timeout_or_nccl_s_remote_failure() {
+        let nccl = |name: &str| CommError::Nccl {
+            op: "all_reduce".into(),
+            code: 6,
+            name: name.into(),
+            detail: String::new(),
+        };
+        for lost in [
+            CommError::PeerClosed {
+                peer: 2,
+                op: "all_reduce".into(),
+            },
+            CommError::Timeout {
+                op: "all_reduce".into(),
+                peer: Some(2),
+                after: std::time::Duration::from_secs(1),
+            },
+            CommError::Poisoned("earlier".into()),
+            nccl("ncclRemoteError"),
+            nccl("ncclSystemError"),
+        ] {
+            assert!(comm_lost_a_peer(&lost), "{lost}");
+        }
+        for other in [
+            CommError::Mismatch("lengths".into()),
+            CommError::InvalidArgument("root".into()),
+            nccl("ncclUnhandledCudaError"),
+            nccl("ncclInternalError"),
+        ] {
+            assert!(!comm_lost_a_peer(&other), "{other}");
+        }
+    }
 }

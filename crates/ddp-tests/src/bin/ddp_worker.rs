@@ -331,6 +331,12 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
             Ok(m) => {
                 model = m;
                 progress.step += 1;
+                if ddp.uses_nccl() && !optim.synchronizer_mut().last_sync_on_device() {
+                    return Err(format!(
+                        "step {step}: an NCCL communicator exists but the gradients took the \
+                         host path"
+                    ));
+                }
                 if std::mem::take(&mut first_step) {
                     println!("FIRST STEP rank={rank} at={}", unix_ms());
                 }

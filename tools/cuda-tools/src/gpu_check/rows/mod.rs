@@ -143,10 +143,10 @@ pub const CHECKS: &[Check] = &[
         binaries: &["ddprun", "train-cnn"],
     },
     Check {
-        label: "DDP equivalence on CUDA (1 GPU over NCCL, 2 ranks)",
+        label: "DDP equivalence on CUDA (1 GPU over NCCL, 2 ranks); live recovery over NCCL",
         kind: Kind::Libtest("ddp-tests"),
         needs: Needs::Cuda,
-        binaries: &["ddp-tests", "ddp_worker"],
+        binaries: &["ddp-tests", "ddp_worker", "ddprun"],
     },
     Check {
         label: "step time: cuda / wgpu / cpu; BatchNorm vs SyncBatchNorm",
