@@ -273,6 +273,10 @@ fn a_learner_run_uses_the_jobs_compression() {
     assert!(apart > 0.0, "bf16 and f32 trained the same parameters");
 }
 
+// The live-recovery job of the fault tests, here on CUDA ranks.
+#[cfg(feature = "cuda")]
+mod live_job;
+
 /// DDP on CUDA devices (`cargo xtask gpu-check` runs these on a machine with an NVIDIA GPU).
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -333,45 +337,19 @@ mod cuda {
     #[test]
     #[ignore = "needs CUDA"]
     fn a_rank_lost_on_nccl_is_replaced_live_and_changes_no_bit() {
-        use std::process::Command;
-        use std::time::{Duration, Instant};
-        let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
-        let ddprun = worker.with_file_name("ddprun");
         let emulate = ddp_nccl::visible_cuda_devices().unwrap_or(0) < 3;
-        let run = |out: &std::path::Path, extra: &[&str]| -> String {
-            let mut cmd = Command::new(&ddprun);
-            cmd.args([
-                "--nproc-per-node",
-                "3",
-                "--recover",
-                "live",
-                "--max-restarts",
-                "1",
-            ]);
-            if emulate {
-                cmd.arg("--emulate-gpu-hosts");
-            }
-            cmd.arg("--")
-                .arg(&worker)
-                .args([
-                    "--scenario",
-                    "live",
-                    "--steps",
-                    "12",
-                    "--device",
-                    "cuda",
-                    "--out",
-                ])
-                .arg(out)
-                .args(extra)
-                .env("DDP_NCCL", "required")
-                .env("DDP_TIMEOUT_SECS", "20");
-            let ended = ddp_testkit::Launched::spawn(&mut cmd)
-                .expect("start ddprun")
-                .wait_until(Instant::now() + Duration::from_secs(140));
-            let all = format!("{}\n{}", ended.stdout, ended.stderr);
-            assert!(ended.status.success(), "{extra:?}: {}\n{all}", ended.status);
-            all
+        let setup = live_job::Setup {
+            launcher: if emulate {
+                &["--emulate-gpu-hosts"]
+            } else {
+                &[]
+            },
+            worker: &["--device", "cuda"],
+            env: &[("DDP_NCCL", "required"), ("DDP_TIMEOUT_SECS", "20")],
+            ..live_job::Setup::default()
+        };
+        let run = |out: &std::path::Path, extra: &[&str]| {
+            live_job::run(out, "12", extra, &setup, Duration::from_secs(140)).1
         };
         let (straight, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         run(straight.path(), &[]);

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use ddp_testkit::RankJob;
 
+mod live_job;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 
 /// Waits until every rank of a `loop-big` job has finished two all-reduces.
@@ -569,20 +571,17 @@ fn reform_pid(lines: &[&str], what: &str) -> Option<u32> {
 fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
     use std::process::Command;
     let ddprun = std::path::Path::new(WORKER).with_file_name("ddprun");
-    let launched = ddp_testkit::Launched::spawn(
-        Command::new(&ddprun)
-            .args([
-                "--nproc-per-node",
-                "3",
-                "--recover",
-                "live",
-                "--max-restarts",
-                "1",
-                "--",
-            ])
-            .args([WORKER, "reform", "--iterations", "300", "--die-at", "40"]),
-    )
-    .expect("start ddprun");
+    let launched =
+        ddp_testkit::Launched::spawn(Command::new(&ddprun).args(live_job::LIVE_3_RANKS).args([
+            "--",
+            WORKER,
+            "reform",
+            "--iterations",
+            "300",
+            "--die-at",
+            "40",
+        ]))
+        .expect("start ddprun");
     let ended = launched.wait_until(Instant::now() + Duration::from_secs(120));
     let all = format!("{}\n{}", ended.stdout, ended.stderr);
     assert!(ended.status.success(), "{}\n{all}", ended.status);
@@ -672,34 +671,14 @@ fn live_job_on(
     extra: &[&str],
     bf16_over_tcp: bool,
 ) -> (String, String) {
-    use std::process::Command;
-    let worker = env!("CARGO_BIN_EXE_ddp_worker");
-    let ddprun = std::path::Path::new(worker).with_file_name("ddprun");
-    let mut cmd = Command::new(&ddprun);
-    cmd.args([
-        "--nproc-per-node",
-        "3",
-        "--recover",
-        "live",
-        "--max-restarts",
-        "1",
-        "--",
-    ]);
+    let mut env = vec![("DDP_TIMEOUT_SECS", "30"), ("RAYON_NUM_THREADS", "1")];
+    let mut setup = live_job::Setup::default();
     if bf16_over_tcp {
-        cmd.args(["sh", "-c", "DDP_HOST_ID=host-$RANK exec \"$@\"", "sh"])
-            .env("DDP_COMPRESSION", "bf16");
+        setup.wrapper = &["sh", "-c", "DDP_HOST_ID=host-$RANK exec \"$@\"", "sh"];
+        env.push(("DDP_COMPRESSION", "bf16"));
     }
-    cmd.args([worker, "--scenario", "live", "--steps", steps, "--out"])
-        .arg(dir)
-        .args(extra)
-        .env("DDP_TIMEOUT_SECS", "30")
-        .env("RAYON_NUM_THREADS", "1");
-    let ended = ddp_testkit::Launched::spawn(&mut cmd)
-        .expect("start ddprun")
-        .wait_until(Instant::now() + Duration::from_secs(120));
-    let all = format!("{}\n{}", ended.stdout, ended.stderr);
-    assert!(ended.status.success(), "{extra:?}: {}\n{all}", ended.status);
-    (ended.stdout, all)
+    setup.env = &env;
+    live_job::run(dir, steps, extra, &setup, Duration::from_secs(120))
 }
 
 /// Every rank's final parameters in `a` and `b` are the same bytes.

@@ -69,6 +69,20 @@ fn config(max_restarts: usize, marks: &Path, checkpoint: &Path) -> LaunchConfig 
     }
 }
 
+/// `cfg` as node `node` of two launchers with one rank each, meeting at `port` on loopback,
+/// each node its own emulated host (`DDP_HOST_ID`: TCP between them).
+fn on_node(mut cfg: LaunchConfig, node: usize, port: u16) -> LaunchConfig {
+    cfg.nproc_per_node = 1;
+    cfg.nnodes = 2;
+    cfg.node_rank = node;
+    cfg.master_port = Some(port);
+    cfg.job_token = Some("two-nodes".into());
+    cfg.rdzv_heartbeat = Duration::from_secs(5);
+    cfg.extra_env
+        .push(("DDP_HOST_ID".into(), format!("emulated-host-{node}")));
+    cfg
+}
+
 /// Runs `launch` on a thread of its own and fails the test past the deadline (the thread is
 /// left behind; the ranks die with it when the test process exits).
 fn launch_with_deadline(cfg: LaunchConfig, program: String, args: Vec<String>) -> LaunchReport {
@@ -203,15 +217,7 @@ fn a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one() {
     let start = Instant::now();
     let launches: Vec<_> = (0..2)
         .map(|node| {
-            let mut cfg = config(2, &node_marks, &nodes.join(FILE_NAME));
-            cfg.nproc_per_node = 1;
-            cfg.nnodes = 2;
-            cfg.node_rank = node;
-            cfg.master_port = Some(port);
-            cfg.job_token = Some("two-nodes".into());
-            cfg.rdzv_heartbeat = Duration::from_secs(5);
-            cfg.extra_env
-                .push(("DDP_HOST_ID".into(), format!("emulated-host-{node}")));
+            let cfg = on_node(config(2, &node_marks, &nodes.join(FILE_NAME)), node, port);
             let (nodes, marks) = (nodes.clone(), node_marks.clone());
             std::thread::spawn(move || {
                 run_under(
@@ -535,18 +541,13 @@ fn two_launchers(out: &Path, kill: bool) -> Vec<LaunchReport> {
     let port = ddp_testkit::free_port();
     let launches: Vec<_> = (0..2)
         .map(|node| {
-            let mut cfg = config(usize::from(kill), &marks, &out.join(FILE_NAME));
+            let mut cfg = on_node(
+                config(usize::from(kill), &marks, &out.join(FILE_NAME)),
+                node,
+                port,
+            );
             cfg.live_recovery = kill;
-            cfg.nproc_per_node = 1;
-            cfg.nnodes = 2;
-            cfg.node_rank = node;
-            cfg.master_port = Some(port);
-            cfg.job_token = Some("two-nodes-live".into());
-            cfg.rdzv_heartbeat = Duration::from_secs(5);
-            cfg.extra_env.extend([
-                ("DDP_HOST_ID".into(), format!("emulated-host-{node}")),
-                ("KILL_DELAY_MS".into(), "0".into()),
-            ]);
+            cfg.extra_env.push(("KILL_DELAY_MS".into(), "0".into()));
             let script = if kill {
                 LIVE_KILL_RANK_1
             } else {
