@@ -60,6 +60,9 @@ pub struct DdpOptimizer {
     max_grad_norm: Option<f64>,
     /// The global norm of the last step's averaged gradients, before clipping.
     last_grad_norm: Option<f64>,
+    /// Sharded, keep a copy of each rank's shard on its successor (the program recovers live:
+    /// [`Ddp::recovers_live`]).
+    keep_shard_copies: bool,
 }
 
 /// The state `optim` holds, serialised, when it holds any (an optimizer that has not stepped
@@ -99,6 +102,7 @@ impl DdpOptimizer {
             sharding: None,
             max_grad_norm: None,
             last_grad_norm: None,
+            keep_shard_copies: ddp.recovers_live(),
         }
     }
 
@@ -107,7 +111,9 @@ impl DdpOptimizer {
     /// all-gathered from their owners after every step. For element-wise optimizers (SGD,
     /// momentum, Adam, AdamW) the training is bitwise that of [`Self::new`] on the host path
     /// (on NCCL, whose reduction order is its own, it is not promised); see
-    /// [`crate::sharding`] for the rule, the exceptions and checkpoints.
+    /// [`crate::sharding`] for the rule, the exceptions and checkpoints. When `ddp` recovers live
+    /// ([`Ddp::recovers_live`]), each rank also keeps a copy of its predecessor's shard after
+    /// every step, for [`Ddp::recover`].
     ///
     /// ```no_run
     /// # use burn::optim::AdamConfig;
@@ -130,7 +136,11 @@ impl DdpOptimizer {
         if self.sharding.is_some() {
             return self;
         }
-        let mut sharding = Sharding::new(self.sync.group().clone(), self.sync.bucket_cap_bytes());
+        let mut sharding = Sharding::new(
+            self.sync.group().clone(),
+            self.sync.bucket_cap_bytes(),
+            self.keep_shard_copies,
+        );
         if let Some(whole) = held_state(&self.optim) {
             sharding.load_whole(whole);
         }
@@ -209,6 +219,7 @@ impl DdpOptimizer {
             sharding: None,
             max_grad_norm: None,
             last_grad_norm: None,
+            keep_shard_copies: false,
         }
     }
 
@@ -316,6 +327,22 @@ impl DdpOptimizer {
     pub(crate) fn sharding(&self) -> Option<&Sharding> {
         self.sharding.as_ref()
     }
+
+    /// Live recovery, sharded, on every rank once `module` is the same everywhere: this rank's
+    /// shard `own` loaded and the shards' copies started again at `finished` steps
+    /// (collective; see `Sharding::restore`).
+    pub(crate) fn restore_shard<M: Module>(
+        &mut self,
+        module: &M,
+        own: Vec<u8>,
+        finished: u64,
+    ) -> Result<()> {
+        let sharding = self
+            .sharding
+            .as_mut()
+            .expect("restore_shard is called for a sharded optimizer");
+        sharding.restore(module, &mut self.optim, own, finished)
+    }
 }
 
 #[cfg(test)]
@@ -399,14 +426,8 @@ mod tests {
                         group.clone(),
                     )));
                 }
-                let mut optim = DdpOptimizer {
-                    optim: AdamConfig::new().init(),
-                    sync,
-                    sharding: None,
-                    max_grad_norm: None,
-                    last_grad_norm: None,
-                }
-                .into_sharded();
+                let mut optim =
+                    DdpOptimizer::with_synchronizer(AdamConfig::new().init(), sync).into_sharded();
                 for step in 0..3 {
                     let x = Tensor::<2>::from_data(
                         burn::tensor::TensorData::new(

@@ -444,8 +444,8 @@ exec "$@"
 
 /// Lose a rank, lose one step: rank 1 of a 2-rank SyncBatchNorm run is SIGKILLed in the middle
 /// of training — at a moment that varies (forward with its SyncBatchNorm exchange, backward,
-/// the gradient all-reduce, the optimizer step) and once while a checkpoint is being written —
-/// under `ddprun --recover live`. Each time: one attempt, rank 1 replaced, rank 0 the same
+/// the gradient all-reduce, the optimizer step), once while a checkpoint is being written, and
+/// once with the optimizer state sharded (ZeRO-1) — under `ddprun --recover live`. Each time: one attempt, rank 1 replaced, rank 0 the same
 /// process throughout, no checkpoint read, and the final parameters and every printed
 /// train/eval metric **bitwise** those of the run that was never killed.
 #[test]
@@ -463,19 +463,31 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
     let ha = read_json(&straight.join("metrics.json")).unwrap();
     assert_eq!(ha.len(), 2);
 
-    for (case, env) in [
-        ("killed 0 ms after step 20", ("KILL_DELAY_MS", "0")),
-        ("killed 170 ms after step 20", ("KILL_DELAY_MS", "170")),
-        ("killed during a checkpoint write", ("KILL_IN_WRITE", "1")),
+    // The sharded optimizer (ZeRO-1) trains bitwise as the unsharded one: the same reference.
+    for (case, env, extra) in [
+        ("killed 0 ms after step 20", ("KILL_DELAY_MS", "0"), ""),
+        ("killed 170 ms after step 20", ("KILL_DELAY_MS", "170"), ""),
+        (
+            "killed during a checkpoint write",
+            ("KILL_IN_WRITE", "1"),
+            "",
+        ),
+        (
+            "ZeRO-1, killed 90 ms after step 20",
+            ("KILL_DELAY_MS", "90"),
+            " --shard-optimizer",
+        ),
     ] {
-        let out = dir.path().join(case.replace(' ', "-"));
+        let out = dir.path().join(case.replace([' ', ','], "-"));
         let marks = out.join("marks");
         let mut cfg = config(1, &marks, &out.join(FILE_NAME));
         cfg.live_recovery = true;
         cfg.extra_env.push((env.0.into(), env.1.into()));
         cfg.extra_env
             .push(("DDP_CHECKPOINT_WRITE_PAUSE_MS".into(), "100".into()));
-        let report = run_under(cfg, LIVE_KILL_RANK_1, args(&out), &marks);
+        let mut train = args(&out);
+        train.extend(extra.split_whitespace().map(String::from));
+        let report = run_under(cfg, LIVE_KILL_RANK_1, train, &marks);
         assert!(report.success(), "{case}: {report:?}");
         assert_eq!(report.attempt, 0, "{case}: the group restarted: {report:?}");
         assert_eq!(report.replaced.len(), 1, "{case}: {report:?}");

@@ -34,11 +34,14 @@
 //! own in `init`, right after joining the group); rank 0 first tells the group whether the
 //! ranks use NCCL (a one-byte broadcast the replacement waits for).
 //!
-//! Not covered yet: the sharded optimizer (ZeRO-1: a lost rank's shard exists nowhere else),
-//! rank 0 (it serves the store).
+//! A sharded optimizer (ZeRO-1) recovers from the copies of each shard it keeps when the program
+//! recovers live, going back to the step every survivor can reach (`sharded.rs`).
+//!
+//! Not covered yet: rank 0 (it serves the store).
 //! Per-rank BatchNorm statistics of the replaced rank come from the source, as after a resume
 //! at another world size (SyncBatchNorm's are the same on every rank).
 
+mod sharded;
 mod step_start;
 pub(crate) mod unwind;
 
@@ -56,6 +59,7 @@ use crate::comm;
 use crate::context::Ddp;
 use crate::error::{DdpError, Result};
 use crate::optimizer::DdpOptimizer;
+use crate::sharding::Sharding;
 
 impl DdpError {
     /// Whether this error is a lost peer's doing (a connection closed, an I/O error or a
@@ -101,7 +105,8 @@ impl Ddp {
     /// the re-formed group.
     ///
     /// # Errors
-    /// [`DdpError::InvalidSetting`] for what it does not cover (a sharded optimizer);
+    /// [`DdpError::InvalidSetting`] for what it does not cover (a sharded optimizer without
+    /// copies of its shards, a shard that no rank holds any more);
     /// [`DdpError::Comm`] when the group or its NCCL communicator cannot re-form (no
     /// replacement within `DDP_CONNECT_TIMEOUT_SECS`, a second loss); [`DdpError::Checkpoint`]
     /// when the state does not fit this model or optimizer.
@@ -132,10 +137,18 @@ impl Ddp {
             setting: "Ddp::recover",
             reason: reason.into(),
         };
-        if optim.is_sharded() {
+        let sharded = optim.is_sharded();
+        if sharded
+            && optim
+                .sharding()
+                .and_then(Sharding::finished_steps)
+                .is_none()
+        {
             return Err(refuse(
-                "a sharded optimizer (ZeRO-1) cannot recover live: the lost rank's shard of the \
-                 optimizer state exists nowhere else; restart from the checkpoint",
+                "this sharded optimizer (ZeRO-1) keeps no copy of the shards (it was built \
+                 without live recovery: DdpOptimizer::sharded on a Ddp whose recovers_live() \
+                 is false), and the lost rank's shard exists nowhere else; restart from the \
+                 checkpoint",
             ));
         }
         let _span = ddp_comm::trace::span("recover", "ddp").arg("step", progress.step);
@@ -149,23 +162,45 @@ impl Ddp {
             // replacement's (which it creates in `init`, right after joining the group).
             self.reform_device_comm()?;
         }
-        let (source, generation) = {
+        let (steps, generation) = {
             let mut pg = comm::lock(&group);
             // Every rank's finished steps; an arriving replacement has none (-1).
             let mine = if arriving { -1 } else { progress.step as i64 };
             let mut steps = vec![0i64; self.world_size()];
             pg.all_gather(&[mine], &mut steps)?;
-            let most = steps.iter().copied().max().unwrap_or(-1);
-            if most < 0 {
-                return Err(refuse(
-                    "no rank of the re-formed group holds a training state",
-                ));
+            (steps, pg.generation())
+        };
+        // Unsharded, the run rolls forward to the survivor that finished the most steps;
+        // sharded, it goes back to the one that finished the fewest (`sharded.rs`).
+        let chosen = if sharded {
+            sharded::target(&steps).map(|(_, source)| source)
+        } else {
+            let most = steps.iter().copied().max().filter(|&m| m >= 0);
+            most.and_then(|m| steps.iter().position(|&s| s == m))
+        };
+        let source = chosen
+            .ok_or_else(|| refuse("no rank of the re-formed group holds a training state"))?;
+        let shard = match sharded {
+            true => {
+                let t = steps[source] as u64;
+                if !arriving && progress.step > t {
+                    tracing::warn!(
+                        rank = self.rank(),
+                        from = progress.step,
+                        to = t,
+                        "sharded optimizer: going back to the step every survivor can reach"
+                    );
+                }
+                Some(sharded::shard_at(self, optim, &steps, progress.step, t)?)
             }
-            let source = steps.iter().position(|&s| s == most).unwrap_or(0);
-            (source, pg.generation())
+            false => None,
         };
         let mut bytes = if self.rank() == source {
-            let optimizer = optim.state_bytes()?;
+            let optimizer = if sharded {
+                Vec::new()
+            } else {
+                optim.state_bytes()?
+            };
             Checkpoint::capture_with_state(&model, optimizer, progress, self.world_size(), &state)?
                 .to_bytes()?
         } else {
@@ -175,26 +210,34 @@ impl Ddp {
         // Equal parameters by construction: the first synchronisation of a replacement's fresh
         // optimizer must not compare them (the survivors' would not: a collective of its own).
         optim.synchronizer_mut().skip_replica_check();
-        if self.rank() == source {
+        let (model, progress, state) = if self.rank() == source {
             tracing::warn!(
                 rank = self.rank(),
                 generation,
                 step = progress.step,
                 "re-formed the group after a lost rank; handed this rank's state to the others"
             );
-            return Ok((model, progress, state));
+            (model, progress, state)
+        } else {
+            let origin = PathBuf::from(format!("<state handed over by rank {source}>"));
+            let ck = Checkpoint::<T>::from_bytes(&bytes, &origin)?;
+            let model = ck.restore_model(model, &origin)?;
+            if !sharded {
+                optim.load_state_bytes(ck.optimizer)?;
+            }
+            tracing::warn!(
+                rank = self.rank(),
+                generation,
+                source,
+                step = ck.progress.step,
+                "re-formed the group after a lost rank; took rank {source}'s state"
+            );
+            (model, ck.progress, ck.metadata)
+        };
+        if let Some(own) = shard {
+            // Collective: the plan again for the model every rank now holds, then the copies.
+            optim.restore_shard(&model, own, progress.step)?;
         }
-        let origin = PathBuf::from(format!("<state handed over by rank {source}>"));
-        let ck = Checkpoint::<T>::from_bytes(&bytes, &origin)?;
-        let model = ck.restore_model(model, &origin)?;
-        optim.load_state_bytes(ck.optimizer)?;
-        tracing::warn!(
-            rank = self.rank(),
-            generation,
-            source,
-            step = ck.progress.step,
-            "re-formed the group after a lost rank; took rank {source}'s state"
-        );
-        Ok((model, ck.progress, ck.metadata))
+        Ok((model, progress, state))
     }
 }

@@ -44,11 +44,15 @@
 //! resumes at another world size; on load each rank keeps the entries of the parameters it
 //! owns under the new world size.
 //!
+//! **Live recovery**: when the program recovers live ([`crate::Ddp::recovers_live`]), each rank
+//! also keeps a copy of its predecessor's shard after every step (`redundancy.rs`: one
+//! all-gather of the shards per step), so that a lost rank's shard lives on in its successor.
+//!
 //! The module holds the whole sharded path: the owners ([`assign_owners`], `plan.rs`), the
 //! owner-major layout of what moves (`owner_streams.rs`), the gradients' reduce-scatter to
 //! their owners (`owned_gradients.rs`, over the gradient synchroniser's slots and buckets), the
-//! parameters' gather (`gather.rs`) and the state's merge and split for checkpoints
-//! (`state.rs`). [`crate::DdpOptimizer`] only chooses between it and the unsharded step.
+//! parameters' gather (`gather.rs`), the state's merge and split for checkpoints
+//! (`state.rs`) and live recovery's copies (`redundancy.rs`). [`crate::DdpOptimizer`] only chooses between it and the unsharded step.
 
 pub(crate) mod error;
 mod gather;
@@ -56,6 +60,7 @@ mod gather_on_device;
 mod owned_gradients;
 mod owner_streams;
 mod plan;
+mod redundancy;
 pub(crate) mod state;
 
 use burn::module::Module;
@@ -71,6 +76,8 @@ pub use error::ShardingError;
 pub use plan::assign_owners;
 
 use plan::{ShardPlan, layout_fingerprint, trainable_params};
+use redundancy::Redundancy;
+pub(crate) use redundancy::Snapshot;
 
 /// What a sharded optimizer keeps besides the wrapped optimizer.
 #[derive(Debug, Clone)]
@@ -82,6 +89,8 @@ pub(crate) struct Sharding {
     /// step (when the model, and so the plan, is known).
     pending: Option<Vec<u8>>,
     last: ShardStats,
+    /// Live recovery's copies of this rank's shard and its predecessor's (`redundancy.rs`).
+    redundancy: Option<Redundancy>,
 }
 
 /// What the last step of a sharded optimizer did on this rank.
@@ -108,13 +117,16 @@ pub struct ShardStats {
 }
 
 impl Sharding {
-    pub(crate) fn new(group: SharedGroup, cap_bytes: usize) -> Self {
+    /// `keep_copies`: keep a copy of the predecessor's shard after every step, for live
+    /// recovery (`redundancy.rs`).
+    pub(crate) fn new(group: SharedGroup, cap_bytes: usize, keep_copies: bool) -> Self {
         Sharding {
             group,
             cap_bytes: cap_bytes.max(1),
             plan: None,
             pending: None,
             last: ShardStats::default(),
+            redundancy: keep_copies.then(Redundancy::default),
         }
     }
 
@@ -156,6 +168,11 @@ impl Sharding {
             _ => gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?,
         };
         let gather = t.elapsed();
+        self.copy_shards(optim, 1)?;
+        let plan = self
+            .plan
+            .as_ref()
+            .expect("prepared before the gradient sync");
         let owned: Vec<usize> = (0..plan.params.len()).filter(|&i| plan.owns(i)).collect();
         self.last = ShardStats {
             params: plan.params.len(),
@@ -172,46 +189,15 @@ impl Sharding {
     }
 
     /// Makes the plan for `module`'s layout (collective, on the first step and whenever the
-    /// layout changes: rank 0's ids are broadcast), loads a pending state's owned part, and
-    /// returns the owner of each trainable parameter (visit order).
+    /// layout changes: rank 0's ids are broadcast), loads a pending state's owned part, makes
+    /// live recovery's first copies (before the first step), and returns the owner of each
+    /// trainable parameter (visit order).
     pub(crate) fn prepare<M: Module>(
         &mut self,
         module: &M,
         optim: &mut ModuleOptimizer,
     ) -> Result<&[usize]> {
-        let params = trainable_params(module);
-        let fingerprint = layout_fingerprint(&params);
-        if self
-            .plan
-            .as_ref()
-            .is_none_or(|p| p.fingerprint != fingerprint)
-        {
-            let (rank, world_size) = {
-                let g = comm::lock(&self.group);
-                (g.rank(), g.world_size())
-            };
-            // Ids travel as i64 bit patterns (the group's integer element).
-            let mut ids: Vec<i64> = params.iter().map(|p| p.id.val() as i64).collect();
-            if world_size > 1 {
-                comm::lock(&self.group).broadcast(&mut ids, 0)?;
-            }
-            let root_ids: Vec<u64> = ids.into_iter().map(|id| id as u64).collect();
-            let sizes: Vec<usize> = params.iter().map(|p| p.bytes).collect();
-            let owners = assign_owners(&sizes, world_size);
-            let plan = ShardPlan {
-                rank,
-                world_size,
-                params,
-                root_ids,
-                owners,
-                fingerprint,
-            };
-            tracing::debug!(
-                owned_bytes = ?plan.owned_bytes(),
-                "optimizer state sharded over {world_size} rank(s)"
-            );
-            self.plan = Some(plan);
-        }
+        self.plan_for(module)?;
         if let Some(whole) = self.pending.take() {
             let plan = self.plan.as_ref().expect("just made");
             let mine: std::collections::BTreeSet<u64> = (0..plan.params.len())
@@ -230,12 +216,116 @@ impl Sharding {
                 .into());
             }
             let shard = state::transform(&[&whole], |id| mine.contains(&id).then_some(id))?;
-            *optim = optim
-                .clone()
-                .from_bytes(Bytes::from_bytes_vec(shard))
-                .map_err(|e| ShardingError::State(format!("loading this rank's shard: {e}")))?;
+            load_shard(optim, shard)?;
+        }
+        if self.redundancy.as_ref().is_some_and(Redundancy::is_empty) {
+            self.copy_shards(optim, 0)?;
         }
         Ok(&self.plan.as_ref().expect("made above").owners)
+    }
+
+    /// Makes the plan for `module`'s layout when there is none or the layout changed
+    /// (collective then: rank 0's ids are broadcast).
+    fn plan_for<M: Module>(&mut self, module: &M) -> Result<()> {
+        let params = trainable_params(module);
+        let fingerprint = layout_fingerprint(&params);
+        if self
+            .plan
+            .as_ref()
+            .is_some_and(|p| p.fingerprint == fingerprint)
+        {
+            return Ok(());
+        }
+        let (rank, world_size) = {
+            let g = comm::lock(&self.group);
+            (g.rank(), g.world_size())
+        };
+        // Ids travel as i64 bit patterns (the group's integer element).
+        let mut ids: Vec<i64> = params.iter().map(|p| p.id.val() as i64).collect();
+        if world_size > 1 {
+            comm::lock(&self.group).broadcast(&mut ids, 0)?;
+        }
+        let root_ids: Vec<u64> = ids.into_iter().map(|id| id as u64).collect();
+        let sizes: Vec<usize> = params.iter().map(|p| p.bytes).collect();
+        let owners = assign_owners(&sizes, world_size);
+        let plan = ShardPlan {
+            rank,
+            world_size,
+            params,
+            root_ids,
+            owners,
+            fingerprint,
+        };
+        tracing::debug!(
+            owned_bytes = ?plan.owned_bytes(),
+            "optimizer state sharded over {world_size} rank(s)"
+        );
+        self.plan = Some(plan);
+        Ok(())
+    }
+
+    /// Live recovery's copies (when kept), as of `advance` more finished steps than the last
+    /// copies' (0 before the first step, 1 after a step). Collective.
+    fn copy_shards(&mut self, optim: &ModuleOptimizer, advance: u64) -> Result<()> {
+        let Some(completed) = self.redundancy.as_ref().map(Redundancy::completed) else {
+            return Ok(());
+        };
+        let own = self.own_by_position(optim)?;
+        if let Some(redundancy) = &mut self.redundancy {
+            redundancy.exchange(&self.group, own, completed + advance)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's shard keyed by each parameter's position in the model's visit order (the
+    /// same in every process, whatever its parameter ids): what live recovery's copies hold.
+    fn own_by_position(&self, optim: &ModuleOptimizer) -> Result<Vec<u8>> {
+        let plan = self.plan.as_ref().expect("planned before a copy");
+        let own = optim
+            .into_bytes()
+            .map_err(|e| ShardingError::State(format!("this rank's shard: {e}")))?
+            .to_vec();
+        let position: std::collections::HashMap<u64, u64> = plan
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.id.val(), i as u64))
+            .collect();
+        Ok(state::transform(&[&own], |id| position.get(&id).copied())?)
+    }
+
+    /// Live recovery: whether this optimizer keeps copies of the shards (the program recovers
+    /// live), and the steps it finished.
+    pub(crate) fn finished_steps(&self) -> Option<u64> {
+        self.redundancy.as_ref().map(Redundancy::completed)
+    }
+
+    /// Live recovery: the copies as of `at` finished steps, if still held.
+    pub(crate) fn copies_at(&self, at: u64) -> Option<&Snapshot> {
+        self.redundancy.as_ref().and_then(|r| r.at(at))
+    }
+
+    /// Live recovery, on every rank once the model is the same everywhere: plans again for
+    /// `module` (collective), loads `own` (a shard keyed by position, from this rank's copies
+    /// or its successor's) into `optim`, and starts the copies again at `finished` steps with
+    /// one exchange (collective).
+    pub(crate) fn restore<M: Module>(
+        &mut self,
+        module: &M,
+        optim: &mut ModuleOptimizer,
+        own: Vec<u8>,
+        finished: u64,
+    ) -> Result<()> {
+        self.plan = None;
+        self.pending = None;
+        self.plan_for(module)?;
+        let plan = self.plan.as_ref().expect("just made");
+        let ids: Vec<u64> = plan.params.iter().map(|p| p.id.val()).collect();
+        let shard = state::transform(&[&own], |pos| ids.get(pos as usize).copied())?;
+        load_shard(optim, shard)?;
+        let redundancy = self.redundancy.get_or_insert_with(Redundancy::default);
+        redundancy.restart_at(finished);
+        redundancy.exchange(&self.group, own, finished)
     }
 
     /// Keeps a whole state (from a checkpoint) until the next step.
@@ -287,4 +377,13 @@ impl Sharding {
         let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
         Ok(Some(state::transform(&parts, Some)?))
     }
+}
+
+/// Replaces `optim`'s state by `shard` (burnpack bytes keyed by this process's ids).
+fn load_shard(optim: &mut ModuleOptimizer, shard: Vec<u8>) -> Result<()> {
+    *optim = optim
+        .clone()
+        .from_bytes(Bytes::from_bytes_vec(shard))
+        .map_err(|e| ShardingError::State(format!("loading this rank's shard: {e}")))?;
+    Ok(())
 }

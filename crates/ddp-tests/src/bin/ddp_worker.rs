@@ -94,6 +94,9 @@ struct Args {
     /// it then is (forward, backward, all-reduce, optimizer step).
     #[arg(long)]
     die_after_ms: Option<u64>,
+    /// `live`: the optimizer state sharded across the ranks (ZeRO-1, `DdpOptimizer::sharded`).
+    #[arg(long)]
+    sharded: bool,
     /// Rank 0 compares its parameters with the single-process reference and fails above this
     /// max |Δparam| (prints an `OUTCOME` line; the GPU check script uses it).
     #[arg(long)]
@@ -283,7 +286,11 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
     device.seed(1000 + rank as u64);
     let e = |e: burn_ddp::DdpError| e.to_string();
     let mut model = ddp.replicate_model(Mlp::new(HIDDEN, &device)).map_err(e)?;
-    let mut optim = DdpOptimizer::new(ddp, optimizer(Optim::Sgd));
+    let mut optim = if args.sharded {
+        DdpOptimizer::sharded(ddp, optimizer(Optim::Sgd))
+    } else {
+        DdpOptimizer::new(ddp, optimizer(Optim::Sgd))
+    };
     let mut progress = Progress::default();
     let unix_ms = || {
         std::time::SystemTime::now()
