@@ -62,6 +62,16 @@ pub fn live_recovery_launched() -> bool {
     std::env::var(RECOVER_VAR).is_ok_and(|v| v.trim() == "live")
 }
 
+/// Set to `1` by a launcher that serves the ranks' store itself (`ddprun --recover live`: the
+/// store then outlives rank 0, which can be replaced like any rank): rank 0 connects to it as
+/// the others do, with a key of its own, instead of serving it.
+pub const LAUNCHER_STORE_VAR: &str = "DDP_LAUNCHER_STORE";
+
+/// Whether the launcher serves the ranks' store ([`LAUNCHER_STORE_VAR`] is `1`).
+pub fn store_served_by_launcher() -> bool {
+    std::env::var(LAUNCHER_STORE_VAR).is_ok_and(|v| v.trim() == "1")
+}
+
 /// A launch variable that is missing or malformed. The message names the variable and value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

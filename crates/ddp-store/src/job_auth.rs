@@ -3,7 +3,8 @@
 //!
 //! - `DDP_JOB_TOKEN` set (ddprun always sets it): that token; with `DDP_RANK_KEYS=1`
 //!   (ddprun's ranks) it is this rank's own key, rank 0's the round's, from which rank 0's
-//!   store derives every rank's ([`JobAuth::serve`]).
+//!   store derives every rank's ([`JobAuth::serve`]); where the launcher serves the store
+//!   ([`crate::env::LAUNCHER_STORE_VAR`]), rank 0's is a key of its own too.
 //! - Not set, every rank on this host (`LOCAL_WORLD_SIZE == WORLD_SIZE` and `MASTER_ADDR` an
 //!   address of this machine): the store and the mesh listen on loopback only, and rank 0
 //!   shares a fresh random secret through a file only this user can read: mode 0600, in a
@@ -196,12 +197,13 @@ impl JobAuth {
     }
 
     /// What this process proves to the store with `token`: the job's key, or this rank's own
-    /// (rank 0 derives its own from the round's token).
+    /// (rank 0 derives its own from the round's token, unless the launcher serves the store:
+    /// then rank 0's token is its own key too).
     fn credential(&self, token: &str) -> Result<Credential> {
         let Some(rank) = self.own_key_of else {
             return Ok(Credential::job(token));
         };
-        let key = if rank == 0 {
+        let key = if rank == 0 && !crate::env::store_served_by_launcher() {
             Key::from_token(token).rank_key(0)
         } else {
             Key::from_hex(token).ok_or_else(|| {

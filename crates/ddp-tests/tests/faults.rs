@@ -742,40 +742,47 @@ fn recovered_at(stdout: &str, r: usize) -> Option<u64> {
 }
 
 /// `ddp_worker --scenario live` (SGD with momentum, 3 ranks, 12 steps) under `ddprun --recover
-/// live`, once as it is and once with rank 2 SIGKILLing itself before step 5 (ranks 0 and 1 lose
-/// it in step 5's gradient all-reduce): the job exits 0, ranks 0 and 1 are the same processes
-/// throughout, the replacement takes the survivors' state at step 5, nothing is read from disk,
-/// and every rank's final parameters are bitwise those of the run that never failed.
+/// live`, once as it is, then with rank 2 and with rank 0 SIGKILLing itself before step 5 (the
+/// others lose it in step 5's gradient all-reduce; rank 0 too, since ddprun serves the ranks'
+/// store under live recovery): each time the job exits 0, the other ranks are the same
+/// processes throughout, the replacement takes the survivors' state at step 5, nothing is read
+/// from disk, and every rank's final parameters are bitwise those of the run that never failed.
 #[test]
 fn a_rank_lost_in_the_gradient_all_reduce_costs_one_step_and_changes_no_bit() {
     let straight = tempfile::tempdir().unwrap();
-    let killed = tempfile::tempdir().unwrap();
     live_job(straight.path(), "12", &[]);
-    let (stdout, all) = live_job(
-        killed.path(),
-        "12",
-        &["--victim", "2", "--die-at-step", "5"],
-    );
-    for r in [0, 1] {
-        let lines = ddp_testkit::rank_lines(&stdout, r);
-        let pid = |prefix: &str| {
-            lines
-                .iter()
-                .find_map(|l| l.strip_prefix(prefix))
-                .and_then(|rest| rest.split_whitespace().next().map(str::to_string))
-        };
-        let start = pid(&format!("PID rank={r} pid="));
-        let end = pid(&format!("END rank={r} pid="));
-        assert!(
-            start.is_some() && start == end,
-            "rank {r}: {start:?} then {end:?}\n{all}"
+    for victim in [2usize, 0] {
+        let killed = tempfile::tempdir().unwrap();
+        let (stdout, all) = live_job(
+            killed.path(),
+            "12",
+            &["--victim", &victim.to_string(), "--die-at-step", "5"],
         );
+        for r in (0..3).filter(|&r| r != victim) {
+            let lines = ddp_testkit::rank_lines(&stdout, r);
+            let pid = |prefix: &str| {
+                lines
+                    .iter()
+                    .find_map(|l| l.strip_prefix(prefix))
+                    .and_then(|rest| rest.split_whitespace().next().map(str::to_string))
+            };
+            let start = pid(&format!("PID rank={r} pid="));
+            let end = pid(&format!("END rank={r} pid="));
+            assert!(
+                start.is_some() && start == end,
+                "victim {victim}, rank {r}: {start:?} then {end:?}\n{all}"
+            );
+        }
+        for r in 0..3 {
+            assert_eq!(
+                recovered_at(&stdout, r),
+                Some(5),
+                "victim {victim}, rank {r}\n{all}"
+            );
+        }
+        assert!(all.contains("1 lost rank(s) replaced"), "{all}");
+        assert_same_parameters(straight.path(), killed.path(), &all);
     }
-    for r in 0..3 {
-        assert_eq!(recovered_at(&stdout, r), Some(5), "rank {r}\n{all}");
-    }
-    assert!(all.contains("1 lost rank(s) replaced"), "{all}");
-    assert_same_parameters(straight.path(), killed.path(), &all);
 }
 
 /// The same job of 1500 steps with rank 2 SIGKILLed 20, 60 and 150 ms after its first step,

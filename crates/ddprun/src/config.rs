@@ -70,13 +70,14 @@ pub struct LaunchConfig {
     /// attempt can never join) and `TORCHELASTIC_RESTART_COUNT` / `DDP_RESTART_COUNT` set to
     /// the attempt number. A forwarded signal (Ctrl-C, a scheduler's SIGTERM) ends the launch.
     pub max_restarts: usize,
-    /// Live recovery (`--recover live`): a rank other than global rank 0 that dies of its own
-    /// failure is replaced by a new process for the same rank, started with `DDP_REJOIN=1` by
+    /// Live recovery (`--recover live`): a rank that dies of its own failure (rank 0 too: the
+    /// launcher of global rank 0 then serves the ranks' store, `DDP_LAUNCHER_STORE=1`) is
+    /// replaced by a new process for the same rank, started with `DDP_REJOIN=1` by
     /// its node's launcher, while the others (on every node) keep running and re-form their
     /// group with it (`ProcessGroup::reform` / `ProcessGroup::rejoin`). Each replacement counts
     /// against [`Self::max_restarts`]; on several nodes each launcher counts its own
-    /// replacements together with the job's group restarts. Any other failure (rank 0's, a rank
-    /// failing on a peer's, a second one while stopping) stops every rank as without it, and on
+    /// replacements together with the job's group restarts. Any other failure (a rank failing on
+    /// a peer's, a second one while stopping) stops every rank as without it, and on
     /// several nodes ends the round for every node.
     pub live_recovery: bool,
     /// Emulated GPU hosts (`--emulate-gpu-hosts`): every rank an NCCL host of its own
@@ -134,12 +135,12 @@ pub(super) fn ranks_token(job_token: &str, what: &str, n: u64) -> String {
         .to_token()
 }
 
-/// The job token rank `rank` gets in a round whose ranks' token is `round_token`: rank 0 (it
-/// serves the store) the round's, any other rank a key of its own derived from it
-/// ([`Key::rank_key`]), with which it proves which rank it is and can pass for no other
-/// (`DDP_RANK_KEYS=1` tells the rank so).
-pub(super) fn rank_token(round_token: &str, rank: usize) -> String {
-    if rank == 0 {
+/// The job token rank `rank` gets in a round whose ranks' token is `round_token`: rank 0 the
+/// round's when it serves the store, any other rank — and rank 0 when the launcher serves the
+/// store (`launcher_store`) — a key of its own derived from it ([`Key::rank_key`]), with which
+/// it proves which rank it is and can pass for no other (`DDP_RANK_KEYS=1` tells the rank so).
+pub(super) fn rank_token(round_token: &str, rank: usize, launcher_store: bool) -> String {
+    if rank == 0 && !launcher_store {
         return round_token.to_string();
     }
     Key::from_token(round_token)

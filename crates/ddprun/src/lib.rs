@@ -242,6 +242,14 @@ fn launch_once(
         "launching ranks"
     );
 
+    // Under live recovery the launcher of global rank 0 serves the ranks' store: it outlives
+    // every rank, so rank 0 can be replaced as any other (the ranks know from
+    // `DDP_LAUNCHER_STORE=1`). Dropped, and so closed, once the ranks are reaped.
+    let _ranks_store = if cfg.live_recovery && first_rank == 0 {
+        Some(serve_ranks_store(env)?)
+    } else {
+        None
+    };
     let (done_tx, done_rx) = mpsc::channel();
     let mut spawner = RankSpawner {
         cfg,
@@ -300,6 +308,32 @@ fn launch_once(
         }
     }
     Ok(report)
+}
+
+/// The ranks' store at `MASTER_ADDR:MASTER_PORT` of `env`, with the per-rank keys of the
+/// round's token, as rank 0 would serve it.
+fn serve_ranks_store(env: &BTreeMap<String, String>) -> Result<ddp_comm::StoreServer, LaunchError> {
+    let addr = &env["MASTER_ADDR"];
+    let endpoint = if addr.contains(':') && !addr.starts_with('[') {
+        format!("[{addr}]:{}", env["MASTER_PORT"])
+    } else {
+        format!("{addr}:{}", env["MASTER_PORT"])
+    };
+    let served = match env.get(ddp_comm::env::TOKEN_VAR) {
+        Some(round) => ddp_comm::StoreServer::bind_per_rank(&endpoint, round),
+        None => Err(ddp_comm::CommError::Unauthenticated(
+            "the launcher has no job token".into(),
+        )),
+    };
+    let server = served.map_err(|source| LaunchError::RanksStore {
+        endpoint: endpoint.clone(),
+        source,
+    })?;
+    let world: usize = env["WORLD_SIZE"].parse().unwrap_or(1);
+    // Each rank holds one connection, and a second while it reconnects or rejoins.
+    server.limit_clients(2 * world + 16);
+    tracing::debug!(%endpoint, "serving the ranks' store (live recovery)");
+    Ok(server)
 }
 
 /// Polls the ranks until all have exited; stops the others on the first failure or on a

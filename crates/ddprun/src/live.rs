@@ -27,9 +27,8 @@ pub(crate) fn verdict(on: bool, failure: &Failure, budget_left: usize, quiet: bo
         return Verdict::Stop(None);
     }
     let rank = failure.rank;
-    let why_not = if rank == 0 {
-        Some("rank 0 serves the ranks' store, which went with it".to_string())
-    } else if cause_of(failure) == Cause::Relayed {
+    // Rank 0 is replaced too: under live recovery the launcher serves the ranks' store.
+    let why_not = if cause_of(failure) == Cause::Relayed {
         Some(format!(
             "rank {rank} failed on a peer's failure (a program that does not re-form its group)"
         ))
@@ -71,16 +70,17 @@ mod tests {
     }
 
     #[test]
-    fn only_a_quiet_own_failure_of_a_rank_other_than_0_within_budget_is_replaced() {
-        assert!(
-            matches!(verdict(true, &killed(2), 1, true), Verdict::Replace(l) if l.contains("rank 2"))
-        );
+    fn only_a_quiet_own_failure_within_budget_is_replaced() {
+        for rank in [0, 2] {
+            assert!(
+                matches!(verdict(true, &killed(rank), 1, true), Verdict::Replace(l) if l.contains(&format!("rank {rank}")))
+            );
+        }
         assert!(matches!(
             verdict(false, &killed(2), 1, true),
             Verdict::Stop(None)
         ));
         for (f, budget, quiet, why) in [
-            (killed(0), 1, true, "rank 0 serves"),
             (killed(2), 0, true, "budget is spent"),
             (killed(2), 1, false, "another rank failed"),
             (

@@ -120,7 +120,7 @@ struct Args {
     )]
     max_restarts: u32,
     /// What a rank's failure costs: `restart` stops every rank (of every node) and starts the
-    /// group again (within --max-restarts); `live` replaces a lost rank other than 0 by a new
+    /// group again (within --max-restarts); `live` replaces a lost rank (0 included) by a new
     /// process with DDP_REJOIN=1, started by its node's launcher, while the others keep
     /// running and re-form their group with it (each replacement counts against this node's
     /// --max-restarts; other failures stop every rank).

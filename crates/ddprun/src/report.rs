@@ -43,6 +43,15 @@ pub enum LaunchError {
         #[source]
         source: io::Error,
     },
+    /// Under live recovery, this launcher serves the ranks' store, and could not.
+    #[error("cannot serve the ranks' store at {endpoint} (--recover live): {source}")]
+    RanksStore {
+        /// Where it was to listen (`MASTER_ADDR:MASTER_PORT`).
+        endpoint: String,
+        /// The store's error.
+        #[source]
+        source: ddp_comm::CommError,
+    },
     /// A rank process could not be started (the ranks already started were killed).
     #[error("cannot start rank {rank} ({program:?}): {source}")]
     Spawn {

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use ddp_comm::env::{RANK_KEYS_VAR, RECOVER_VAR, REJOIN_VAR, TOKEN_VAR};
+use ddp_comm::env::{LAUNCHER_STORE_VAR, RANK_KEYS_VAR, RECOVER_VAR, REJOIN_VAR, TOKEN_VAR};
 use ddp_comm::gpu_hosts;
 
 use super::config::{self, LaunchConfig};
@@ -55,7 +55,10 @@ impl<A: AsRef<OsStr>> RankSpawner<'_, A> {
                     .get(TOKEN_VAR)
                     .map(|round| {
                         [
-                            (TOKEN_VAR, config::rank_token(round, rank)),
+                            (
+                                TOKEN_VAR,
+                                config::rank_token(round, rank, cfg.live_recovery),
+                            ),
                             (RANK_KEYS_VAR, "1".to_string()),
                         ]
                     })
@@ -64,6 +67,9 @@ impl<A: AsRef<OsStr>> RankSpawner<'_, A> {
             )
             .envs(rejoin.then_some((REJOIN_VAR, "1")))
             .envs(cfg.live_recovery.then_some((RECOVER_VAR, "live")))
+            // Under live recovery the launcher of global rank 0 serves the ranks' store, so
+            // that rank 0 can be replaced too (see `launch_once`).
+            .envs(cfg.live_recovery.then_some((LAUNCHER_STORE_VAR, "1")))
             .envs(
                 cfg.emulate_gpu_hosts
                     .then(|| gpu_hosts::rank_vars(rank))

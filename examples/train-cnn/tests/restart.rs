@@ -420,16 +420,17 @@ fn a_save_slower_than_the_collective_deadline_succeeds() {
     assert!(Checkpoint::read(&out.join(FILE_NAME)).is_ok());
 }
 
-/// Under `--recover live`: rank 1 records its process id (every start of it, `$MARKS/pids.1`)
-/// and, in its first start only, kills itself (SIGKILL) `$KILL_DELAY_MS` after the first
-/// mid-epoch checkpoint exists — or, with `$KILL_IN_WRITE` set, once rank 0's next checkpoint
-/// write is half-way (its temporary file exists). The replacement deletes the checkpoint before
-/// it starts: the state it trains on can only come from the survivors' memory.
-const LIVE_KILL_RANK_1: &str = r#"
+/// Under `--recover live`: every rank records its process id (every start of it,
+/// `$MARKS/pids.$RANK`) and rank `$VICTIM` (1 unless set), in its first start only, kills
+/// itself (SIGKILL) `$KILL_DELAY_MS` after the first mid-epoch checkpoint exists — or, with
+/// `$KILL_IN_WRITE` set, once rank 0's next checkpoint write is half-way (its temporary file
+/// exists). The replacement deletes the checkpoint before it starts: the state it trains on can
+/// only come from the survivors' memory.
+const LIVE_KILL: &str = r#"
 echo $$ >> "$MARKS/pids.$RANK"
 if [ "$DDP_REJOIN" = 1 ]; then
   rm -f "$CHECKPOINT"
-elif [ "$RANK" = 1 ]; then
+elif [ "$RANK" = "${VICTIM:-1}" ]; then
   ( dir=$(dirname "$CHECKPOINT")
     while [ ! -f "$CHECKPOINT" ]; do sleep 0.005; done
     if [ -n "$KILL_IN_WRITE" ]; then
@@ -445,8 +446,9 @@ exec "$@"
 /// Lose a rank, lose one step: rank 1 of a 2-rank SyncBatchNorm run is SIGKILLed in the middle
 /// of training — at a moment that varies (forward with its SyncBatchNorm exchange, backward,
 /// the gradient all-reduce, the optimizer step), once while a checkpoint is being written, and
-/// once with the optimizer state sharded (ZeRO-1) — under `ddprun --recover live`. Each time: one attempt, rank 1 replaced, rank 0 the same
-/// process throughout, no checkpoint read, and the final parameters and every printed
+/// once with the optimizer state sharded (ZeRO-1) — and rank 0 once, under `ddprun --recover
+/// live`. Each time: one attempt, the killed rank replaced, the other the same process
+/// throughout, no checkpoint read, and the final parameters and every printed
 /// train/eval metric **bitwise** those of the run that was never killed.
 #[test]
 fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
@@ -464,34 +466,49 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
     assert_eq!(ha.len(), 2);
 
     // The sharded optimizer (ZeRO-1) trains bitwise as the unsharded one: the same reference.
-    for (case, env, extra) in [
-        ("killed 0 ms after step 20", ("KILL_DELAY_MS", "0"), ""),
-        ("killed 170 ms after step 20", ("KILL_DELAY_MS", "170"), ""),
+    for (case, env, extra, victim) in [
+        ("killed 0 ms after step 20", ("KILL_DELAY_MS", "0"), "", 1),
+        (
+            "killed 170 ms after step 20",
+            ("KILL_DELAY_MS", "170"),
+            "",
+            1,
+        ),
         (
             "killed during a checkpoint write",
             ("KILL_IN_WRITE", "1"),
             "",
+            1,
         ),
         (
             "ZeRO-1, killed 90 ms after step 20",
             ("KILL_DELAY_MS", "90"),
             " --shard-optimizer",
+            1,
+        ),
+        (
+            "rank 0 killed 60 ms after step 20",
+            ("KILL_DELAY_MS", "60"),
+            "",
+            0,
         ),
     ] {
         let out = dir.path().join(case.replace([' ', ','], "-"));
         let marks = out.join("marks");
         let mut cfg = config(1, &marks, &out.join(FILE_NAME));
         cfg.live_recovery = true;
-        cfg.extra_env.push((env.0.into(), env.1.into()));
-        cfg.extra_env
-            .push(("DDP_CHECKPOINT_WRITE_PAUSE_MS".into(), "100".into()));
+        cfg.extra_env.extend([
+            (env.0.into(), env.1.into()),
+            ("VICTIM".into(), victim.to_string()),
+            ("DDP_CHECKPOINT_WRITE_PAUSE_MS".into(), "100".into()),
+        ]);
         let mut train = args(&out);
         train.extend(extra.split_whitespace().map(String::from));
-        let report = run_under(cfg, LIVE_KILL_RANK_1, train, &marks);
+        let report = run_under(cfg, LIVE_KILL, train, &marks);
         assert!(report.success(), "{case}: {report:?}");
         assert_eq!(report.attempt, 0, "{case}: the group restarted: {report:?}");
         assert_eq!(report.replaced.len(), 1, "{case}: {report:?}");
-        assert_eq!(report.replaced[0].rank, 1, "{case}: {report:?}");
+        assert_eq!(report.replaced[0].rank, victim, "{case}: {report:?}");
         let pids = |rank: usize| -> Vec<String> {
             std::fs::read_to_string(marks.join(format!("pids.{rank}")))
                 .unwrap()
@@ -499,8 +516,17 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
                 .map(String::from)
                 .collect()
         };
-        assert_eq!(pids(0).len(), 1, "{case}: rank 0 started again");
-        assert_eq!(pids(1).len(), 2, "{case}: rank 1 not replaced once");
+        let survivor = 1 - victim;
+        assert_eq!(
+            pids(survivor).len(),
+            1,
+            "{case}: rank {survivor} started again"
+        );
+        assert_eq!(
+            pids(victim).len(),
+            2,
+            "{case}: rank {victim} not replaced once"
+        );
         let max_diff = max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME));
         assert_eq!(max_diff, 0.0, "{case}: final parameters differ");
         let hb = read_json(&out.join("metrics.json")).unwrap();
@@ -547,7 +573,7 @@ fn a_rank_replaced_live_on_another_node_ends_bitwise_as_the_run_never_killed() {
 
 /// train-cnn (2 epochs, a checkpoint every 20 steps, bf16 gradients) in `out` on two launchers
 /// of one rank each, their own emulated hosts; with `kill`, under `--recover live` and
-/// [`LIVE_KILL_RANK_1`] (rank 1 killed right after the first checkpoint). Both reports, by node.
+/// [`LIVE_KILL`] (rank 1 killed right after the first checkpoint). Both reports, by node.
 fn two_launchers(out: &Path, kill: bool) -> Vec<LaunchReport> {
     let marks = out.join("marks");
     let port = ddp_testkit::free_port();
@@ -560,11 +586,7 @@ fn two_launchers(out: &Path, kill: bool) -> Vec<LaunchReport> {
             );
             cfg.live_recovery = kill;
             cfg.extra_env.push(("KILL_DELAY_MS".into(), "0".into()));
-            let script = if kill {
-                LIVE_KILL_RANK_1
-            } else {
-                "exec \"$@\""
-            };
+            let script = if kill { LIVE_KILL } else { "exec \"$@\"" };
             let train = train_args(out, 2, " --checkpoint-every-steps 20 --compression bf16");
             let marks = marks.clone();
             std::thread::spawn(move || run_under(cfg, script, train, &marks))

@@ -168,9 +168,9 @@ impl DeviceComm {
         }
     }
 
-    /// Live recovery, on a survivor once its host `group` re-formed: rank 0 tells the group,
-    /// the lost rank's replacement included (in [`DeviceComm::rejoin`]), whether the ranks use
-    /// NCCL; then `comm`'s NCCL communicator is aborted and created again with the
+    /// Live recovery, on a survivor once its host `group` re-formed: the survivors tell the
+    /// group, the lost rank's replacement included (in [`DeviceComm::rejoin`]), whether the
+    /// ranks use NCCL; then `comm`'s NCCL communicator is aborted and created again with the
     /// replacement's. Every survivor calls it at the same point.
     ///
     /// # Errors
@@ -193,7 +193,7 @@ impl DeviceComm {
     }
 
     /// Live recovery, on a replacement right after it joined the running host `group`: hears
-    /// from rank 0 whether the ranks use NCCL ([`DeviceComm::reform`] on the survivors) and,
+    /// from the survivors whether the ranks use NCCL ([`DeviceComm::reform`] on the survivors) and,
     /// if they do, creates its communicator on `device` with theirs.
     ///
     /// # Errors
@@ -313,15 +313,16 @@ impl DeviceComm {
     }
 }
 
-/// Whether the job's ranks use NCCL, as rank 0 says (`uses_nccl` there; ignored elsewhere): a
-/// one-byte broadcast over the host `group`.
+/// Whether the job's ranks use NCCL, as the survivors of a lost rank say (`uses_nccl`: the
+/// same on every survivor; a replacement, whichever its rank, says `false`): a one-byte
+/// max-all-reduce over the host `group`.
 ///
 /// # Errors
-/// The broadcast's.
+/// The all-reduce's.
 fn announce_nccl(group: &SharedGroup, uses_nccl: bool) -> Result<bool> {
-    let mut flag = vec![u8::from(uses_nccl)];
-    crate::comm::lock(group).broadcast_bytes(&mut flag, 0)?;
-    Ok(flag.first() == Some(&1))
+    let mut flag = [u8::from(uses_nccl)];
+    crate::comm::lock(group).all_reduce(&mut flag, ddp_comm::ReduceOp::Max)?;
+    Ok(flag[0] == 1)
 }
 
 #[cfg(test)]

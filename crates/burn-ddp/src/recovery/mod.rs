@@ -31,13 +31,14 @@
 //!
 //! On CUDA ranks whose gradients go through NCCL, the survivors also abort their NCCL
 //! communicator after step 1 and create the next one with the replacement's (which creates its
-//! own in `init`, right after joining the group); rank 0 first tells the group whether the
-//! ranks use NCCL (a one-byte broadcast the replacement waits for).
+//! own in `init`, right after joining the group); the survivors first tell the group whether
+//! the ranks use NCCL (a one-byte max-all-reduce the replacement takes part in).
 //!
 //! A sharded optimizer (ZeRO-1) recovers from the copies of each shard it keeps when the program
 //! recovers live, going back to the step every survivor can reach (`sharded.rs`).
 //!
-//! Not covered yet: rank 0 (it serves the store).
+//! Rank 0 is replaced as any rank where the launcher serves the ranks' store (`ddprun --recover
+//! live` does); where rank 0 serves it, its loss takes the store and the job restarts.
 //! Per-rank BatchNorm statistics of the replaced rank come from the source, as after a resume
 //! at another world size (SyncBatchNorm's are the same on every rank).
 

@@ -239,7 +239,8 @@ impl ProcessGroup {
         }
     }
 
-    /// Joins the group described by `env`: rank 0 serves the store, everyone connects.
+    /// Joins the group described by `env`: rank 0 serves the store (unless the launcher does,
+    /// [`crate::env::LAUNCHER_STORE_VAR`]), everyone connects.
     pub fn init(env: &LaunchEnv, opts: GroupOptions) -> Result<Self> {
         if env.world_size == 1 {
             let mut pg = Self::single();
@@ -262,7 +263,8 @@ impl ProcessGroup {
         let mut auth = JobAuth::for_group(env)?;
         let endpoint = auth.endpoint.clone();
 
-        let server = if rank == 0 {
+        // Rank 0 serves the store, unless its launcher does (`ddprun --recover live`).
+        let server = if rank == 0 && !crate::env::store_served_by_launcher() {
             let server = auth.serve()?;
             // Each rank holds one connection, and a second while it reconnects.
             server.limit_clients(2 * world + 16);

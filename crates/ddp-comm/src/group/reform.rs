@@ -5,8 +5,10 @@
 //! joins (the store's compare-and-set), every slot of a generation is claimed once, and the
 //! collectives start numbering again from the first.
 //!
-//! Rank 0 serves the store, so a lost rank 0 cannot be replaced this way: its survivors'
-//! re-forming fails (the store is gone), as today's restart path expects.
+//! Where rank 0 serves the store, a lost rank 0 cannot be replaced this way: its survivors'
+//! re-forming fails (the store is gone), as the restart path expects. Where the launcher serves
+//! it ([`crate::env::LAUNCHER_STORE_VAR`], `ddprun --recover live`), rank 0 is replaced as any
+//! rank.
 
 use std::time::Instant;
 
@@ -22,12 +24,13 @@ impl ProcessGroup {
     /// [`GroupOptions::connect_timeout`]) for the survivors to re-form
     /// ([`ProcessGroup::reform`]) while the lost process's slot is the current one's.
     ///
-    /// Rank 0 cannot rejoin: it served the store, which was lost with it.
+    /// Rank 0 cannot rejoin where it served the store, which was lost with it; it can where
+    /// the launcher serves the store ([`crate::env::LAUNCHER_STORE_VAR`]).
     pub fn rejoin(env: &LaunchEnv, opts: GroupOptions) -> Result<Self> {
         if env.world_size == 1 {
             return Self::init(env, opts);
         }
-        if env.rank == 0 {
+        if env.rank == 0 && !crate::env::store_served_by_launcher() {
             return Err(CommError::InvalidArgument(
                 "rank 0 serves the group's store: a lost rank 0 cannot be replaced while the \
                  job runs (restart the job from its checkpoint)"
