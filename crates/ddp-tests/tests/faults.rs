@@ -571,17 +571,21 @@ fn reform_pid(lines: &[&str], what: &str) -> Option<u32> {
 fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
     use std::process::Command;
     let ddprun = std::path::Path::new(WORKER).with_file_name("ddprun");
-    let launched =
-        ddp_testkit::Launched::spawn(Command::new(&ddprun).args(live_job::LIVE_3_RANKS).args([
-            "--",
-            WORKER,
-            "reform",
-            "--iterations",
-            "300",
-            "--die-at",
-            "40",
-        ]))
-        .expect("start ddprun");
+    let launched = ddp_testkit::Launched::spawn(
+        Command::new(&ddprun)
+            .args(live_job::LIVE_3_RANKS)
+            .args(["--max-restarts", "1"])
+            .args([
+                "--",
+                WORKER,
+                "reform",
+                "--iterations",
+                "300",
+                "--die-at",
+                "40",
+            ]),
+    )
+    .expect("start ddprun");
     let ended = launched.wait_until(Instant::now() + Duration::from_secs(120));
     let all = format!("{}\n{}", ended.stdout, ended.stderr);
     assert!(ended.status.success(), "{}\n{all}", ended.status);
@@ -715,6 +719,50 @@ fn live_recovery_with_a_sharded_optimizer_changes_no_bit() {
     assert_same_parameters(straight.path(), killed.path(), &all);
 
     killed_at_any_moment(run);
+}
+
+/// Two ranks SIGKILLed at once (ranks 1 and 2 of 3, before step 5; `--max-restarts 3`).
+/// Unsharded, both are replaced live: rank 0 hands both replacements its state, and the run is
+/// bitwise the uninterrupted one. Sharded (ZeRO-1), rank 1's shard and its only copy (on rank 2)
+/// are gone: every rank says so in one line and notes it as rank 1's failure relayed, so the
+/// launcher stops the group and starts it again (a new attempt, from step 0: the job keeps no
+/// checkpoint), and the job exits 0 with the uninterrupted run's parameters.
+#[test]
+fn two_ranks_lost_at_once_are_replaced_live_or_the_group_restarts() {
+    let kill_two = ["--victim", "1,2", "--die-at-step", "5"];
+    let env = [("DDP_TIMEOUT_SECS", "30"), ("RAYON_NUM_THREADS", "1")];
+    let dir = || tempfile::tempdir().unwrap();
+    let straight = dir();
+    live_job(straight.path(), "12", &[]);
+    for sharded in [false, true] {
+        let setup = live_job::Setup {
+            worker: if sharded { &["--sharded"] } else { &[] },
+            max_restarts: Some("3"),
+            env: &env,
+            ..live_job::Setup::default()
+        };
+        let killed = dir();
+        let (stdout, all) = live_job::run(
+            killed.path(),
+            "12",
+            &kill_two,
+            &setup,
+            Duration::from_secs(120),
+        );
+        if sharded {
+            assert!(
+                all.contains("ranks 1 and 2 were both lost")
+                    && all.contains("restarting the group"),
+                "{all}"
+            );
+        } else {
+            for r in 0..3 {
+                assert_eq!(recovered_at(&stdout, r), Some(5), "rank {r}\n{all}");
+            }
+            assert!(all.contains("2 lost rank(s) replaced"), "{all}");
+        }
+        assert_same_parameters(straight.path(), killed.path(), &all);
+    }
 }
 
 /// Every rank's final parameters in `a` and `b` are the same bytes.

@@ -29,8 +29,11 @@ pub(crate) fn verdict(on: bool, failure: &Failure, budget_left: usize, quiet: bo
     let rank = failure.rank;
     // Rank 0 is replaced too: under live recovery the launcher serves the ranks' store.
     let why_not = if cause_of(failure) == Cause::Relayed {
+        let peer = failure
+            .relayed_from
+            .map_or_else(|| "a peer".to_string(), |p| format!("rank {p}"));
         Some(format!(
-            "rank {rank} failed on a peer's failure (a program that does not re-form its group)"
+            "rank {rank} failed on {peer}'s failure and did not recover from it live"
         ))
     } else if !quiet {
         Some("another rank failed or the ranks are being stopped".to_string())
@@ -91,7 +94,7 @@ mod tests {
                 },
                 1,
                 true,
-                "peer's failure",
+                "failed on rank 1's failure",
             ),
         ] {
             match verdict(true, &f, budget, quiet) {

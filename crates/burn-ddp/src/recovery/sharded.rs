@@ -16,22 +16,26 @@
 //!   broadcast to its replacement.
 //!
 //! Where a shard exists nowhere (two neighbouring ranks lost together, or a death before the
-//! copies of the first step were made), every rank returns the same error: the job stops and
-//! the launcher falls back to a restart from the checkpoint.
+//! copies of the first step were made), every rank returns the same error and notes it as the
+//! lost rank's failure relayed: the launcher stops every rank and falls back to a restart of
+//! the group from the checkpoint (within `--max-restarts`).
 
 use crate::comm;
 use crate::context::Ddp;
 use crate::error::{DdpError, Result};
 use crate::optimizer::DdpOptimizer;
 
-/// The error of a shard that no rank holds.
-fn lost_shard(reason: String) -> DdpError {
+/// The error of a shard that no rank holds, after the loss of rank `lost`. Noted as that
+/// rank's failure relayed (`DDP_FAILURE_FILE`), so that the launcher stops every rank and
+/// restarts the group from the checkpoint instead of replacing this rank live too.
+fn lost_shard(reason: String, lost: usize) -> DdpError {
+    let reason = format!(
+        "{reason}: a sharded optimizer (ZeRO-1) cannot recover live; restart from the checkpoint"
+    );
+    ddp_comm::failure_note::note_peer_failure(lost, &reason);
     DdpError::InvalidSetting {
         setting: "Ddp::recover",
-        reason: format!(
-            "{reason}: a sharded optimizer (ZeRO-1) cannot recover live; restart from the \
-             checkpoint"
-        ),
+        reason,
     }
 }
 
@@ -73,18 +77,25 @@ pub(crate) fn shard_at(
     let mut held = vec![0u8; world];
     comm::lock(ddp.group()).all_gather(&[u8::from(copies.is_some())], &mut held)?;
     let replaced: Vec<usize> = (0..world).filter(|&d| steps[d] < 0).collect();
+    let first_lost = replaced.first().copied().unwrap_or(0);
     if let Some(r) = (0..world).find(|&r| steps[r] >= 0 && held[r] == 0) {
-        return Err(lost_shard(format!(
-            "rank {r} holds no copy of its optimizer shard as of step {t} (a rank was lost \
-             before the first step's copies were made)"
-        )));
+        return Err(lost_shard(
+            format!(
+                "rank {r} holds no copy of its optimizer shard as of step {t} (a rank was lost \
+                 before the first step's copies were made)"
+            ),
+            first_lost,
+        ));
     }
     if let Some(&d) = replaced.iter().find(|&&d| steps[(d + 1) % world] < 0) {
-        return Err(lost_shard(format!(
-            "ranks {d} and {} were both lost, and with them every copy of rank {d}'s \
-             optimizer shard",
-            (d + 1) % world
-        )));
+        return Err(lost_shard(
+            format!(
+                "ranks {d} and {} were both lost, and with them every copy of rank {d}'s \
+                 optimizer shard",
+                (d + 1) % world
+            ),
+            d,
+        ));
     }
     let mut own = copies.map(|c| c.own.clone());
     for &d in &replaced {

@@ -84,9 +84,9 @@ struct Args {
     /// Device of every rank.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
-    /// `live`: the rank that kills itself.
-    #[arg(long)]
-    victim: Option<usize>,
+    /// `live`: the ranks that kill themselves (`--victim 1,2`), in the job's first attempt.
+    #[arg(long, value_delimiter = ',')]
+    victim: Vec<usize>,
     /// `live`: the step before which the victim kills itself.
     #[arg(long)]
     die_at_step: Option<u64>,
@@ -302,7 +302,9 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
         // SAFETY: kill and getpid have no preconditions.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     };
-    let victim = args.victim == Some(rank) && !ddp.is_replacement();
+    // Only the first process of a victim rank, in the job's first attempt, dies.
+    let first_attempt = std::env::var("DDP_RESTART_COUNT").map_or(true, |c| c == "0");
+    let victim = args.victim.contains(&rank) && !ddp.is_replacement() && first_attempt;
     let recover = |model, optim: &mut DdpOptimizer, progress| {
         let t = std::time::Instant::now();
         let (model, progress): (Mlp, Progress) = ddp.recover(model, optim, progress).map_err(e)?;

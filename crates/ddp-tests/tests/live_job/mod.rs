@@ -1,25 +1,20 @@
-//! `ddp_worker --scenario live` on 3 ranks under `ddprun --recover live --max-restarts 1`: the
+//! `ddp_worker --scenario live` on 3 ranks under `ddprun --recover live --max-restarts K`: the
 //! live-recovery jobs of the fault tests (CPU ranks) and of the CUDA tests (NCCL), one command.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// ddprun's options for 3 ranks of which a lost one is replaced live, once.
-pub const LIVE_3_RANKS: &[&str] = &[
-    "--nproc-per-node",
-    "3",
-    "--recover",
-    "live",
-    "--max-restarts",
-    "1",
-];
+/// ddprun's options for 3 ranks of which a lost one is replaced live (add `--max-restarts`).
+pub const LIVE_3_RANKS: &[&str] = &["--nproc-per-node", "3", "--recover", "live"];
 
 /// What a live job adds to the command and the ranks' variables.
 #[derive(Default)]
 pub struct Setup<'a> {
     /// More ddprun options (before `--`).
     pub launcher: &'a [&'a str],
+    /// `--max-restarts` (1 when unset).
+    pub max_restarts: Option<&'a str>,
     /// What starts the worker (a shell wrapper and its arguments), if anything.
     pub wrapper: &'a [&'a str],
     /// More worker arguments.
@@ -42,6 +37,7 @@ pub fn run(
     let ddprun = worker.with_file_name("ddprun");
     let mut cmd = Command::new(&ddprun);
     cmd.args(LIVE_3_RANKS)
+        .args(["--max-restarts", setup.max_restarts.unwrap_or("1")])
         .args(setup.launcher)
         .arg("--")
         .args(setup.wrapper)
