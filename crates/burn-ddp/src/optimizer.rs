@@ -189,6 +189,14 @@ impl DdpOptimizer {
         self.sharding.is_some()
     }
 
+    /// Whether this sharded optimizer keeps live recovery's copies of the shards (built on a
+    /// [`Ddp`] that [`Ddp::recovers_live`]); `false` unsharded.
+    pub fn recovers_with_copies(&self) -> bool {
+        self.sharding
+            .as_ref()
+            .is_some_and(|s| s.finished_steps().is_some())
+    }
+
     /// What the last step of a sharded optimizer did on this rank (`None` unsharded).
     pub fn last_shard_stats(&self) -> Option<ShardStats> {
         self.sharding.as_ref().map(Sharding::last_stats)

@@ -60,7 +60,6 @@ use crate::comm;
 use crate::context::Ddp;
 use crate::error::{DdpError, Result};
 use crate::optimizer::DdpOptimizer;
-use crate::sharding::Sharding;
 
 impl DdpError {
     /// Whether this error is a lost peer's doing (a connection closed, an I/O error or a
@@ -139,12 +138,7 @@ impl Ddp {
             reason: reason.into(),
         };
         let sharded = optim.is_sharded();
-        if sharded
-            && optim
-                .sharding()
-                .and_then(Sharding::finished_steps)
-                .is_none()
-        {
+        if sharded && !optim.recovers_with_copies() {
             return Err(refuse(
                 "this sharded optimizer (ZeRO-1) keeps no copy of the shards (it was built \
                  without live recovery: DdpOptimizer::sharded on a Ddp whose recovers_live() \

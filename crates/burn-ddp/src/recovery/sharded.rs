@@ -97,11 +97,11 @@ pub(crate) fn shard_at(
             d,
         ));
     }
-    let mut own = copies.map(|c| c.own.clone());
+    let mut own = copies.map(|c| c.own_by_position()).transpose()?;
     for &d in &replaced {
         let successor = (d + 1) % world;
         let mut bytes = match copies {
-            Some(c) if rank == successor => c.kept.clone(),
+            Some(c) if rank == successor => c.kept_by_position()?,
             _ => Vec::new(),
         };
         comm::lock(ddp.group()).broadcast_bytes(&mut bytes, successor)?;

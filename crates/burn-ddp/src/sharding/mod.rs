@@ -114,6 +114,9 @@ pub struct ShardStats {
     pub optimizer_step: std::time::Duration,
     /// Time the parameter all-gather took (copies included).
     pub gather: std::time::Duration,
+    /// Time live recovery's copies of the shards took (serialising this rank's shard and the
+    /// all-gather that leaves each rank its predecessor's); zero without live recovery.
+    pub shard_copies: std::time::Duration,
 }
 
 impl Sharding {
@@ -168,7 +171,9 @@ impl Sharding {
             _ => gather::all_gather_params(module, plan, &stepped, &self.group, self.cap_bytes)?,
         };
         let gather = t.elapsed();
+        let t = std::time::Instant::now();
         self.copy_shards(optim, 1)?;
+        let shard_copies = t.elapsed();
         let plan = self
             .plan
             .as_ref()
@@ -184,6 +189,7 @@ impl Sharding {
             gather_received: g.received,
             optimizer_step,
             gather,
+            shard_copies,
         };
         Ok(module)
     }
@@ -260,6 +266,10 @@ impl Sharding {
             owned_bytes = ?plan.owned_bytes(),
             "optimizer state sharded over {world_size} rank(s)"
         );
+        if let Some(redundancy) = &mut self.redundancy {
+            let mine: Vec<u64> = plan.params.iter().map(|p| p.id.val()).collect();
+            redundancy.learn_ids(&self.group, &mine)?;
+        }
         self.plan = Some(plan);
         Ok(())
     }
@@ -270,28 +280,19 @@ impl Sharding {
         let Some(completed) = self.redundancy.as_ref().map(Redundancy::completed) else {
             return Ok(());
         };
-        let own = self.own_by_position(optim)?;
+        let own = Self::own_shard(optim)?;
         if let Some(redundancy) = &mut self.redundancy {
             redundancy.exchange(&self.group, own, completed + advance)?;
         }
         Ok(())
     }
 
-    /// This rank's shard keyed by each parameter's position in the model's visit order (the
-    /// same in every process, whatever its parameter ids): what live recovery's copies hold.
-    fn own_by_position(&self, optim: &ModuleOptimizer) -> Result<Vec<u8>> {
-        let plan = self.plan.as_ref().expect("planned before a copy");
-        let own = optim
+    /// This rank's shard as the optimizer writes it (keyed by this process's parameter ids).
+    fn own_shard(optim: &ModuleOptimizer) -> Result<Vec<u8>> {
+        Ok(optim
             .into_bytes()
             .map_err(|e| ShardingError::State(format!("this rank's shard: {e}")))?
-            .to_vec();
-        let position: std::collections::HashMap<u64, u64> = plan
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.id.val(), i as u64))
-            .collect();
-        Ok(state::transform(&[&own], |id| position.get(&id).copied())?)
+            .to_vec())
     }
 
     /// Live recovery: whether this optimizer keeps copies of the shards (the program recovers
@@ -323,7 +324,11 @@ impl Sharding {
         let ids: Vec<u64> = plan.params.iter().map(|p| p.id.val()).collect();
         let shard = state::transform(&[&own], |pos| ids.get(pos as usize).copied())?;
         load_shard(optim, shard)?;
-        let redundancy = self.redundancy.get_or_insert_with(Redundancy::default);
+        let own = Self::own_shard(optim)?;
+        let redundancy = self
+            .redundancy
+            .as_mut()
+            .expect("restore is called for an optimizer that keeps copies");
         redundancy.restart_at(finished);
         redundancy.exchange(&self.group, own, finished)
     }

@@ -23,20 +23,33 @@ struct Measured {
     optimizer_ms: f64,
     #[serde(default)]
     gather_ms: f64,
+    /// Live recovery's copies of the shards (absent from an older rank program).
+    #[serde(default)]
+    copies_ms: f64,
     state_bytes: Vec<u64>,
     peak_rss_bytes: Vec<u64>,
 }
 
-/// Runs `zero_bench` unsharded then sharded at each of `nprocs` ranks and prints the table.
+/// Runs `zero_bench` unsharded, sharded, and (on more than one rank) sharded with live
+/// recovery's copies of the shards (`--live-copies` under `ddprun --recover live`) at each of
+/// `nprocs` ranks, and prints the table.
 pub fn run(nprocs: &[u32], extra: &[String]) -> Result<(), String> {
     let release = crate::build_with_ddprun("zero_bench", false)?;
     let mut rows = Vec::new();
     for &n in nprocs {
-        for shard in [false, true] {
+        let modes: &[(bool, bool)] = if n > 1 {
+            &[(false, false), (true, false), (true, true)]
+        } else {
+            &[(false, false), (true, false)]
+        };
+        for &(shard, copies) in modes {
             let mut cmd = if n > 1 {
                 let mut c = Command::new(release.join("ddprun"));
-                c.args(["--nproc-per-node", &n.to_string(), "--no-prefix", "--"]);
-                c.arg(release.join("zero_bench"));
+                c.args(["--nproc-per-node", &n.to_string(), "--no-prefix"]);
+                if copies {
+                    c.args(["--recover", "live", "--max-restarts", "1"]);
+                }
+                c.arg("--").arg(release.join("zero_bench"));
                 c
             } else {
                 Command::new(release.join("zero_bench"))
@@ -44,10 +57,17 @@ pub fn run(nprocs: &[u32], extra: &[String]) -> Result<(), String> {
             if shard {
                 cmd.arg("--shard");
             }
+            if copies {
+                cmd.arg("--live-copies");
+            }
             cmd.args(extra);
             eprintln!(
                 "bench zero: {n} rank(s), {}",
-                if shard { "sharded" } else { "unsharded" }
+                match (shard, copies) {
+                    (false, _) => "unsharded",
+                    (true, false) => "sharded",
+                    (true, true) => "sharded, live-recovery copies",
+                }
             );
             let out = cmd
                 .output()
@@ -113,12 +133,12 @@ fn table(rows: &[Measured]) -> String {
         );
     }
     s += "\nWhere rank 0's step goes (medians, ms):\n\n";
-    s += "| ranks | optimizer | backward | gradient sync | optimizer step | parameter all-gather |\n";
-    s += "|---|---|---|---|---|---|\n";
+    s += "| ranks | optimizer | backward | gradient sync | optimizer step | parameter all-gather | shard copies (live recovery) |\n";
+    s += "|---|---|---|---|---|---|---|\n";
     for r in rows {
         s += &format!(
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
-            r.ranks, r.mode, r.backward_ms, r.sync_ms, r.optimizer_ms, r.gather_ms
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+            r.ranks, r.mode, r.backward_ms, r.sync_ms, r.optimizer_ms, r.gather_ms, r.copies_ms
         );
     }
     s
@@ -149,8 +169,11 @@ mod tests {
 
     #[test]
     fn the_step_s_parts_get_a_table_of_their_own() {
-        let out = "ZERO {\"mode\":\"sharded\",\"ranks\":4,\"params\":10,\"batch\":8,\"step_ms\":9.0,\"backward_ms\":1.0,\"sync_ms\":2.0,\"optimizer_ms\":3.5,\"gather_ms\":2.25,\"state_bytes\":[1],\"peak_rss_bytes\":[1]}";
+        let out = "ZERO {\"mode\":\"sharded\",\"ranks\":4,\"params\":10,\"batch\":8,\"step_ms\":9.0,\"backward_ms\":1.0,\"sync_ms\":2.0,\"optimizer_ms\":3.5,\"gather_ms\":2.25,\"copies_ms\":0.5,\"state_bytes\":[1],\"peak_rss_bytes\":[1]}";
         let t = table(&[parse(out).unwrap()]);
-        assert!(t.contains("| 4 | sharded | 1.0 | 2.0 | 3.5 | 2.2 |"), "{t}");
+        assert!(
+            t.contains("| 4 | sharded | 1.0 | 2.0 | 3.5 | 2.2 | 0.5 |"),
+            "{t}"
+        );
     }
 }

@@ -6,7 +6,8 @@
 //! [`DdpOptimizer::sharded`], `--warmup` untimed steps then `--steps` timed ones (a barrier
 //! before each, so a step is every rank's). Rank 0 prints one line
 //! `ZERO {json}` with the median step time and its parts on rank 0 (backward, gradient sync,
-//! optimizer step, parameter all-gather), every rank's optimizer-state bytes and every
+//! optimizer step, parameter all-gather, live recovery's shard copies with `--live-copies`
+//! under `ddprun --recover live`), every rank's optimizer-state bytes and every
 //! rank's peak resident memory (`VmHWM`). A process measures one mode: the peak memory of a
 //! process is its own high-water mark.
 
@@ -24,6 +25,10 @@ struct Args {
     /// Shard the optimizer state (`DdpOptimizer::sharded`).
     #[arg(long)]
     shard: bool,
+    /// Recover live (`DdpBuilder::live_recovery`; run under `ddprun --recover live`): sharded,
+    /// each rank also keeps a copy of its predecessor's shard after every step.
+    #[arg(long)]
+    live_copies: bool,
     /// Square layers of the MLP.
     #[arg(long, default_value_t = 4)]
     layers: usize,
@@ -84,7 +89,13 @@ fn median_ms(mut v: Vec<Duration>) -> f64 {
 }
 
 fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
-    let ddp = Ddp::builder().device(Device::flex()).init()?;
+    let builder = Ddp::builder().device(Device::flex());
+    let builder = if args.live_copies {
+        builder.live_recovery()
+    } else {
+        builder
+    };
+    let ddp = builder.init()?;
     let device = ddp.device().clone().autodiff();
     device.seed(7);
     let mut model = ddp.replicate_model(Mlp::new(args.layers, args.width, &device))?;
@@ -96,8 +107,8 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     };
     let mut times = Vec::new();
     // Where rank 0's step goes: backward, gradient sync, optimizer step, parameter gather.
-    let (mut backward, mut sync, mut stepping, mut gather) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut backward, mut sync, mut stepping, mut gather, mut copies) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..args.warmup + args.steps {
         let x = Tensor::<2>::random([args.batch, args.width], Distribution::Default, &device);
         ddp.barrier()?;
@@ -117,10 +128,12 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
                 Some(s) => {
                     stepping.push(s.optimizer_step);
                     gather.push(s.gather);
+                    copies.push(s.shard_copies);
                 }
                 None => {
                     stepping.push(step_time.saturating_sub(synced));
                     gather.push(Duration::ZERO);
+                    copies.push(Duration::ZERO);
                 }
             }
         }
@@ -138,14 +151,19 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
         let line = format!(
             "{{\"mode\":\"{}\",\"ranks\":{world},\"params\":{params},\"batch\":{},\
              \"step_ms\":{:.3},\"backward_ms\":{:.3},\"sync_ms\":{:.3},\"optimizer_ms\":{:.3},\
-             \"gather_ms\":{:.3},\"state_bytes\":[{}],\"peak_rss_bytes\":[{}]}}",
-            if args.shard { "sharded" } else { "unsharded" },
+             \"gather_ms\":{:.3},\"copies_ms\":{:.3},\"state_bytes\":[{}],\"peak_rss_bytes\":[{}]}}",
+            match (args.shard, optim.recovers_with_copies()) {
+                (false, _) => "unsharded",
+                (true, false) => "sharded",
+                (true, true) => "sharded, live-recovery copies",
+            },
             args.batch,
             median_ms(times),
             median_ms(backward),
             median_ms(sync),
             median_ms(stepping),
             median_ms(gather),
+            median_ms(copies),
             list(&states),
             list(&rsss),
         );
