@@ -535,58 +535,93 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
 }
 
 /// Lose a rank on another node: the same job on two launchers (one rank each, emulated hosts,
-/// TCP between them, gradients in bf16 on the wire), under `--recover live` on both; rank 1 —
-/// node 1's — is SIGKILLed right after the first mid-epoch checkpoint. Node 1's launcher alone
-/// replaces it; node 0's launcher sees no failure and its rank stays the same process; both
-/// exit 0 after one round, and the final parameters and every metric are bitwise those of the
-/// same two-launcher job that was never killed. (On one node the ranks' gradients meet in
-/// shared memory in f32: bf16 compresses only what crosses between hosts.)
+/// TCP between them, gradients in bf16 on the wire), under `--recover live` on both. Node 1's
+/// rank is SIGKILLed right after the first mid-epoch checkpoint, then while rank 0 writes a
+/// checkpoint; node 0's rank 0 60 ms after the first checkpoint (node 0's launcher serves the
+/// ranks' store). Each time the lost rank's own launcher alone replaces it, the other launcher
+/// sees no failure and its rank stays the same process, both exit 0 after one round, and the
+/// final parameters and every metric are bitwise those of the same two-launcher job never
+/// killed. (On one node the ranks' gradients meet in shared memory in f32: bf16 compresses
+/// only what crosses between hosts.)
 #[test]
 fn a_rank_replaced_live_on_another_node_ends_bitwise_as_the_run_never_killed() {
     let dir = tempfile::tempdir().unwrap();
     let straight = dir.path().join("straight");
-    for report in two_launchers(&straight, false) {
+    for report in two_launchers(&straight, None) {
         assert!(report.success(), "uninterrupted run failed: {report:?}");
     }
-    let out = dir.path().join("killed");
-    for (node, report) in two_launchers(&out, true).into_iter().enumerate() {
-        assert!(report.success(), "node {node}: {report:?}");
-        assert_eq!(report.attempt, 0, "node {node}: a new round: {report:?}");
-        let replaced: Vec<usize> = report.replaced.iter().map(|f| f.rank).collect();
-        let expected: &[usize] = if node == 1 { &[1] } else { &[] };
-        assert_eq!(replaced, expected, "node {node}: {report:?}");
-    }
-    let pids = |rank: usize| {
-        std::fs::read_to_string(out.join("marks").join(format!("pids.{rank}")))
-            .unwrap()
-            .lines()
-            .count()
-    };
-    assert_eq!(pids(0), 1, "rank 0 (node 0) started again");
-    assert_eq!(pids(1), 2, "rank 1 (node 1) not replaced once");
-    let max_diff = max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME));
-    assert_eq!(max_diff, 0.0, "final parameters differ");
     let ha = read_json(&straight.join("metrics.json")).unwrap();
-    let hb = read_json(&out.join("metrics.json")).unwrap();
-    assert_same_metrics(&ha, &hb, "two nodes, bf16");
+    for (case, victim, env) in [
+        (
+            "rank 1 killed after a checkpoint",
+            1,
+            ("KILL_DELAY_MS", "0"),
+        ),
+        (
+            "rank 1 killed in a checkpoint write",
+            1,
+            ("KILL_IN_WRITE", "1"),
+        ),
+        (
+            "rank 0 killed 60 ms after a checkpoint",
+            0,
+            ("KILL_DELAY_MS", "60"),
+        ),
+    ] {
+        let out = dir.path().join(case.replace(' ', "-"));
+        let kill = [(env.0, env.1.to_string()), ("VICTIM", victim.to_string())];
+        for (node, report) in two_launchers(&out, Some(&kill)).into_iter().enumerate() {
+            assert!(report.success(), "{case}, node {node}: {report:?}");
+            assert_eq!(
+                report.attempt, 0,
+                "{case}, node {node}: a new round: {report:?}"
+            );
+            let replaced: Vec<usize> = report.replaced.iter().map(|f| f.rank).collect();
+            // One rank per node: node n runs rank n.
+            let expected: &[usize] = if node == victim { &[victim] } else { &[] };
+            assert_eq!(replaced, expected, "{case}, node {node}: {report:?}");
+        }
+        let pids = |rank: usize| {
+            std::fs::read_to_string(out.join("marks").join(format!("pids.{rank}")))
+                .unwrap()
+                .lines()
+                .count()
+        };
+        assert_eq!(pids(1 - victim), 1, "{case}: the other rank started again");
+        assert_eq!(pids(victim), 2, "{case}: rank {victim} not replaced once");
+        let max_diff = max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME));
+        assert_eq!(max_diff, 0.0, "{case}: final parameters differ");
+        let hb = read_json(&out.join("metrics.json")).unwrap();
+        assert_same_metrics(&ha, &hb, case);
+    }
 }
 
 /// train-cnn (2 epochs, a checkpoint every 20 steps, bf16 gradients) in `out` on two launchers
-/// of one rank each, their own emulated hosts; with `kill`, under `--recover live` and
-/// [`LIVE_KILL`] (rank 1 killed right after the first checkpoint). Both reports, by node.
-fn two_launchers(out: &Path, kill: bool) -> Vec<LaunchReport> {
+/// of one rank each, their own emulated hosts; with `kill` (the variables of [`LIVE_KILL`]),
+/// under `--recover live` and that script. Both reports, by node.
+fn two_launchers(out: &Path, kill: Option<&[(&str, String)]>) -> Vec<LaunchReport> {
     let marks = out.join("marks");
     let port = ddp_testkit::free_port();
     let launches: Vec<_> = (0..2)
         .map(|node| {
             let mut cfg = on_node(
-                config(usize::from(kill), &marks, &out.join(FILE_NAME)),
+                config(usize::from(kill.is_some()), &marks, &out.join(FILE_NAME)),
                 node,
                 port,
             );
-            cfg.live_recovery = kill;
-            cfg.extra_env.push(("KILL_DELAY_MS".into(), "0".into()));
-            let script = if kill { LIVE_KILL } else { "exec \"$@\"" };
+            cfg.live_recovery = kill.is_some();
+            let vars = kill.into_iter().flatten();
+            cfg.extra_env
+                .extend(vars.map(|(k, v)| (k.to_string(), v.clone())));
+            let script = match kill {
+                Some(_) => {
+                    // A write long enough for the kill inside one.
+                    cfg.extra_env
+                        .push(("DDP_CHECKPOINT_WRITE_PAUSE_MS".into(), "100".into()));
+                    LIVE_KILL
+                }
+                None => "exec \"$@\"",
+            };
             let train = train_args(out, 2, " --checkpoint-every-steps 20 --compression bf16");
             let marks = marks.clone();
             std::thread::spawn(move || run_under(cfg, script, train, &marks))
