@@ -367,11 +367,16 @@ impl LaunchEnv {
 
     /// `MASTER_ADDR:MASTER_PORT` as a string for connecting (IPv6 literals bracketed).
     pub fn master_endpoint(&self) -> String {
-        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
-            format!("[{}]:{}", self.master_addr, self.master_port)
-        } else {
-            format!("{}:{}", self.master_addr, self.master_port)
-        }
+        endpoint(&self.master_addr, self.master_port)
+    }
+}
+
+/// `addr:port` for connecting or binding, an IPv6 literal `addr` bracketed.
+pub fn endpoint(addr: &str, port: u16) -> String {
+    if addr.contains(':') && !addr.starts_with('[') {
+        format!("[{addr}]:{port}")
+    } else {
+        format!("{addr}:{port}")
     }
 }
 

@@ -313,12 +313,13 @@ fn launch_once(
 /// The ranks' store at `MASTER_ADDR:MASTER_PORT` of `env`, with the per-rank keys of the
 /// round's token, as rank 0 would serve it.
 fn serve_ranks_store(env: &BTreeMap<String, String>) -> Result<ddp_comm::StoreServer, LaunchError> {
-    let addr = &env["MASTER_ADDR"];
-    let endpoint = if addr.contains(':') && !addr.starts_with('[') {
-        format!("[{addr}]:{}", env["MASTER_PORT"])
-    } else {
-        format!("{addr}:{}", env["MASTER_PORT"])
-    };
+    let port = env["MASTER_PORT"].parse().map_err(|_| {
+        LaunchError::InvalidConfig(format!(
+            "MASTER_PORT={:?} is not a port",
+            env["MASTER_PORT"]
+        ))
+    })?;
+    let endpoint = ddp_comm::env::endpoint(&env["MASTER_ADDR"], port);
     let served = match env.get(ddp_comm::env::TOKEN_VAR) {
         Some(round) => ddp_comm::StoreServer::bind_per_rank(&endpoint, round),
         None => Err(ddp_comm::CommError::Unauthenticated(
@@ -329,9 +330,7 @@ fn serve_ranks_store(env: &BTreeMap<String, String>) -> Result<ddp_comm::StoreSe
         endpoint: endpoint.clone(),
         source,
     })?;
-    let world: usize = env["WORLD_SIZE"].parse().unwrap_or(1);
-    // Each rank holds one connection, and a second while it reconnects or rejoins.
-    server.limit_clients(2 * world + 16);
+    server.limit_clients_to_ranks(env["WORLD_SIZE"].parse().unwrap_or(1));
     tracing::debug!(%endpoint, "serving the ranks' store (live recovery)");
     Ok(server)
 }

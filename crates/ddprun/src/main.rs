@@ -123,7 +123,9 @@ struct Args {
     /// group again (within --max-restarts); `live` replaces a lost rank (0 included) by a new
     /// process with DDP_REJOIN=1, started by its node's launcher, while the others keep
     /// running and re-form their group with it (each replacement counts against this node's
-    /// --max-restarts; other failures stop every rank).
+    /// --max-restarts; other failures stop every rank). Under `live` the launcher of rank 0
+    /// serves the ranks' store at MASTER_PORT (DDP_LAUNCHER_STORE=1): the program's rank 0
+    /// must connect to it rather than serve one (burn-ddp's does).
     #[arg(long, value_enum, default_value_t = Recover::Restart)]
     recover: Recover,
     /// Make every rank an NCCL host of its own (NCCL_HOSTID per rank, NCCL_NET=Socket on

@@ -66,7 +66,7 @@ pub(crate) fn shard_at(
     let survivor = steps[rank] >= 0;
     let sharding = optim
         .sharding()
-        .expect("recover_sharded is called for a sharded optimizer");
+        .expect("shard_at is called for a sharded optimizer");
     // The copies as of `t`: `progress - t` (0 or 1) steps before this rank's latest.
     let copies = survivor
         .then(|| {

@@ -266,8 +266,7 @@ impl ProcessGroup {
         // Rank 0 serves the store, unless its launcher does (`ddprun --recover live`).
         let server = if rank == 0 && !crate::env::store_served_by_launcher() {
             let server = auth.serve()?;
-            // Each rank holds one connection, and a second while it reconnects.
-            server.limit_clients(2 * world + 16);
+            server.limit_clients_to_ranks(world);
             // Only now, serving: a job that cannot bind never touches another's secret.
             auth.publish()?;
             Some(server)

@@ -276,6 +276,12 @@ impl StoreServer {
         self.shared.max_clients.store(n.max(1), Ordering::Relaxed);
     }
 
+    /// [`StoreServer::limit_clients`] for the ranks' store of a job of `world` ranks: each
+    /// rank holds one connection, and a second while it reconnects or a replacement rejoins.
+    pub fn limit_clients_to_ranks(&self, world: usize) {
+        self.limit_clients(2 * world + 16);
+    }
+
     /// Authenticated connections open now.
     pub fn open_connections(&self) -> usize {
         self.shared.clients.load(Ordering::SeqCst)
