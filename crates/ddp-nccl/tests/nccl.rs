@@ -15,7 +15,7 @@ use ddp_nccl::cudarc::driver::DevicePtr;
 use ddp_nccl::{NcclGroup, NcclOptions, check_libraries};
 
 const CHILD_VAR: &str = "DDP_NCCL_TEST_CHILD";
-const TOKEN: &str = "nccl-test-token";
+const TOKEN: &str = "nccl-test-token-0123456789abcdef0123456789abcdef";
 
 fn opts() -> NcclOptions {
     NcclOptions {

@@ -1,7 +1,9 @@
 //! Which secret a job's processes authenticate with, so that no job runs unauthenticated by
 //! accident.
 //!
-//! - `DDP_JOB_TOKEN` set (ddprun always sets it): that token; with `DDP_RANK_KEYS=1`
+//! - `DDP_JOB_TOKEN` set (ddprun always sets it): that token, if it is strong enough
+//!   ([`weak_token`]: under 128 bits is refused unless [`WEAK_TOKEN_VAR`] is `1`, and then
+//!   every rank says so); with `DDP_RANK_KEYS=1`
 //!   (ddprun's ranks) it is this rank's own key, rank 0's the round's, from which rank 0's
 //!   store derives every rank's ([`JobAuth::serve`]); where the launcher serves the store
 //!   ([`crate::env::LAUNCHER_STORE_VAR`]), rank 0's is a key of its own too.
@@ -35,6 +37,100 @@ use crate::store::{Credential, StoreClient, StoreServer};
 /// Set to `1` to run a job of several hosts without `DDP_JOB_TOKEN`: every process that can
 /// reach the store and the ranks' ports can then join, read and write the job.
 pub const INSECURE_VAR: &str = "DDP_INSECURE_NO_TOKEN";
+
+/// Set to `1` to run with a `DDP_JOB_TOKEN` weaker than [`MIN_TOKEN_BITS`] ([`weak_token`]):
+/// every rank (and `ddprun`) then says once that it does. Without it such a token is refused.
+pub const WEAK_TOKEN_VAR: &str = "DDP_ALLOW_WEAK_TOKEN";
+
+/// The least strength a job token must have, in bits, by [`token_bits`]'s estimate.
+pub const MIN_TOKEN_BITS: f64 = 128.0;
+
+/// An estimate of a token's strength in bits, as if its characters were drawn at random:
+/// its length times the bits of one character of the alphabet it draws from — 16 characters
+/// if all are hex digits, else the sum of the classes it uses (10 digits, 26 lower-case
+/// letters, 26 upper-case, 33 other printable ASCII characters, 128 for anything else). It
+/// cannot tell words from random characters, so it never underrates a random token and
+/// overrates a phrase: it refuses what is surely too short, no more.
+pub fn token_bits(token: &str) -> f64 {
+    let (length, alphabet) = token_alphabet(token);
+    length as f64 * (alphabet as f64).log2()
+}
+
+/// A token's length in characters and the size of the alphabet [`token_bits`] counts it from.
+fn token_alphabet(token: &str) -> (usize, u32) {
+    let length = token.chars().count();
+    if length > 0 && token.chars().all(|c| c.is_ascii_hexdigit()) {
+        return (length, 16);
+    }
+    let has = |f: fn(&char) -> bool| token.chars().any(|c| f(&c));
+    let classes = [
+        (has(char::is_ascii_digit), 10),
+        (has(char::is_ascii_lowercase), 26),
+        (has(char::is_ascii_uppercase), 26),
+        (has(|c| c.is_ascii() && !c.is_ascii_alphanumeric()), 33),
+        (has(|c| !c.is_ascii()), 128),
+    ];
+    let alphabet = classes.iter().filter(|(on, _)| *on).map(|(_, n)| n).sum();
+    (length, alphabet)
+}
+
+/// Why `token` is too weak to be a job's secret ([`token_bits`] under [`MIN_TOKEN_BITS`]), in
+/// one line naming the rule, the way to make a good one and [`WEAK_TOKEN_VAR`]; `None` for a
+/// strong one. Every token `ddprun` makes passes (32 or 64 hex digits).
+pub fn weak_token(token: &str) -> Option<String> {
+    let bits = token_bits(token);
+    if bits >= MIN_TOKEN_BITS {
+        return None;
+    }
+    let (length, alphabet) = token_alphabet(token);
+    let needed = if alphabet > 1 {
+        (MIN_TOKEN_BITS / (alphabet as f64).log2()).ceil() as usize
+    } else {
+        usize::MAX
+    };
+    let needed = if needed == usize::MAX {
+        "more kinds of characters".to_string()
+    } else {
+        format!("at least {needed} such characters")
+    };
+    Some(format!(
+        "{TOKEN_VAR} is too weak to be the job's secret: {length} characters from an alphabet \
+         of {alphabet} make about {bits:.0} bits, under the {MIN_TOKEN_BITS:.0} required \
+         ({needed}, or 32 hex digits); each connection to the job may try one guess of it. \
+         Make one with `export {TOKEN_VAR}=$(openssl rand -hex 32)`, or set {WEAK_TOKEN_VAR}=1 \
+         to run with this one anyway"
+    ))
+}
+
+/// Whether this process was told to run with a weak token ([`WEAK_TOKEN_VAR`]).
+fn weak_token_allowed() -> bool {
+    std::env::var(WEAK_TOKEN_VAR).as_deref() == Ok("1")
+}
+
+/// Refuses `token`, given to this rank in its environment, if it is weak ([`weak_token`]),
+/// unless [`WEAK_TOKEN_VAR`] is `1`: then says once that this rank runs with it.
+fn check_token_strength(rank: usize, token: &str) -> Result<()> {
+    let Some(why) = weak_token(token) else {
+        return Ok(());
+    };
+    if !weak_token_allowed() {
+        return Err(CommError::Unauthenticated(why));
+    }
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let warning = format!(
+            "rank {rank}: runs with a weak {TOKEN_VAR} ({:.0} bits, under {MIN_TOKEN_BITS:.0}) \
+             because {WEAK_TOKEN_VAR}=1: anyone who reaches the job's store may guess it on line",
+            token_bits(token)
+        );
+        tracing::warn!("{warning}");
+        if !tracing::dispatcher::has_been_set() {
+            // A warning about security is never lost for want of a subscriber.
+            eprintln!("warning: {warning}");
+        }
+    });
+    Ok(())
+}
 
 /// How long one connection attempt with a secret read from the file lasts before the file is
 /// read again.
@@ -88,6 +184,12 @@ impl JobAuth {
     /// later client uses what this process `remembers` for the endpoint.
     fn resolve(env: &LaunchEnv, writes_secret: bool, remembers: bool) -> Result<JobAuth> {
         if let Some(token) = &env.job_token {
+            // The rule is for what the user put in the environment (ddprun's ranks get keys
+            // of 64 hex digits); a program that builds its `LaunchEnv` itself answers for its
+            // own.
+            if std::env::var(TOKEN_VAR).is_ok_and(|t| t == *token) {
+                check_token_strength(env.rank, token)?;
+            }
             return Ok(JobAuth {
                 endpoint: env.master_endpoint(),
                 token: Some(token.clone()),
@@ -455,6 +557,48 @@ mod tests {
         std::fs::create_dir(&not_a_file).unwrap();
         assert!(read_secret(&not_a_file).is_err(), "other errors stop");
         std::fs::remove_dir(&not_a_file).unwrap();
+    }
+
+    /// Tokens under 128 bits by the estimate are refused, with the rule and the way out in
+    /// the message; what ddprun makes, and what `openssl rand` makes, passes.
+    #[test]
+    fn weak_tokens_are_refused_and_strong_ones_pass() {
+        for weak in [
+            "password123",
+            "tok",
+            "trace-test",
+            "0123456789abcdef0123456789abcde",
+            "Abcdefghijklmnopqrst1",
+            "",
+        ] {
+            let why = weak_token(weak).unwrap_or_else(|| panic!("{weak:?} passed"));
+            assert!(
+                why.contains("128")
+                    && why.contains(WEAK_TOKEN_VAR)
+                    && why.contains("openssl rand -hex 32"),
+                "{why}"
+            );
+        }
+        let why = weak_token("password123").unwrap();
+        assert!(!why.contains("password"), "the token is not shown: {why}");
+        assert!(
+            why.contains("11 characters from an alphabet of 36"),
+            "{why}"
+        );
+        assert!(why.contains("at least 25 such characters"), "{why}");
+        for strong in [
+            // ddprun's own: 32 hex digits of a random u128, a key's 64.
+            "0123456789abcdef0123456789abcdef".to_string(),
+            crate::auth::Key::from_token("x").rank_key(1).to_token(),
+            // openssl rand -base64 16 / 32.
+            "q3vT8yZ0m1Lk5sP2xWc7Hg==".to_string(),
+            "u7Jk2m9QpL3xV8cR1tY6wZ4nB0sD5fG7hK2jM9pQ3aE=".to_string(),
+            // The test kit's (ddp_testkit::job_token).
+            "test-12345-0-17d2c3b4a5968778".to_string(),
+        ] {
+            assert_eq!(weak_token(&strong), None, "{strong} refused");
+        }
+        assert_eq!(token_bits("ffff"), 16.0);
     }
 
     #[test]

@@ -98,7 +98,10 @@ fn matrix_two_launchers_of_two_ranks_node_aware() {
                 .args(["--nnodes", "2", "--node-rank", &node.to_string()])
                 .args(["--nproc-per-node", "2", "--master-port", &port, "--"])
                 .args([WORKER, "matrix"])
-                .env("DDP_JOB_TOKEN", "node-aware-matrix")
+                .env(
+                    "DDP_JOB_TOKEN",
+                    "node-aware-matrix-0123456789abcdef0123456789abcdef",
+                )
                 .env("DDP_HOST_ID", format!("host-{node}"))
                 .env_remove("DDP_NODE_AWARE"),
         )

@@ -256,7 +256,10 @@ fn a_lost_node_leaves_every_sample_of_each_epoch_read_exactly_once() {
                 "--",
                 worker,
             ])
-            .env("DDP_JOB_TOKEN", "elastic-data")
+            .env(
+                "DDP_JOB_TOKEN",
+                "elastic-data-0123456789abcdef0123456789abcdef",
+            )
             .env("DDP_HOST_ID", format!("host-{node}"))
             .env("DATA_LEN", len.to_string())
             .env("BATCH_SIZE", "3")

@@ -121,11 +121,6 @@ impl Default for LaunchConfig {
     }
 }
 
-/// A job token given by the user with fewer characters than this is warned about: nothing on
-/// the wire lets anyone test guesses of it off line, but every connection may try one guess,
-/// and a dictionary word or a short password may fall to a few thousand tries.
-const MIN_TOKEN_CHARS: usize = 16;
-
 /// The job token of the ranks of `what` number `n` (a round, an attempt): a key derived from
 /// the launchers' job token, so that the ranks never hold the launchers' secret and one
 /// round's token reveals no other's.
@@ -217,14 +212,21 @@ pub(super) fn common_env(cfg: &LaunchConfig) -> Result<BTreeMap<String, String>,
         },
     };
 
+    // A token given in DDP_JOB_TOKEN of under 128 bits is refused (nothing on the wire lets
+    // anyone test guesses of it off line, but every connection may try one), unless the user
+    // says so with DDP_ALLOW_WEAK_TOKEN=1; the ones ddprun makes pass.
     if cfg.job_token.is_none()
         && std::env::var(TOKEN_VAR).is_ok_and(|t| t == token)
-        && token.chars().count() < MIN_TOKEN_CHARS
+        && let Some(why) = ddp_comm::job_auth::weak_token(&token)
     {
+        if std::env::var(ddp_comm::job_auth::WEAK_TOKEN_VAR).as_deref() != Ok("1") {
+            return Err(LaunchError::InvalidConfig(why));
+        }
         tracing::warn!(
-            "{TOKEN_VAR} has {} characters: a secret this short is easy to guess (each connection to \
-             the job may try one guess); make one with `export {TOKEN_VAR}=$(openssl rand -hex 32)`",
-            token.chars().count()
+            "runs with a weak {TOKEN_VAR} ({:.0} bits, under 128) because {}=1: anyone who \
+             reaches the job's stores may guess it on line",
+            ddp_comm::job_auth::token_bits(&token),
+            ddp_comm::job_auth::WEAK_TOKEN_VAR
         );
     }
 

@@ -184,27 +184,45 @@ fn master_port_from_the_environment_is_honoured() {
     );
 }
 
-/// A job token too short to be a secret is warned about, with the command that makes a good
-/// one; a long one, or the one ddprun makes, is not. The job runs either way.
+/// A job token of under 128 bits is refused, with the command that makes a good one and the
+/// variable that accepts it anyway (then the launcher says it runs with a weak token); a strong
+/// one, or the one ddprun makes, runs without a word.
 #[test]
-fn a_short_job_token_is_warned_about() {
-    for (token, warned) in [
-        (Some("password123"), true),
-        (Some("0123456789abcdef0123456789abcdef"), false),
-        (None, false),
+fn a_weak_job_token_is_refused_unless_the_user_says_so() {
+    for (token, allow, code, said) in [
+        (Some("password123"), false, 1, "is too weak"),
+        (
+            Some("password123"),
+            true,
+            0,
+            "runs with a weak DDP_JOB_TOKEN",
+        ),
+        (Some("0123456789abcdef0123456789abcdef"), false, 0, ""),
+        (None, false, 0, ""),
     ] {
         let mut cmd = ddprun_cmd(&["--nproc-per-node", "1", "--", "true"]);
+        cmd.env_remove("DDP_ALLOW_WEAK_TOKEN");
         if let Some(t) = token {
             cmd.env("DDP_JOB_TOKEN", t);
         }
+        if allow {
+            cmd.env("DDP_ALLOW_WEAK_TOKEN", "1");
+        }
         let r = run(&mut cmd);
-        assert_eq!(r.code(), Some(0), "{}", r.stderr);
-        assert_eq!(
-            r.stderr.contains("is easy to guess") && r.stderr.contains("openssl rand -hex 32"),
-            warned,
-            "{token:?}: {}",
-            r.stderr
-        );
+        assert_eq!(r.code(), Some(code), "{token:?}: {}", r.stderr);
+        if said.is_empty() {
+            assert!(!r.stderr.contains("weak"), "{token:?}: {}", r.stderr);
+        } else {
+            assert!(r.stderr.contains(said), "{token:?}: {}", r.stderr);
+        }
+        if code == 1 {
+            assert!(
+                r.stderr.contains("DDP_ALLOW_WEAK_TOKEN")
+                    && r.stderr.contains("openssl rand -hex 32"),
+                "{}",
+                r.stderr
+            );
+        }
     }
 }
 
@@ -292,7 +310,10 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
     let r = run(
         ddprun_cmd(&["--nproc-per-node", "2", "--", "sh", "-c", script])
             .env("OMP_NUM_THREADS", "3")
-            .env("DDP_JOB_TOKEN", "shared-secret"),
+            .env(
+                "DDP_JOB_TOKEN",
+                "shared-secret-0123456789abcdef0123456789abcdef",
+            ),
     );
     assert_eq!(r.code(), Some(0), "{}", r.stderr);
     for rank in 0..2 {
@@ -300,9 +321,10 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
         assert!(line.contains(" O=3 "), "{line}");
         // The ranks' token is derived from the launcher's, which they never see (rank 1's
         // from the round's, for rank 1 alone).
-        let round = ddp_comm::auth::Key::from_token("shared-secret")
-            .derive("ranks/attempt/0")
-            .to_token();
+        let round =
+            ddp_comm::auth::Key::from_token("shared-secret-0123456789abcdef0123456789abcdef")
+                .derive("ranks/attempt/0")
+                .to_token();
         let derived = match rank {
             0 => round,
             r => ddp_comm::auth::Key::from_token(&round)
@@ -333,7 +355,10 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
             "-c",
             script,
         ])
-        .env("DDP_JOB_TOKEN", "node-token")
+        .env(
+            "DDP_JOB_TOKEN",
+            "node-token-0123456789abcdef0123456789abcdef",
+        )
         .spawn()
         .expect("start ddprun")
     };
@@ -353,7 +378,7 @@ fn user_settings_win_over_defaults_and_multi_node_ranks_are_offset() {
     let rank0_port = port(r0.rank_lines(0)[0]);
     // Each rank of the round holds its own key, derived from the round's token.
     let round = ddp_comm::auth::Key::from_token(
-        &ddp_comm::auth::Key::from_token("node-token")
+        &ddp_comm::auth::Key::from_token("node-token-0123456789abcdef0123456789abcdef")
             .derive("ranks/round/0")
             .to_token(),
     );
@@ -636,7 +661,8 @@ fn bad_usage_gives_one_clear_error() {
     );
 
     let r = run(
-        ddprun_cmd(&["--nnodes", "2", "--node-rank", "2", "--", "true"]).env("DDP_JOB_TOKEN", "t"),
+        ddprun_cmd(&["--nnodes", "2", "--node-rank", "2", "--", "true"])
+            .env("DDP_JOB_TOKEN", "0123456789abcdef0123456789abcdef"),
     );
     assert_eq!(r.code(), Some(1), "{}", r.stderr);
     assert!(

@@ -153,7 +153,10 @@ fn start_ddprun(dir: &Path, role: &str, options: &[&str]) -> Running {
         ])
         .env(ROLE, role)
         .env("DDP_TIMEOUT_SECS", "30")
-        .env("DDP_JOB_TOKEN", "trace-test")
+        .env(
+            "DDP_JOB_TOKEN",
+            "trace-test-0123456789abcdef0123456789abcdef",
+        )
         .env_remove("DDP_TRACE")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())

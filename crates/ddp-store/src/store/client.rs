@@ -16,6 +16,9 @@ use crate::wire::{read_frame, write_frame};
 /// First and largest pause between connection attempts.
 const CONNECT_BACKOFF_START: Duration = Duration::from_millis(2);
 const CONNECT_BACKOFF_CAP: Duration = Duration::from_millis(50);
+/// The least pause after the store refused a client that proved the key (at one of its
+/// connection limits): room is made when a connection ends, not within milliseconds.
+const REFUSED_BACKOFF: Duration = Duration::from_millis(100);
 /// How often a rank still connecting to the store says so.
 const CONNECT_PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
@@ -87,6 +90,9 @@ fn handshake_failure(e: &io::Error, wait: Duration) -> String {
 enum AttemptError {
     /// Worth retrying until the deadline (refused, reset, …).
     Retry(String),
+    /// The store refused a client that proved the key, at one of its limits (its connections
+    /// in all, or one rank's): retried until the deadline, a little less often.
+    Busy(String),
     /// Final (the server refused the token).
     Fatal(CommError),
 }
@@ -96,9 +102,12 @@ impl StoreClient {
     /// not be up yet), and presents `token`.
     ///
     /// Retries start after 2 ms and back off to 50 ms, so a client that starts before the
-    /// server connects within milliseconds of the server coming up. When `timeout` passes the
-    /// error is [`CommError::Timeout`] naming the endpoint; a refused token is
-    /// [`CommError::Store`] at once.
+    /// server connects within milliseconds of the server coming up. A store that closes the
+    /// connection during the handshake (it cut it for newer ones, or kept it waiting for its
+    /// turn too long) or that refuses a client holding the key at one of its connection limits
+    /// is tried again too, so a transient refusal never fails a rank. When `timeout` passes
+    /// the error is [`CommError::Timeout`] naming the endpoint and the last refusal; a refused
+    /// token is [`CommError::Store`] at once.
     pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<Self> {
         Self::connect_with(endpoint, token.map(Credential::job).as_ref(), timeout)
     }
@@ -123,6 +132,10 @@ impl StoreClient {
                     return Ok(client);
                 }
                 Err(AttemptError::Fatal(e)) => return Err(e),
+                Err(AttemptError::Busy(msg)) => {
+                    last_err = msg;
+                    backoff = backoff.max(REFUSED_BACKOFF);
+                }
                 // An attempt started at the deadline tries no address; keep the one before.
                 Err(AttemptError::Retry(msg)) if msg.is_empty() && !last_err.is_empty() => {}
                 Err(AttemptError::Retry(msg)) if msg.is_empty() => {
@@ -258,7 +271,12 @@ impl StoreClient {
                 }
                 reply = match read_frame(&mut stream, MAX_FRAME) {
                     Ok(Some(reply)) => Reply::decode(&reply),
-                    Ok(None) => return Err(refused()),
+                    // The server proved the key, so it refuses no proof of ours: closed to
+                    // make room for newer handshakes, or stopping. Tried again.
+                    Ok(None) => {
+                        last = format!("{addr}: closed after the handshake's proof");
+                        continue;
+                    }
                     Err(e) => {
                         last = format!("{addr}: {}", handshake_failure(&e, wait));
                         continue;
@@ -285,8 +303,11 @@ impl StoreClient {
                     "the store requires the job token: set {}",
                     crate::env::TOKEN_VAR
                 ))),
-                // A client that proved the key may hear why (the store's client limit).
-                Ok(Reply::Refused(why)) if why != "refused" => Err(fatal(why)),
+                // A client that proved the key may hear why (one of the store's connection
+                // limits): room is made as connections end, so it tries again.
+                Ok(Reply::Refused(why)) if why != "refused" => {
+                    Err(AttemptError::Busy(format!("{addr}: {why}")))
+                }
                 Ok(Reply::Refused(_)) => Err(refused()),
                 _ => Err(fatal(
                     "unexpected handshake reply (is this a ddp-comm store?)".into(),

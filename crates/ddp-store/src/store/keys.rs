@@ -37,8 +37,40 @@ pub fn peer_addr_in(generation: u64, rank: usize) -> String {
 }
 
 /// The group's latest generation (in [`PROCESS_GROUP`]; absent: 0), moved on by the survivors
-/// of a lost rank with a compare-and-set.
+/// of a lost rank with a compare-and-set. A forward-only counter ([`forward_only`]): the store
+/// accepts no other change to it than [`forward_step`].
 pub const MESH_GENERATION: &str = "mesh_generation";
+
+/// Whether `key` (a full key, namespace included) is a forward-only counter: a decimal count
+/// that the store lets any client move on by exactly one with a compare-and-set
+/// ([`forward_step`]) and never otherwise — no `set`, `set_once`, `add`, end-of-connection count
+/// or other compare-and-set (the store has no delete). So that no rank's key can move it back
+/// (a rank writing the process group's generation to 0 would leave a replacement waiting for a
+/// generation that never comes). One today: the process group's generation
+/// (`ddp/pg/mesh_generation`, [`MESH_GENERATION`] in [`PROCESS_GROUP`]). The store keeps room
+/// of its own for these counters: no rank's entries can fill it.
+pub fn forward_only(key: &str) -> bool {
+    key.strip_prefix(PROCESS_GROUP)
+        .and_then(|rest| rest.strip_prefix('/'))
+        == Some(MESH_GENERATION)
+}
+
+/// The one change the store accepts to a [`forward_only`] counter: a compare-and-set expecting
+/// `expected` (`None`: absent, which counts as 0; else a count in decimal ASCII, as ddp-comm
+/// writes it) and writing `desired`, exactly that count plus one (`(n + 1).to_string()`). A
+/// count written otherwise (`"+1"`, `"01"`, not a number) is no step.
+pub fn forward_step(expected: Option<&[u8]>, desired: &[u8]) -> bool {
+    let count = |bytes: &[u8]| -> Option<u64> {
+        let n: u64 = std::str::from_utf8(bytes).ok()?.parse().ok()?;
+        (n.to_string().as_bytes() == bytes).then_some(n)
+    };
+    let from = match expected {
+        None => Some(0),
+        Some(e) => count(e),
+    };
+    from.and_then(|n| n.checked_add(1))
+        .is_some_and(|next| next.to_string().as_bytes() == desired)
+}
 
 /// The trace clock synchronisation's namespace.
 pub const TRACE: &str = "ddp/trace";
@@ -133,5 +165,40 @@ mod tests {
         assert_eq!(owner(&launchers_state()), None);
         assert_eq!(owner("my/own/counter"), None);
         assert_eq!(owner(&full(PROCESS_GROUP, "addr/x".into())), None);
+    }
+
+    #[test]
+    fn the_generation_counter_moves_forward_by_one_only() {
+        let generation = format!("{PROCESS_GROUP}/{MESH_GENERATION}");
+        assert!(forward_only(&generation));
+        assert!(
+            !forward_only(MESH_GENERATION),
+            "only in the process group's namespace"
+        );
+        assert!(!forward_only("ddp/pgx/mesh_generation"));
+        assert!(!forward_only(&format!("{generation}/1")));
+        // As ddp-comm steps it: from absent to 1, then n to n + 1.
+        assert!(forward_step(None, b"1"));
+        assert!(forward_step(Some(b"1"), b"2"));
+        assert!(forward_step(Some(b"41"), b"42"));
+        assert!(forward_step(Some(b"0"), b"1"));
+        for (expected, desired) in [
+            (None, &b"0"[..]),
+            (None, b"2"),
+            (Some(&b"1"[..]), b"1"),
+            (Some(b"2"), b"1"),
+            (Some(b"2"), b"0"),
+            (Some(b"1"), b"02"),
+            (Some(b"1"), b"+2"),
+            (Some(b"01"), b"2"),
+            (Some(b"x"), b"1"),
+            (Some(b""), b"1"),
+            (Some(b"18446744073709551615"), b"18446744073709551616"),
+        ] {
+            assert!(
+                !forward_step(expected, desired),
+                "{expected:?} -> {desired:?}"
+            );
+        }
     }
 }

@@ -9,10 +9,13 @@
 //! `set_once` publishes a value no one can replace. A connection must prove it holds the
 //! job's key first (a password-authenticated key exchange: the token never crosses the wire);
 //! with per-rank keys ([`StoreServer::bind_per_rank`]) it proves the rank it is, and may change
-//! only that rank's entries ([`keys::owner`]); others are
+//! only that rank's entries ([`keys::owner`]), within its share of the store and of its
+//! connections ([`MAX_CONNECTIONS_PER_RANK`]); others are
 //! refused, and counted in a rate-limited summary. Sizes, keys, waits and connections are
 //! bounded (see the server's limits), so that even a client holding the key cannot exhaust
-//! the host.
+//! the host. The process group's generation only moves forward, by one
+//! ([`keys::forward_only`]); and a source whose key exchanges fail waits its turn for the
+//! next, so that guessing the token on line gets a few tries a second.
 //!
 //! Code that uses the store goes through the [`Store`] trait, and names its keys inside a
 //! [`PrefixStore`], so that every user has a namespace of its own: the process group's
@@ -53,11 +56,12 @@ pub mod keys;
 mod message;
 mod server;
 mod table;
+mod throttle;
 
 use std::time::Duration;
 
 pub use client::{Credential, StoreClient};
-pub use server::StoreServer;
+pub use server::{MAX_CONNECTIONS_PER_RANK, StoreServer};
 
 use crate::error::Result;
 

@@ -4,11 +4,15 @@
 //!
 //! Before authentication a connection is held to deadlines (its first frame within 2 s, the
 //! whole handshake within 4 s) and to a share of the handshake slots (16 per address, 128
-//! in all; a newcomer past either closes the oldest), so that a flood, from one address or
-//! many, delays a valid client by a handshake at most. After it, a connection
-//! is held to the table's limits, and its waits end when it closes.
+//! in all; a newcomer past either closes the oldest, the oldest that has not sent its hello
+//! first), so that a flood, from one address or many, delays a valid client by a handshake at
+//! most. A source whose key exchanges failed waits its turn for the next ([`super::throttle`]:
+//! on-line guessing slowed to a few tries a second, never the job's own user on this host).
+//! After it, a connection is held to the table's limits (with per-rank keys, each rank to its
+//! share of the store and to [`MAX_CONNECTIONS_PER_RANK`] connections), and its waits end when
+//! it closes.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -21,6 +25,7 @@ use std::time::{Duration, Instant};
 use super::keys;
 use super::message::{Reply, Request, VERSION};
 use super::table::{ConnectionUse, MAX_WAIT_KEYS, MAX_WAITING_KEYS, Table};
+use super::throttle::{self, MAX_TURN_WAIT, Source, Throttle, Turn};
 use super::{DEFAULT_IO_TIMEOUT, MAX_FRAME};
 use crate::auth::{Exchange, Key, Side};
 use crate::error::{CommError, Result};
@@ -44,6 +49,17 @@ const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
 /// Authenticated connections served at once unless [`StoreServer::limit_clients`] says
 /// otherwise (each rank holds one or two; each launcher three).
 const DEFAULT_MAX_CLIENTS: usize = 256;
+/// Connections one rank may hold at once in a store with per-rank keys. A rank holds its
+/// process group's (for its whole life: the rendezvous, the trace clock, a re-forming) and,
+/// while it sets up an NCCL communicator, that one's; a rank that hangs keeps its own until its
+/// launcher kills it while its replacement, with the same key, opens the same two. Twice that.
+pub const MAX_CONNECTIONS_PER_RANK: usize = 8;
+/// Authenticated connections beyond the ranks' in a ranks' store
+/// ([`StoreServer::limit_clients_to_ranks`]).
+const CLIENTS_HEADROOM: usize = 16;
+/// How often a connection waiting for its turn ([`super::throttle`]) looks again, and checks
+/// that it is still open.
+const TURN_POLL: Duration = Duration::from_millis(50);
 /// Stack of a connection's thread (it serves one request at a time, with no recursion).
 const CONNECTION_STACK: usize = 256 << 10;
 /// The longest a `get`/`wait` waits on the server, whatever timeout it asked for.
@@ -86,14 +102,18 @@ const ACCEPT_POLL: Duration = Duration::from_millis(20);
 #[derive(Default)]
 struct Handshakes {
     by_source: HashMap<IpAddr, VecDeque<u64>>,
+    /// Those that sent a valid hello (and may be waiting for their turn to exchange keys).
+    spoken: HashSet<u64>,
     total: usize,
 }
 
 impl Handshakes {
     /// Registers connection `id` from `source`; the connection to close to make room, if
     /// any: its address's oldest when the address is at its share, else the oldest of all when
-    /// every slot is taken. A client's handshake takes a millisecond, so the oldest one is a
-    /// connection that says nothing, from one address or from many.
+    /// every slot is taken — the oldest that has not sent its hello, if any. A client's
+    /// handshake takes a millisecond, so the oldest one is a connection that says nothing,
+    /// from one address or from many; one that spoke and waits for its turn
+    /// ([`super::throttle`]) is cut only when all have spoken.
     fn admit(&mut self, source: IpAddr, id: u64) -> Option<(u64, IpAddr)> {
         let at_share = self
             .by_source
@@ -102,13 +122,19 @@ impl Handshakes {
         let evicted = if at_share {
             self.pop_oldest_of(source)
         } else if self.total >= MAX_HANDSHAKES {
-            let oldest = self
+            let silent = |q: &VecDeque<u64>| q.iter().copied().find(|c| !self.spoken.contains(c));
+            let oldest_silent = self
                 .by_source
                 .iter()
-                .filter_map(|(s, q)| q.front().map(|&id| (id, *s)))
-                .min()
-                .map(|(_, s)| s);
-            oldest.and_then(|s| self.pop_oldest_of(s))
+                .filter_map(|(s, q)| silent(q).map(|id| (id, *s)))
+                .min();
+            let oldest = oldest_silent.or_else(|| {
+                self.by_source
+                    .iter()
+                    .filter_map(|(s, q)| q.front().map(|&id| (id, *s)))
+                    .min()
+            });
+            oldest.and_then(|(_, s)| self.pop_oldest_of(s))
         } else {
             None
         };
@@ -117,19 +143,31 @@ impl Handshakes {
         evicted
     }
 
-    /// Takes the oldest connection from `source` off the list.
+    /// Takes the connection to cut from `source` off the list: its oldest that has not sent
+    /// its hello, else its oldest.
     fn pop_oldest_of(&mut self, source: IpAddr) -> Option<(u64, IpAddr)> {
         let queue = self.by_source.get_mut(&source)?;
-        let id = queue.pop_front()?;
+        let at = queue
+            .iter()
+            .position(|c| !self.spoken.contains(c))
+            .unwrap_or(0);
+        let id = queue.remove(at)?;
         if queue.is_empty() {
             self.by_source.remove(&source);
         }
+        self.spoken.remove(&id);
         self.total -= 1;
         Some((id, source))
     }
 
+    /// Connection `id` sent a valid hello.
+    fn spoke(&mut self, id: u64) {
+        self.spoken.insert(id);
+    }
+
     /// Connection `id` from `source` ended its handshake (unless it was evicted already).
     fn finish(&mut self, source: IpAddr, id: u64) {
+        self.spoken.remove(&id);
         if let Some(queue) = self.by_source.get_mut(&source) {
             if let Some(i) = queue.iter().position(|&c| c == id) {
                 queue.remove(i);
@@ -156,6 +194,13 @@ struct Shared {
     /// Authenticated connections open now, and the most allowed.
     clients: AtomicUsize,
     max_clients: AtomicUsize,
+    /// Authenticated connections open now by rank (with per-rank keys).
+    rank_clients: Mutex<HashMap<u32, usize>>,
+    /// The penalties of sources whose key exchanges failed.
+    throttle: Mutex<Throttle>,
+    /// The user whose processes on this host are never held back by the throttle (the
+    /// store's own: they could read the token anyway); `None`: every user is.
+    trusted_uid: Mutex<Option<u32>>,
     refusals: RefusalLog,
 }
 
@@ -171,6 +216,29 @@ impl Shared {
 
     fn handshakes(&self) -> MutexGuard<'_, Handshakes> {
         self.handshakes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn throttle(&self) -> MutexGuard<'_, Throttle> {
+        self.throttle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn rank_clients(&self) -> MutexGuard<'_, HashMap<u32, usize>> {
+        self.rank_clients.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The source a key exchange from `peer` over `stream` is charged to; `None` for a
+    /// process of the store's own user on this host, never held back.
+    fn source_of(&self, stream: &TcpStream, peer: SocketAddr) -> Option<Source> {
+        let uid = stream
+            .local_addr()
+            .ok()
+            .filter(|local| throttle::from_this_host(*local, peer))
+            .and_then(|local| throttle::local_peer_uid(local, peer));
+        let trusted = *self.trusted_uid.lock().unwrap_or_else(|p| p.into_inner());
+        if uid.is_some() && uid == trusted {
+            return None;
+        }
+        Some(Source::new(peer.ip(), uid))
     }
 }
 
@@ -223,7 +291,10 @@ impl StoreServer {
     /// `round_token` is the round's token, rank `r`'s key is `Key::from_token(round_token)
     /// .rank_key(r)`, a client proves the key of the rank it claims to be, and may then write
     /// only that rank's entries ([`keys::owner`]: its address, and rank 0's NCCL id) — a
-    /// process holding one rank's key cannot pass for another rank.
+    /// process holding one rank's key cannot pass for another rank. Every entry is charged to
+    /// the rank that writes it, each rank held to its share of the store, and to
+    /// [`MAX_CONNECTIONS_PER_RANK`] connections (see [`Self::limit_clients_to_ranks`]): one
+    /// rank's key can fill neither the store nor its connections.
     pub fn bind_per_rank(addr: &str, round_token: &str) -> Result<Self> {
         Self::bind_with(addr, Access::PerRank(Key::from_token(round_token)))
     }
@@ -237,8 +308,14 @@ impl StoreServer {
         listener
             .set_nonblocking(true)
             .map_err(|e| CommError::io(op(), None, e))?;
+        let table = match access {
+            Access::PerRank(_) => Table::per_rank(),
+            _ => Table::default(),
+        };
+        // SAFETY: no preconditions.
+        let own_uid = unsafe { libc::geteuid() };
         let shared = Arc::new(Shared {
-            table: Mutex::new(Table::default()),
+            table: Mutex::new(table),
             changed: Condvar::new(),
             access,
             shutdown: AtomicBool::new(false),
@@ -247,6 +324,9 @@ impl StoreServer {
             handshakes: Mutex::new(Handshakes::default()),
             clients: AtomicUsize::new(0),
             max_clients: AtomicUsize::new(DEFAULT_MAX_CLIENTS),
+            rank_clients: Mutex::new(HashMap::new()),
+            throttle: Mutex::new(Throttle::default()),
+            trusted_uid: Mutex::new(Some(own_uid)),
             refusals: RefusalLog::new(format!("rendezvous store at {local}")),
         });
         let accept = {
@@ -276,10 +356,36 @@ impl StoreServer {
         self.shared.max_clients.store(n.max(1), Ordering::Relaxed);
     }
 
-    /// [`StoreServer::limit_clients`] for the ranks' store of a job of `world` ranks: each
-    /// rank holds one connection, and a second while it reconnects or a replacement rejoins.
+    /// Sizes the limits of the ranks' store of a job of `world` ranks. With per-rank keys
+    /// ([`Self::bind_per_rank`]): each rank may hold [`MAX_CONNECTIONS_PER_RANK`] connections
+    /// (one rank's key cannot take another's), `MAX_CONNECTIONS_PER_RANK × world + 16` in all,
+    /// and each rank's share of the store is its room divided by `world` (by 4 at most).
+    /// With one key for every rank (torchrun's): 2 × `world` + 16 connections (each rank holds
+    /// one, and a second while it reconnects or a replacement rejoins).
     pub fn limit_clients_to_ranks(&self, world: usize) {
-        self.limit_clients(2 * world + 16);
+        self.shared.lock().set_world(world);
+        let n = match self.shared.access {
+            Access::PerRank(_) => MAX_CONNECTIONS_PER_RANK * world + CLIENTS_HEADROOM,
+            _ => 2 * world + CLIENTS_HEADROOM,
+        };
+        self.limit_clients(n);
+    }
+
+    /// Holds back every user's key exchanges after failures, the store's own user's too (the
+    /// throttle's tests, whose guesses come from this process).
+    #[cfg(test)]
+    pub(super) fn trust_no_local_user(&self) {
+        *self
+            .shared
+            .trusted_uid
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// What rank `rank`'s entries use of its share of the store: keys, and their cost in bytes.
+    pub fn rank_usage(&self, rank: u32) -> (usize, usize) {
+        let used = self.shared.lock().rank_usage(rank);
+        (used.keys, used.bytes)
     }
 
     /// Authenticated connections open now.
@@ -433,18 +539,32 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Share
     let Some((mut stream, writer)) = authenticated else {
         return;
     };
+    // The client proved the key: it may learn why it is refused (and retries).
+    let refuse = |stream: &mut TcpStream, why: String, log: &'static str| {
+        shared.refusals.note(peer.ip(), log);
+        let _ = send(stream, &Reply::Refused(why));
+        let _ = stream.shutdown(Shutdown::Both);
+    };
+    if let Some(rank) = writer {
+        let mut by_rank = shared.rank_clients();
+        let held = by_rank.entry(rank).or_default();
+        if *held >= MAX_CONNECTIONS_PER_RANK {
+            drop(by_rank);
+            let why = format!(
+                "rank {rank} holds {MAX_CONNECTIONS_PER_RANK} connections to the store, the most \
+                 one rank may"
+            );
+            refuse(&mut stream, why, "past its rank's connection limit");
+            return;
+        }
+        *held += 1;
+    }
     let max = shared.max_clients.load(Ordering::Relaxed);
     if shared.clients.fetch_add(1, Ordering::SeqCst) >= max {
         shared.clients.fetch_sub(1, Ordering::SeqCst);
-        shared.refusals.note(peer.ip(), "past the client limit");
-        // The client proved the key: it may learn why.
-        let _ = send(
-            &mut stream,
-            &Reply::Refused(format!(
-                "the store serves at most {max} connections at once"
-            )),
-        );
-        let _ = stream.shutdown(Shutdown::Both);
+        release_rank(shared, writer);
+        let why = format!("the store serves at most {max} connections at once");
+        refuse(&mut stream, why, "past the client limit");
         return;
     }
     if send(&mut stream, &Reply::Ok).is_ok() {
@@ -452,6 +572,60 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Share
         serve_requests(stream, peer, writer, shared);
     }
     shared.clients.fetch_sub(1, Ordering::SeqCst);
+    release_rank(shared, writer);
+}
+
+/// A connection of rank `writer` (with per-rank keys) ended: one fewer counted for it.
+fn release_rank(shared: &Shared, writer: Option<u32>) {
+    let Some(rank) = writer else {
+        return;
+    };
+    let mut by_rank = shared.rank_clients();
+    if let Some(held) = by_rank.get_mut(&rank) {
+        *held -= 1;
+        if *held == 0 {
+            by_rank.remove(&rank);
+        }
+    }
+}
+
+/// Waits until connection `id` from `source` may start its key exchange ([`Throttle::turn`]):
+/// `true` then, `false` if it closed, was cut for a newer one, the store stops, or its turn
+/// is more than [`MAX_TURN_WAIT`] away.
+fn wait_for_turn(stream: &TcpStream, id: u64, source: Source, shared: &Shared) -> bool {
+    let since = Instant::now();
+    if !shared.throttle().queue(source, id, since) {
+        return true;
+    }
+    loop {
+        let now = Instant::now();
+        let wait = match shared.throttle().turn(source, id, now) {
+            Turn::Go => return true,
+            Turn::Wait(wait) => wait,
+        };
+        let gone = shared.shutdown.load(Ordering::SeqCst)
+            || !shared.conns().contains_key(&id)
+            || now.duration_since(since) >= MAX_TURN_WAIT
+            || closed_within(stream, wait.min(TURN_POLL));
+        if gone {
+            shared.throttle().leave(source, id);
+            return false;
+        }
+    }
+}
+
+/// Waits up to `timeout` for `stream` to be closed (by its peer, or shut down here to cut it);
+/// whether it was.
+fn closed_within(stream: &TcpStream, timeout: Duration) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: `pfd` is a valid pollfd for the duration of the call and nfds is 1.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
 fn send(stream: &mut TcpStream, reply: &Reply) -> io::Result<()> {
@@ -522,9 +696,32 @@ fn handshake(
             return None;
         }
     };
+    shared.handshakes().spoke(id);
+    // Each exchange tests one guess of the token: a source whose exchanges failed waits its
+    // turn (never the store's own user on this host).
+    let throttled = shared.source_of(&stream, peer);
+    if let Some(source) = throttled
+        && !wait_for_turn(&stream, id, source, shared)
+    {
+        if shared.conns().contains_key(&id) && !shared.shutdown.load(Ordering::SeqCst) {
+            shared
+                .refusals
+                .note(source.ip(), "waiting past its turn (failed key exchanges)");
+        }
+        // Closed without a word: a client retries within its connect deadline.
+        let _ = stream.shutdown(Shutdown::Both);
+        return None;
+    }
+    let turn = Instant::now();
+    let failed = || {
+        if let Some(source) = throttled {
+            shared.throttle().failed(source, Instant::now());
+        }
+    };
     let context = exchange_context(claimed);
     let (exchange, ours) = Exchange::start(Side::Server, &key, &context);
     let Some(session) = exchange.finish(&theirs) else {
+        failed();
         refuse(&mut stream, "without a proof of the job token");
         return None;
     };
@@ -535,10 +732,9 @@ fn handshake(
     if send(&mut stream, &challenge).is_err() {
         return None;
     }
-    let proof = read_frame(
-        &mut ReadBy::new(&stream, started + HANDSHAKE_TIMEOUT),
-        MAX_HANDSHAKE_FRAME,
-    );
+    // A connection that waited for its turn has its first frame's time for the rest.
+    let proof_by = (started + HANDSHAKE_TIMEOUT).max(turn + FIRST_FRAME_TIMEOUT);
+    let proof = read_frame(&mut ReadBy::new(&stream, proof_by), MAX_HANDSHAKE_FRAME);
     let proven = proof
         .ok()
         .flatten()
@@ -549,6 +745,8 @@ fn handshake(
         .is_some_and(|mac| session.verify(&mac, CLIENT_ROLE, &[]));
     if !proven {
         if !shared.shutdown.load(Ordering::SeqCst) {
+            // The answer to its guess went out with the challenge: counted, however it ends.
+            failed();
             refuse(&mut stream, "without a valid proof of the job token");
         }
         return None;
@@ -566,7 +764,7 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, writer: Option<u32>, 
     let _ = stream.set_write_timeout(Some(DEFAULT_IO_TIMEOUT));
     // Counters to add 1 to when this connection ends, however it ends.
     let mut on_close: Vec<String> = Vec::new();
-    let mut usage = ConnectionUse::default();
+    let mut usage = ConnectionUse::of(writer);
     loop {
         let frame = match read_frame(&mut stream, MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -586,6 +784,13 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, writer: Option<u32>, 
                 tracing::warn!(%peer, "rendezvous store: malformed request from {peer}; closing");
                 let _ = send(&mut stream, &Reply::Error("malformed request".into()));
                 break;
+            }
+            (None, Ok(Request::OnClose { key })) if keys::forward_only(&key) => {
+                Reply::Error(format!(
+                    "{} only moves forward by a compare-and-set; it cannot be counted at a \
+                     connection's end",
+                    super::table::shown(&key)
+                ))
             }
             (None, Ok(Request::OnClose { key })) if on_close.len() < MAX_ON_CLOSE => {
                 match Table::check_key(&key) {
@@ -608,7 +813,7 @@ fn serve_requests(mut stream: TcpStream, peer: SocketAddr, writer: Option<u32>, 
     let _ = stream.shutdown(Shutdown::Both);
     for key in on_close {
         // Counted whatever this connection created: the count is how its end is seen.
-        let _ = shared.lock().add(key, 1, &mut ConnectionUse::default());
+        let _ = shared.lock().add(key, 1, &mut ConnectionUse::of(writer));
         shared.changed.notify_all();
     }
 }
