@@ -1,18 +1,30 @@
 //! Shared-memory byte rings between two ranks of one host.
 //!
 //! One file in `/dev/shm` per pair of ranks holds two single-producer single-consumer rings,
-//! one per direction. The higher rank creates the file, the lower rank maps it during the
-//! handshake, and the creator unlinks it as soon as both have mapped it, so nothing is left
-//! behind even if a rank is killed later.
+//! one per direction. The higher rank creates the file (`/dev/shm/ddp-pg-{pid}-…`, mode 0600),
+//! the lower rank maps it during the handshake, and the creator unlinks it as soon as both have
+//! mapped it, so nothing is left behind even if a rank is killed later. The creator holds the
+//! file as a [`SegmentFile`], which unlinks it when dropped: on every way out of the handshake,
+//! an error or a panic included. Only a process killed between creating a segment and the
+//! peer's reply leaves it behind; the launcher removes a dead rank's segments with
+//! [`remove_segments_of`].
+//!
+//! The lower rank maps a segment only when it is this user's: the path must be a
+//! `/dev/shm/ddp-pg-*` name, the file is opened without following a symbolic link and must be a
+//! regular file owned by this process's effective user, of mode exactly 0600 and of the size its
+//! header gives ([`ShmPair::open`]). The handshake takes an offer only over a Unix socket (a
+//! peer on this host, see `mesh`).
 //!
 //! Each ring is a byte stream: the producer copies into free space and publishes a new `head`,
 //! the consumer reads and publishes a new `tail`. Both positions only grow. Waiting sides park on
 //! a futex (`data_seq` / `space_seq`) after a short spin; the other side wakes them only when a
 //! `*_waiting` flag says somebody sleeps, so the fast path has no system call.
 
+use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -24,6 +36,8 @@ use memmap2::{MmapMut, MmapOptions};
 pub(crate) const RING_CAPACITY: usize = 512 * 1024;
 /// Most bytes moved by one `write`/`read` call, so producer and consumer interleave.
 pub(crate) const MAX_STEP: usize = 64 * 1024;
+/// The largest ring `DDP_SHM_RING_KIB` may ask for, in KiB (1 GiB).
+const MAX_RING_KIB: usize = 1 << 20;
 
 const FILE_MAGIC: u64 = 0x6464_705f_7368_6d31; // "ddp_shm1"
 const FILE_HEADER: usize = 64;
@@ -33,7 +47,7 @@ fn ring_capacity() -> usize {
     std::env::var("DDP_SHM_RING_KIB")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&k| (64..=1 << 20).contains(&k))
+        .filter(|&k| (64..=MAX_RING_KIB).contains(&k))
         .map_or(RING_CAPACITY, |k| k * 1024)
 }
 
@@ -54,6 +68,224 @@ const OFF_CLOSED: usize = 128;
 const SHM_DIR: &str = "/dev/shm";
 /// Prefix of every file this module creates.
 const SHM_PREFIX: &str = "ddp-pg-";
+/// The only mode a segment may have.
+const SEGMENT_MODE: u32 = 0o600;
+
+/// The file name of a segment process `pid` creates for its rank `creator` and the peer `peer`
+/// (`unique` makes it new): `ddp-pg-{pid}-{creator}-{peer}-{unique}`. [`remove_segments_of`]
+/// relies on the `ddp-pg-{pid}-` prefix.
+fn segment_name(pid: u32, creator: usize, peer: usize, unique: &str) -> String {
+    format!("{SHM_PREFIX}{pid}-{creator}-{peer}-{unique}")
+}
+
+/// The prefix of every segment process `pid` creates.
+fn segment_prefix(pid: u32) -> String {
+    format!("{SHM_PREFIX}{pid}-")
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The segments created on this thread (the tests check that none is left behind).
+    static CREATED: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The paths of the segments created on this thread since the last call.
+#[cfg(test)]
+pub(crate) fn created_on_this_thread() -> Vec<PathBuf> {
+    CREATED.with(|c| std::mem::take(&mut *c.borrow_mut()))
+}
+
+/// A segment file this process created: unlinked when dropped (once the peer has mapped it, or
+/// on any failure, a panic included).
+#[derive(Debug)]
+pub(crate) struct SegmentFile {
+    path: PathBuf,
+}
+
+impl SegmentFile {
+    /// Where it is (offered to the peer in the hello).
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SegmentFile {
+    fn drop(&mut self) {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => tracing::debug!(
+                "shared-memory segment {} was already removed",
+                self.path.display()
+            ),
+            Err(e) => tracing::warn!(
+                "could not remove shared-memory segment {}: {e}",
+                self.path.display()
+            ),
+        }
+    }
+}
+
+/// Why a segment offered by a peer is not mapped ([`ShmPair::open`]).
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// The path is not a `/dev/shm/ddp-pg-*` name.
+    NotASegmentPath,
+    /// The path is a symbolic link.
+    SymbolicLink,
+    /// Not a regular file (what it is instead).
+    NotRegular(&'static str),
+    /// Owned by another user.
+    Owner {
+        /// The file's owner.
+        owner: u32,
+        /// This process's effective user.
+        me: u32,
+    },
+    /// A mode other than 0600 (its permission bits).
+    Mode(u32),
+    /// A size no segment has.
+    Size(u64),
+    /// Not laid out as this version lays out a segment.
+    Layout,
+    /// It could not be opened, examined or mapped.
+    Io(io::Error),
+}
+
+/// A segment offered by a peer that was not mapped: its path and why.
+#[derive(Debug)]
+pub(crate) struct OpenError {
+    /// The path offered.
+    pub path: String,
+    /// What is wrong with it.
+    pub refusal: Refusal,
+}
+
+impl fmt::Display for OpenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shared-memory segment {:?}: ", self.path)?;
+        match &self.refusal {
+            Refusal::NotASegmentPath => write!(f, "not a {SHM_DIR}/{SHM_PREFIX}* path"),
+            Refusal::SymbolicLink => write!(f, "a symbolic link (not followed)"),
+            Refusal::NotRegular(what) => write!(f, "not a regular file but {what}"),
+            Refusal::Owner { owner, me } => {
+                write!(f, "owned by uid {owner}, not by this user (uid {me})")
+            }
+            Refusal::Mode(mode) => write!(f, "mode {mode:04o}, not {SEGMENT_MODE:04o}"),
+            Refusal::Size(size) => write!(f, "{size} bytes, no segment's size"),
+            Refusal::Layout => {
+                write!(f, "a different layout (another ddp-comm version?)")
+            }
+            Refusal::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for OpenError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.refusal {
+            Refusal::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// What a file of type `t` is, for messages.
+fn describe(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// This process's effective user.
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Removes the shared-memory segments process `pid` created (`/dev/shm/ddp-pg-{pid}-*`) and
+/// returns how many it removed.
+///
+/// For the launcher, once it has reaped a rank: a rank unlinks its segments itself on every way
+/// out of its handshake, but one killed in the middle of a handshake leaves those it created
+/// behind, and only this removes them. Call it only for a process that has exited (it removes
+/// the segments of a live one too, breaking its handshake).
+///
+/// Only regular files owned by this process's effective user are removed; symbolic links
+/// (never followed), directories and other users' files are left alone. An entry that vanishes
+/// meanwhile is skipped. The first other error is returned, naming the path, after every other
+/// entry has been tried; no `/dev/shm` at all is `Ok(0)`.
+pub fn remove_segments_of(pid: u32) -> io::Result<usize> {
+    remove_segments_in(Path::new(SHM_DIR), pid)
+}
+
+/// [`remove_segments_of`] in the directory `dir`.
+fn remove_segments_in(dir: &Path, pid: u32) -> io::Result<usize> {
+    let named =
+        |path: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(named(dir, e)),
+    };
+    let (prefix, me) = (segment_prefix(pid), euid());
+    let (mut removed, mut first_error) = (0, None);
+    for entry in entries {
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(e) => {
+                first_error.get_or_insert(named(dir, e));
+                continue;
+            }
+        };
+        if !entry.file_name().as_bytes().starts_with(prefix.as_bytes()) {
+            continue;
+        }
+        let path = entry.path();
+        // lstat: a symbolic link is looked at, not followed.
+        let meta = match std::fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                first_error.get_or_insert(named(&path, e));
+                continue;
+            }
+        };
+        if !meta.file_type().is_file() || meta.uid() != me {
+            tracing::debug!(
+                "left {} alone: {}, owner uid {}",
+                path.display(),
+                describe(meta.file_type()),
+                meta.uid()
+            );
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                tracing::debug!("removed {} (process {pid} has exited)", path.display());
+                removed += 1;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                first_error.get_or_insert(named(&path, e));
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(removed),
+    }
+}
 
 /// One direction of a pair: a view into the mapping.
 struct Ring {
@@ -134,83 +366,100 @@ pub(crate) enum Avail {
 }
 
 impl ShmPair {
-    /// Creates a new segment for the pair (`creator` → `peer`); returns it with its path.
-    pub(crate) fn create(creator: usize, peer: usize) -> io::Result<(Self, PathBuf)> {
+    /// Creates a new segment for the pair (`creator` → `peer`); returns it with its file,
+    /// which unlinks it when dropped.
+    pub(crate) fn create(creator: usize, peer: usize) -> io::Result<(Self, SegmentFile)> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let name = format!(
-            "{SHM_PREFIX}{}-{creator}-{peer}-{nanos:08x}{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        );
+        let unique = format!("{nanos:08x}{:08x}", rand::random::<u32>());
+        let name = segment_name(std::process::id(), creator, peer, &unique);
         let path = Path::new(SHM_DIR).join(name);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(SEGMENT_MODE)
             .open(&path)?;
+        #[cfg(test)]
+        CREATED.with(|c| c.borrow_mut().push(path.clone()));
         let cap = ring_capacity();
         let setup = || -> io::Result<MmapMut> {
+            // Exactly 0600 whatever the umask (the peer refuses any other mode).
+            file.set_permissions(std::fs::Permissions::from_mode(SEGMENT_MODE))?;
             file.set_len(file_bytes(cap) as u64)?;
             let mut map = map_file(&file, file_bytes(cap))?;
             map[..8].copy_from_slice(&FILE_MAGIC.to_le_bytes());
             map[8..16].copy_from_slice(&(cap as u64).to_le_bytes());
             Ok(map)
         };
-        match setup() {
-            // The creator produces into ring 0 and consumes from ring 1.
-            Ok(map) => Ok((Self::from_map(map, 0, cap), path)),
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                Err(e)
-            }
-        }
+        // From here on the file is removed when `segment` drops, a failed setup included.
+        let segment = SegmentFile { path };
+        // The creator produces into ring 0 and consumes from ring 1.
+        Ok((Self::from_map(setup()?, 0, cap), segment))
     }
 
-    /// Maps a segment created by the peer (the path came over the authenticated handshake).
-    pub(crate) fn open(path: &str) -> io::Result<Self> {
+    /// Maps a segment created by the peer (the path came over the authenticated handshake, on
+    /// this host's Unix socket) if it is this user's own: a `/dev/shm/ddp-pg-*` path, opened
+    /// without following a symbolic link, a regular file owned by this process's effective
+    /// user, of mode exactly 0600, of the size its header gives. Refused otherwise, saying why.
+    pub(crate) fn open(path: &str) -> Result<Self, OpenError> {
+        let refused = |refusal| OpenError {
+            path: path.to_string(),
+            refusal,
+        };
         let p = Path::new(path);
         let valid = p.parent() == Some(Path::new(SHM_DIR))
             && p.file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with(SHM_PREFIX) && !n.contains(".."));
         if !valid {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("not a process-group segment: {path}"),
-            ));
+            return Err(refused(Refusal::NotASegmentPath));
         }
-        let file = OpenOptions::new().read(true).write(true).open(p)?;
-        let size = file.metadata()?.len() as usize;
-        if size < FILE_HEADER {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "shared-memory segment is too small",
-            ));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            // No symbolic link, and no wait on a FIFO put in its place.
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(p)
+            .map_err(|e| {
+                refused(match e.raw_os_error() {
+                    Some(libc::ELOOP) => Refusal::SymbolicLink,
+                    Some(libc::EISDIR) => Refusal::NotRegular("a directory"),
+                    _ => Refusal::Io(e),
+                })
+            })?;
+        // fstat of what was opened: no path is looked up again.
+        let meta = file.metadata().map_err(|e| refused(Refusal::Io(e)))?;
+        if !meta.file_type().is_file() {
+            return Err(refused(Refusal::NotRegular(describe(meta.file_type()))));
         }
-        let map = map_file(&file, size)?;
+        let me = euid();
+        if meta.uid() != me {
+            return Err(refused(Refusal::Owner {
+                owner: meta.uid(),
+                me,
+            }));
+        }
+        if meta.mode() & 0o7777 != SEGMENT_MODE {
+            return Err(refused(Refusal::Mode(meta.mode() & 0o7777)));
+        }
+        let size = meta.len();
+        if size < FILE_HEADER as u64 || size > file_bytes(MAX_RING_KIB * 1024) as u64 {
+            return Err(refused(Refusal::Size(size)));
+        }
+        let size = size as usize;
+        let map = map_file(&file, size).map_err(|e| refused(Refusal::Io(e)))?;
         let magic = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
         let cap = u64::from_le_bytes(map[8..16].try_into().expect("8 bytes")) as usize;
-        if magic != FILE_MAGIC || !cap.is_multiple_of(8) || cap == 0 || file_bytes(cap) != size {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "shared-memory segment has a different layout (another ddp-comm version?)",
-            ));
+        if magic != FILE_MAGIC || !cap.is_multiple_of(8) || cap == 0 {
+            return Err(refused(Refusal::Layout));
+        }
+        if cap > MAX_RING_KIB * 1024 || file_bytes(cap) != size {
+            return Err(refused(Refusal::Size(size as u64)));
         }
         Ok(Self::from_map(map, 1, cap))
-    }
-
-    /// Removes a segment file (after both sides mapped it, or on failure).
-    pub(crate) fn unlink(path: &Path) {
-        if let Err(e) = std::fs::remove_file(path) {
-            tracing::warn!(
-                "could not remove shared-memory segment {}: {e}",
-                path.display()
-            );
-        }
     }
 
     fn from_map(mut map: MmapMut, tx_index: usize, cap: usize) -> Self {
@@ -391,9 +640,10 @@ mod tests {
 
     #[test]
     fn stream_through_a_pair_across_threads() {
-        let (a, path) = ShmPair::create(1, 0).unwrap();
+        let (a, file) = ShmPair::create(1, 0).unwrap();
+        let path = file.path().to_path_buf();
         let b = ShmPair::open(path.to_str().unwrap()).unwrap();
-        ShmPair::unlink(&path);
+        drop(file);
         assert!(!path.exists());
         let total = 3 * RING_CAPACITY + 12345;
         let data: Vec<u8> = (0..total).map(|i| (i * 7 % 251) as u8).collect();
@@ -429,7 +679,212 @@ mod tests {
 
     #[test]
     fn refuses_foreign_paths() {
-        assert!(ShmPair::open("/etc/passwd").is_err());
-        assert!(ShmPair::open("/dev/shm/../etc/passwd").is_err());
+        for path in ["/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/other"] {
+            let e = ShmPair::open(path).err().expect(path);
+            assert!(matches!(e.refusal, Refusal::NotASegmentPath), "{path}: {e}");
+            assert!(e.to_string().contains(path), "{e}");
+        }
+    }
+
+    /// A fresh name under `/dev/shm` with this process's segment prefix.
+    fn scratch_name(what: &str) -> PathBuf {
+        Path::new(SHM_DIR).join(segment_name(
+            std::process::id(),
+            9,
+            9,
+            &format!("{what}-{:016x}", rand::random::<u64>()),
+        ))
+    }
+
+    /// Removes what a test put under `/dev/shm`, whatever it is.
+    struct Scratch(Vec<PathBuf>);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = std::fs::remove_file(p).or_else(|_| std::fs::remove_dir(p));
+            }
+        }
+    }
+
+    /// Running as root (as CI runs): a file of user `nobody`; else `None` (no other user can
+    /// own a file this process makes).
+    fn chown_to_nobody(path: &Path) -> Option<()> {
+        if euid() != 0 {
+            return None;
+        }
+        std::os::unix::fs::lchown(path, Some(65534), Some(65534)).unwrap();
+        Some(())
+    }
+
+    fn refusal_of(path: &Path) -> Refusal {
+        match ShmPair::open(path.to_str().unwrap()) {
+            Ok(_) => panic!("{} was mapped", path.display()),
+            Err(e) => {
+                assert!(
+                    e.to_string().contains(path.to_str().unwrap()),
+                    "the error names the path: {e}"
+                );
+                e.refusal
+            }
+        }
+    }
+
+    /// A segment is mapped only when it is this user's own regular file of mode 0600: a
+    /// symbolic link (to a valid segment), a file of mode 0644, a directory and (as root) a
+    /// file of another user are each refused, saying why; the segment itself is accepted.
+    #[test]
+    fn only_this_users_own_segment_of_mode_0600_is_opened() {
+        let (_creator, file) = ShmPair::create(9, 9).unwrap();
+        let segment = file.path().to_path_buf();
+        let mut scratch = Scratch(Vec::new());
+
+        // The segment as created: accepted.
+        let meta = std::fs::metadata(&segment).unwrap();
+        assert_eq!(meta.mode() & 0o7777, 0o600);
+        ShmPair::open(segment.to_str().unwrap()).expect("our own segment is mapped");
+
+        // A symbolic link to it, under a valid name: not followed.
+        let link = scratch_name("link");
+        scratch.0.push(link.clone());
+        std::os::unix::fs::symlink(&segment, &link).unwrap();
+        assert!(matches!(refusal_of(&link), Refusal::SymbolicLink));
+
+        // A directory.
+        let dir = scratch_name("dir");
+        scratch.0.push(dir.clone());
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let r = refusal_of(&dir);
+        assert!(matches!(r, Refusal::NotRegular("a directory")), "{r:?}");
+
+        // A copy of the segment, ours, of mode 0644 (or 0640, 0606, 0700).
+        let copy = scratch_name("mode");
+        scratch.0.push(copy.clone());
+        std::fs::copy(&segment, &copy).unwrap();
+        for mode in [0o644, 0o640, 0o606, 0o700, 0o4600] {
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(mode)).unwrap();
+            let r = refusal_of(&copy);
+            assert!(
+                matches!(r, Refusal::Mode(m) if m == mode),
+                "{mode:o}: {r:?}"
+            );
+        }
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o600)).unwrap();
+        ShmPair::open(copy.to_str().unwrap()).expect("the copy at 0600 is mapped");
+
+        // Of the wrong size for its header.
+        let f = OpenOptions::new().write(true).open(&copy).unwrap();
+        f.set_len(std::fs::metadata(&copy).unwrap().len() - 8)
+            .unwrap();
+        let r = refusal_of(&copy);
+        assert!(matches!(r, Refusal::Size(_)), "{r:?}");
+
+        // Of another user, mode 0600.
+        let foreign = scratch_name("owner");
+        scratch.0.push(foreign.clone());
+        std::fs::copy(&segment, &foreign).unwrap();
+        std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o600)).unwrap();
+        if chown_to_nobody(&foreign).is_some() {
+            let r = refusal_of(&foreign);
+            assert!(
+                matches!(
+                    r,
+                    Refusal::Owner {
+                        owner: 65534,
+                        me: 0
+                    }
+                ),
+                "{r:?}"
+            );
+        } else {
+            // Not root: no file of another user can be made here; the owner check is the
+            // same comparison of `st_uid` with the effective user as the mode's.
+            eprintln!("not root: the case of another user's file is skipped");
+        }
+    }
+
+    /// A fake pid no process can have (Linux pids stay below 2^22), fresh for each test.
+    fn fake_pid() -> u32 {
+        4_000_000_000 + rand::random::<u32>() % 100_000_000
+    }
+
+    /// `remove_segments_of(pid)` removes that process's segments (regular files of this user
+    /// named `ddp-pg-{pid}-…`) and nothing else: not another pid's, not one whose pid only
+    /// starts alike, not a symbolic link (nor what it points to), not a directory, not (as
+    /// root) another user's file.
+    #[test]
+    fn the_segments_of_a_dead_process_are_removed_and_nothing_else() {
+        let pid = fake_pid();
+        let dir = Path::new(SHM_DIR);
+        let at = |name: String| dir.join(name);
+        let make = |p: &Path| {
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(SEGMENT_MODE)
+                .open(p)
+                .unwrap();
+        };
+        let ours = [
+            at(segment_name(pid, 1, 0, "0123456789abcdef")),
+            at(segment_name(pid, 3, 2, "fedcba9876543210")),
+        ];
+        for p in &ours {
+            make(p);
+        }
+        let target = at(segment_name(pid + 1, 1, 0, "target"));
+        let mut kept = vec![
+            at(segment_name(pid + 1, 1, 0, "other-pid")),
+            at(format!("{SHM_PREFIX}{pid}0-1-0-longer-pid")),
+            target.clone(),
+        ];
+        for p in &kept {
+            make(p);
+        }
+        let link = at(segment_name(pid, 1, 0, "link"));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let subdir = at(segment_name(pid, 1, 0, "dir"));
+        std::fs::create_dir(&subdir).unwrap();
+        kept.extend([link.clone(), subdir.clone()]);
+        let foreign = at(segment_name(pid, 1, 0, "nobody"));
+        make(&foreign);
+        if chown_to_nobody(&foreign).is_some() {
+            kept.push(foreign.clone());
+        } else {
+            // Not root: no file of another user can be made here.
+            eprintln!("not root: the case of another user's file is skipped");
+            std::fs::remove_file(&foreign).unwrap();
+        }
+        let _scratch = Scratch(ours.iter().chain(&kept).cloned().collect());
+
+        let removed = remove_segments_of(pid).unwrap();
+        for p in &ours {
+            assert!(!p.exists(), "{} left behind", p.display());
+        }
+        for p in &kept {
+            assert!(
+                std::fs::symlink_metadata(p).is_ok(),
+                "{} was removed",
+                p.display()
+            );
+        }
+        assert_eq!(removed, ours.len());
+        assert_eq!(
+            remove_segments_of(pid).unwrap(),
+            0,
+            "nothing left to remove"
+        );
+    }
+
+    /// A directory that does not exist holds no segment; one that cannot be read is an error
+    /// naming it.
+    #[test]
+    fn removing_in_a_missing_directory_removes_nothing() {
+        let missing = Path::new("/nonexistent-ddp-comm-shm");
+        assert_eq!(remove_segments_in(missing, 1).unwrap(), 0);
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let e = remove_segments_in(file.path(), 1).unwrap_err();
+        assert!(e.to_string().contains(file.path().to_str().unwrap()), "{e}");
     }
 }
