@@ -97,10 +97,23 @@ fn private_dir(base: &Path) -> io::Result<tempfile::TempDir> {
     Ok(dir)
 }
 
-/// Connects to the local socket at `path`, retrying until `deadline`. `NotFound` at once: no
-/// such socket on this host (the peer is on another host with an equal host identity).
-pub(crate) fn connect(path: &Path, deadline: Instant) -> io::Result<UnixStream> {
+/// How long a peer's published listener (its Unix socket, or its TCP port) may refuse
+/// connections before the peer counts as gone: it bound the listener before publishing it, so
+/// a refusal means it closed it (it died, or left for a later generation); a moment's grace
+/// covers a full backlog.
+pub(crate) const REFUSED_GRACE: Duration = Duration::from_millis(500);
+
+/// Connects to the local socket at `path`, retrying until `deadline` (or until `superseded`
+/// says the group moved on). `NotFound` at once: no such socket on this host (the peer is on
+/// another host with an equal host identity); `ConnectionRefused` once nobody listened there
+/// for [`REFUSED_GRACE`].
+pub(crate) fn connect(
+    path: &Path,
+    deadline: Instant,
+    superseded: &dyn Fn() -> bool,
+) -> io::Result<UnixStream> {
     let addr = socket2::SockAddr::unix(path)?;
+    let mut refused_since: Option<Instant> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let attempt = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)
@@ -117,8 +130,20 @@ pub(crate) fn connect(path: &Path, deadline: Instant) -> io::Result<UnixStream> 
             Err(e) if Instant::now() >= deadline => {
                 return Err(io::Error::new(io::ErrorKind::TimedOut, e));
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            // Nobody listens there any more: the peer closed its socket (it died, or left
+            // for a later generation of the group).
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                let since = *refused_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= REFUSED_GRACE {
+                    return Err(e);
+                }
+            }
+            Err(_) => refused_since = None,
         }
+        if superseded() {
+            return Err(io::ErrorKind::Interrupted.into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -136,7 +161,7 @@ mod tests {
         // SAFETY: no preconditions.
         assert_eq!(meta.uid(), unsafe { libc::geteuid() });
         let deadline = Instant::now() + Duration::from_secs(5);
-        let mut c = connect(l.path(), deadline).unwrap();
+        let mut c = connect(l.path(), deadline, &|| false).unwrap();
         c.write_all(b"hi").unwrap();
         let mut a = loop {
             match l.accept() {
@@ -162,6 +187,7 @@ mod tests {
         let e = connect(
             Path::new("/nonexistent-ddp-comm-dir/peers.sock"),
             started + Duration::from_secs(10),
+            &|| false,
         )
         .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);

@@ -17,20 +17,24 @@
 //! A rank connects to a peer on the same host through the Unix socket the peer published (in a
 //! directory only the job's user can enter, see [`super::local_socket`]), to one on another
 //! host over TCP.
-//! For a peer on the same host the connector creates a shared-memory segment and names it in
-//! the hello; the acceptor maps it and says so in its reply; the connector then unlinks it.
+//! For a peer it reaches through the Unix socket the connector creates a shared-memory segment
+//! and names it in the hello; the acceptor maps it (only from a hello that came on its Unix
+//! socket, and only a segment of this user's, see [`ShmPair::open`]) and says so in its reply;
+//! the connector then unlinks it. The connector holds each segment it created as a
+//! [`SegmentFile`] until then, so every way out of [`establish`] (an error at any stage, a
+//! timeout, a group that moved on, a panic) unlinks them too.
 //! Hellos and replies are frames of the crate's codec ([`crate::wire`]).
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::hello_readers::HelloReaders;
 use super::link::Link;
 use super::local_socket::{self, LocalListener};
 use super::peer_stream::PeerStream;
-use super::shm::ShmPair;
+use super::shm::{SegmentFile, ShmPair};
 use crate::auth::{self, Identity};
 use crate::error::{CommError, Result};
 use crate::refusals::{RefusalLog, Source};
@@ -145,9 +149,9 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-/// A connection to a lower rank awaiting its reply, with the segment offered to it and the
-/// hello sent.
-type Outgoing = (usize, PeerStream, Option<(ShmPair, PathBuf)>, Hello);
+/// A connection to a lower rank awaiting its reply, with the segment offered to it (its file
+/// unlinked when dropped) and the hello sent.
+type Outgoing = (usize, PeerStream, Option<(ShmPair, SegmentFile)>, Hello);
 
 /// Settings for [`establish`].
 pub(crate) struct MeshConfig<'a> {
@@ -336,53 +340,27 @@ fn read_hello(mut s: &mut dyn io::Read) -> io::Result<Hello> {
 /// Connects this rank to every other rank. `infos[r]` is rank `r`'s published info; the
 /// ranks above it connect to `listener` (from other hosts) or `local` (from this host). `local`
 /// is closed and its directory removed on return.
+///
+/// `superseded` is asked while this rank waits (to connect, for a peer to connect): once it
+/// says yes (the group moved on to a later generation), the handshake is given up with an
+/// error and the caller forms the later one.
 pub(crate) fn establish(
     cfg: &MeshConfig<'_>,
     listener: TcpListener,
     local: Option<LocalListener>,
     infos: &[PeerInfo],
+    superseded: &dyn Fn() -> bool,
 ) -> Result<Vec<Option<Link>>> {
     let (rank, world) = (cfg.rank, cfg.world);
     let my_host = &infos[rank].host;
 
-    // 1. Hellos to every lower rank.
+    // 1. Hellos to every lower rank. The segments offered are unlinked when `outgoing` drops,
+    // on any early return below too.
     let mut outgoing: Vec<Outgoing> = Vec::new();
     for (peer, info) in infos.iter().enumerate().take(rank) {
         let same_host = info.host == *my_host;
-        let mut s = connect(cfg, peer, info, same_host)?;
-        let op = || format!("rendezvous: connecting to rank {peer} at {}", info.addr);
-        let shm = if cfg.shared_memory && same_host {
-            match ShmPair::create(rank, peer) {
-                Ok(x) => Some(x),
-                Err(e) => {
-                    tracing::warn!(
-                        "rank {rank}: no shared memory with rank {peer} ({e}); using TCP"
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let hello = Hello::new(
-            cfg.identity,
-            rank,
-            world,
-            shm.as_ref()
-                .map(|(_, p)| p.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            &info.nonce,
-        );
-        let sent = s
-            .set_write_timeout(Some(left(cfg.deadline)))
-            .and_then(|()| write_handshake(&mut s, &hello.encode()));
-        if let Err(e) = sent {
-            if let Some((_, p)) = &shm {
-                ShmPair::unlink(p);
-            }
-            return Err(CommError::io(op(), Some(peer), e));
-        }
-        outgoing.push((peer, s, shm, hello));
+        let s = connect(cfg, peer, info, same_host, superseded)?;
+        outgoing.push(send_hello(cfg, peer, info, s)?);
     }
 
     // 2. Accept every higher rank. Each connection's hello is read on a thread of its own
@@ -417,13 +395,20 @@ pub(crate) fn establish(
                 let peer = hello.rank;
                 let shm = if hello.shm_path.is_empty() || !cfg.shared_memory {
                     None
+                } else if !s.is_local() {
+                    // Only a peer on this host, on the Unix socket only this user can open,
+                    // may put a file in the data path (rank `peer` offers none over TCP).
+                    tracing::warn!(
+                        "rank {rank}: ignoring the shared-memory segment {:?} offered by rank {peer} over TCP (only a hello on this host's Unix socket may offer one); using the stream",
+                        hello.shm_path
+                    );
+                    None
                 } else {
                     match ShmPair::open(&hello.shm_path) {
                         Ok(p) => Some(p),
                         Err(e) => {
                             tracing::warn!(
-                                "rank {rank}: cannot map rank {peer}'s segment {} ({e}); using TCP",
-                                hello.shm_path
+                                "rank {rank}: not mapping rank {peer}'s segment: {e}; using the Unix socket"
                             );
                             None
                         }
@@ -454,6 +439,9 @@ pub(crate) fn establish(
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if superseded() {
+                        return Err(given_up(cfg, &pending));
+                    }
                     if Instant::now() >= cfg.deadline {
                         return Err(CommError::Timeout {
                             op: format!(
@@ -477,12 +465,12 @@ pub(crate) fn establish(
     drop(local);
     result?;
 
-    // 3. Replies from the lower ranks.
+    // 3. Replies from the lower ranks. Each segment is unlinked once its reply came (the peer
+    // mapped it, or never will); those of the replies still to read, when one fails, as the
+    // rest of `outgoing` drops.
     for (peer, s, shm, hello) in outgoing {
         let got = read_handshake(&mut ReadBy::new(&s, cfg.deadline));
-        if let Some((_, p)) = &shm {
-            ShmPair::unlink(p);
-        }
+        let shm = shm.map(|(pair, _file)| pair);
         let op = || format!("rendezvous: handshake with rank {peer}");
         let reply = match got {
             Ok(frame) => decode_reply(&frame).ok_or_else(|| {
@@ -531,13 +519,69 @@ pub(crate) fn establish(
                 )));
             }
         }
-        let shm = if reply.shm { shm.map(|(p, _)| p) } else { None };
+        let shm = if reply.shm { shm } else { None };
         links[peer] = Some(
             Link::new(s, shm)
                 .map_err(|e| CommError::io("rendezvous: socket setup", Some(peer), e))?,
         );
     }
     Ok(links)
+}
+
+/// Sends this rank's hello to `peer` over `s`. A peer reached through its Unix socket (on this
+/// host) is offered a new shared-memory segment when shared memory is on; a peer reached over
+/// TCP never is. On an error the segment is unlinked (its [`SegmentFile`] drops here); else it
+/// is returned with the stream, for the reply.
+fn send_hello(
+    cfg: &MeshConfig<'_>,
+    peer: usize,
+    info: &PeerInfo,
+    mut s: PeerStream,
+) -> Result<Outgoing> {
+    let rank = cfg.rank;
+    let shm = if cfg.shared_memory && s.is_local() {
+        match ShmPair::create(rank, peer) {
+            Ok(x) => Some(x),
+            Err(e) => {
+                tracing::warn!(
+                    "rank {rank}: no shared memory with rank {peer} ({e}); using the Unix socket"
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let hello = Hello::new(
+        cfg.identity,
+        rank,
+        cfg.world,
+        shm.as_ref()
+            .map(|(_, f)| f.path().to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        &info.nonce,
+    );
+    s.set_write_timeout(Some(left(cfg.deadline)))
+        .and_then(|()| write_handshake(&mut s, &hello.encode()))
+        .map_err(|e| {
+            let op = format!("rendezvous: connecting to rank {peer} at {}", info.addr);
+            CommError::io(op, Some(peer), e)
+        })?;
+    Ok((peer, s, shm, hello))
+}
+
+/// The error of a handshake given up for a later generation, while `pending` had not
+/// connected.
+fn given_up(cfg: &MeshConfig<'_>, pending: &[usize]) -> CommError {
+    CommError::Io {
+        op: format!(
+            "rendezvous: the group moved on to a later generation while rank(s) {} had not connected to rank {}",
+            list(pending),
+            cfg.rank
+        ),
+        peer: pending.first().copied(),
+        source: io::ErrorKind::Interrupted.into(),
+    }
 }
 
 /// Why `hello` is refused (a reply code), if it is: a rank not awaited, or not signed by the
@@ -575,6 +619,7 @@ fn connect(
     peer: usize,
     info: &PeerInfo,
     same_host: bool,
+    superseded: &dyn Fn() -> bool,
 ) -> Result<PeerStream> {
     let timed_out = |op: String| CommError::Timeout {
         op,
@@ -583,7 +628,7 @@ fn connect(
     };
     if same_host && !info.socket.is_empty() {
         let op = || format!("rendezvous: connecting to rank {peer} at {}", info.socket);
-        match local_socket::connect(Path::new(&info.socket), cfg.deadline) {
+        match local_socket::connect(Path::new(&info.socket), cfg.deadline, superseded) {
             Ok(s) => return Ok(PeerStream::Local(s)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => tracing::warn!(
                 "rank {}: rank {peer}'s socket {} is not on this machine (equal DDP_HOST_ID on two hosts?); using TCP",
@@ -595,7 +640,7 @@ fn connect(
         }
     }
     let op = || format!("rendezvous: connecting to rank {peer} at {}", info.addr);
-    connect_retry(info.addr, cfg.deadline)
+    connect_retry(info.addr, cfg.deadline, superseded)
         .map(PeerStream::Tcp)
         .map_err(|e| {
             if e.kind() == io::ErrorKind::TimedOut {
@@ -606,15 +651,30 @@ fn connect(
         })
 }
 
-fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
+fn connect_retry(
+    addr: SocketAddr,
+    deadline: Instant,
+    superseded: &dyn Fn() -> bool,
+) -> io::Result<TcpStream> {
+    let mut refused_since: Option<Instant> = None;
     loop {
         match TcpStream::connect_timeout(&addr, left(deadline).min(Duration::from_secs(5))) {
             Ok(s) => return Ok(s),
             Err(e) if Instant::now() >= deadline => {
                 return Err(io::Error::new(io::ErrorKind::TimedOut, e));
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                let since = *refused_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= local_socket::REFUSED_GRACE {
+                    return Err(e);
+                }
+            }
+            Err(_) => refused_since = None,
         }
+        if superseded() {
+            return Err(io::ErrorKind::Interrupted.into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -625,4 +685,349 @@ pub(crate) fn list(ranks: &[usize]) -> String {
         .map(|r| r.to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// The shared-memory side of the handshake: no segment outlives [`establish`] whatever stage
+/// it fails at, and a segment is taken only from a hello on this host's Unix socket.
+#[cfg(test)]
+mod shm_tests {
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::group::local_socket::LocalListener;
+    use crate::group::shm::created_on_this_thread;
+
+    /// Long enough for anything a loaded machine does in these tests; reached only on failure.
+    const GENEROUS: Duration = Duration::from_secs(30);
+    /// A deadline the tests that time out wait for.
+    const SHORT: Duration = Duration::from_millis(300);
+
+    /// A lower rank on this host: it listens on its Unix socket (connections wait in the
+    /// backlog) and answers only what the test makes it answer.
+    struct Lower {
+        listener: UnixListener,
+        socket: PathBuf,
+        _dir: tempfile::TempDir,
+        identity: Identity,
+        nonce: [u8; auth::LEN],
+    }
+
+    impl Lower {
+        fn new() -> Lower {
+            let dir = tempfile::tempdir().unwrap();
+            let socket = dir.path().join("peers.sock");
+            let listener = UnixListener::bind(&socket).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            Lower {
+                listener,
+                socket,
+                _dir: dir,
+                identity: Identity::generate(),
+                nonce: auth::nonce(),
+            }
+        }
+
+        fn info(&self) -> PeerInfo {
+            info(&self.socket, &self.identity, self.nonce)
+        }
+
+        /// The next connection and the hello on it.
+        fn hello(&self) -> (UnixStream, Hello) {
+            let until = Instant::now() + GENEROUS;
+            let s = loop {
+                match self.listener.accept() {
+                    Ok((s, _)) => break s,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        assert!(Instant::now() < until, "nobody connected");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            };
+            s.set_nonblocking(false).unwrap();
+            s.set_read_timeout(Some(GENEROUS)).unwrap();
+            let hello = Hello::decode(&read_handshake(&mut &s).unwrap()).unwrap();
+            (s, hello)
+        }
+    }
+
+    /// Rank info on this host ("host") with the Unix socket `socket` (none for "").
+    fn info(socket: &Path, identity: &Identity, nonce: [u8; auth::LEN]) -> PeerInfo {
+        PeerInfo {
+            // Never dialled: the peers of these tests are reached by their sockets.
+            addr: "127.0.0.1:9".parse().unwrap(),
+            host: "host".into(),
+            socket: socket.to_string_lossy().into_owned(),
+            nonce,
+            identity: identity.public(),
+        }
+    }
+
+    /// A lower rank whose socket nobody listens on any more (it died or moved on): connecting
+    /// is refused.
+    fn gone() -> (PeerInfo, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("peers.sock");
+        drop(UnixListener::bind(&socket).unwrap());
+        (info(&socket, &Identity::generate(), auth::nonce()), dir)
+    }
+
+    /// The rank under test.
+    struct Me {
+        identity: Identity,
+        listener: TcpListener,
+        nonce: [u8; auth::LEN],
+    }
+
+    impl Me {
+        fn new() -> Me {
+            Me {
+                identity: Identity::generate(),
+                listener: TcpListener::bind("127.0.0.1:0").unwrap(),
+                nonce: auth::nonce(),
+            }
+        }
+
+        fn info(&self) -> PeerInfo {
+            let mut i = info(Path::new(""), &self.identity, self.nonce);
+            i.addr = self.listener.local_addr().unwrap();
+            i
+        }
+
+        /// Runs [`establish`] as `rank` on this thread until `within`; returns its outcome
+        /// (the links made) and the segments it created.
+        fn establish(
+            self,
+            rank: usize,
+            infos: &[PeerInfo],
+            within: Duration,
+            superseded: &dyn Fn() -> bool,
+        ) -> (Result<usize>, Vec<PathBuf>) {
+            created_on_this_thread();
+            let started = Instant::now();
+            let cfg = MeshConfig {
+                rank,
+                world: infos.len(),
+                identity: &self.identity,
+                nonce: self.nonce,
+                shared_memory: true,
+                deadline: started + within,
+                started,
+            };
+            let got = establish(&cfg, self.listener, None, infos, superseded)
+                .map(|links| links.iter().flatten().count());
+            (got, created_on_this_thread())
+        }
+    }
+
+    /// Each segment offered in `hellos` was created by the rank under test (`created`), and
+    /// none of those it created is left in `/dev/shm`. (Only these paths are checked: other
+    /// tests of this process create `ddp-pg-{pid}-…` segments at the same time.)
+    fn assert_none_left(created: &[PathBuf], hellos: &[&Hello]) {
+        assert!(
+            !created.is_empty(),
+            "no segment was created: the stage under test was not reached"
+        );
+        for h in hellos {
+            assert!(
+                created.contains(&PathBuf::from(&h.shm_path)),
+                "the hello offered {:?}, not one of {created:?}",
+                h.shm_path
+            );
+        }
+        let prefix = format!("/dev/shm/ddp-pg-{}-", std::process::id());
+        for p in created {
+            assert!(p.to_string_lossy().starts_with(&prefix), "{}", p.display());
+            match std::fs::symlink_metadata(p) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                other => panic!("{} left behind ({other:?})", p.display()),
+            }
+        }
+    }
+
+    /// Stage: a segment created, its hello not sent (the peer's end is closed).
+    #[test]
+    fn a_hello_that_cannot_be_sent_leaves_no_segment() {
+        let lower = Lower::new();
+        let me = Me::new();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        drop(theirs);
+        created_on_this_thread();
+        let now = Instant::now();
+        let cfg = MeshConfig {
+            rank: 1,
+            world: 2,
+            identity: &me.identity,
+            nonce: me.nonce,
+            shared_memory: true,
+            deadline: now + GENEROUS,
+            started: now,
+        };
+        let e = send_hello(&cfg, 0, &lower.info(), PeerStream::Local(ours))
+            .err()
+            .expect("the hello cannot be sent");
+        assert!(e.to_string().contains("rank 0"), "{e}");
+        assert_none_left(&created_on_this_thread(), &[]);
+    }
+
+    /// Stage: the hello (with its segment) sent to rank 0, its reply not read, when the
+    /// connection to rank 1 fails: rank 1 is gone (its socket refuses), or the group moved on
+    /// while rank 2 waited for it.
+    #[test]
+    fn a_failed_connect_after_an_offer_leaves_no_segment() {
+        for moved_on in [false, true] {
+            let zero = Lower::new();
+            let (one, _dir) = gone();
+            let me = Me::new();
+            let infos = [zero.info(), one, me.info()];
+            let (got, created) = me.establish(2, &infos, GENEROUS, &|| moved_on);
+            let e = got.expect_err("rank 1 is gone");
+            assert!(e.to_string().contains("rank 1"), "moved_on={moved_on}: {e}");
+            let (_s, hello) = zero.hello();
+            assert!(!hello.shm_path.is_empty(), "rank 0 was offered a segment");
+            assert_none_left(&created, &[&hello]);
+        }
+    }
+
+    /// Stage: during the accept, after the hello to rank 0: rank 2 never connects, and the
+    /// group moves on (the `superseded` give-up) or the deadline passes.
+    #[test]
+    fn giving_up_while_accepting_leaves_no_segment() {
+        for moved_on in [true, false] {
+            let zero = Lower::new();
+            let me = Me::new();
+            let two = Me::new();
+            let infos = [zero.info(), me.info(), two.info()];
+            let (got, created) = me.establish(1, &infos, SHORT, &|| moved_on);
+            match got.expect_err("rank 2 never connects") {
+                CommError::Io { source, .. } if moved_on => {
+                    assert_eq!(source.kind(), io::ErrorKind::Interrupted)
+                }
+                CommError::Timeout { op, .. } if !moved_on => {
+                    assert!(op.contains("rank(s) 2"), "{op}")
+                }
+                e => panic!("moved_on={moved_on}: {e}"),
+            }
+            let (_s, hello) = zero.hello();
+            assert_none_left(&created, &[&hello]);
+        }
+    }
+
+    /// How rank 0 answers (or not) in [`a_failed_reply_leaves_no_segment`].
+    #[derive(Debug, Clone, Copy)]
+    enum Answer {
+        Closes,
+        Refuses,
+        Unsigned,
+        Silent,
+    }
+
+    /// Stage: reading the replies. Rank 0's reply fails (rank 0 closes, refuses, answers
+    /// without its signature, or says nothing until the deadline), so rank 1's reply is never
+    /// read: neither segment is left.
+    #[test]
+    fn a_failed_reply_leaves_no_segment() {
+        for answer in [
+            Answer::Closes,
+            Answer::Refuses,
+            Answer::Unsigned,
+            Answer::Silent,
+        ] {
+            let (zero, one) = (Lower::new(), Lower::new());
+            let me = Me::new();
+            let infos = [zero.info(), one.info(), me.info()];
+            let within = match answer {
+                Answer::Silent => SHORT,
+                _ => GENEROUS,
+            };
+            let (got, created, hello0) = std::thread::scope(|scope| {
+                let zero = &zero;
+                let rank0 = scope.spawn(move || {
+                    if let Answer::Silent = answer {
+                        return None;
+                    }
+                    let (s, hello) = zero.hello();
+                    let mut s = PeerStream::Local(s);
+                    let frame = match answer {
+                        Answer::Refuses => refusal(BAD_RANK),
+                        _ => encode_reply(&Reply {
+                            code: OK,
+                            shm: true,
+                            signature: vec![0; 64],
+                        }),
+                    };
+                    if !matches!(answer, Answer::Closes) {
+                        write_handshake(&mut s, &frame).unwrap();
+                    }
+                    Some(hello)
+                });
+                let (got, created) = me.establish(2, &infos, within, &|| false);
+                (got, created, rank0.join().unwrap())
+            });
+            let e = got.expect_err("rank 0's reply fails");
+            assert!(e.to_string().contains("rank 0"), "{answer:?}: {e}");
+            let hello0 = hello0.unwrap_or_else(|| zero.hello().1);
+            let (_s, hello1) = one.hello();
+            assert_eq!(created.len(), 2, "{answer:?}: a segment for each");
+            assert_none_left(&created, &[&hello0, &hello1]);
+        }
+    }
+
+    /// A hello on the TCP port (from a rank of another host, or any local user) never makes a
+    /// rank map a file: the same signed offer of a valid segment of this user is declined over
+    /// TCP (the link uses the stream) and taken over the Unix socket.
+    #[test]
+    fn a_segment_offered_over_tcp_is_never_mapped() {
+        for over_tcp in [true, false] {
+            let zero = Identity::generate();
+            let one = Identity::generate();
+            let local = LocalListener::bind().unwrap();
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut infos = vec![
+                info(local.path(), &zero, auth::nonce()),
+                info(Path::new(""), &one, auth::nonce()),
+            ];
+            infos[0].addr = listener.local_addr().unwrap();
+            let (segment, file) = ShmPair::create(1, 0).unwrap();
+            let hello = Hello::new(
+                &one,
+                1,
+                2,
+                file.path().to_string_lossy().into_owned(),
+                &infos[0].nonce,
+            );
+            let (reply, mapped) = std::thread::scope(|scope| {
+                let infos = &infos;
+                let zero = &zero;
+                let rank0 = scope.spawn(move || {
+                    let started = Instant::now();
+                    let cfg = MeshConfig {
+                        rank: 0,
+                        world: 2,
+                        identity: zero,
+                        nonce: infos[0].nonce,
+                        shared_memory: true,
+                        deadline: started + GENEROUS,
+                        started,
+                    };
+                    let links = establish(&cfg, listener, Some(local), infos, &|| false).unwrap();
+                    links[1].as_ref().expect("rank 1's link").is_shm()
+                });
+                let mut s = if over_tcp {
+                    PeerStream::Tcp(TcpStream::connect(infos[0].addr).unwrap())
+                } else {
+                    PeerStream::Local(UnixStream::connect(&infos[0].socket).unwrap())
+                };
+                write_handshake(&mut s, &hello.encode()).unwrap();
+                let reply = decode_reply(&read_handshake(&mut &s).unwrap()).unwrap();
+                (reply, rank0.join().unwrap())
+            });
+            assert_eq!(reply.code, OK, "over_tcp={over_tcp}: rank 1 is accepted");
+            assert!(reply_signed(&hello, &infos[0], &reply));
+            assert_eq!(reply.shm, !over_tcp, "over_tcp={over_tcp}: the reply");
+            assert_eq!(mapped, !over_tcp, "over_tcp={over_tcp}: rank 0's link");
+            drop((segment, file));
+        }
+    }
 }

@@ -69,6 +69,7 @@ mod rendezvous;
 mod scatter;
 mod shards;
 mod shm;
+pub use shm::remove_segments_of;
 mod trace_hooks;
 
 use std::time::{Duration, Instant};
@@ -190,10 +191,17 @@ struct Mesh {
     node_aware: bool,
     /// For each rank, whether it runs on another host than this rank.
     remote: Vec<bool>,
+}
+
+/// What a group of several ranks keeps across its generations: the store and how to reach it.
+/// It outlives a mesh that broke and a re-forming that failed, so that the next
+/// [`ProcessGroup::reform`] can try again.
+struct Home {
     // Kept alive for the group's lifetime (rank 0 serves, everyone holds a client).
     store: StoreClient,
     _server: Option<StoreServer>,
-    /// Which forming of the group this mesh is (0: the first; see [`ProcessGroup::reform`]).
+    /// Which forming of the group the last mesh was (0: the first; see
+    /// [`ProcessGroup::reform`]).
     generation: u64,
     /// The store's address (for messages).
     endpoint: String,
@@ -213,6 +221,8 @@ pub struct ProcessGroup {
     seq: u64,
     poisoned: Option<String>,
     mesh: Option<Mesh>,
+    /// `None` only in a group of one.
+    home: Option<Home>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -248,8 +258,8 @@ impl ProcessGroup {
             return Ok(pg);
         }
         let mut pg = Self::start(env, opts, Claim::In(0))?;
-        if let Some(m) = pg.mesh.as_mut() {
-            crate::trace::on_group_ready(pg.rank, pg.world_size, &mut m.store);
+        if let Some(h) = pg.home.as_mut() {
+            crate::trace::on_group_ready(pg.rank, pg.world_size, &mut h.store);
         }
         Ok(pg)
     }
@@ -274,14 +284,23 @@ impl ProcessGroup {
             None
         };
         let store = auth.connect(opts.connect_timeout)?;
-        let mesh = rendezvous::join(rank, world, claim, &opts, &endpoint, store, server, started)?;
+        let timeout = opts.timeout;
+        let mut home = Home {
+            store,
+            _server: server,
+            generation: 0,
+            endpoint,
+            options: opts,
+        };
+        let mesh = rendezvous::join(rank, world, claim, &mut home, started)?;
         Ok(ProcessGroup {
             rank,
             world_size: world,
-            timeout: opts.timeout,
+            timeout,
             seq: 0,
             poisoned: None,
             mesh: Some(mesh),
+            home: Some(home),
         })
     }
 
@@ -294,6 +313,7 @@ impl ProcessGroup {
             seq: 0,
             poisoned: None,
             mesh: None,
+            home: None,
         }
     }
 
@@ -423,7 +443,7 @@ impl ProcessGroup {
     /// The rendezvous store client (for exchanging extra setup data, e.g. an NCCL id);
     /// `None` in a group of one.
     pub fn store(&mut self) -> Option<&mut StoreClient> {
-        self.mesh.as_mut().map(|m| &mut m.store)
+        self.home.as_mut().map(|h| &mut h.store)
     }
 
     /// Reduces `buf` element-wise across ranks, in place; every rank gets the result.
@@ -598,6 +618,11 @@ impl ProcessGroup {
         if let Some(why) = &self.poisoned {
             return Err(CommError::Poisoned(why.clone()));
         }
+        if self.world_size > 1 && self.mesh.is_none() {
+            return Err(CommError::Poisoned(
+                "the group has no connections (it was never re-formed after a lost rank)".into(),
+            ));
+        }
         self.seq += 1;
         let seq = self.seq;
         f(self, seq).inspect_err(|e| self.poison(e))
@@ -610,8 +635,14 @@ impl ProcessGroup {
         self.poisoned = Some(err.to_string());
         let blame = err.peer();
         if let Some(peer) = blame {
-            // This rank fails on a peer's failure: the launcher names the peer's instead.
-            crate::failure_note::note_peer_failure(peer, &err.to_string());
+            // This rank fails on a peer's failure: the launcher names the peer's instead. A
+            // peer waited for past the deadline may be alive and hung: the launcher under live
+            // recovery kills it, so that it is replaced.
+            if matches!(err, CommError::Timeout { .. }) {
+                crate::failure_note::note_peer_hung(peer, &err.to_string());
+            } else {
+                crate::failure_note::note_peer_failure(peer, &err.to_string());
+            }
         }
         if let Some(m) = &self.mesh {
             for l in m.links.iter().flatten() {

@@ -12,11 +12,11 @@
 
 use std::time::Instant;
 
-use super::rendezvous::{self, Claim, current_generation};
-use super::{GroupOptions, Mesh, ProcessGroup};
+use super::rendezvous::{self, Claim, next_generation};
+use super::{GroupOptions, ProcessGroup};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{CompareSet, PrefixStore, Store, keys};
+use crate::store::{PrefixStore, keys};
 
 impl ProcessGroup {
     /// Joins a running group in place of a lost process of rank `env.rank`: claims the rank's
@@ -37,7 +37,13 @@ impl ProcessGroup {
                     .into(),
             ));
         }
-        Self::start(env, opts, Claim::Replacing)
+        Self::start(env, opts, Claim::Replacing).inspect_err(|e| {
+            // A replacement that found no group to join fails on the ranks that never came,
+            // not on an error of its own: the launcher does not replace it again for that.
+            if let Some(peer) = e.peer() {
+                crate::failure_note::note_peer_failure(peer, &e.to_string());
+            }
+        })
     }
 
     /// Re-forms the group after a collective failed because a rank was lost: breaks every
@@ -49,46 +55,37 @@ impl ProcessGroup {
     /// generation on every rank. What each rank holds (a model, a step) is the caller's to
     /// make consistent, e.g. by a broadcast from a survivor.
     ///
-    /// On error the group stays poisoned. A group of one has nothing to re-form.
+    /// A generation that cannot form (a rank of it died or left while it formed) is given up
+    /// for the next one within the same deadline (see the rendezvous module).
+    ///
+    /// On error the group stays poisoned, and `reform` may be called again: it tries the
+    /// next generation. A group of one has nothing to re-form.
     pub fn reform(&mut self) -> Result<()> {
-        let Some(mesh) = self.mesh.take() else {
+        if self.world_size == 1 {
             self.poisoned = None;
             self.seq = 0;
             return Ok(());
-        };
-        for l in mesh.links.iter().flatten() {
-            l.abort(None);
         }
-        let Mesh {
-            links,
-            mut store,
-            _server: server,
-            generation,
-            endpoint,
-            options,
-            ..
-        } = mesh;
-        drop(links);
+        let Some(home) = self.home.as_mut() else {
+            return Err(CommError::InvalidArgument(
+                "this group has no store to re-form through".into(),
+            ));
+        };
+        if let Some(mesh) = self.mesh.take() {
+            for l in mesh.links.iter().flatten() {
+                l.abort(None);
+            }
+        }
         let started = Instant::now();
+        let rank = self.rank;
+        let world = self.world_size;
         let joined = next_generation(
-            &mut PrefixStore::new(&mut store, keys::PROCESS_GROUP),
-            generation,
+            &mut PrefixStore::new(&mut home.store, keys::PROCESS_GROUP),
+            home.generation,
         )
         .and_then(|next| {
-            tracing::warn!(
-                "rank {}: re-forming the group as its generation {next}",
-                self.rank
-            );
-            rendezvous::join(
-                self.rank,
-                self.world_size,
-                Claim::In(next),
-                &options,
-                &endpoint,
-                store,
-                server,
-                started,
-            )
+            tracing::warn!("rank {rank}: re-forming the group as its generation {next}");
+            rendezvous::join(rank, world, Claim::In(next), home, started)
         });
         match joined {
             Ok(mesh) => {
@@ -101,6 +98,11 @@ impl ProcessGroup {
             }
             Err(e) => {
                 self.poisoned = Some(format!("re-forming the group failed: {e}"));
+                // A rank that never came (or a store that went) fails this rank: the
+                // launcher names that rank, not this one.
+                if let Some(peer) = e.peer() {
+                    crate::failure_note::note_peer_failure(peer, &e.to_string());
+                }
                 Err(e)
             }
         }
@@ -109,21 +111,6 @@ impl ProcessGroup {
     /// Which forming of the group this is: 0 for the first, one more for each
     /// [`ProcessGroup::reform`] (or the generation a [`ProcessGroup::rejoin`] joined).
     pub fn generation(&self) -> u64 {
-        self.mesh.as_ref().map_or(0, |m| m.generation)
-    }
-}
-
-/// The generation after `left`: started by this rank (a compare-and-set from `left`) or by
-/// another survivor first (then the one it started, or a later one).
-fn next_generation<S: Store + ?Sized>(ns: &mut PrefixStore<'_, S>, left: u64) -> Result<u64> {
-    let expected = (left > 0).then(|| left.to_string());
-    let desired = (left + 1).to_string();
-    match ns.compare_set(
-        keys::MESH_GENERATION,
-        expected.as_deref().map(str::as_bytes),
-        desired.as_bytes(),
-    )? {
-        CompareSet::Swapped => Ok(left + 1),
-        CompareSet::Current(_) => Ok(current_generation(ns)?.max(left + 1)),
+        self.home.as_ref().map_or(0, |h| h.generation)
     }
 }

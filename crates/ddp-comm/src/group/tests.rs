@@ -135,8 +135,8 @@ fn transports_follow_the_option_and_the_hosts() {
 fn the_local_socket_is_removed_once_the_mesh_stands() {
     let paths = run_ranks(2, opts(false), |pg| {
         let r = pg.rank();
-        let mesh = pg.mesh.as_mut().expect("a group of two");
-        let mut ns = PrefixStore::new(&mut mesh.store, keys::PROCESS_GROUP);
+        let home = pg.home.as_mut().expect("a group of two");
+        let mut ns = PrefixStore::new(&mut home.store, keys::PROCESS_GROUP);
         let me = ns.get(&keys::peer_addr(r), Duration::from_secs(5)).unwrap();
         let socket = PeerInfo::decode(&me).unwrap().socket;
         pg.barrier().unwrap();
@@ -323,7 +323,8 @@ fn rank0_accepting(
             deadline: started + within,
             started,
         };
-        mesh::establish(&cfg, listener, None, &infos).map(|links| links.iter().flatten().count())
+        mesh::establish(&cfg, listener, None, &infos, &|| false)
+            .map(|links| links.iter().flatten().count())
     });
     (published, one, t)
 }
