@@ -274,7 +274,23 @@ impl DdpBuilder {
         // A replacement joins a running group: the survivors make no set-up collectives, only
         // those of their re-forming (`DeviceComm::reform` in `Ddp::recover`).
         let device_comm = if replacement {
-            DeviceComm::rejoin(&env, &group, &group_options, &device)?
+            // The survivors' side of this collective is their re-forming in `Ddp::recover`; a
+            // rank lost meanwhile fails it on every rank, and every rank re-forms and says
+            // again whether it uses NCCL (`Ddp::recover` does the same after every re-forming).
+            let deadline = std::time::Instant::now() + group_options.connect_timeout * 3;
+            loop {
+                match DeviceComm::rejoin(&env, &group, &group_options, &device) {
+                    Ok(c) => break c,
+                    Err(e) if e.lost_a_peer() && std::time::Instant::now() < deadline => {
+                        tracing::warn!(
+                            rank,
+                            "a rank was lost while this replacement joined ({e}); re-forming"
+                        );
+                        comm::lock(&group).reform()?;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         } else {
             DeviceComm::connect(&env, &group, &group_options, &device, self.nccl)?
         };
@@ -415,18 +431,38 @@ impl Ddp {
         self.bucket_cap_bytes
     }
 
+    /// Live recovery, first thing on a survivor: aborts the NCCL communicator when the ranks
+    /// use one, so that a kernel still waiting on the lost rank returns before the host group
+    /// re-forms (c10d's order).
+    pub(crate) fn abort_device_comm(&self) {
+        DeviceComm::abort(self.device_comm.as_ref());
+    }
+
     /// Live recovery, on a survivor once the host group re-formed: the device communicator
     /// re-formed with the replacement's ([`DeviceComm::reform`]).
     pub(crate) fn reform_device_comm(&self) -> Result<()> {
         DeviceComm::reform(self.device_comm.as_ref(), &self.group, &self.group_options)
     }
 
-    /// Whether this is a replacement that has not received the survivors' state yet; clears
-    /// it (the first [`Ddp::recover`] receives it).
-    pub(crate) fn take_pending_handover(&self) -> bool {
+    /// How long [`Ddp::recover`] keeps re-forming after losses during a recovery before it
+    /// gives up: three connect timeouts.
+    pub(crate) fn recovery_deadline(&self) -> std::time::Duration {
+        self.group_options.connect_timeout * 3
+    }
+
+    /// Whether this is a replacement that has not received the survivors' state yet.
+    pub(crate) fn awaiting_handover(&self) -> bool {
         self.replacement
             .as_ref()
-            .is_some_and(|pending| pending.swap(false, Ordering::SeqCst))
+            .is_some_and(|pending| pending.load(Ordering::SeqCst))
+    }
+
+    /// A replacement received the survivors' state: from now on it is a rank like the
+    /// others (a later loss finds it a survivor, `replicate_model` treats it as any rank).
+    pub(crate) fn handover_done(&self) {
+        if let Some(pending) = &self.replacement {
+            pending.store(false, Ordering::SeqCst);
+        }
     }
 
     /// The process group shared by everything in this process (also reachable through

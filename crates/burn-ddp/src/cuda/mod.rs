@@ -168,6 +168,17 @@ impl DeviceComm {
         }
     }
 
+    /// Live recovery, on a survivor before its host group re-forms: aborts `comm`'s NCCL
+    /// communicator (a kernel still waiting on the lost rank returns; see
+    /// [`DeviceComm::reform`] for the next one).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn abort(comm: Option<&DeviceComm>) {
+        #[cfg(feature = "cuda")]
+        if let Some(DeviceComm::Nccl(n)) = comm {
+            n.abort();
+        }
+    }
+
     /// Live recovery, on a survivor once its host `group` re-formed: the survivors tell the
     /// group, the lost rank's replacement included (in [`DeviceComm::rejoin`]), whether the
     /// ranks use NCCL; then `comm`'s NCCL communicator is aborted and created again with the

@@ -49,6 +49,7 @@ pub(crate) mod unwind;
 pub use step_start::StepStart;
 
 use std::path::PathBuf;
+use std::time::Instant;
 
 use burn::module::Module;
 use burn_ddp_checkpoint::{Checkpoint, Progress};
@@ -72,10 +73,11 @@ impl DdpError {
 
 impl Ddp {
     /// Whether this process was started in place of a lost rank (`DDP_REJOIN=1` under `ddprun
-    /// --recover live`, with [`crate::DdpBuilder::live_recovery`]): it must call
-    /// [`Ddp::recover`] before its first step.
+    /// --recover live`, with [`crate::DdpBuilder::live_recovery`]) and has not received the
+    /// survivors' state yet: it must call [`Ddp::recover`] before its first step. `false` once
+    /// a [`Ddp::recover`] succeeded: from then on it is a rank like the others.
     pub fn is_replacement(&self) -> bool {
-        self.replacement.is_some()
+        self.awaiting_handover()
     }
 
     /// Runs `f` (a step's forward and backward) so that a lost peer inside SyncBatchNorm's
@@ -133,12 +135,7 @@ impl Ddp {
         progress: Progress,
         state: T,
     ) -> Result<(M, Progress, T)> {
-        let refuse = |reason: &str| DdpError::InvalidSetting {
-            setting: "Ddp::recover",
-            reason: reason.into(),
-        };
-        let sharded = optim.is_sharded();
-        if sharded && !optim.recovers_with_copies() {
+        if optim.is_sharded() && !optim.recovers_with_copies() {
             return Err(refuse(
                 "this sharded optimizer (ZeRO-1) keeps no copy of the shards (it was built \
                  without live recovery: DdpOptimizer::sharded on a Ddp whose recovers_live() \
@@ -147,23 +144,85 @@ impl Ddp {
             ));
         }
         let _span = ddp_comm::trace::span("recover", "ddp").arg("step", progress.step);
-        let group = self.group().clone();
-        // A replacement's first call: it joined the re-formed group in `init`. Any later call
-        // (another rank lost) re-forms as a survivor.
-        let arriving = self.take_pending_handover();
-        if !arriving {
-            comm::lock(&group).reform()?;
-            // The NCCL communicator, when the ranks use one, aborted and created again with the
-            // replacement's (which it creates in `init`, right after joining the group).
-            self.reform_device_comm()?;
+        let deadline = Instant::now() + self.recovery_deadline();
+        // A replacement holds no state until a hand-over completes; its first try uses the
+        // group it joined in `init`. Every later try (a rank lost during this recovery), and
+        // every survivor's first, re-forms the group first.
+        let mut holding = Holding {
+            model,
+            progress,
+            state,
+            has_state: !self.awaiting_handover(),
+        };
+        let mut reform = holding.has_state;
+        loop {
+            if reform {
+                // c10d's order: the NCCL communicator aborted first, so that a kernel still
+                // waiting on the lost rank returns; then the host group's next generation
+                // (which gives up generations that lose a rank while they form, within its
+                // connect deadline; its failure is final); then the device communicator.
+                self.abort_device_comm();
+                comm::lock(self.group()).reform()?;
+                if let Err(e) = self.reform_device_comm() {
+                    if e.lost_a_peer() && Instant::now() < deadline {
+                        tracing::warn!(
+                            rank = self.rank(),
+                            "a rank was lost while the group re-formed ({e}); re-forming again"
+                        );
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+            reform = true;
+            match self.hand_over(holding, optim) {
+                Ok(done) => {
+                    self.handover_done();
+                    return Ok(done);
+                }
+                Err(HandOverError::Interrupted {
+                    error,
+                    holding: back,
+                }) if Instant::now() < deadline => {
+                    tracing::warn!(
+                        rank = self.rank(),
+                        "a rank was lost during the hand-over of the state ({error}); \
+                         re-forming again"
+                    );
+                    holding = *back;
+                }
+                Err(HandOverError::Interrupted { error, .. } | HandOverError::Failed(error)) => {
+                    return Err(error);
+                }
+            }
         }
-        let (steps, generation) = {
-            let mut pg = comm::lock(&group);
-            // Every rank's finished steps; an arriving replacement has none (-1).
-            let mine = if arriving { -1 } else { progress.step as i64 };
+    }
+
+    /// One try at giving every rank of the re-formed group the same state: every rank says
+    /// how many steps it finished, the source is chosen, and broadcasts its state, which the
+    /// others restore. A rank lost meanwhile interrupts it, handing back what this rank holds
+    /// (so that the next try, in the next generation, starts from it).
+    fn hand_over<M: Module, T: Serialize + DeserializeOwned>(
+        &self,
+        holding: Holding<M, T>,
+        optim: &mut DdpOptimizer,
+    ) -> std::result::Result<(M, Progress, T), HandOverError<M, T>> {
+        let sharded = optim.is_sharded();
+        let exchanged = {
+            let mut pg = comm::lock(self.group());
+            // Every rank's finished steps; a replacement without state has none (-1).
+            let mine = if holding.has_state {
+                holding.progress.step as i64
+            } else {
+                -1
+            };
             let mut steps = vec![0i64; self.world_size()];
-            pg.all_gather(&[mine], &mut steps)?;
-            (steps, pg.generation())
+            pg.all_gather(&[mine], &mut steps)
+                .map(|()| (steps, pg.generation()))
+        };
+        let (steps, generation) = match exchanged {
+            Ok(x) => x,
+            Err(e) => return Err(HandOverError::back(e.into(), holding)),
         };
         // Unsharded, the run rolls forward to the survivor that finished the most steps;
         // sharded, it goes back to the one that finished the fewest (`sharded.rs`).
@@ -173,38 +232,65 @@ impl Ddp {
             let most = steps.iter().copied().max().filter(|&m| m >= 0);
             most.and_then(|m| steps.iter().position(|&s| s == m))
         };
-        let source = chosen
-            .ok_or_else(|| refuse("no rank of the re-formed group holds a training state"))?;
-        let shard = match sharded {
-            true => {
-                let t = steps[source] as u64;
-                if !arriving && progress.step > t {
-                    tracing::warn!(
-                        rank = self.rank(),
-                        from = progress.step,
-                        to = t,
-                        "sharded optimizer: going back to the step every survivor can reach"
-                    );
-                }
-                Some(sharded::shard_at(self, optim, &steps, progress.step, t)?)
+        let Some(source) = chosen else {
+            return Err(HandOverError::Failed(refuse(
+                "no rank of the re-formed group holds a training state",
+            )));
+        };
+        let shard = if sharded {
+            let t = steps[source] as u64;
+            if holding.has_state && holding.progress.step > t {
+                tracing::warn!(
+                    rank = self.rank(),
+                    from = holding.progress.step,
+                    to = t,
+                    "sharded optimizer: going back to the step every survivor can reach"
+                );
             }
-            false => None,
+            match sharded::shard_at(self, optim, &steps, holding.progress.step, t) {
+                Ok(own) => Some(own),
+                Err(e) => return Err(HandOverError::back(e, holding)),
+            }
+        } else {
+            None
         };
         let mut bytes = if self.rank() == source {
-            let optimizer = if sharded {
-                Vec::new()
-            } else {
-                optim.state_bytes()?
-            };
-            Checkpoint::capture_with_state(&model, optimizer, progress, self.world_size(), &state)?
-                .to_bytes()?
+            let captured = (|| {
+                let optimizer = if sharded {
+                    Vec::new()
+                } else {
+                    optim.state_bytes()?
+                };
+                Ok::<_, DdpError>(
+                    Checkpoint::capture_with_state(
+                        &holding.model,
+                        optimizer,
+                        holding.progress,
+                        self.world_size(),
+                        &holding.state,
+                    )?
+                    .to_bytes()?,
+                )
+            })();
+            match captured {
+                Ok(b) => b,
+                Err(e) => return Err(HandOverError::Failed(e)),
+            }
         } else {
             Vec::new()
         };
-        comm::lock(&group).broadcast_bytes(&mut bytes, source)?;
+        if let Err(e) = comm::lock(self.group()).broadcast_bytes(&mut bytes, source) {
+            return Err(HandOverError::back(e.into(), holding));
+        }
         // Equal parameters by construction: the first synchronisation of a replacement's fresh
         // optimizer must not compare them (the survivors' would not: a collective of its own).
         optim.synchronizer_mut().skip_replica_check();
+        let Holding {
+            model,
+            progress,
+            state,
+            ..
+        } = holding;
         let (model, progress, state) = if self.rank() == source {
             tracing::warn!(
                 rank = self.rank(),
@@ -215,24 +301,75 @@ impl Ddp {
             (model, progress, state)
         } else {
             let origin = PathBuf::from(format!("<state handed over by rank {source}>"));
-            let ck = Checkpoint::<T>::from_bytes(&bytes, &origin)?;
-            let model = ck.restore_model(model, &origin)?;
-            if !sharded {
-                optim.load_state_bytes(ck.optimizer)?;
-            }
+            let restored = (|| {
+                let ck = Checkpoint::<T>::from_bytes(&bytes, &origin)?;
+                let model = ck.restore_model(model, &origin)?;
+                if !sharded {
+                    optim.load_state_bytes(ck.optimizer)?;
+                }
+                Ok::<_, DdpError>((model, ck.progress, ck.metadata))
+            })();
+            let (model, progress, state) = restored.map_err(HandOverError::Failed)?;
             tracing::warn!(
                 rank = self.rank(),
                 generation,
                 source,
-                step = ck.progress.step,
+                step = progress.step,
                 "re-formed the group after a lost rank; took rank {source}'s state"
             );
-            (model, ck.progress, ck.metadata)
+            (model, progress, state)
         };
         if let Some(own) = shard {
             // Collective: the plan again for the model every rank now holds, then the copies.
-            optim.restore_shard(&model, own, progress.step)?;
+            // A rank lost here leaves the shards half re-planned: the launcher restarts the
+            // group from the checkpoint (the poisoned group noted the peer's failure).
+            optim
+                .restore_shard(&model, own, progress.step)
+                .map_err(HandOverError::Failed)?;
         }
         Ok((model, progress, state))
+    }
+}
+
+/// What a rank holds when a try at the hand-over begins.
+struct Holding<M, T> {
+    model: M,
+    progress: Progress,
+    state: T,
+    /// `false` for a replacement that has not received a state yet (its model is fresh).
+    has_state: bool,
+}
+
+/// Why a try at the hand-over ended without one.
+enum HandOverError<M, T> {
+    /// A rank was lost during it: what this rank held, for the next try.
+    Interrupted {
+        error: DdpError,
+        holding: Box<Holding<M, T>>,
+    },
+    /// Anything else: the recovery fails with it.
+    Failed(DdpError),
+}
+
+impl<M, T> HandOverError<M, T> {
+    /// `error` interrupted a try at the point where this rank still holds `holding`: a lost
+    /// peer's doing is retried, anything else fails the recovery.
+    fn back(error: DdpError, holding: Holding<M, T>) -> Self {
+        if error.lost_a_peer() {
+            HandOverError::Interrupted {
+                error,
+                holding: Box::new(holding),
+            }
+        } else {
+            HandOverError::Failed(error)
+        }
+    }
+}
+
+/// The error of a recovery this module does not cover.
+fn refuse(reason: &str) -> DdpError {
+    DdpError::InvalidSetting {
+        setting: "Ddp::recover",
+        reason: reason.into(),
     }
 }

@@ -18,7 +18,10 @@ use burn_ddp_checkpoint::commit_running_states;
 /// ```ignore
 /// let start = ddp.recovers_live().then(|| StepStart::take(&model));
 /// // ... forward, backward, optim.try_step(lr, model.clone(), grads) fails with a lost peer:
-/// let before = start.map_or(model, |s| s.restore(model));
+/// let before = match start {
+///     Some(s) => s.restore(model),
+///     None => model,
+/// };
 /// (model, progress) = ddp.recover(before, &mut optim, progress)?;
 /// ```
 #[derive(Debug)]
