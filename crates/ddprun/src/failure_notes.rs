@@ -6,7 +6,7 @@ use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 
-use ddp_comm::failure_note::{FAILURE_FILE_VAR, relayed_from};
+use ddp_comm::failure_note::{FAILURE_FILE_VAR, Note, read_note, relayed_from};
 
 use super::report::LaunchError;
 
@@ -55,6 +55,19 @@ impl FailureNotes {
     pub fn relayed_from(&self, rank: usize) -> Option<usize> {
         let path = self.path(rank);
         relayed_from(&path).unwrap_or_else(|e| {
+            tracing::warn!(
+                "cannot read rank {rank}'s failure note {}: {e}",
+                path.display()
+            );
+            None
+        })
+    }
+
+    /// Rank `rank`'s note (while it runs too: a hung peer it waited for), if it wrote one. An
+    /// unreadable note is logged with its path and read as none.
+    pub fn note(&self, rank: usize) -> Option<Note> {
+        let path = self.path(rank);
+        read_note(&path).unwrap_or_else(|e| {
             tracing::warn!(
                 "cannot read rank {rank}'s failure note {}: {e}",
                 path.display()

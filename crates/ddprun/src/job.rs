@@ -183,8 +183,6 @@ impl Node<'_> {
     ) -> Result<LaunchReport, LaunchError> {
         let cfg = self.cfg;
         let mut restarts = Vec::new();
-        // This node's lost ranks replaced live so far (they share the budget with the rounds).
-        let mut replaced = 0;
         loop {
             let info = match member.join()? {
                 Joined::Started(info) => info,
@@ -238,17 +236,11 @@ impl Node<'_> {
                 seen: None,
                 claim_error: None,
             };
+            // A rank of this node lost while the others run is replaced by this launcher alone
+            // (the other nodes' ranks re-form their group with it and their launchers see no
+            // failure), charged to the job's budget in the shared state.
             let shared = super::Shared {
                 cfg,
-                // A rank of this node lost while the others run is replaced by this launcher
-                // alone; the other nodes' ranks re-form their group with it and their
-                // launchers see no failure.
-                replacements_left: if cfg.live_recovery {
-                    cfg.max_restarts
-                        .saturating_sub(info.failures_before + replaced)
-                } else {
-                    0
-                },
                 notes: self.notes,
                 forwarding: self.forwarding,
             };
@@ -261,7 +253,6 @@ impl Node<'_> {
                 &mut hooks,
             )?;
             report.attempt = info.round as usize;
-            replaced += report.replaced.len();
             if report.interrupted.is_none()
                 && let Some((sig, _)) = self.forwarding.and_then(SignalForwarding::received)
             {
@@ -333,11 +324,19 @@ impl Node<'_> {
     /// A round ended and the next one starts: prints the line every node prints, and returns
     /// what the report keeps of the round.
     fn next_round(&self, end: RoundEnd, info: &RoundInfo) -> AttemptEnd {
-        if is_failure(&end) {
+        if is_failure(&end) && end.paid {
             eprintln!(
-                "{}; restarting the group (restart {} of {})",
+                "{}; restarting the group (paid for by the live recovery that could not \
+                 complete; restart budget {} of {} spent)",
                 end.line,
-                info.failures_before + 1,
+                end.spent_before(info),
+                self.cfg.max_restarts
+            );
+        } else if is_failure(&end) {
+            eprintln!(
+                "{}; restarting the group (restart budget {} of {} spent)",
+                end.line,
+                end.spent_before(info) + 1,
                 self.cfg.max_restarts
             );
         } else {
@@ -467,27 +466,27 @@ impl Hooks<'_> {
         let round = info.round;
         if let Some((sig, _)) = report.interrupted {
             let end = if is_host {
-                let end = RoundEnd {
-                    kind: EndKind::Interrupted,
-                    line: format!(
+                let end = RoundEnd::new(
+                    EndKind::Interrupted,
+                    format!(
                         "ddprun: {} (the rendezvous host) received {}; the job stops (round {round})",
                         self.label,
                         signal_name(sig)
                     ),
-                    exit_code: 128 + sig,
-                };
+                    128 + sig,
+                );
                 self.member.finish_job(&end)?;
                 end
             } else {
-                let end = RoundEnd {
-                    kind: EndKind::Left,
-                    line: format!(
+                let end = RoundEnd::new(
+                    EndKind::Left,
+                    format!(
                         "ddprun: {} received {} and left the job (round {round})",
                         self.label,
                         signal_name(sig)
                     ),
-                    exit_code: 128 + sig,
-                };
+                    128 + sig,
+                );
                 self.member.claim(round, &end)?
             };
             eprintln!("{}", end.line);
@@ -530,16 +529,16 @@ impl Hooks<'_> {
 
 impl RoundHooks for Hooks<'_> {
     fn local_failure(&mut self, failure: &Failure) {
-        let end = RoundEnd {
-            kind: EndKind::Failed,
-            line: format!(
+        let end = RoundEnd::new(
+            EndKind::Failed,
+            format!(
                 "ddprun: {}: {} (round {})",
                 self.label,
                 failure.what_happened(),
                 self.round
             ),
-            exit_code: failure.exit.shell_code(),
-        };
+            failure.exit.shell_code(),
+        );
         let cause = super::cause_of(failure);
         // The rank exited before this instant (it was seen exited just now).
         let failed_by = Instant::now();
@@ -568,6 +567,16 @@ impl RoundHooks for Hooks<'_> {
         let due = self.held.as_ref().map_or(due, |(_, at)| (*at).min(due));
         self.held = Some((end, due));
         self.claim_if_due();
+    }
+
+    fn charge_replacement(&mut self) -> Result<usize, Option<usize>> {
+        match self.member.charge_replacement(self.round) {
+            Ok(charged) => charged,
+            Err(e) => {
+                tracing::warn!("cannot charge a live replacement to the job's budget: {e}");
+                Err(None)
+            }
+        }
     }
 
     fn stop_requested(&mut self) -> Option<JobStop> {

@@ -137,27 +137,23 @@ pub fn launch(
     }
     let node_ranks = 0..cfg.nproc_per_node;
     let mut restarts = Vec::new();
-    // Lost ranks replaced live so far (they share the restarts' budget).
-    let mut replaced = 0;
+    // The budget: group restarts and lost ranks replaced live, together.
+    let mut budget = LocalBudget {
+        spent: 0,
+        max: cfg.max_restarts,
+    };
     for attempt in 0.. {
         let mut env = attempt_env(cfg, &env, attempt)?;
         if let Some(dir) = &trace_dir {
             trace::prepare(dir, attempt, node_ranks.clone(), &mut env)?;
         }
-        let used = attempt + replaced;
         let shared = Shared {
             cfg,
-            replacements_left: if cfg.live_recovery {
-                cfg.max_restarts.saturating_sub(used)
-            } else {
-                0
-            },
             notes: &notes,
             forwarding: forwarding.as_ref(),
         };
-        let mut report = launch_once(shared, &env, 0, program, args, &mut NoHooks)?;
+        let mut report = launch_once(shared, &env, 0, program, args, &mut budget)?;
         report.attempt = attempt;
-        replaced += report.replaced.len();
         // A signal to the launcher ends the job whenever it came, even after the last rank
         // had exited (between the watch and this line).
         if report.interrupted.is_none()
@@ -165,9 +161,16 @@ pub fn launch(
         {
             report.interrupted = Some((sig, 0));
         }
+        // A restart that only follows a live recovery that could not complete (its lost ranks
+        // replaced, every failure a relay of theirs) is paid for by those replacements.
+        let paid = !report.replaced.is_empty()
+            && report
+                .first_failure
+                .as_ref()
+                .is_some_and(|f| cause_of(f) == Cause::Relayed);
         let again = !report.success()
             && report.interrupted.is_none()
-            && attempt + replaced < cfg.max_restarts;
+            && (paid || budget.spent < cfg.max_restarts);
         if !again {
             report.restarts = restarts;
             if let Some(dir) = &trace_dir {
@@ -178,11 +181,19 @@ pub fn launch(
         let summary = report.summary().unwrap_or_default();
         // The launcher's own line, like the ranks' output it copies: the user sees the
         // restart when it happens, not only at the end.
-        eprintln!(
-            "{summary}; restarting the group (restart {} of {})",
-            attempt + replaced + 1,
-            cfg.max_restarts
-        );
+        if paid {
+            eprintln!(
+                "{summary}; restarting the group (paid for by the live recovery that could not \
+                 complete; restart budget {} of {} spent)",
+                budget.spent, cfg.max_restarts
+            );
+        } else {
+            budget.spent += 1;
+            eprintln!(
+                "{summary}; restarting the group (restart budget {} of {} spent)",
+                budget.spent, cfg.max_restarts
+            );
+        }
         restarts.push(AttemptEnd {
             attempt,
             summary,
@@ -198,15 +209,31 @@ trait RoundHooks {
     fn local_failure(&mut self, failure: &Failure);
     /// Polled while the ranks run: `Some` stops them (SIGTERM, grace, SIGKILL).
     fn stop_requested(&mut self) -> Option<JobStop>;
+    /// Charges the live replacement of a lost rank to the job's one budget (`--max-restarts`,
+    /// shared with the group restarts): `Ok` with the budget spent after it, `Err` with the
+    /// budget spent when it is spent (`None`: the round is ending, nothing may be replaced).
+    fn charge_replacement(&mut self) -> Result<usize, Option<usize>>;
 }
 
-/// One node alone: nothing to tell, nothing to hear.
-struct NoHooks;
+/// One node alone: its budget is its own; nothing to tell, nothing to hear.
+struct LocalBudget {
+    /// Group restarts and live replacements so far.
+    spent: usize,
+    /// `--max-restarts`.
+    max: usize,
+}
 
-impl RoundHooks for NoHooks {
+impl RoundHooks for LocalBudget {
     fn local_failure(&mut self, _: &Failure) {}
     fn stop_requested(&mut self) -> Option<JobStop> {
         None
+    }
+    fn charge_replacement(&mut self) -> Result<usize, Option<usize>> {
+        if self.spent >= self.max {
+            return Err(Some(self.spent));
+        }
+        self.spent += 1;
+        Ok(self.spent)
     }
 }
 
@@ -214,8 +241,6 @@ impl RoundHooks for NoHooks {
 #[derive(Clone, Copy)]
 struct Shared<'a> {
     cfg: &'a LaunchConfig,
-    /// How many lost ranks may still be replaced live (`--recover live`; 0 without it).
-    replacements_left: usize,
     /// Where the ranks note a failure that only relayed a peer's.
     notes: &'a FailureNotes,
     /// The caught SIGINT/SIGTERM, with `forward_signals`.
@@ -349,7 +374,6 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
         cfg,
         notes,
         forwarding,
-        mut replacements_left,
     } = shared;
     let mut first_failure: Option<Failure> = None;
     // Failures a replacement process recovered (`--recover live`).
@@ -364,10 +388,16 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
     // When set: the others are stopped at this instant (at once after a rank's own failure,
     // after RELAY_SETTLE when the first failure only relayed a peer's).
     let mut stop_at: Option<Instant> = None;
+    // Live recovery: when the ranks' notes were last read for a hung rank, and the processes
+    // killed as hung (each once).
+    let mut hung_checked = Instant::now();
+    let mut hung_killed: Vec<u32> = Vec::new();
 
     loop {
         let mut running = 0;
         let mut newly_failed: Option<Failure> = None;
+        // The ranks that finished before this poll.
+        let finished = ranks_done(ranks);
         for r in ranks.iter_mut() {
             if r.exit.is_some() {
                 continue;
@@ -376,6 +406,8 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
                 Ok(Some(status)) => {
                     let exit = RankExit::from_status(status);
                     r.exit = Some(exit);
+                    // What a process killed mid-handshake left in shared memory.
+                    remove_segments(r.child.id());
                     tracing::debug!(rank = r.rank, %exit, "rank exited");
                     if exit.success() || kill_at.is_some() {
                         continue;
@@ -395,27 +427,42 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
                         && stop_at.is_none()
                         && interrupted.is_none()
                         && job_stop.is_none();
-                    match live::verdict(cfg.live_recovery, &failure, replacements_left, quiet) {
-                        live::Verdict::Replace(line) => {
-                            eprintln!("{line}");
-                            // What is left of the lost process's group (a stray grandchild)
-                            // goes with it, as at the end of a launch.
-                            kill_group(r.child.id(), libc::SIGKILL);
-                            match spawner.spawn(r.rank - first_rank, true) {
-                                Ok(child) => {
-                                    r.child = child;
-                                    r.exit = None;
-                                    replacements_left -= 1;
-                                    replaced.push(failure);
-                                    running += 1;
-                                    continue;
+                    match live::verdict(cfg.live_recovery, &failure, quiet, &finished) {
+                        live::Verdict::Replace => match hooks.charge_replacement() {
+                            Ok(spent) => {
+                                // What is left of the lost process's group (a stray
+                                // grandchild) goes with it, as at the end of a launch.
+                                kill_group(r.child.id(), libc::SIGKILL);
+                                match spawner.spawn(r.rank - first_rank, true) {
+                                    Ok(child) => {
+                                        eprintln!(
+                                            "{}",
+                                            live::replace_line(
+                                                &failure,
+                                                child.id(),
+                                                spent,
+                                                cfg.max_restarts
+                                            )
+                                        );
+                                        r.child = child;
+                                        r.exit = None;
+                                        replaced.push(failure);
+                                        running += 1;
+                                        continue;
+                                    }
+                                    Err(e) => eprintln!(
+                                        "ddprun: the replacement for rank {} did not start ({e}); stopping every rank",
+                                        r.rank
+                                    ),
                                 }
-                                Err(e) => eprintln!(
-                                    "ddprun: the replacement for rank {} did not start ({e}); stopping every rank",
-                                    r.rank
-                                ),
                             }
-                        }
+                            Err(Some(spent)) => {
+                                eprintln!("{}", live::spent_line(&failure, spent, cfg.max_restarts))
+                            }
+                            Err(None) => {
+                                eprintln!("{}", live::stop_line(&failure, "the round is ending"))
+                            }
+                        },
                         live::Verdict::Stop(Some(line)) if quiet => eprintln!("{line}"),
                         live::Verdict::Stop(_) => {}
                     }
@@ -469,6 +516,14 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
         }
         if running == 0 {
             break;
+        }
+        if cfg.live_recovery
+            && stop_at.is_none()
+            && kill_at.is_none()
+            && hung_checked.elapsed() >= HUNG_POLL
+        {
+            hung_checked = Instant::now();
+            kill_hung_rank(ranks, notes, &mut hung_killed);
         }
         if kill_at.is_none()
             && let Some(stop) = hooks.stop_requested()
@@ -529,6 +584,55 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
         restarts: Vec::new(),
         replaced,
         job_stop,
+    }
+}
+
+/// The ranks that exited 0.
+fn ranks_done(ranks: &[Rank]) -> Vec<usize> {
+    ranks
+        .iter()
+        .filter(|r| r.exit.is_some_and(RankExit::success))
+        .map(|r| r.rank)
+        .collect()
+}
+
+/// How often, under live recovery, the watch loop reads the running ranks' failure notes for
+/// a hung rank.
+const HUNG_POLL: Duration = Duration::from_millis(100);
+
+/// Under live recovery: kills a rank of this node that hangs (a running rank's collective
+/// waited for it past its deadline, and it waits for nobody itself), once per process, so that
+/// it is replaced as any killed rank (see [`live::hung_rank`]).
+fn kill_hung_rank(ranks: &[Rank], notes: &FailureNotes, killed: &mut Vec<u32>) {
+    let running: Vec<usize> = ranks
+        .iter()
+        .filter(|r| r.exit.is_none())
+        .map(|r| r.rank)
+        .collect();
+    let read: Vec<_> = running.iter().map(|&r| notes.note(r)).collect();
+    let Some((hung, noter)) = live::hung_rank(&running, &read, &running) else {
+        return;
+    };
+    let Some(r) = ranks.iter().find(|r| r.rank == hung) else {
+        return;
+    };
+    let pid = r.child.id();
+    if killed.contains(&pid) {
+        return;
+    }
+    killed.push(pid);
+    eprintln!(
+        "ddprun: rank {hung} hangs: rank {noter} waited for it in a collective past its \
+         deadline (DDP_TIMEOUT_SECS); killing it (SIGKILL) so that it is replaced"
+    );
+    kill_group(pid, libc::SIGKILL);
+}
+
+/// Removes the shared-memory segments the rank process `pid` created and did not unlink (it
+/// was killed mid-handshake); a failure is logged with the path.
+fn remove_segments(pid: u32) {
+    if let Err(e) = ddp_comm::group::remove_segments_of(pid) {
+        tracing::warn!("cannot remove the shared-memory segments of process {pid}: {e}");
     }
 }
 

@@ -1,59 +1,131 @@
 //! Live recovery (`--recover live`): a rank that dies is replaced by a new process for the same
 //! rank, started with `DDP_REJOIN=1` by its own node's launcher, while the others keep running;
 //! they re-form the group with it (`ProcessGroup::reform` and `ProcessGroup::rejoin` in
-//! ddp-comm), on this node and on the others, whose launchers see no failure. Each
-//! replacement counts against `--max-restarts`. Where a replacement cannot help, the launcher
-//! falls back to stopping every rank (and to a restart of the whole group, within the budget),
-//! and says why in one line.
+//! ddp-comm), on this node and on the others, whose launchers see no failure.
+//!
+//! **One budget.** Each replacement spends one of `--max-restarts`, counted with the group
+//! restarts: by this launcher alone on one node, in the launchers' shared state on several
+//! (every node prints the same count). A group restart that only follows a live recovery that
+//! could not complete (every failing rank relayed the lost one's failure) is paid for by that
+//! recovery's replacements and spends nothing more.
+//!
+//! **Only where it can help.** A rank killed by a signal is replaced; a rank that failed with
+//! an error of its own (an exit code, no lost peer behind it) would start from the same state
+//! and fail the same way, so the group restarts from its checkpoint instead (within the
+//! budget); a rank that only relayed a peer's failure is not replaced either.
+//!
+//! **A hung rank.** A rank whose collective waited for a peer past `DDP_TIMEOUT_SECS` notes it
+//! (`DDP_FAILURE_FILE`, [`ddp_comm::failure_note::NoteKind::Hung`]); when the peer is a rank of
+//! this node that still runs and is not waiting on another itself, the launcher kills it
+//! ([`hung_rank`]), and it is replaced as any killed rank.
+
+use ddp_comm::failure_note::{Note, NoteKind};
 
 use super::cause_of;
 use super::rendezvous::messages::Cause;
 use super::report::Failure;
 
-/// Whether the failure of `failure.rank` is replaced live, else why not (`None`: live recovery
-/// is off, the line would say nothing new).
+/// Whether the failure of `failure.rank` may be replaced live (the budget apart), else why not
+/// (`None`: live recovery is off, the line would say nothing new).
 pub(crate) enum Verdict {
-    /// Start a replacement; the line says so.
-    Replace(String),
+    /// Start a replacement, if the budget allows.
+    Replace,
     /// Stop every rank as without live recovery; the line says why (if live recovery is on).
     Stop(Option<String>),
 }
 
-/// What to do about `failure`: `on` is `--recover live`, `budget_left` the restarts left,
-/// `quiet` whether nothing else is failing or stopping (a failure while the others stop, or a
-/// second failure, is never replaced).
-pub(crate) fn verdict(on: bool, failure: &Failure, budget_left: usize, quiet: bool) -> Verdict {
+/// What to do about `failure`: `on` is `--recover live`, `quiet` whether nothing else is
+/// failing or stopping (a failure while the others stop is never replaced), `finished` the
+/// ranks of this node that already exited 0 (a group whose ranks have finished cannot
+/// re-form).
+pub(crate) fn verdict(on: bool, failure: &Failure, quiet: bool, finished: &[usize]) -> Verdict {
     if !on {
         return Verdict::Stop(None);
     }
     let rank = failure.rank;
-    // Rank 0 is replaced too: under live recovery the launcher serves the ranks' store.
-    let why_not = if cause_of(failure) == Cause::Relayed {
-        let peer = failure
-            .relayed_from
-            .map_or_else(|| "a peer".to_string(), |p| format!("rank {p}"));
-        Some(format!(
-            "rank {rank} failed on {peer}'s failure and did not recover from it live"
-        ))
-    } else if !quiet {
-        Some("another rank failed or the ranks are being stopped".to_string())
-    } else if budget_left == 0 {
-        Some("the --max-restarts budget is spent".to_string())
-    } else {
-        None
+    let why_not = match cause_of(failure) {
+        _ if !finished.is_empty() => Some(format!(
+            "rank(s) {} already finished: the group cannot re-form",
+            finished
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+        Cause::Relayed => {
+            let peer = failure
+                .relayed_from
+                .map_or_else(|| "a peer".to_string(), |p| format!("rank {p}"));
+            Some(format!(
+                "rank {rank} failed on {peer}'s failure and did not recover from it live"
+            ))
+        }
+        Cause::Own => Some(format!(
+            "rank {rank} failed on an error of its own, which a replacement starting from the \
+             same state would meet again: the group restarts from its checkpoint"
+        )),
+        Cause::Signal if !quiet => {
+            Some("another rank failed or the ranks are being stopped".to_string())
+        }
+        Cause::Signal => None,
     };
     match why_not {
-        None => Verdict::Replace(format!(
-            "ddprun: {}; starting a replacement for rank {rank} while the others run (live \
-             recovery; {} restart(s) left after it)",
-            failure.what_happened(),
-            budget_left - 1
-        )),
-        Some(why) => Verdict::Stop(Some(format!(
-            "ddprun: {}; no live recovery ({why}): stopping every rank",
-            failure.what_happened()
-        ))),
+        None => Verdict::Replace,
+        Some(why) => Verdict::Stop(Some(stop_line(failure, &why))),
     }
+}
+
+/// The line of a failure not replaced live, and why.
+pub(crate) fn stop_line(failure: &Failure, why: &str) -> String {
+    format!(
+        "ddprun: {}; no live recovery ({why}): stopping every rank",
+        failure.what_happened()
+    )
+}
+
+/// The line of a replacement started (process `pid`), with the budget spent after it (of
+/// `max`).
+pub(crate) fn replace_line(failure: &Failure, pid: u32, spent: usize, max: usize) -> String {
+    format!(
+        "ddprun: {}; started a replacement for rank {} (pid {pid}) while the others run (live \
+         recovery; restart budget {spent} of {max} spent)",
+        failure.what_happened(),
+        failure.rank
+    )
+}
+
+/// The line of a failure not replaced because the budget is spent.
+pub(crate) fn spent_line(failure: &Failure, spent: usize, max: usize) -> String {
+    stop_line(
+        failure,
+        &format!("the --max-restarts budget is spent: {spent} of {max}"),
+    )
+}
+
+/// A hung rank to kill, from the notes of the ranks that still run: `notes[i]` is the note of
+/// `running[i]` (a global rank). The peer a note names as hung is killed when it is one of
+/// `local` (this node's ranks still running) and has no hung note of its own (a rank that
+/// timed out waiting on another is not the one that hangs). Returns the hung rank and the
+/// rank that noted it.
+pub(crate) fn hung_rank(
+    running: &[usize],
+    notes: &[Option<Note>],
+    local: &[usize],
+) -> Option<(usize, usize)> {
+    let waits_itself = |r: usize| {
+        running
+            .iter()
+            .zip(notes)
+            .any(|(&q, n)| q == r && n.is_some_and(|n| n.kind == NoteKind::Hung))
+    };
+    running.iter().zip(notes).find_map(|(&noter, n)| {
+        let n = (*n)?;
+        (n.kind == NoteKind::Hung
+            && n.peer != noter
+            && local.contains(&n.peer)
+            && !waits_itself(n.peer))
+        .then_some((n.peer, noter))
+    })
 }
 
 #[cfg(test)]
@@ -73,37 +145,78 @@ mod tests {
     }
 
     #[test]
-    fn only_a_quiet_own_failure_within_budget_is_replaced() {
+    fn only_a_quiet_death_by_signal_is_replaced() {
         for rank in [0, 2] {
-            assert!(
-                matches!(verdict(true, &killed(rank), 1, true), Verdict::Replace(l) if l.contains(&format!("rank {rank}")))
-            );
+            assert!(matches!(
+                verdict(true, &killed(rank), true, &[]),
+                Verdict::Replace
+            ));
         }
         assert!(matches!(
-            verdict(false, &killed(2), 1, true),
+            verdict(false, &killed(2), true, &[]),
             Verdict::Stop(None)
         ));
-        for (f, budget, quiet, why) in [
-            (killed(2), 0, true, "budget is spent"),
-            (killed(2), 1, false, "another rank failed"),
+        let own = Failure {
+            exit: RankExit::Code(1),
+            ..killed(2)
+        };
+        for (f, quiet, why) in [
+            (killed(2), false, "another rank failed"),
+            (own, true, "error of its own"),
             (
                 Failure {
                     exit: RankExit::Code(3),
                     relayed_from: Some(1),
                     ..killed(2)
                 },
-                1,
                 true,
                 "failed on rank 1's failure",
             ),
         ] {
-            match verdict(true, &f, budget, quiet) {
+            match verdict(true, &f, quiet, &[]) {
                 Verdict::Stop(Some(line)) => assert!(line.contains(why), "{line}"),
-                _ => panic!(
-                    "rank {} with budget {budget}, quiet {quiet}: replaced",
-                    f.rank
-                ),
+                _ => panic!("rank {} with quiet {quiet}: replaced", f.rank),
             }
         }
+        match verdict(true, &killed(1), true, &[0, 2]) {
+            Verdict::Stop(Some(line)) => {
+                assert!(line.contains("rank(s) 0, 2 already finished"), "{line}")
+            }
+            _ => panic!("replaced after the others finished"),
+        }
+        assert!(spent_line(&killed(1), 2, 2).contains("budget is spent: 2 of 2"));
+        assert!(replace_line(&killed(1), 42, 1, 3).contains(
+            "(pid 42) while the others run (live recovery; restart budget 1 of 3 spent)"
+        ));
+    }
+
+    #[test]
+    fn the_hung_rank_is_the_one_waited_for_that_waits_for_nobody() {
+        let hung = |peer| {
+            Some(Note {
+                peer,
+                kind: NoteKind::Hung,
+            })
+        };
+        let lost = |peer| {
+            Some(Note {
+                peer,
+                kind: NoteKind::Lost,
+            })
+        };
+        // Rank 0 timed out on rank 1, which runs on this node and waits for nobody.
+        assert_eq!(
+            hung_rank(&[0, 1, 2], &[hung(1), None, None], &[0, 1, 2]),
+            Some((1, 0))
+        );
+        // Rank 1 is on another node: not this launcher's to kill.
+        assert_eq!(hung_rank(&[0, 2], &[hung(1), None], &[0, 2]), None);
+        // Rank 1 itself timed out waiting for rank 2: rank 2 is the one.
+        assert_eq!(
+            hung_rank(&[0, 1, 2], &[hung(1), hung(2), None], &[0, 1, 2]),
+            Some((2, 1))
+        );
+        // A closed connection says the peer is gone, not hung.
+        assert_eq!(hung_rank(&[0, 1], &[lost(1), None], &[0, 1]), None);
     }
 }

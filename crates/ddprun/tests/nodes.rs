@@ -46,7 +46,9 @@ fn both_nodes_restart_together(n: usize, fail: usize) {
                 && end
                     .stderr
                     .contains(&format!("rank {fail} was killed by signal 9 (SIGKILL)"))
-                && end.stderr.contains("restarting the group (restart 1 of 2)"),
+                && end
+                    .stderr
+                    .contains("restarting the group (restart budget 1 of 2 spent)"),
             "node {node}: {}",
             end.stderr
         );
@@ -113,7 +115,7 @@ fn the_restart_budget_is_the_jobs_not_each_nodes() {
     for end in [&a, &b] {
         assert!(
             end.stderr.contains("rank 1 failed with exit code 3")
-                && end.stderr.contains("restart 1 of 1")
+                && end.stderr.contains("restart budget 1 of 1 spent")
                 && end.stderr.contains("rank 0 failed with exit code 4"),
             "{}",
             end.stderr

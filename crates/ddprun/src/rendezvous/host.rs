@@ -91,14 +91,10 @@ impl Host {
                         let end = if gap > timing.heartbeat {
                             c.stalled_end(gap)
                         } else {
-                            RoundEnd {
-                                kind: EndKind::Refused,
-                                line: format!(
+                            RoundEnd::new(EndKind::Refused, format!(
                                     "ddprun: the launchers' rendezvous coordinator on {} failed: {e}; the job stops",
                                     spec.label()
-                                ),
-                                exit_code: 1,
-                            }
+                                ), 1)
                         };
                         tracing::error!("{}", end.line);
                         // Tell every node, on a new connection (the coordinator's may be what
@@ -360,17 +356,17 @@ impl Coordinator {
     /// The job's end when this process was not running for `gap`, past the heartbeat
     /// timeout.
     fn stalled_end(&self, gap: Duration) -> RoundEnd {
-        RoundEnd {
-            kind: EndKind::HostLost,
-            line: format!(
+        RoundEnd::new(
+            EndKind::HostLost,
+            format!(
                 "ddprun: lost the launchers' rendezvous host at {} ({}): it was not running for {:.1} s, past the heartbeat timeout ({:.1} s); the job stops",
                 self.store.endpoint(),
                 self.host_label,
                 gap.as_secs_f64(),
                 self.timing.heartbeat.as_secs_f64()
             ),
-            exit_code: 1,
-        }
+            1,
+        )
     }
 
     /// Removes waiting launchers that are gone; whether it removed any.
@@ -444,14 +440,14 @@ impl Coordinator {
             } else {
                 format!("; missing: {}", missing.join(", "))
             };
-            let end = RoundEnd {
-                kind: EndKind::Refused,
-                line: format!(
+            let end = RoundEnd::new(
+                EndKind::Refused,
+                format!(
                     "ddprun: only {waiting} of the at least {min} nodes the job needs joined round {round} within {:.0?}{missing}",
                     self.timing.join_timeout
                 ),
-                exit_code: 1,
-            };
+                1,
+            );
             tracing::warn!("{}", end.line);
             change(&mut self.store, "finish", |s| {
                 (s.phase == Phase::Gathering && s.round == round && s.finish(end.clone()))
@@ -485,11 +481,11 @@ impl Coordinator {
         self.last_running = Some(info.clone());
         for (id, label) in info.nodes.iter().zip(&info.labels) {
             if let Some(why) = self.lost(id)? {
-                let end = RoundEnd {
-                    kind: EndKind::Lost,
-                    line: format!("ddprun: {label} was lost: {why} (round {})", info.round),
-                    exit_code: 1,
-                };
+                let end = RoundEnd::new(
+                    EndKind::Lost,
+                    format!("ddprun: {label} was lost: {why} (round {})", info.round),
+                    1,
+                );
                 change(&mut self.store, "lost", |s| {
                     s.end_round(info.round, end.clone()).then_some(())
                 })?;
@@ -503,14 +499,14 @@ impl Coordinator {
             && info.nodes.len() < state.job.max_nodes
             && let Some(j) = state.waiting.iter().find(|j| !info.nodes.contains(&j.id))
         {
-            let end = RoundEnd {
-                kind: EndKind::ScaleUp,
-                line: format!(
+            let end = RoundEnd::new(
+                EndKind::ScaleUp,
+                format!(
                     "ddprun: {} is waiting to join; restarting the group to admit it (a scale-up, not counted as a restart)",
                     j.label
                 ),
-                exit_code: 1,
-            };
+                1,
+            );
             change(&mut self.store, "scale-up", |s| {
                 s.end_round(info.round, end.clone()).then_some(())
             })?;

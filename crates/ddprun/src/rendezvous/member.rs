@@ -394,6 +394,25 @@ impl Member {
         Ok(())
     }
 
+    /// Charges the live replacement of a lost rank of this node in `round` to the job's one
+    /// budget (see [`State::charge_replacement`]): `Ok(Ok(spent))` with the budget spent after
+    /// it, `Ok(Err(why))` when it may not be replaced (the budget spent so far, or `None`
+    /// when the round is ending).
+    pub fn charge_replacement(
+        &mut self,
+        round: u64,
+    ) -> Result<Result<usize, Option<usize>>, RendezvousError> {
+        let mut refused = None;
+        let (charged, _) = self.change("replace", |s| match s.charge_replacement(round) {
+            Ok(spent) => Some(spent),
+            Err(why) => {
+                refused = Some(why);
+                None
+            }
+        })?;
+        Ok(charged.ok_or(refused.flatten()))
+    }
+
     /// Ends `round` with the likeliest cause among the failures noted in it (this node's
     /// `end` if none is) unless the round already ended; returns the round's end as it
     /// stands.
@@ -430,11 +449,11 @@ impl Member {
                 return Ok(end.clone());
             }
             if state.round > round {
-                return Ok(RoundEnd {
-                    kind: EndKind::Failed,
-                    line: format!("ddprun: round {round} ended"),
-                    exit_code: 1,
-                });
+                return Ok(RoundEnd::new(
+                    EndKind::Failed,
+                    format!("ddprun: round {round} ended"),
+                    1,
+                ));
             }
             if let Some(e) = self.interrupted(&format!("waiting for the end of round {round}")) {
                 if let RendezvousError::Interrupted { signal, line } = &e {
@@ -450,15 +469,12 @@ impl Member {
     /// or it leaves the queue; the host's launcher ends the whole job instead (without it there
     /// is no rendezvous). Errors are ignored: it is leaving.
     fn leave_after_signal(&mut self, round: Option<u64>, signal: i32, line: &str) {
-        let end = RoundEnd {
-            kind: if self.coordinator.is_some() {
-                EndKind::Interrupted
-            } else {
-                EndKind::Left
-            },
-            line: line.to_string(),
-            exit_code: 128 + signal,
+        let kind = if self.coordinator.is_some() {
+            EndKind::Interrupted
+        } else {
+            EndKind::Left
         };
+        let end = RoundEnd::new(kind, line.to_string(), 128 + signal);
         if self.coordinator.is_some() {
             let _ = self.finish_job(&end);
         } else if let Some(round) = round {

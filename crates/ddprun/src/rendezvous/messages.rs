@@ -182,6 +182,36 @@ pub(crate) struct RoundEnd {
     pub line: String,
     /// The exit code every launcher exits with if the job ends here.
     pub exit_code: i32,
+    /// How much of `--max-restarts` the job had spent when the round ended: failed rounds
+    /// and live replacements together, counted in the shared state (absent from a launcher
+    /// that predates it: 0, and then [`RoundInfo::failures_before`] counts).
+    #[serde(default)]
+    pub budget_spent: usize,
+    /// A failure whose restart costs nothing: its round's lost ranks were replaced live (each
+    /// replacement spent the budget) and the ranks then failed only on their failure (a live
+    /// recovery that could not complete, as ZeRO-1 without a shard's copy): the group restart
+    /// is that recovery's fallback, paid for.
+    #[serde(default)]
+    pub paid: bool,
+}
+
+impl RoundEnd {
+    /// An end of `kind` with `line` and `exit_code`, the budget not stamped yet (the state
+    /// stamps it when the end is written, [`super::state::State::end_round`]).
+    pub fn new(kind: EndKind, line: String, exit_code: i32) -> Self {
+        RoundEnd {
+            kind,
+            line,
+            exit_code,
+            budget_spent: 0,
+            paid: false,
+        }
+    }
+
+    /// The budget spent before this end: the state's stamp, or the round's failed rounds.
+    pub fn spent_before(&self, info: &RoundInfo) -> usize {
+        self.budget_spent.max(info.failures_before)
+    }
 }
 
 /// What every launcher (and the host) does after a round's end: the same answer on all.
@@ -194,15 +224,18 @@ pub(crate) enum After {
 }
 
 /// The rule: `Done` finishes with 0; `Interrupted`, `Refused` and `HostLost` finish with the
-/// end's code; a
-/// failure, a lost node or a node that left restarts while fewer than `max_restarts` failures
-/// came before; a scale-up always restarts.
+/// end's code; a failure, a lost node or a node that left restarts while less than
+/// `max_restarts` of the budget was spent before it (failed rounds and live replacements
+/// together), or when its restart is paid for ([`RoundEnd::paid`]); a scale-up always
+/// restarts.
 pub(crate) fn after(end: &RoundEnd, info: &RoundInfo, max_restarts: usize) -> After {
     match end.kind {
         EndKind::Done => After::Finish(0),
         EndKind::Interrupted | EndKind::Refused | EndKind::HostLost => After::Finish(end.exit_code),
         EndKind::ScaleUp => After::NextRound,
-        EndKind::Failed | EndKind::Lost | EndKind::Left if info.failures_before < max_restarts => {
+        EndKind::Failed | EndKind::Lost | EndKind::Left
+            if end.paid || end.spent_before(info) < max_restarts =>
+        {
             After::NextRound
         }
         EndKind::Failed | EndKind::Lost | EndKind::Left => After::Finish(end.exit_code),
@@ -268,11 +301,7 @@ mod tests {
     }
 
     fn end(kind: EndKind) -> RoundEnd {
-        RoundEnd {
-            kind,
-            line: "x".into(),
-            exit_code: 137,
-        }
+        RoundEnd::new(kind, "x".into(), 137)
     }
 
     #[test]
@@ -334,6 +363,19 @@ mod tests {
         assert!(is_failure(&end(EndKind::Lost)) && !is_failure(&end(EndKind::ScaleUp)));
         assert!(is_failure(&end(EndKind::Left)));
         assert_eq!(after(&end(EndKind::Left), &info(0), 1), After::NextRound);
+        // Live replacements spent the budget too: the state's stamp counts them.
+        let replaced = RoundEnd {
+            budget_spent: 2,
+            ..end(EndKind::Failed)
+        };
+        assert_eq!(after(&replaced, &info(0), 2), After::Finish(137));
+        assert_eq!(after(&replaced, &info(0), 3), After::NextRound);
+        // A paid restart (the fallback of a live recovery that could not complete) is free.
+        let paid = RoundEnd {
+            paid: true,
+            ..replaced
+        };
+        assert_eq!(after(&paid, &info(0), 2), After::NextRound);
     }
 
     #[test]

@@ -80,9 +80,17 @@ pub(crate) struct State {
     pub job: NodeSpec,
     /// The round gathered or running now.
     pub round: u64,
-    /// Rounds that ended in a failure (a rank failed, a node was lost or left): what
-    /// `--max-restarts` counts, and `TORCHELASTIC_RESTART_COUNT`.
+    /// Rounds that ended in a failure (a rank failed, a node was lost or left) and spent the
+    /// budget: `TORCHELASTIC_RESTART_COUNT`.
     pub failures: usize,
+    /// Lost ranks replaced live (`--recover live`), on any node: with `failures`, what
+    /// `--max-restarts` counts ([`State::budget_spent`]).
+    #[serde(default)]
+    pub replacements: usize,
+    /// Of those, the ones in the round running now (a failure that ends it only relaying
+    /// their loss restarts the group paid for, see [`RoundEnd::paid`]).
+    #[serde(default)]
+    pub round_replacements: usize,
     /// What the job is doing.
     pub phase: Phase,
     /// Launchers waiting for the next round to close, in arrival order.
@@ -101,6 +109,8 @@ impl State {
             job,
             round: 0,
             failures: 0,
+            replacements: 0,
+            round_replacements: 0,
             phase: Phase::Gathering,
             waiting: Vec::new(),
             ends: Vec::new(),
@@ -226,6 +236,7 @@ impl State {
             failures_before: self.failures,
         };
         self.waiting.retain(|j| !info.nodes.contains(&j.id));
+        self.round_replacements = 0;
         self.phase = Phase::Running {
             info: info.clone(),
             done: Vec::new(),
@@ -250,6 +261,12 @@ impl State {
             Some(noted) if end.kind == EndKind::ScaleUp => noted.end.clone(),
             _ => end,
         };
+        let relayed_only = best_failure(failed).is_some_and(|f| f.cause == Cause::Relayed);
+        let end = RoundEnd {
+            budget_spent: self.budget_spent(),
+            paid: is_failure(&end) && relayed_only && self.round_replacements > 0,
+            ..end
+        };
         let info = info.clone();
         self.ends.push((info.clone(), end.clone()));
         let extra = self.ends.len().saturating_sub(ENDS_KEPT);
@@ -257,12 +274,35 @@ impl State {
         match after(&end, &info, self.job.max_restarts) {
             After::Finish(code) => self.finish_after(&info, end, code),
             After::NextRound => {
-                self.failures += usize::from(is_failure(&end));
+                self.failures += usize::from(is_failure(&end) && !end.paid);
                 self.round += 1;
                 self.phase = Phase::Gathering;
             }
         }
         true
+    }
+
+    /// What the job has spent of `--max-restarts`: failed rounds and live replacements.
+    pub fn budget_spent(&self) -> usize {
+        self.failures + self.replacements
+    }
+
+    /// Charges the live replacement of a lost rank in round `round` to the job's budget, if
+    /// the round still runs with no failure noted in it and the budget allows: `Ok` with the
+    /// budget spent after it, else `Err` with why not (the budget spent so far, or `None`
+    /// when the round is ending or over).
+    pub fn charge_replacement(&mut self, round: u64) -> Result<usize, Option<usize>> {
+        match &self.phase {
+            Phase::Running { info, failed, .. } if info.round == round && failed.is_empty() => {}
+            _ => return Err(None),
+        }
+        let spent = self.budget_spent();
+        if spent >= self.job.max_restarts {
+            return Err(Some(spent));
+        }
+        self.replacements += 1;
+        self.round_replacements += 1;
+        Ok(spent + 1)
     }
 
     /// Counts `id`'s ranks of round `round` as all exited 0; the last node of the round to do
@@ -281,11 +321,11 @@ impl State {
             let nodes = info.nodes.len();
             return self.end_round(
                 round,
-                RoundEnd {
-                    kind: EndKind::Done,
-                    line: format!("ddprun: every rank of all {nodes} nodes exited 0"),
-                    exit_code: 0,
-                },
+                RoundEnd::new(
+                    EndKind::Done,
+                    format!("ddprun: every rank of all {nodes} nodes exited 0"),
+                    0,
+                ),
             );
         }
         true
@@ -349,6 +389,10 @@ impl State {
         match &self.phase {
             Phase::Gathering => {
                 let info = self.ends[at].0.clone();
+                let end = RoundEnd {
+                    budget_spent: self.budget_spent(),
+                    ..end
+                };
                 self.ends[at].1 = end.clone();
                 match after(&end, &info, self.job.max_restarts) {
                     After::NextRound => self.failures += 1,
@@ -499,19 +543,11 @@ mod tests {
     }
 
     fn scale_up() -> RoundEnd {
-        RoundEnd {
-            kind: EndKind::ScaleUp,
-            line: "n1 waits".into(),
-            exit_code: 1,
-        }
+        RoundEnd::new(EndKind::ScaleUp, "n1 waits".into(), 1)
     }
 
     fn failed(code: i32) -> RoundEnd {
-        RoundEnd {
-            kind: EndKind::Failed,
-            line: "rank 1 failed".into(),
-            exit_code: code,
-        }
+        RoundEnd::new(EndKind::Failed, "rank 1 failed".into(), code)
     }
 
     /// A round is ranked by `--node-rank` then arrival, and its master is its own node 0 —
@@ -705,11 +741,7 @@ mod tests {
     #[test]
     fn only_a_done_round_completes_the_job() {
         let mut s = State::new(spec(2, 2, 0));
-        assert!(s.finish(RoundEnd {
-            kind: EndKind::Done,
-            line: "forged".into(),
-            exit_code: 0,
-        }));
+        assert!(s.finish(RoundEnd::new(EndKind::Done, "forged".into(), 0)));
         assert!(!s.completed());
         let mut s = State::new(spec(1, 1, 0));
         s.join(joiner("host", 0, 1));

@@ -62,11 +62,7 @@ fn a_round_orders_the_nodes_and_every_member_sees_one_end() {
                     Joined::Finished(end, _) => panic!("the job ended: {end:?}"),
                 };
                 if n == 2 {
-                    let end = RoundEnd {
-                        kind: EndKind::Failed,
-                        line: "node 2 failed".into(),
-                        exit_code: 9,
-                    };
+                    let end = RoundEnd::new(EndKind::Failed, "node 2 failed".into(), 9);
                     assert_eq!(m.claim(info.round, &end).unwrap(), end);
                     // A second end loses: the first stands.
                     let later = RoundEnd {
