@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use ddp_testkit::RankJob;
 
 mod live_job;
+mod second_faults;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 
@@ -191,7 +192,11 @@ fn a_wrong_token_is_refused() {
     let res = RankJob::new(WORKER, 2)
         .arg("barrier")
         .args(["--connect-timeout-secs", "3"])
-        .rank_env(1, "DDP_JOB_TOKEN", "not-the-job-token")
+        .rank_env(
+            1,
+            "DDP_JOB_TOKEN",
+            "0123456789abcdef0123456789abcdef-not-the-job-token",
+        )
         .deadline(Duration::from_secs(60))
         .run()
         .expect("spawning ranks");
@@ -573,7 +578,8 @@ fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
     let ddprun = std::path::Path::new(WORKER).with_file_name("ddprun");
     let launched = ddp_testkit::Launched::spawn(
         Command::new(&ddprun)
-            .args(live_job::LIVE_3_RANKS)
+            .args(live_job::LIVE)
+            .args(["--nproc-per-node", "3"])
             .args(["--max-restarts", "1"])
             .args([
                 "--",
@@ -606,7 +612,7 @@ fn under_ddprun_live_recovery_replaces_a_killed_rank_and_the_job_exits_0() {
         "{all}"
     );
     assert!(
-        ended.stderr.contains("starting a replacement for rank 2")
+        ended.stderr.contains("started a replacement for rank 2")
             && ended.stderr.contains("1 lost rank(s) replaced"),
         "{all}"
     );
@@ -721,12 +727,14 @@ fn live_recovery_with_a_sharded_optimizer_changes_no_bit() {
     killed_at_any_moment(run);
 }
 
-/// Two ranks SIGKILLed at once (ranks 1 and 2 of 3, before step 5; `--max-restarts 3`).
+/// Two ranks SIGKILLed at once (ranks 1 and 2 of 3, before step 5; `--max-restarts 2`).
 /// Unsharded, both are replaced live: rank 0 hands both replacements its state, and the run is
 /// bitwise the uninterrupted one. Sharded (ZeRO-1), rank 1's shard and its only copy (on rank 2)
 /// are gone: every rank says so in one line and notes it as rank 1's failure relayed, so the
 /// launcher stops the group and starts it again (a new attempt, from step 0: the job keeps no
-/// checkpoint), and the job exits 0 with the uninterrupted run's parameters.
+/// checkpoint), and the job exits 0 with the uninterrupted run's parameters: the two
+/// replacements spent the budget of 2, and the restart that falls back from their recovery is
+/// paid for by them.
 #[test]
 fn two_ranks_lost_at_once_are_replaced_live_or_the_group_restarts() {
     let kill_two = ["--victim", "1,2", "--die-at-step", "5"];
@@ -737,7 +745,7 @@ fn two_ranks_lost_at_once_are_replaced_live_or_the_group_restarts() {
     for sharded in [false, true] {
         let setup = live_job::Setup {
             worker: if sharded { &["--sharded"] } else { &[] },
-            max_restarts: Some("3"),
+            max_restarts: Some("2"),
             env: &env,
             ..live_job::Setup::default()
         };
@@ -881,6 +889,49 @@ fn live_recovery_with_bf16_gradients_over_tcp_changes_no_bit() {
     );
     for r in 0..3 {
         assert_eq!(recovered_at(&stdout, r), Some(5), "rank {r}\n{all}");
+    }
+    assert_same_parameters(straight.path(), killed.path(), &all);
+}
+
+/// Unwinding through Burn's backward is safe to train on: the job with SyncBatchNorm (its
+/// forward and backward inside `Ddp::catch_lost_peer`, each step from a `StepStart`), rank 2
+/// SIGKILLed at step 5 after its forward pass and before its backward pass, so that the others
+/// lose it inside SyncBatchNorm's backward exchange (an all-reduce run by Burn's autodiff): the
+/// loss unwinds to `catch_lost_peer`, every rank recovers at step 5, the run trains on for 7
+/// more steps, and every rank's final parameters and running statistics are bitwise those of
+/// the SyncBatchNorm run never killed.
+#[test]
+fn a_rank_lost_inside_sync_batch_norms_backward_is_recovered_and_trained_on_bitwise() {
+    let setup = live_job::Setup {
+        worker: &["--sync-bn"],
+        env: &[("DDP_TIMEOUT_SECS", "30"), ("RAYON_NUM_THREADS", "1")],
+        ..live_job::Setup::default()
+    };
+    let run = |dir: &std::path::Path, extra: &[&str]| {
+        live_job::run(dir, "12", extra, &setup, Duration::from_secs(120))
+    };
+    let (straight, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(straight.path(), &[]);
+    let (stdout, all) = run(
+        killed.path(),
+        &[
+            "--victim",
+            "2",
+            "--die-at-step",
+            "5",
+            "--die-before-backward",
+        ],
+    );
+    for r in 0..3 {
+        assert_eq!(recovered_at(&stdout, r), Some(5), "rank {r}\n{all}");
+    }
+    for r in 0..2 {
+        assert!(
+            all.contains(&format!(
+                "rank {r}: lost a peer in step 5's forward or backward"
+            )),
+            "rank {r} did not lose rank 2 in the passes\n{all}"
+        );
     }
     assert_same_parameters(straight.path(), killed.path(), &all);
 }

@@ -233,9 +233,16 @@ impl Ddp {
             most.and_then(|m| steps.iter().position(|&s| s == m))
         };
         let Some(source) = chosen else {
-            return Err(HandOverError::Failed(refuse(
-                "no rank of the re-formed group holds a training state",
-            )));
+            // Every rank that held the state was lost (a survivor died during the hand-over
+            // to the replacements): a restart from the checkpoint, noted as the lost ranks'
+            // failure relayed, so that the launcher restarts the group rather than replacing
+            // this rank too.
+            let reason = "every rank that held the training state was lost during the \
+                          recovery; restart from the checkpoint";
+            if let Some(lost) = steps.iter().position(|&s| s < 0) {
+                ddp_comm::failure_note::note_peer_failure(lost, reason);
+            }
+            return Err(HandOverError::Failed(refuse(reason)));
         };
         let shard = if sharded {
             let t = steps[source] as u64;

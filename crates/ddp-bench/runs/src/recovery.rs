@@ -1,11 +1,14 @@
 //! `cargo xtask bench recovery`: what a lost rank costs, live recovery against today's restart
 //! and reload, the same train-cnn job in the same run.
 //!
-//! Three launches of `ddprun -- train-cnn` (release builds): the job uninterrupted; the job with
+//! Four launches of `ddprun -- train-cnn` (release builds): the job uninterrupted; the job with
 //! rank 1 SIGKILLed at a fixed moment and `--recover live` (the survivors hand a replacement
-//! their state from memory and redo one step); and the job killed at the same moment under
-//! `--max-restarts 1` (every rank stopped and started again, the last epoch's checkpoint read,
-//! the epoch's finished steps done again). Each is repeated `repeats` times; the table gives the
+//! their state from memory and redo one step); the same with a second fault during the
+//! recovery (the replacement itself SIGKILLed `--second-kill-after-ms` after it started, while
+//! it joins the re-forming group: the dead generation is given up and a second replacement
+//! joins, `--max-restarts 2`); and the job killed at the same moment under `--max-restarts 1`
+//! (every rank stopped and started again, the last epoch's checkpoint read, the epoch's
+//! finished steps done again). Each is repeated `repeats` times; the table gives the
 //! median wall time and the time lost against the uninterrupted median, next to the job's mean
 //! step time. A run is checked to have exited 0 and recovered the way it was meant to (a
 //! replacement and no restart, or a restart) from ddprun's own lines; that the recovered runs
@@ -36,6 +39,10 @@ pub struct RecoveryRuns {
     /// Milliseconds after the first epoch's checkpoint at which rank 1 is killed.
     #[arg(long, default_value_t = 500)]
     pub kill_after_ms: u64,
+    /// The second fault's row: milliseconds after its start at which rank 1's first
+    /// replacement is killed too.
+    #[arg(long, default_value_t = 50)]
+    pub second_kill_after_ms: u64,
     /// Launches of each kind (the median is shown).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
@@ -49,6 +56,7 @@ const LAUNCH_DEADLINE: Duration = Duration::from_secs(600);
 enum Kind {
     Uninterrupted,
     Live,
+    LiveSecondKill,
     Restart,
 }
 
@@ -57,6 +65,9 @@ impl Kind {
         match self {
             Kind::Uninterrupted => "never killed",
             Kind::Live => "live recovery (--recover live)",
+            Kind::LiveSecondKill => {
+                "live recovery, the replacement killed too (--recover live --max-restarts 2)"
+            }
             Kind::Restart => "restart and reload (--max-restarts 1)",
         }
     }
@@ -65,11 +76,17 @@ impl Kind {
 /// Rank 1 of the first start (neither a replacement nor a restarted attempt) kills itself with
 /// SIGKILL `$KILL_AFTER_MS` after the first checkpoint exists (looked for every 50 ms: a
 /// tighter loop of `sleep` processes took a core's share from the ranks, 1.1 s of a 2.5 s epoch
-/// on 2 cores); every other process just runs.
+/// on 2 cores); with `$SECOND_KILL_AFTER_MS`, rank 1's first replacement (the one that makes
+/// the folder `$SECOND_MARK`) kills itself that long after its start; every other process just
+/// runs.
 const KILL_RANK_1: &str = r#"
 if [ "$RANK" = 1 ] && [ "$DDP_RESTART_COUNT" = 0 ] && [ "$DDP_REJOIN" != 1 ] && [ -n "$KILL_AFTER_MS" ]; then
   ( while [ ! -f "$CHECKPOINT" ]; do sleep 0.05; done
     sleep "$(awk "BEGIN { print $KILL_AFTER_MS / 1000 }")"
+    kill -9 $$ ) &
+fi
+if [ "$RANK" = 1 ] && [ "$DDP_REJOIN" = 1 ] && [ -n "$SECOND_KILL_AFTER_MS" ] && mkdir "$SECOND_MARK" 2>/dev/null; then
+  ( sleep "$(awk "BEGIN { print $SECOND_KILL_AFTER_MS / 1000 }")"
     kill -9 $$ ) &
 fi
 exec "$@"
@@ -101,7 +118,12 @@ pub fn run_recovery(r: &RecoveryRuns) -> Result<(), String> {
         _ => {}
     }
     let mut rows = Vec::new();
-    for kind in [Kind::Uninterrupted, Kind::Live, Kind::Restart] {
+    for kind in [
+        Kind::Uninterrupted,
+        Kind::Live,
+        Kind::LiveSecondKill,
+        Kind::Restart,
+    ] {
         let mut secs = Vec::new();
         for i in 0..r.repeats {
             let out = work.join(format!("{kind:?}-{i}"));
@@ -122,6 +144,11 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
         Kind::Uninterrupted => {}
         Kind::Live => {
             cmd.args(["--recover", "live", "--max-restarts", "1"]);
+        }
+        Kind::LiveSecondKill => {
+            cmd.args(["--recover", "live", "--max-restarts", "2"]);
+            cmd.env("SECOND_KILL_AFTER_MS", r.second_kill_after_ms.to_string())
+                .env("SECOND_MARK", out.join("second-kill"));
         }
         Kind::Restart => {
             cmd.args(["--max-restarts", "1"]);
@@ -189,16 +216,17 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
     if !status.success() {
         return Err(format!("{} failed ({status}):\n{stderr}", kind.name()));
     }
-    let replaced = stderr.contains("starting a replacement for rank 1");
+    let replaced = stderr.matches("started a replacement for rank 1").count();
     let restarted = stderr.contains("restarting the group");
     let as_meant = match kind {
-        Kind::Uninterrupted => !replaced && !restarted,
-        Kind::Live => replaced && !restarted,
-        Kind::Restart => restarted && !replaced,
+        Kind::Uninterrupted => replaced == 0 && !restarted,
+        Kind::Live => replaced == 1 && !restarted,
+        Kind::LiveSecondKill => replaced == 2 && !restarted,
+        Kind::Restart => restarted && replaced == 0,
     };
     if !as_meant {
         return Err(format!(
-            "{}: ddprun's lines do not show it (replaced: {replaced}, restarted: {restarted}):\n{stderr}",
+            "{}: ddprun's lines do not show it (replacements: {replaced}, restarted: {restarted}):\n{stderr}",
             kind.name()
         ));
     }
@@ -221,11 +249,13 @@ fn table(r: &RecoveryRuns, rows: &[(Kind, f64)], steps: usize) -> String {
     let mut s = format!(
         "\n## A lost rank: live recovery vs restart and reload (train-cnn, {} CPU ranks, \
          SyncBatchNorm, {} epochs of {} steps, a checkpoint per epoch; rank 1 SIGKILLed {} ms \
-         after the first checkpoint; medians of {} launches)\n\n",
+         after the first checkpoint, and in the second fault's row its replacement {} ms after \
+         its start; medians of {} launches)\n\n",
         r.nproc,
         r.epochs,
         steps / r.epochs,
         r.kill_after_ms,
+        r.second_kill_after_ms,
         r.repeats
     );
     s += "| run | wall time, s | lost vs never killed, s | lost, in mean steps |\n";
@@ -258,6 +288,7 @@ mod tests {
             train_size: 4000,
             batch: 16,
             kill_after_ms: 300,
+            second_kill_after_ms: 50,
             repeats: 3,
         };
         let t = table(

@@ -51,7 +51,7 @@ enum Formed {
 }
 
 /// Forms this rank's mesh, claiming its slot as `claim` says, in the store `home` holds;
-/// sets `home.generation` to the generation formed.
+/// sets `home.generation` to the generation formed (on failure, the last one tried).
 pub(super) fn join(
     rank: usize,
     world: usize,
@@ -84,11 +84,11 @@ pub(super) fn join(
         started,
     };
     loop {
+        // Tried, if not formed: a later re-forming starts after it (its slots hold this
+        // process's old addresses).
+        home.generation = generation;
         match attempt.form(generation, home)? {
-            Formed::Mesh(mesh) => {
-                home.generation = generation;
-                return Ok(mesh);
-            }
+            Formed::Mesh(mesh) => return Ok(mesh),
             Formed::Later(next) => {
                 tracing::info!(
                     rank,

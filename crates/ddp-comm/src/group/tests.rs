@@ -579,3 +579,71 @@ fn re_forming_without_a_replacement_times_out_naming_the_lost_rank() {
     let e = ProcessGroup::rejoin(&env(0, 3, port, "lonely"), o).unwrap_err();
     assert!(e.to_string().contains("rank 0 serves"), "{e}");
 }
+
+/// A re-forming that failed (no replacement within the deadline) can be tried again: the
+/// second try fails the same way (never `Ok` without links, and the group's calls fail
+/// instead of panicking), and once a replacement comes, the third try re-forms the group in a
+/// generation after the failed ones and the ranks all-reduce again.
+#[test]
+fn a_failed_re_forming_can_be_tried_again() {
+    let port = free_port();
+    let o = GroupOptions {
+        connect_timeout: Duration::from_secs(2),
+        ..opts(true)
+    };
+    let token = "try-again";
+    let gone = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let (o, gone) = (o.clone(), gone.clone());
+            std::thread::spawn(move || {
+                let mut pg = ProcessGroup::init(&env(r, 3, port, token), o).unwrap();
+                pg.barrier().unwrap();
+                gone.wait();
+                let mut x = [1.0f32; 10];
+                pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+                let first = pg.reform().unwrap_err().to_string();
+                let second = pg.reform().unwrap_err().to_string();
+                let meanwhile = pg.barrier().unwrap_err().to_string();
+                // The replacement starts once both tries failed.
+                gone.wait();
+                pg.reform().unwrap();
+                let mut y = [(r + 1) as f32; 10];
+                pg.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+                (first, second, meanwhile, y[9], pg.generation())
+            })
+        })
+        .collect();
+    let o2 = o.clone();
+    let lost = std::thread::spawn(move || {
+        let mut pg = ProcessGroup::init(&env(2, 3, port, token), o2.clone()).unwrap();
+        pg.barrier().unwrap();
+        drop(pg);
+        gone.wait();
+        gone.wait();
+        let mut pg = ProcessGroup::rejoin(&env(2, 3, port, token), o2).unwrap();
+        let mut y = [3.0f32; 10];
+        pg.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+        (y[9], pg.generation())
+    });
+    let mut generations = Vec::new();
+    for (r, h) in handles.into_iter().enumerate() {
+        let (first, second, meanwhile, sum, generation) = h.join().unwrap();
+        for e in [&first, &second] {
+            assert!(e.contains("rank(s) 2"), "rank {r}: {e}");
+        }
+        assert!(
+            meanwhile.contains("re-forming the group failed"),
+            "rank {r}: {meanwhile}"
+        );
+        assert_eq!(sum, 6.0, "rank {r}");
+        generations.push(generation);
+    }
+    let (sum, generation) = lost.join().unwrap();
+    assert_eq!(sum, 6.0);
+    generations.push(generation);
+    assert!(
+        generations.iter().all(|&g| g == generations[0] && g >= 3),
+        "{generations:?}"
+    );
+}

@@ -29,6 +29,8 @@ use burn::tensor::{Device, Tensor};
 use burn::train::{
     InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
 };
+use burn_ddp::recovery::StepStart;
+use burn_ddp::sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 use burn_ddp::{Ddp, DdpModel, DdpOptimizer, SilentRenderer};
 use clap::{Parser, ValueEnum};
 use ddp_tests::{check_identical, flatten, write_f32};
@@ -90,6 +92,10 @@ struct Args {
     /// `live`: the step before which the victim kills itself.
     #[arg(long)]
     die_at_step: Option<u64>,
+    /// `live`: the step before which each victim kills itself, by its place in `--victim`
+    /// (instead of `--die-at-step`).
+    #[arg(long, value_delimiter = ',')]
+    die_at_steps: Vec<u64>,
     /// `live`: the victim kills itself this many milliseconds after its first step, wherever
     /// it then is (forward, backward, all-reduce, optimizer step).
     #[arg(long)]
@@ -97,10 +103,94 @@ struct Args {
     /// `live`: the optimizer state sharded across the ranks (ZeRO-1, `DdpOptimizer::sharded`).
     #[arg(long)]
     sharded: bool,
+    /// `live`: SyncBatchNorm in the network; each step's forward and backward run inside
+    /// `Ddp::catch_lost_peer`, from a `StepStart`.
+    #[arg(long)]
+    sync_bn: bool,
+    /// `live`: the victim dies at its step after the forward pass, before the backward pass:
+    /// the others lose it inside SyncBatchNorm's backward exchange.
+    #[arg(long)]
+    die_before_backward: bool,
+    /// `live`: the victim exits with code 1 (an error of its own) before this step, in the
+    /// job's first attempt.
+    #[arg(long)]
+    fail_at_step: Option<u64>,
+    /// `live`: the victim stops itself (SIGSTOP) before this step: a hung rank.
+    #[arg(long)]
+    stop_at_step: Option<u64>,
+    /// `live`: how many of each victim's replacements die too (each after the one before),
+    /// counted in files under `--out`.
+    #[arg(long, default_value_t = 0)]
+    replacement_deaths: u32,
+    /// `live`: a replacement that dies SIGKILLs itself this many milliseconds after its process
+    /// started (before, while or after it joins the group).
+    #[arg(long)]
+    replacement_dies_after_ms: Option<u64>,
+    /// `live`: a replacement that dies SIGKILLs itself right after it claimed its slot in the
+    /// group's generation (ddp-comm's test knob `DDP_GROUP_FAULT=die-after-claim`).
+    #[arg(long)]
+    replacement_dies_after_claim: bool,
+    /// `live`: `R:MS`: survivor rank R (its first process, in the first attempt) SIGKILLs itself
+    /// MS milliseconds into its first recovery (re-forming the group, handing the state over).
+    #[arg(long, value_parser = parse_rank_ms)]
+    survivor_dies_in_recovery: Option<(usize, u64)>,
     /// Rank 0 compares its parameters with the single-process reference and fails above this
     /// max |Δparam| (prints an `OUTCOME` line; the GPU check script uses it).
     #[arg(long)]
     check: Option<f32>,
+}
+
+/// `R:MS` of `--survivor-dies-in-recovery`.
+fn parse_rank_ms(s: &str) -> Result<(usize, u64), String> {
+    let (r, ms) = s.split_once(':').ok_or("expected RANK:MS")?;
+    Ok((
+        r.parse().map_err(|e| format!("rank: {e}"))?,
+        ms.parse().map_err(|e| format!("ms: {e}"))?,
+    ))
+}
+
+/// SIGKILLs this process, saying when (wall-clock ms) on stdout first.
+fn die_now() {
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    println!("DYING at={at}");
+    // SAFETY: kill and getpid have no preconditions.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+}
+
+/// First thing in a replacement of a victim rank (`DDP_REJOIN=1`): whether it is one of the
+/// `--replacement-deaths` that die, counted in `OUT/replacement-deaths-rank{R}`; if so, it
+/// arms its death (a timer from now, or ddp-comm's knob after its claim).
+fn arm_replacement_death(args: &Args) -> Result<(), String> {
+    let rank: usize = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    if !ddp_comm::env::rejoining() || !args.victim.contains(&rank) || args.replacement_deaths == 0 {
+        return Ok(());
+    }
+    std::fs::create_dir_all(&args.out).map_err(|e| e.to_string())?;
+    let counter = args.out.join(format!("replacement-deaths-rank{rank}"));
+    let died = match std::fs::read_to_string(&counter) {
+        Ok(t) => t.trim().parse::<u32>().map_err(|e| e.to_string())?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(format!("{}: {e}", counter.display())),
+    };
+    if died >= args.replacement_deaths {
+        return Ok(());
+    }
+    std::fs::write(&counter, (died + 1).to_string()).map_err(|e| e.to_string())?;
+    if args.replacement_dies_after_claim {
+        // SAFETY: set before any other thread of this process starts.
+        unsafe { std::env::set_var("DDP_GROUP_FAULT", "die-after-claim") };
+    } else if let Some(ms) = args.replacement_dies_after_ms {
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            die_now();
+        });
+    }
+    Ok(())
 }
 
 const IN: usize = 6;
@@ -111,6 +201,9 @@ const LR: f64 = 0.05;
 #[derive(Module, Debug)]
 struct Mlp {
     fc1: Linear,
+    /// `live --sync-bn` only: SyncBatchNorm after `fc1` (its exchange runs inside Burn's
+    /// forward and backward).
+    bn: Option<SyncBatchNorm>,
     fc2: Linear,
     /// Used only by rank 1's samples in the `unused` scenario.
     branch: Linear,
@@ -123,6 +216,7 @@ impl Mlp {
     fn new(hidden: usize, device: &Device) -> Self {
         Mlp {
             fc1: LinearConfig::new(IN, hidden).init(device),
+            bn: None,
             fc2: LinearConfig::new(hidden, OUT).init(device),
             branch: LinearConfig::new(hidden, OUT).init(device),
             never: LinearConfig::new(hidden, OUT).init(device),
@@ -130,8 +224,25 @@ impl Mlp {
         }
     }
 
+    /// The same network with SyncBatchNorm after its first layer.
+    fn with_sync_bn(self, device: &Device) -> Self {
+        let hidden = self.fc1.weight.dims()[1];
+        Mlp {
+            bn: Some(SyncBatchNormConfig::new(hidden).init(device)),
+            ..self
+        }
+    }
+
     fn forward(&self, x: Tensor<2>, use_branch: bool) -> Tensor<2> {
-        let h = self.act.forward(self.fc1.forward(x));
+        let h = self.fc1.forward(x);
+        let h = match &self.bn {
+            Some(bn) => {
+                let [n, hidden] = h.dims();
+                bn.forward(h.reshape([n, hidden, 1])).reshape([n, hidden])
+            }
+            None => h,
+        };
+        let h = self.act.forward(h);
         let y = self.fc2.forward(h.clone());
         if use_branch {
             y + self.branch.forward(h)
@@ -285,7 +396,13 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
     let device = ddp.device().clone().autodiff();
     device.seed(1000 + rank as u64);
     let e = |e: burn_ddp::DdpError| e.to_string();
-    let mut model = ddp.replicate_model(Mlp::new(HIDDEN, &device)).map_err(e)?;
+    let mlp = Mlp::new(HIDDEN, &device);
+    let mlp = if args.sync_bn {
+        mlp.with_sync_bn(&device)
+    } else {
+        mlp
+    };
+    let mut model = ddp.replicate_model(mlp).map_err(e)?;
     let mut optim = if args.sharded {
         DdpOptimizer::sharded(ddp, optimizer(Optim::Sgd))
     } else {
@@ -297,16 +414,24 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis())
     };
-    let die = move || {
-        println!("DYING at={}", unix_ms());
-        // SAFETY: kill and getpid have no preconditions.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    };
+    let die = die_now;
     // Only the first process of a victim rank, in the job's first attempt, dies.
     let first_attempt = std::env::var("DDP_RESTART_COUNT").map_or(true, |c| c == "0");
     let victim = args.victim.contains(&rank) && !ddp.is_replacement() && first_attempt;
+    let recoveries = std::cell::Cell::new(0u32);
     let recover = |model, optim: &mut DdpOptimizer, progress| {
         let t = std::time::Instant::now();
+        if let Some((r, ms)) = args.survivor_dies_in_recovery
+            && r == rank
+            && first_attempt
+            && !ddp.is_replacement()
+            && recoveries.replace(recoveries.get() + 1) == 0
+        {
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                die_now();
+            });
+        }
         let (model, progress): (Mlp, Progress) = ddp.recover(model, optim, progress).map_err(e)?;
         println!(
             "RECOVERED rank={rank} step={} ms={:.1}",
@@ -321,8 +446,24 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
     }
     while progress.step < args.steps as u64 {
         let step = progress.step;
-        if victim && args.die_at_step == Some(step) {
+        let my_death = args
+            .victim
+            .iter()
+            .position(|&v| v == rank)
+            .and_then(|i| args.die_at_steps.get(i).copied())
+            .or(args.die_at_step);
+        if victim && my_death == Some(step) && !args.die_before_backward {
             die();
+        }
+        if victim && args.fail_at_step == Some(step) {
+            return Err(format!(
+                "failing on purpose before step {step} (--fail-at-step)"
+            ));
+        }
+        if victim && args.stop_at_step == Some(step) {
+            println!("STOPPING rank={rank} at={}", unix_ms());
+            // SAFETY: raise has no preconditions.
+            unsafe { libc::raise(libc::SIGSTOP) };
         }
         if victim
             && step == 1
@@ -334,8 +475,28 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
             });
         }
         let (x, y) = batch(shard(step as usize, 0, rank, world, b, 1), &device);
-        let loss = mse(model.forward(x, false), y);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let start = (args.sync_bn && ddp.recovers_live()).then(|| StepStart::take(&model));
+        let dies_in_backward = victim && my_death == Some(step) && args.die_before_backward;
+        let passes = ddp.catch_lost_peer(|| {
+            let loss = mse(model.forward(x, false), y);
+            if dies_in_backward {
+                die();
+            }
+            GradientsParams::from_grads(loss.backward(), &model)
+        });
+        let grads = match passes {
+            Ok(g) => g,
+            Err(err) if err.lost_a_peer() => {
+                eprintln!("rank {rank}: lost a peer in step {step}'s forward or backward: {err}");
+                let before = match start {
+                    Some(s) => s.restore(model),
+                    None => model,
+                };
+                (model, progress) = recover(before, &mut optim, progress)?;
+                continue;
+            }
+            Err(err) => return Err(err.to_string()),
+        };
         match optim.try_step(LR, model.clone(), grads) {
             Ok(m) => {
                 model = m;
@@ -352,11 +513,22 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
             }
             Err(err) if err.lost_a_peer() => {
                 eprintln!("rank {rank}: lost a peer in step {step}: {err}");
-                (model, progress) = recover(model, &mut optim, progress)?;
+                let before = match start {
+                    Some(s) => s.restore(model),
+                    None => model,
+                };
+                (model, progress) = recover(before, &mut optim, progress)?;
             }
             Err(err) => return Err(err.to_string()),
         }
     }
+    check_identical(ddp, &model, args.steps)?;
+    // A replacement is a rank like the others once it recovered: a later replicate_model
+    // broadcasts to it as to any rank (a collective every rank makes).
+    if ddp.is_replacement() {
+        return Err("still a replacement after its recovery".into());
+    }
+    let model = ddp.replicate_model(model).map_err(e)?;
     check_identical(ddp, &model, args.steps)?;
     std::fs::create_dir_all(&args.out).map_err(|e| e.to_string())?;
     write_f32(&args.out.join(format!("rank{rank}.f32")), &flatten(&model))
@@ -495,6 +667,10 @@ fn run(args: &Args) -> Result<(), String> {
 fn main() -> ExitCode {
     burn_ddp::report_panics_as_errors("ddp_worker");
     let args = Args::parse();
+    if let Err(e) = arm_replacement_death(&args) {
+        eprintln!("ddp_worker error: {e}");
+        return ExitCode::from(3);
+    }
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,12 +1,13 @@
-//! `ddp_worker --scenario live` on 3 ranks under `ddprun --recover live --max-restarts K`: the
+//! `ddp_worker --scenario live` on 3 ranks (or as many as asked) under `ddprun --recover live --max-restarts K`: the
 //! live-recovery jobs of the fault tests (CPU ranks) and of the CUDA tests (NCCL), one command.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// ddprun's options for 3 ranks of which a lost one is replaced live (add `--max-restarts`).
-pub const LIVE_3_RANKS: &[&str] = &["--nproc-per-node", "3", "--recover", "live"];
+/// ddprun's options for ranks of which a lost one is replaced live (add `--nproc-per-node` and
+/// `--max-restarts`).
+pub const LIVE: &[&str] = &["--recover", "live"];
 
 /// What a live job adds to the command and the ranks' variables.
 #[derive(Default)]
@@ -15,6 +16,8 @@ pub struct Setup<'a> {
     pub launcher: &'a [&'a str],
     /// `--max-restarts` (1 when unset).
     pub max_restarts: Option<&'a str>,
+    /// `--nproc-per-node` (3 when unset).
+    pub nproc: Option<&'a str>,
     /// What starts the worker (a shell wrapper and its arguments), if anything.
     pub wrapper: &'a [&'a str],
     /// More worker arguments.
@@ -33,10 +36,42 @@ pub fn run(
     setup: &Setup<'_>,
     limit: Duration,
 ) -> (String, String) {
+    let ended = run_any(dir, steps, extra, setup, limit);
+    assert!(
+        ended.status.success(),
+        "{extra:?}: {}\n{}",
+        ended.status,
+        ended.all
+    );
+    (ended.stdout, ended.all)
+}
+
+/// How a live job ended.
+#[allow(dead_code)] // each test binary that includes this module uses a part of it
+pub struct Ended {
+    /// ddprun's exit status.
+    pub status: std::process::ExitStatus,
+    /// Its stdout (the ranks' lines).
+    pub stdout: String,
+    /// Everything it printed.
+    pub all: String,
+    /// From its start to its end.
+    pub after: Duration,
+}
+
+/// [`run`], whatever the job's outcome.
+pub fn run_any(
+    dir: &Path,
+    steps: &str,
+    extra: &[&str],
+    setup: &Setup<'_>,
+    limit: Duration,
+) -> Ended {
     let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
     let ddprun = worker.with_file_name("ddprun");
     let mut cmd = Command::new(&ddprun);
-    cmd.args(LIVE_3_RANKS)
+    cmd.args(LIVE)
+        .args(["--nproc-per-node", setup.nproc.unwrap_or("3")])
         .args(["--max-restarts", setup.max_restarts.unwrap_or("1")])
         .args(setup.launcher)
         .arg("--")
@@ -52,6 +87,10 @@ pub fn run(
         .expect("start ddprun")
         .wait_until(Instant::now() + limit);
     let all = format!("{}\n{}", ended.stdout, ended.stderr);
-    assert!(ended.status.success(), "{extra:?}: {}\n{all}", ended.status);
-    (ended.stdout, all)
+    Ended {
+        status: ended.status,
+        stdout: ended.stdout,
+        all,
+        after: ended.after,
+    }
 }
