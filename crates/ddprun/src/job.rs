@@ -569,6 +569,16 @@ impl RoundHooks for Hooks<'_> {
         self.claim_if_due();
     }
 
+    fn report_hung(&mut self, rank: usize) {
+        if let Err(e) = self.member.report_hung(self.round, rank) {
+            tracing::warn!("cannot report rank {rank} as hung to the other launchers: {e}");
+        }
+    }
+
+    fn hung_elsewhere(&mut self) -> Vec<usize> {
+        self.watch.hung()
+    }
+
     fn charge_replacement(&mut self) -> Result<usize, Option<usize>> {
         match self.member.charge_replacement(self.round) {
             Ok(charged) => charged,

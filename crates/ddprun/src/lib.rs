@@ -213,6 +213,13 @@ trait RoundHooks {
     /// shared with the group restarts): `Ok` with the budget spent after it, `Err` with the
     /// budget spent when it is spent (`None`: the round is ending, nothing may be replaced).
     fn charge_replacement(&mut self) -> Result<usize, Option<usize>>;
+    /// Tells the other nodes' launchers that their global rank `rank` hangs (a rank here
+    /// waited for it past its collective timeout).
+    fn report_hung(&mut self, _rank: usize) {}
+    /// The ranks another node's launcher reported hung (some may be this node's).
+    fn hung_elsewhere(&mut self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// One node alone: its budget is its own; nothing to tell, nothing to hear.
@@ -391,7 +398,7 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
     // Live recovery: when the ranks' notes were last read for a hung rank, and the processes
     // killed as hung (each once).
     let mut hung_checked = Instant::now();
-    let mut hung_killed: Vec<u32> = Vec::new();
+    let mut hung_killed = HungKills::default();
 
     loop {
         let mut running = 0;
@@ -523,7 +530,7 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
             && hung_checked.elapsed() >= HUNG_POLL
         {
             hung_checked = Instant::now();
-            kill_hung_rank(ranks, notes, &mut hung_killed);
+            kill_hung_rank(ranks, notes, hooks, &mut hung_killed);
         }
         if kill_at.is_none()
             && let Some(stop) = hooks.stop_requested()
@@ -600,30 +607,60 @@ fn ranks_done(ranks: &[Rank]) -> Vec<usize> {
 /// a hung rank.
 const HUNG_POLL: Duration = Duration::from_millis(100);
 
+/// The hung ranks a watch loop killed: each process once, and each rank another node reported
+/// once in a round (the report stays in the state; its replacement is not hung).
+#[derive(Default)]
+struct HungKills {
+    pids: Vec<u32>,
+    reported: Vec<usize>,
+}
+
 /// Under live recovery: kills a rank of this node that hangs (a running rank's collective
 /// waited for it past its deadline, and it waits for nobody itself), once per process, so that
-/// it is replaced as any killed rank (see [`live::hung_rank`]).
-fn kill_hung_rank(ranks: &[Rank], notes: &FailureNotes, killed: &mut Vec<u32>) {
+/// it is replaced as any killed rank (see [`live::hung_rank`]); reports a hung rank of another
+/// node to its launcher, and kills a rank of this node another node reported.
+fn kill_hung_rank(
+    ranks: &[Rank],
+    notes: &FailureNotes,
+    hooks: &mut dyn RoundHooks,
+    killed: &mut HungKills,
+) {
     let running: Vec<usize> = ranks
         .iter()
         .filter(|r| r.exit.is_none())
         .map(|r| r.rank)
         .collect();
     let read: Vec<_> = running.iter().map(|&r| notes.note(r)).collect();
-    let Some((hung, noter)) = live::hung_rank(&running, &read, &running) else {
+    for (noter, hung) in live::hung_elsewhere(&running, &read, ranks.iter().map(|r| r.rank)) {
+        tracing::info!("rank {noter} waited for rank {hung} of another node past its deadline");
+        hooks.report_hung(hung);
+    }
+    let reported: Vec<usize> = hooks
+        .hung_elsewhere()
+        .into_iter()
+        .filter(|r| !killed.reported.contains(r))
+        .collect();
+    let found = live::hung_rank(&running, &read, &running)
+        .map(|(hung, noter)| (hung, format!("rank {noter}")))
+        .or_else(|| {
+            let hung = live::reported_hung(&running, &read, &reported)?;
+            killed.reported.push(hung);
+            Some((hung, "a rank of another node".to_string()))
+        });
+    let Some((hung, noter)) = found else {
         return;
     };
     let Some(r) = ranks.iter().find(|r| r.rank == hung) else {
         return;
     };
     let pid = r.child.id();
-    if killed.contains(&pid) {
+    if killed.pids.contains(&pid) {
         return;
     }
-    killed.push(pid);
+    killed.pids.push(pid);
     eprintln!(
-        "ddprun: rank {hung} hangs: rank {noter} waited for it in a collective past its \
-         deadline (DDP_TIMEOUT_SECS); killing it (SIGKILL) so that it is replaced"
+        "ddprun: rank {hung} hangs: {noter} waited for it in a collective past its deadline \
+         (DDP_TIMEOUT_SECS); killing it (SIGKILL) so that it is replaced"
     );
     kill_group(pid, libc::SIGKILL);
 }

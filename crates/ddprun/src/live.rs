@@ -128,6 +128,39 @@ pub(crate) fn hung_rank(
     })
 }
 
+/// The ranks of other nodes that this node's running ranks noted as hung: `(noter, hung)` for
+/// each note whose peer is not one of `local` (all of this node's ranks).
+pub(crate) fn hung_elsewhere(
+    running: &[usize],
+    notes: &[Option<Note>],
+    local: impl Iterator<Item = usize> + Clone,
+) -> Vec<(usize, usize)> {
+    running
+        .iter()
+        .zip(notes)
+        .filter_map(|(&noter, n)| {
+            let n = (*n)?;
+            (n.kind == NoteKind::Hung && !local.clone().any(|l| l == n.peer))
+                .then_some((noter, n.peer))
+        })
+        .collect()
+}
+
+/// The first rank of `reported` (reported hung by another node's launcher) that runs here
+/// (`running`, whose notes are `notes`) and waits for nobody itself.
+pub(crate) fn reported_hung(
+    running: &[usize],
+    notes: &[Option<Note>],
+    reported: &[usize],
+) -> Option<usize> {
+    reported.iter().copied().find(|r| {
+        running
+            .iter()
+            .zip(notes)
+            .any(|(&q, n)| q == *r && !n.is_some_and(|n| n.kind == NoteKind::Hung))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,5 +251,15 @@ mod tests {
         );
         // A closed connection says the peer is gone, not hung.
         assert_eq!(hung_rank(&[0, 1], &[lost(1), None], &[0, 1]), None);
+        // Rank 0 of this node (ranks 0 and 1) waited for rank 3 of another node: reported.
+        assert_eq!(
+            hung_elsewhere(&[0, 1], &[hung(3), lost(3)], [0, 1].into_iter()),
+            vec![(0, 3)]
+        );
+        // Rank 3, reported by another node, runs here and waits for nobody: killed; a reported
+        // rank that itself timed out on another is not the one.
+        assert_eq!(reported_hung(&[2, 3], &[None, None], &[3]), Some(3));
+        assert_eq!(reported_hung(&[2, 3], &[None, hung(0)], &[3]), None);
+        assert_eq!(reported_hung(&[2], &[None], &[3]), None);
     }
 }

@@ -326,15 +326,17 @@ fn a_hung_rank_is_killed_and_replaced_within_the_timeout() {
     eprintln!("hung rank: {took} ms from its stop to its replacement's first step");
 }
 
-/// Two launchers of one rank each (emulated hosts, TCP), `--max-restarts 1`: node 1's rank
-/// dies before step 3 and is replaced live (the budget spent, in the launchers' shared
-/// state), then node 0's rank dies before step 7: the budget is spent, so the job ends on both
-/// nodes with the same non-zero code and the same last line, after one live recovery.
-#[test]
-fn on_two_launchers_the_budget_is_the_jobs() {
+/// The job on two launchers of one rank each (emulated hosts, TCP) under `--recover live
+/// --max-restarts K`, with `extra` worker arguments and `env`: both launchers' ends, and
+/// everything they printed.
+fn two_launchers(
+    dir: &Path,
+    extra: &[&str],
+    max_restarts: &str,
+    env: &[(&str, &str)],
+) -> (Vec<ddp_testkit::Finished>, String) {
     let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
     let ddprun = worker.with_file_name("ddprun");
-    let dir = tempfile::tempdir().unwrap();
     let port = ddp_testkit::free_port().to_string();
     let token = ddp_testkit::job_token();
     let launched: Vec<_> = (0..2)
@@ -342,13 +344,13 @@ fn on_two_launchers_the_budget_is_the_jobs() {
             let mut cmd = std::process::Command::new(&ddprun);
             cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
                 .args(["--nproc-per-node", "1", "--master-port", &port])
-                .args(["--recover", "live", "--max-restarts", "1"])
+                .args(["--recover", "live", "--max-restarts", max_restarts])
                 .arg("--")
                 .arg(&worker)
                 .args(["--scenario", "live", "--steps", "12", "--out"])
-                .arg(dir.path())
-                .args(["--victim", "1,0", "--die-at-steps", "3,7"])
-                .envs(ENV.iter().copied())
+                .arg(dir)
+                .args(extra)
+                .envs(env.iter().copied())
                 .env("DDP_JOB_TOKEN", &token)
                 .env("DDP_HOST_ID", format!("emulated-host-{node}"));
             ddp_testkit::Launched::spawn(&mut cmd).expect("start ddprun")
@@ -362,6 +364,22 @@ fn on_two_launchers_the_budget_is_the_jobs() {
         "node 0:\n{}\n{}\nnode 1:\n{}\n{}",
         ended[0].stdout, ended[0].stderr, ended[1].stdout, ended[1].stderr
     );
+    (ended, all)
+}
+
+/// Two launchers of one rank each, `--max-restarts 1`: node 1's rank dies before step 3 and is
+/// replaced live (the budget spent, in the launchers' shared state), then node 0's rank dies
+/// before step 7: the budget is spent, so the job ends on both nodes with the same non-zero
+/// code and the same last line, after one live recovery.
+#[test]
+fn on_two_launchers_the_budget_is_the_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ended, all) = two_launchers(
+        dir.path(),
+        &["--victim", "1,0", "--die-at-steps", "3,7"],
+        "1",
+        ENV,
+    );
     let last = |e: &ddp_testkit::Finished| e.stderr.lines().last().unwrap_or_default().to_string();
     assert!(ended.iter().all(|e| e.status.code() == Some(137)), "{all}");
     assert_eq!(last(&ended[0]), last(&ended[1]), "{all}");
@@ -371,6 +389,47 @@ fn on_two_launchers_the_budget_is_the_jobs() {
             && !all.contains("restarting the group"),
         "{all}"
     );
+    let left = leftover_segments(&job_pids(&all));
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}\n{all}");
+}
+
+/// Two launchers of one rank each: node 1's rank stops (SIGSTOP before step 5). Rank 0's
+/// all-reduce times out on it after `DDP_TIMEOUT_SECS` (3 s); node 0's launcher reports it in
+/// the launchers' shared state, node 1's kills it and replaces it live: both exit 0, bitwise
+/// the two-launcher job never killed.
+#[test]
+fn on_two_launchers_a_hung_rank_is_killed_by_its_own_launcher() {
+    let env = [
+        ("DDP_CONNECT_TIMEOUT_SECS", "60"),
+        ("DDP_TIMEOUT_SECS", "3"),
+        ("RAYON_NUM_THREADS", "1"),
+    ];
+    let (straight, stopped) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (ended, all) = two_launchers(straight.path(), &[], "1", &env);
+    assert!(ended.iter().all(|e| e.status.success()), "{all}");
+    let (ended, all) = two_launchers(
+        stopped.path(),
+        &["--victim", "1", "--stop-at-step", "5"],
+        "1",
+        &env,
+    );
+    assert!(ended.iter().all(|e| e.status.success()), "{all}");
+    assert!(
+        all.contains("rank 1 hangs: a rank of another node waited for it")
+            && all.contains("started a replacement for rank 1"),
+        "{all}"
+    );
+    assert!(
+        ended.iter().all(|e| e.after < Duration::from_secs(20)),
+        "{all}"
+    );
+    for r in 0..2 {
+        let read = |d: &Path| std::fs::read(d.join(format!("rank{r}.f32"))).unwrap();
+        assert!(
+            read(straight.path()) == read(stopped.path()),
+            "rank {r}: the parameters differ from the run never stopped\n{all}"
+        );
+    }
     let left = leftover_segments(&job_pids(&all));
     assert!(left.is_empty(), "left in /dev/shm: {left:?}\n{all}");
 }

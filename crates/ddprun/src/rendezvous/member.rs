@@ -413,6 +413,13 @@ impl Member {
         Ok(charged.ok_or(refused.flatten()))
     }
 
+    /// Reports global rank `rank` of `round`, on another node, as hung (see
+    /// [`State::report_hung`]).
+    pub fn report_hung(&mut self, round: u64, rank: usize) -> Result<(), RendezvousError> {
+        self.change("hung", |s| s.report_hung(round, rank).then_some(()))?;
+        Ok(())
+    }
+
     /// Ends `round` with the likeliest cause among the failures noted in it (this node's
     /// `end` if none is) unless the round already ended; returns the round's end as it
     /// stands.
@@ -681,6 +688,8 @@ pub(crate) enum Seen {
 /// whether the host is gone is the heartbeat's judgement.
 pub(crate) struct RoundWatch {
     seen: Arc<Mutex<Option<Seen>>>,
+    /// The ranks of the round reported hung in the state ([`State::hung`]), as last read.
+    hung: Arc<Mutex<Vec<usize>>>,
     /// When the last read that found the round still running was sent.
     running_at: Arc<Mutex<Option<Instant>>>,
     stop: Arc<AtomicBool>,
@@ -699,12 +708,13 @@ impl RoundWatch {
         let mut client = StoreClient::connect(endpoint, Some(token), timing.heartbeat)?;
         client.set_io_timeout(request);
         let seen = Arc::new(Mutex::new(None));
+        let hung = Arc::new(Mutex::new(Vec::new()));
         let running_at = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
         let (endpoint, token) = (endpoint.to_string(), token.to_string());
         let thread = {
             let (seen, stop) = (Arc::clone(&seen), Arc::clone(&stop));
-            let running_at = Arc::clone(&running_at);
+            let (running_at, hung) = (Arc::clone(&running_at), Arc::clone(&hung));
             std::thread::Builder::new()
                 .name("ddprun-round-watch".into())
                 .spawn(move || {
@@ -719,6 +729,9 @@ impl RoundWatch {
                                     break Seen::Ended(end.clone());
                                 }
                                 *running_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(asked);
+                                if s.round == round {
+                                    *hung.lock().unwrap_or_else(|p| p.into_inner()) = s.hung;
+                                }
                             }
                             Err(StateError::Store(e)) => {
                                 tracing::debug!("reading the rendezvous state failed: {e}");
@@ -741,6 +754,7 @@ impl RoundWatch {
         };
         Ok(RoundWatch {
             seen,
+            hung,
             running_at,
             stop,
             thread: Some(thread),
@@ -754,6 +768,11 @@ impl RoundWatch {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .is_some_and(|asked| asked > at)
+    }
+
+    /// The ranks of the round reported hung, as the watch last read them.
+    pub fn hung(&self) -> Vec<usize> {
+        self.hung.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// What the watch has seen so far.

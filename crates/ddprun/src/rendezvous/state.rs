@@ -91,6 +91,11 @@ pub(crate) struct State {
     /// their loss restarts the group paid for, see [`RoundEnd::paid`]).
     #[serde(default)]
     pub round_replacements: usize,
+    /// The global ranks of the running round that another node's rank waited for past its
+    /// collective timeout (a hung rank): the launcher whose rank it is kills it, so that it is
+    /// replaced live (see [`State::report_hung`]).
+    #[serde(default)]
+    pub hung: Vec<usize>,
     /// What the job is doing.
     pub phase: Phase,
     /// Launchers waiting for the next round to close, in arrival order.
@@ -111,6 +116,7 @@ impl State {
             failures: 0,
             replacements: 0,
             round_replacements: 0,
+            hung: Vec::new(),
             phase: Phase::Gathering,
             waiting: Vec::new(),
             ends: Vec::new(),
@@ -237,6 +243,7 @@ impl State {
         };
         self.waiting.retain(|j| !info.nodes.contains(&j.id));
         self.round_replacements = 0;
+        self.hung.clear();
         self.phase = Phase::Running {
             info: info.clone(),
             done: Vec::new(),
@@ -303,6 +310,20 @@ impl State {
         self.replacements += 1;
         self.round_replacements += 1;
         Ok(spent + 1)
+    }
+
+    /// Reports global rank `rank` of round `round` as hung (a rank of another node waited for
+    /// it past its collective timeout), for its own launcher to kill. `false` if the round is
+    /// not running, the rank is not one of its ranks, or it is reported already.
+    pub fn report_hung(&mut self, round: u64, rank: usize) -> bool {
+        let Phase::Running { info, .. } = &self.phase else {
+            return false;
+        };
+        if info.round != round || rank >= info.world_size() || self.hung.contains(&rank) {
+            return false;
+        }
+        self.hung.push(rank);
+        true
     }
 
     /// Counts `id`'s ranks of round `round` as all exited 0; the last node of the round to do
