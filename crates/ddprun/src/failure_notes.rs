@@ -6,7 +6,7 @@ use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 
-use ddp_comm::failure_note::{FAILURE_FILE_VAR, Note, read_note, relayed_from};
+use ddp_comm::failure_note::{FAILURE_FILE_VAR, Note, read_note};
 
 use super::report::LaunchError;
 
@@ -53,14 +53,7 @@ impl FailureNotes {
     /// The peer whose failure rank `rank` relayed, if it said so. An unreadable note is
     /// logged with its path and counted as the rank's own failure.
     pub fn relayed_from(&self, rank: usize) -> Option<usize> {
-        let path = self.path(rank);
-        relayed_from(&path).unwrap_or_else(|e| {
-            tracing::warn!(
-                "cannot read rank {rank}'s failure note {}: {e}",
-                path.display()
-            );
-            None
-        })
+        self.note(rank).map(|n| n.peer)
     }
 
     /// Rank `rank`'s note (while it runs too: a hung peer it waited for), if it wrote one. An

@@ -529,16 +529,19 @@ impl Hooks<'_> {
 
 impl RoundHooks for Hooks<'_> {
     fn local_failure(&mut self, failure: &Failure) {
-        let end = RoundEnd::new(
-            EndKind::Failed,
-            format!(
-                "ddprun: {}: {} (round {})",
-                self.label,
-                failure.what_happened(),
-                self.round
-            ),
-            failure.exit.shell_code(),
-        );
+        let end = RoundEnd {
+            relayed_from: failure.relayed_from,
+            ..RoundEnd::new(
+                EndKind::Failed,
+                format!(
+                    "ddprun: {}: {} (round {})",
+                    self.label,
+                    failure.what_happened(),
+                    self.round
+                ),
+                failure.exit.shell_code(),
+            )
+        };
         let cause = super::cause_of(failure);
         // The rank exited before this instant (it was seen exited just now).
         let failed_by = Instant::now();
@@ -579,8 +582,8 @@ impl RoundHooks for Hooks<'_> {
         self.watch.hung()
     }
 
-    fn charge_replacement(&mut self) -> Result<usize, Option<usize>> {
-        match self.member.charge_replacement(self.round) {
+    fn charge_replacement(&mut self, rank: usize) -> Result<usize, Option<usize>> {
+        match self.member.charge_replacement(self.round, rank) {
             Ok(charged) => charged,
             Err(e) => {
                 tracing::warn!("cannot charge a live replacement to the job's budget: {e}");

@@ -161,13 +161,14 @@ pub fn launch(
         {
             report.interrupted = Some((sig, 0));
         }
-        // A restart that only follows a live recovery that could not complete (its lost ranks
-        // replaced, every failure a relay of theirs) is paid for by those replacements.
-        let paid = !report.replaced.is_empty()
-            && report
-                .first_failure
-                .as_ref()
-                .is_some_and(|f| cause_of(f) == Cause::Relayed);
+        // A restart that only follows a live recovery that could not complete (every failure a
+        // relay of the loss of a rank replaced live in this attempt) is paid for by that
+        // replacement.
+        let paid = report.first_failure.as_ref().is_some_and(|f| {
+            cause_of(f) == Cause::Relayed
+                && f.relayed_from
+                    .is_some_and(|p| report.replaced.iter().any(|r| r.rank == p))
+        });
         let again = !report.success()
             && report.interrupted.is_none()
             && (paid || budget.spent < cfg.max_restarts);
@@ -212,7 +213,7 @@ trait RoundHooks {
     /// Charges the live replacement of a lost rank to the job's one budget (`--max-restarts`,
     /// shared with the group restarts): `Ok` with the budget spent after it, `Err` with the
     /// budget spent when it is spent (`None`: the round is ending, nothing may be replaced).
-    fn charge_replacement(&mut self) -> Result<usize, Option<usize>>;
+    fn charge_replacement(&mut self, rank: usize) -> Result<usize, Option<usize>>;
     /// Tells the other nodes' launchers that their global rank `rank` hangs (a rank here
     /// waited for it past its collective timeout).
     fn report_hung(&mut self, _rank: usize) {}
@@ -235,7 +236,7 @@ impl RoundHooks for LocalBudget {
     fn stop_requested(&mut self) -> Option<JobStop> {
         None
     }
-    fn charge_replacement(&mut self) -> Result<usize, Option<usize>> {
+    fn charge_replacement(&mut self, _rank: usize) -> Result<usize, Option<usize>> {
         if self.spent >= self.max {
             return Err(Some(self.spent));
         }
@@ -435,7 +436,7 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
                         && interrupted.is_none()
                         && job_stop.is_none();
                     match live::verdict(cfg.live_recovery, &failure, quiet, &finished) {
-                        live::Verdict::Replace => match hooks.charge_replacement() {
+                        live::Verdict::Replace => match hooks.charge_replacement(r.rank) {
                             Ok(spent) => {
                                 // What is left of the lost process's group (a stray
                                 // grandchild) goes with it, as at the end of a launch.
@@ -607,10 +608,13 @@ fn ranks_done(ranks: &[Rank]) -> Vec<usize> {
 /// a hung rank.
 const HUNG_POLL: Duration = Duration::from_millis(100);
 
-/// The hung ranks a watch loop killed: each process once, and each rank another node reported
-/// once in a round (the report stays in the state; its replacement is not hung).
+/// The hung ranks a watch loop killed: once for each note (its noter and peer: a note stays
+/// until its rank re-formed the group, and the killed rank's replacement is not hung), each
+/// process once, and each rank another node reported once in a round (the report stays in the
+/// state).
 #[derive(Default)]
 struct HungKills {
+    notes: Vec<(usize, usize)>,
     pids: Vec<u32>,
     reported: Vec<usize>,
 }
@@ -631,6 +635,13 @@ fn kill_hung_rank(
         .map(|r| r.rank)
         .collect();
     let read: Vec<_> = running.iter().map(|&r| notes.note(r)).collect();
+    // A note acted on and since withdrawn (its rank re-formed the group): a later one counts.
+    killed.notes.retain(|&(noter, peer)| {
+        running
+            .iter()
+            .zip(&read)
+            .any(|(&q, n)| q == noter && n.is_some_and(|n| n.peer == peer))
+    });
     for (noter, hung) in live::hung_elsewhere(&running, &read, ranks.iter().map(|r| r.rank)) {
         tracing::info!("rank {noter} waited for rank {hung} of another node past its deadline");
         hooks.report_hung(hung);
@@ -640,7 +651,8 @@ fn kill_hung_rank(
         .into_iter()
         .filter(|r| !killed.reported.contains(r))
         .collect();
-    let found = live::hung_rank(&running, &read, &running)
+    let found = live::hung_rank(&running, &read, &running, &killed.notes)
+        .inspect(|&(hung, noter)| killed.notes.push((noter, hung)))
         .map(|(hung, noter)| (hung, format!("rank {noter}")))
         .or_else(|| {
             let hung = live::reported_hung(&running, &read, &reported)?;

@@ -9,10 +9,11 @@
 //! could not complete (every failing rank relayed the lost one's failure) is paid for by that
 //! recovery's replacements and spends nothing more.
 //!
-//! **Only where it can help.** A rank killed by a signal is replaced; a rank that failed with
-//! an error of its own (an exit code, no lost peer behind it) would start from the same state
-//! and fail the same way, so the group restarts from its checkpoint instead (within the
-//! budget); a rank that only relayed a peer's failure is not replaced either.
+//! **Only where it can help.** A rank killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP, or
+//! a wrapper shell's 128 + one of them) is replaced; a rank that failed with an error of its own
+//! (an exit code, or a crash: SIGSEGV, SIGABRT, SIGBUS …, no lost peer behind it) would start
+//! from the same state and fail the same way, so the group restarts from its checkpoint instead
+//! (within the budget); a rank that only relayed a peer's failure is not replaced either.
 //!
 //! **A hung rank.** A rank whose collective waited for a peer past `DDP_TIMEOUT_SECS` notes it
 //! (`DDP_FAILURE_FILE`, [`ddp_comm::failure_note::NoteKind::Hung`]); when the peer is a rank of
@@ -23,7 +24,21 @@ use ddp_comm::failure_note::{Note, NoteKind};
 
 use super::cause_of;
 use super::rendezvous::messages::Cause;
-use super::report::Failure;
+use super::report::{Failure, RankExit};
+
+/// The signals a rank dies of when it is killed from outside (by a person, a scheduler, the
+/// out-of-memory killer, its launcher for hanging): a replacement starting from the same state
+/// can help. A crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL …) is the rank's own error.
+const KILLED_FROM_OUTSIDE: [i32; 4] = [libc::SIGKILL, libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
+/// Whether `exit` is a death from outside: one of [`KILLED_FROM_OUTSIDE`], or a wrapper
+/// shell's report of one (exit code 128 + the signal, `ddprun -- sh script.sh` without `exec`).
+fn killed_from_outside(exit: RankExit) -> bool {
+    match exit {
+        RankExit::Signal(s) => KILLED_FROM_OUTSIDE.contains(&s),
+        RankExit::Code(c) => KILLED_FROM_OUTSIDE.iter().any(|s| c == 128 + s),
+    }
+}
 
 /// Whether the failure of `failure.rank` may be replaced live (the budget apart), else why not
 /// (`None`: live recovery is off, the line would say nothing new).
@@ -60,14 +75,13 @@ pub(crate) fn verdict(on: bool, failure: &Failure, quiet: bool, finished: &[usiz
                 "rank {rank} failed on {peer}'s failure and did not recover from it live"
             ))
         }
-        Cause::Own => Some(format!(
-            "rank {rank} failed on an error of its own, which a replacement starting from the \
-             same state would meet again: the group restarts from its checkpoint"
+        _ if !killed_from_outside(failure.exit) => Some(format!(
+            "rank {rank} failed on an error of its own ({}), which a replacement starting from \
+             the same state would meet again: the group restarts from its checkpoint",
+            failure.exit
         )),
-        Cause::Signal if !quiet => {
-            Some("another rank failed or the ranks are being stopped".to_string())
-        }
-        Cause::Signal => None,
+        _ if !quiet => Some("another rank failed or the ranks are being stopped".to_string()),
+        _ => None,
     };
     match why_not {
         None => Verdict::Replace,
@@ -105,12 +119,15 @@ pub(crate) fn spent_line(failure: &Failure, spent: usize, max: usize) -> String 
 /// A hung rank to kill, from the notes of the ranks that still run: `notes[i]` is the note of
 /// `running[i]` (a global rank). The peer a note names as hung is killed when it is one of
 /// `local` (this node's ranks still running) and has no hung note of its own (a rank that
-/// timed out waiting on another is not the one that hangs). Returns the hung rank and the
-/// rank that noted it.
+/// timed out waiting on another is not the one that hangs), and the note (its noter and peer)
+/// is not one of `acted` (already killed for: the note stays until its rank re-formed the
+/// group, and the killed rank's replacement is not hung). Returns the hung rank and the rank
+/// that noted it.
 pub(crate) fn hung_rank(
     running: &[usize],
     notes: &[Option<Note>],
     local: &[usize],
+    acted: &[(usize, usize)],
 ) -> Option<(usize, usize)> {
     let waits_itself = |r: usize| {
         running
@@ -123,6 +140,7 @@ pub(crate) fn hung_rank(
         (n.kind == NoteKind::Hung
             && n.peer != noter
             && local.contains(&n.peer)
+            && !acted.contains(&(noter, n.peer))
             && !waits_itself(n.peer))
         .then_some((n.peer, noter))
     })
@@ -164,7 +182,6 @@ pub(crate) fn reported_hung(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::RankExit;
     use std::time::Duration;
 
     fn killed(rank: usize) -> Failure {
@@ -193,9 +210,19 @@ mod tests {
             exit: RankExit::Code(1),
             ..killed(2)
         };
+        let crashed = Failure {
+            exit: RankExit::Signal(libc::SIGSEGV),
+            ..killed(2)
+        };
+        // A wrapper shell's report of a SIGKILL, and a SIGTERM: killed from outside.
+        for exit in [RankExit::Code(137), RankExit::Signal(libc::SIGTERM)] {
+            let f = Failure { exit, ..killed(2) };
+            assert!(matches!(verdict(true, &f, true, &[]), Verdict::Replace));
+        }
         for (f, quiet, why) in [
             (killed(2), false, "another rank failed"),
-            (own, true, "error of its own"),
+            (own, true, "error of its own (exit code 1)"),
+            (crashed, true, "error of its own (signal 11 (SIGSEGV))"),
             (
                 Failure {
                     exit: RankExit::Code(3),
@@ -239,18 +266,23 @@ mod tests {
         };
         // Rank 0 timed out on rank 1, which runs on this node and waits for nobody.
         assert_eq!(
-            hung_rank(&[0, 1, 2], &[hung(1), None, None], &[0, 1, 2]),
+            hung_rank(&[0, 1, 2], &[hung(1), None, None], &[0, 1, 2], &[]),
             Some((1, 0))
         );
+        // Killed once for that note: its replacement (rank 1 again) is not hung.
+        assert_eq!(
+            hung_rank(&[0, 1, 2], &[hung(1), None, None], &[0, 1, 2], &[(0, 1)]),
+            None
+        );
         // Rank 1 is on another node: not this launcher's to kill.
-        assert_eq!(hung_rank(&[0, 2], &[hung(1), None], &[0, 2]), None);
+        assert_eq!(hung_rank(&[0, 2], &[hung(1), None], &[0, 2], &[]), None);
         // Rank 1 itself timed out waiting for rank 2: rank 2 is the one.
         assert_eq!(
-            hung_rank(&[0, 1, 2], &[hung(1), hung(2), None], &[0, 1, 2]),
+            hung_rank(&[0, 1, 2], &[hung(1), hung(2), None], &[0, 1, 2], &[]),
             Some((2, 1))
         );
         // A closed connection says the peer is gone, not hung.
-        assert_eq!(hung_rank(&[0, 1], &[lost(1), None], &[0, 1]), None);
+        assert_eq!(hung_rank(&[0, 1], &[lost(1), None], &[0, 1], &[]), None);
         // Rank 0 of this node (ranks 0 and 1) waited for rank 3 of another node: reported.
         assert_eq!(
             hung_elsewhere(&[0, 1], &[hung(3), lost(3)], [0, 1].into_iter()),

@@ -65,14 +65,14 @@ impl NcclComm {
         Ok(created.map(|n| NcclComm::new(nccl::install(n).0)))
     }
 
-    /// Live recovery on a survivor: the communicator re-created with the group's replacement
-    /// (see [`nccl::recreate`]).
     /// Live recovery, first thing on a survivor: aborts the communicator, so that a collective
     /// still waiting on the lost rank returns before the host group re-forms (c10d's order).
     pub(crate) fn abort(&self) {
         nccl::lock(&self.nccl).abort();
     }
 
+    /// Live recovery on a survivor: the communicator re-created with the group's replacement
+    /// (see [`nccl::recreate`]).
     pub(crate) fn recreate(&self, group: &SharedGroup, options: &GroupOptions) -> Result<()> {
         nccl::recreate(group, options, &self.nccl)
     }

@@ -258,7 +258,10 @@ impl Attempt {
                 if now > generation {
                     return Ok(Formed::Later(now));
                 }
-                if !a_peer_is_gone(&e) || Instant::now() >= deadline {
+                // A group's first forming (no replacement coming) fails at once, as it always
+                // did; a re-forming, or a replacement's join, goes on with a later generation.
+                let recovering = generation > 0 || self.replacing;
+                if !recovering || !a_peer_is_gone(&e) || Instant::now() >= deadline {
                     return Err(e);
                 }
                 // A peer of this generation died or left it mid-handshake: this generation

@@ -434,9 +434,10 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
         }
         let (model, progress): (Mlp, Progress) = ddp.recover(model, optim, progress).map_err(e)?;
         println!(
-            "RECOVERED rank={rank} step={} ms={:.1}",
+            "RECOVERED rank={rank} step={} ms={:.1} generation={}",
             progress.step,
-            t.elapsed().as_secs_f64() * 1e3
+            t.elapsed().as_secs_f64() * 1e3,
+            ddp.with_group(|pg| pg.generation())
         );
         Ok::<_, String>((model, progress))
     };

@@ -82,6 +82,26 @@ fn job_pids(all: &str) -> Vec<u32> {
     pids
 }
 
+/// The highest generation of the group in which a rank's first recovery ended (its first
+/// `RECOVERED … generation=G` line): 1 after one re-forming, more when a generation was given
+/// up or the recovery re-formed again after a second loss inside it (a second loss after it is
+/// a second recovery, a second line).
+fn first_recovery_generation(stdout: &str) -> u64 {
+    (0..3)
+        .filter_map(|r| {
+            ddp_testkit::rank_lines(stdout, r)
+                .iter()
+                .find(|l| l.starts_with("RECOVERED "))?
+                .split(" generation=")
+                .nth(1)?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// The shared-memory segments (`/dev/shm/ddp-pg-{pid}-…`) that processes `pids` left.
 fn leftover_segments(pids: &[u32]) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir("/dev/shm") else {
@@ -120,7 +140,7 @@ fn assert_recovered_bitwise_on(
     let recoveries: Vec<&str> = ended
         .stdout
         .lines()
-        .filter_map(|l| l.split(" ms=").nth(1))
+        .filter_map(|l| l.split(" ms=").nth(1)?.split_whitespace().next())
         .collect();
     eprintln!(
         "BOUND {case}: job {:.2} s, recover() took {} ms",
@@ -188,6 +208,14 @@ fn a_replacement_lost_while_it_joins_is_replaced_again_without_a_stall() {
                 "{case}\n{}",
                 ended.all
             );
+            // Dead after its claim: the generation it claimed in was given up for a later one.
+            if death == ["--replacement-dies-after-claim"] {
+                assert!(
+                    first_recovery_generation(&ended.stdout) >= 2,
+                    "{case}: no generation given up\n{}",
+                    ended.all
+                );
+            }
         }
     }
 }
@@ -199,6 +227,9 @@ fn a_replacement_lost_while_it_joins_is_replaced_again_without_a_stall() {
 /// loss comes) ends bitwise.
 #[test]
 fn a_survivor_lost_during_the_recovery_is_replaced_too() {
+    // How many runs re-formed more than once (the second loss came inside the recovery, not
+    // after it): at least one must, or the case tests nothing new.
+    let mut re_formed_again = 0;
     for repeat in 0..race_repeats() {
         for survivor in ["1", "0"] {
             for ms in ["5", "20", "50", "100"] {
@@ -213,9 +244,11 @@ fn a_survivor_lost_during_the_recovery_is_replaced_too() {
                     "{case}\n{}",
                     ended.all
                 );
+                re_formed_again += usize::from(first_recovery_generation(&ended.stdout) >= 2);
             }
         }
     }
+    assert!(re_formed_again > 0, "no second loss fell inside a recovery");
 }
 
 /// Three losses in a row (rank 2, then its replacement 5 ms after its start, then the next

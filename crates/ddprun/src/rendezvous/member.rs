@@ -394,16 +394,18 @@ impl Member {
         Ok(())
     }
 
-    /// Charges the live replacement of a lost rank of this node in `round` to the job's one
+    /// Charges the live replacement of global rank `rank` of this node, lost in `round`, to
+    /// the job's one
     /// budget (see [`State::charge_replacement`]): `Ok(Ok(spent))` with the budget spent after
     /// it, `Ok(Err(why))` when it may not be replaced (the budget spent so far, or `None`
     /// when the round is ending).
     pub fn charge_replacement(
         &mut self,
         round: u64,
+        rank: usize,
     ) -> Result<Result<usize, Option<usize>>, RendezvousError> {
         let mut refused = None;
-        let (charged, _) = self.change("replace", |s| match s.charge_replacement(round) {
+        let (charged, _) = self.change("replace", |s| match s.charge_replacement(round, rank) {
             Ok(spent) => Some(spent),
             Err(why) => {
                 refused = Some(why);

@@ -187,12 +187,16 @@ pub(crate) struct RoundEnd {
     /// that predates it: 0, and then [`RoundInfo::failures_before`] counts).
     #[serde(default)]
     pub budget_spent: usize,
-    /// A failure whose restart costs nothing: its round's lost ranks were replaced live (each
-    /// replacement spent the budget) and the ranks then failed only on their failure (a live
-    /// recovery that could not complete, as ZeRO-1 without a shard's copy): the group restart
-    /// is that recovery's fallback, paid for.
+    /// A failure whose restart costs nothing: a rank of the round was replaced live (the
+    /// replacement spent the budget) and the ranks then failed only on that rank's failure (a
+    /// live recovery that could not complete, as ZeRO-1 without a shard's copy): the group
+    /// restart is that recovery's fallback, paid for.
     #[serde(default)]
     pub paid: bool,
+    /// For a rank's failure that only relayed a peer's: that peer's global rank (the state
+    /// makes the restart [`RoundEnd::paid`] only when it is a rank replaced live in the round).
+    #[serde(default)]
+    pub relayed_from: Option<usize>,
 }
 
 impl RoundEnd {
@@ -205,6 +209,7 @@ impl RoundEnd {
             exit_code,
             budget_spent: 0,
             paid: false,
+            relayed_from: None,
         }
     }
 

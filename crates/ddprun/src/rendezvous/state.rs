@@ -87,10 +87,10 @@ pub(crate) struct State {
     /// `--max-restarts` counts ([`State::budget_spent`]).
     #[serde(default)]
     pub replacements: usize,
-    /// Of those, the ones in the round running now (a failure that ends it only relaying
-    /// their loss restarts the group paid for, see [`RoundEnd::paid`]).
+    /// The global ranks replaced live in the round running now (a failure that ends it only
+    /// relaying one of their losses restarts the group paid for, see [`RoundEnd::paid`]).
     #[serde(default)]
-    pub round_replacements: usize,
+    pub round_replaced: Vec<usize>,
     /// The global ranks of the running round that another node's rank waited for past its
     /// collective timeout (a hung rank): the launcher whose rank it is kills it, so that it is
     /// replaced live (see [`State::report_hung`]).
@@ -115,7 +115,7 @@ impl State {
             round: 0,
             failures: 0,
             replacements: 0,
-            round_replacements: 0,
+            round_replaced: Vec::new(),
             hung: Vec::new(),
             phase: Phase::Gathering,
             waiting: Vec::new(),
@@ -242,7 +242,7 @@ impl State {
             failures_before: self.failures,
         };
         self.waiting.retain(|j| !info.nodes.contains(&j.id));
-        self.round_replacements = 0;
+        self.round_replaced.clear();
         self.hung.clear();
         self.phase = Phase::Running {
             info: info.clone(),
@@ -268,10 +268,16 @@ impl State {
             Some(noted) if end.kind == EndKind::ScaleUp => noted.end.clone(),
             _ => end,
         };
-        let relayed_only = best_failure(failed).is_some_and(|f| f.cause == Cause::Relayed);
+        // Paid: every failure noted relays the loss of a rank replaced live in this round.
+        let relays_a_replaced = best_failure(failed).is_some_and(|f| {
+            f.cause == Cause::Relayed
+                && f.end
+                    .relayed_from
+                    .is_some_and(|p| self.round_replaced.contains(&p))
+        });
         let end = RoundEnd {
             budget_spent: self.budget_spent(),
-            paid: is_failure(&end) && relayed_only && self.round_replacements > 0,
+            paid: is_failure(&end) && relays_a_replaced,
             ..end
         };
         let info = info.clone();
@@ -294,11 +300,11 @@ impl State {
         self.failures + self.replacements
     }
 
-    /// Charges the live replacement of a lost rank in round `round` to the job's budget, if
-    /// the round still runs with no failure noted in it and the budget allows: `Ok` with the
-    /// budget spent after it, else `Err` with why not (the budget spent so far, or `None`
-    /// when the round is ending or over).
-    pub fn charge_replacement(&mut self, round: u64) -> Result<usize, Option<usize>> {
+    /// Charges the live replacement of global rank `rank`, lost in round `round`, to the job's
+    /// budget, if the round still runs with no failure noted in it and the budget allows: `Ok`
+    /// with the budget spent after it, else `Err` with why not (the budget spent so far, or
+    /// `None` when the round is ending or over).
+    pub fn charge_replacement(&mut self, round: u64, rank: usize) -> Result<usize, Option<usize>> {
         match &self.phase {
             Phase::Running { info, failed, .. } if info.round == round && failed.is_empty() => {}
             _ => return Err(None),
@@ -308,7 +314,9 @@ impl State {
             return Err(Some(spent));
         }
         self.replacements += 1;
-        self.round_replacements += 1;
+        if !self.round_replaced.contains(&rank) {
+            self.round_replaced.push(rank);
+        }
         Ok(spent + 1)
     }
 
@@ -569,6 +577,45 @@ mod tests {
 
     fn failed(code: i32) -> RoundEnd {
         RoundEnd::new(EndKind::Failed, "rank 1 failed".into(), code)
+    }
+
+    /// One budget for the job: live replacements on any node and failed rounds together. A
+    /// failure that only relays the loss of a rank replaced in its round restarts the group
+    /// paid for (the replacement spent the budget); one that relays another rank's does not;
+    /// and once the budget is spent, a replacement is refused and a failure ends the job.
+    #[test]
+    fn replacements_and_restarts_spend_one_budget() {
+        let mut s = State::new(spec(2, 2, 2));
+        s.join(joiner("host", 0, 1));
+        s.join(joiner("n1", 1, 2));
+        s.close().unwrap();
+        assert_eq!(s.charge_replacement(0, 3), Ok(1));
+        let relay = |from| RoundEnd {
+            relayed_from: Some(from),
+            ..failed(3)
+        };
+        assert!(s.note_failure(0, "host", relay(3), Cause::Relayed, true));
+        assert!(s.end_with_failure(0, relay(3)));
+        let end = s.end_of(0).unwrap().clone();
+        assert!(end.paid && end.budget_spent == 1, "{end:?}");
+        assert_eq!((s.failures, s.budget_spent()), (0, 1));
+        assert_eq!(s.charge_replacement(0, 1), Err(None), "round 0 is over");
+
+        s.join(joiner("host", 0, 3));
+        s.join(joiner("n1", 1, 4));
+        s.close().unwrap();
+        assert_eq!(s.charge_replacement(1, 2), Ok(2));
+        assert_eq!(
+            s.charge_replacement(1, 0),
+            Err(Some(2)),
+            "the budget is spent"
+        );
+        // A relay of a rank not replaced in this round (rank 0) is no recovery's fallback.
+        assert!(s.note_failure(1, "host", relay(0), Cause::Relayed, true));
+        assert!(s.end_with_failure(1, relay(0)));
+        let end = s.end_of(1).unwrap();
+        assert!(!end.paid && end.budget_spent == 2, "{end:?}");
+        assert!(matches!(s.phase, Phase::Finished { .. }), "past the budget");
     }
 
     /// A round is ranked by `--node-rank` then arrival, and its master is its own node 0 —
