@@ -3,11 +3,15 @@
 //! when keys appear.
 //!
 //! Before authentication a connection is held to deadlines (its first frame within 2 s, the
-//! whole handshake within 4 s) and to a share of the handshake slots (16 per address, 128
-//! in all; a newcomer past either closes the oldest, the oldest that has not sent its hello
-//! first), so that a flood, from one address or many, delays a valid client by a handshake at
-//! most. A source whose key exchanges failed waits its turn for the next ([`super::throttle`]:
-//! on-line guessing slowed to a few tries a second, never the job's own user on this host).
+//! whole handshake within 4 s) and to a share of the handshake slots (16 per address, and on
+//! this host per address and user; 128 in all). A newcomer past either closes a connection that
+//! has not sent its hello (the oldest), so that a flood of silent connections, from one address
+//! or many, delays a valid client by a handshake at most; one that has sent its hello, and may
+//! be waiting for its turn, is never cut for a newcomer of its own address: the newcomer is
+//! refused instead (past the 128, a newcomer may close the newest of an address holding more
+//! than its own, so that no address holds them all). A source whose key exchanges failed waits
+//! its turn for the next ([`super::throttle`]: on-line guessing slowed to a few tries a second,
+//! never the job's own user on this host).
 //! After it, a connection is held to the table's limits (with per-rank keys, each rank to its
 //! share of the store and to [`MAX_CONNECTIONS_PER_RANK`] connections), and its waits end when
 //! it closes.
@@ -39,12 +43,14 @@ pub(super) const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a new connection has for its whole handshake.
 pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Most connections that may be in their handshake at once; a newcomer past it closes the
-/// oldest.
+/// oldest that has not sent its hello, else the newest of the address holding the most (if it
+/// holds more than the newcomer's), else it is refused (see `Handshakes::admit`).
 const MAX_HANDSHAKES: usize = 128;
-/// Most connections from one address that may be in their handshake at once: a new one
-/// from an address at the limit closes that address's oldest. A flood from one address thus
-/// holds at most this many slots, and a client from the same address that completes its
-/// handshake quickly (about a millisecond) still gets in.
+/// Most connections from one address (from this host: one address and user) that may be in
+/// their handshake at once: a new one past it closes the oldest of them that has not sent its
+/// hello, or is refused when all have. A flood from one address thus holds at most this many
+/// slots, a client from the same address that completes its handshake quickly (about a
+/// millisecond) still gets in, and one that waits its turn is never cut for a newer one.
 const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
 /// Authenticated connections served at once unless [`StoreServer::limit_clients`] says
 /// otherwise (each rank holds one or two; each launcher three).
@@ -98,66 +104,133 @@ const MAX_ON_CLOSE: usize = 4;
 /// How often the accept loop checks for shutdown (it wakes at once for new connections).
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
-/// The connections in their handshake, oldest first, by the address they come from.
+/// Where a connection comes from, as its handshake slots are counted: another host's address
+/// (IPv6 by its /64, as the throttle counts it, so that one source's waiting exchanges are at
+/// most a room's), or an address of this host and the user whose socket it is, so that another
+/// local user's handshakes (from 127.0.0.1 like the job's) never take the job's user's room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Origin {
+    /// The address ([`throttle::remote_address`] from another host).
+    ip: IpAddr,
+    /// From this host (loopback, or an address of this host's interfaces).
+    local: bool,
+    /// From this host: the user whose socket it is, where the kernel names one.
+    uid: Option<u32>,
+}
+
+/// What [`Handshakes::admit`] decided for a newcomer.
+#[derive(Debug, PartialEq, Eq)]
+enum Admission {
+    /// Admitted, having closed this connection to make room, if any.
+    In(Option<(u64, Origin)>),
+    /// Refused: the room it could take is held by connections that have sent their hello.
+    Refused,
+}
+
+/// The handshakes of one origin.
+#[derive(Default)]
+struct Room {
+    /// Its connections in their handshake, oldest first.
+    conns: VecDeque<u64>,
+    /// Slots of exchanges that failed while the room was full, taken until these moments
+    /// ([`throttle::reopen_delay`]).
+    reopen: Vec<Instant>,
+}
+
+impl Room {
+    /// The slots taken: its connections', and those not reopened yet.
+    fn taken(&self) -> usize {
+        self.conns.len() + self.reopen.len()
+    }
+}
+
+/// The connections in their handshake, by where they come from.
 #[derive(Default)]
 struct Handshakes {
-    by_source: HashMap<IpAddr, VecDeque<u64>>,
+    rooms: HashMap<Origin, Room>,
     /// Those that sent a valid hello (and may be waiting for their turn to exchange keys).
     spoken: HashSet<u64>,
+    /// Connections in all rooms.
     total: usize,
 }
 
 impl Handshakes {
-    /// Registers connection `id` from `source`; the connection to close to make room, if
-    /// any: its address's oldest when the address is at its share, else the oldest of all when
-    /// every slot is taken — the oldest that has not sent its hello, if any. A client's
-    /// handshake takes a millisecond, so the oldest one is a connection that says nothing,
-    /// from one address or from many; one that spoke and waits for its turn
-    /// ([`super::throttle`]) is cut only when all have spoken.
-    fn admit(&mut self, source: IpAddr, id: u64) -> Option<(u64, IpAddr)> {
-        let at_share = self
-            .by_source
-            .get(&source)
-            .is_some_and(|q| q.len() >= MAX_HANDSHAKES_PER_SOURCE);
-        let evicted = if at_share {
-            self.pop_oldest_of(source)
+    /// Registers connection `id` from `origin`, unless it is refused; the connection to close
+    /// to make room, if any. A client's hello comes at once, so a connection that has not sent
+    /// one is a flood's, and is the one closed: `origin`'s oldest when `origin` holds its share,
+    /// else the oldest of all when every slot is taken. One that has sent its hello (it may be
+    /// waiting for its turn, [`super::throttle`]) is never closed for a newcomer of its own
+    /// origin: with `origin`'s share all such, the newcomer is refused. With every slot taken
+    /// by such, the newest of the origin holding the most is closed if that origin holds more
+    /// than `origin` would (any other origin's, for the store's own user: `priority`), else the
+    /// newcomer is refused; the newest, so that a connection waiting for its turn keeps its
+    /// place while newer ones come and go.
+    fn admit(&mut self, origin: Origin, id: u64, priority: bool, now: Instant) -> Admission {
+        self.rooms.retain(|_, room| {
+            room.reopen.retain(|at| *at > now);
+            room.taken() > 0
+        });
+        let (taken, held) = self
+            .rooms
+            .get(&origin)
+            .map_or((0, 0), |room| (room.taken(), room.conns.len()));
+        let cut = if taken >= MAX_HANDSHAKES_PER_SOURCE {
+            match self.oldest_silent(|o| o == origin) {
+                Some(cut) => Some(cut),
+                None => return Admission::Refused,
+            }
         } else if self.total >= MAX_HANDSHAKES {
-            let silent = |q: &VecDeque<u64>| q.iter().copied().find(|c| !self.spoken.contains(c));
-            let oldest_silent = self
-                .by_source
-                .iter()
-                .filter_map(|(s, q)| silent(q).map(|id| (id, *s)))
-                .min();
-            let oldest = oldest_silent.or_else(|| {
-                self.by_source
-                    .iter()
-                    .filter_map(|(s, q)| q.front().map(|&id| (id, *s)))
-                    .min()
-            });
-            oldest.and_then(|(_, s)| self.pop_oldest_of(s))
+            match self
+                .oldest_silent(|_| true)
+                .or_else(|| self.newest_of_the_largest(origin, held, priority))
+            {
+                Some(cut) => Some(cut),
+                None => return Admission::Refused,
+            }
         } else {
             None
         };
-        self.by_source.entry(source).or_default().push_back(id);
+        if let Some((old, from)) = cut {
+            self.finish(from, old);
+        }
+        self.rooms.entry(origin).or_default().conns.push_back(id);
         self.total += 1;
-        evicted
+        Admission::In(cut)
     }
 
-    /// Takes the connection to cut from `source` off the list: its oldest that has not sent
-    /// its hello, else its oldest.
-    fn pop_oldest_of(&mut self, source: IpAddr) -> Option<(u64, IpAddr)> {
-        let queue = self.by_source.get_mut(&source)?;
-        let at = queue
+    /// The oldest connection that has not sent its hello, of the origins `of` takes.
+    fn oldest_silent(&self, of: impl Fn(Origin) -> bool) -> Option<(u64, Origin)> {
+        self.rooms
             .iter()
-            .position(|c| !self.spoken.contains(c))
-            .unwrap_or(0);
-        let id = queue.remove(at)?;
-        if queue.is_empty() {
-            self.by_source.remove(&source);
-        }
-        self.spoken.remove(&id);
-        self.total -= 1;
-        Some((id, source))
+            .filter(|(o, _)| of(**o))
+            .filter_map(|(o, room)| {
+                room.conns
+                    .iter()
+                    .copied()
+                    .find(|c| !self.spoken.contains(c))
+                    .map(|id| (id, *o))
+            })
+            .min_by_key(|(id, _)| *id)
+    }
+
+    /// The newest connection of the origin, other than `newcomer` (which holds `held`), that
+    /// holds the most: only if it holds at least two more than `held` (so that it is left with
+    /// no fewer than the newcomer's), or any with `priority`.
+    fn newest_of_the_largest(
+        &self,
+        newcomer: Origin,
+        held: usize,
+        priority: bool,
+    ) -> Option<(u64, Origin)> {
+        self.rooms
+            .iter()
+            .filter(|(o, room)| **o != newcomer && (priority || room.conns.len() >= held + 2))
+            .filter_map(|(o, room)| {
+                let newest = room.conns.iter().max()?;
+                Some((room.conns.len(), *newest, *o))
+            })
+            .max_by_key(|(len, newest, _)| (*len, *newest))
+            .map(|(_, newest, o)| (newest, o))
     }
 
     /// Connection `id` sent a valid hello.
@@ -165,16 +238,26 @@ impl Handshakes {
         self.spoken.insert(id);
     }
 
-    /// Connection `id` from `source` ended its handshake (unless it was evicted already).
-    fn finish(&mut self, source: IpAddr, id: u64) {
+    /// The key exchange of a connection from `origin` failed: if its room is full, the slot
+    /// stays taken `for_` after the connection ends.
+    fn failed(&mut self, origin: Origin, for_: Duration, now: Instant) {
+        if let Some(room) = self.rooms.get_mut(&origin)
+            && room.taken() >= MAX_HANDSHAKES_PER_SOURCE
+        {
+            room.reopen.push(now + for_);
+        }
+    }
+
+    /// Connection `id` from `origin` ended its handshake (unless it was closed already).
+    fn finish(&mut self, origin: Origin, id: u64) {
         self.spoken.remove(&id);
-        if let Some(queue) = self.by_source.get_mut(&source) {
-            if let Some(i) = queue.iter().position(|&c| c == id) {
-                queue.remove(i);
+        if let Some(room) = self.rooms.get_mut(&origin) {
+            if let Some(i) = room.conns.iter().position(|&c| c == id) {
+                room.conns.remove(i);
                 self.total -= 1;
             }
-            if queue.is_empty() {
-                self.by_source.remove(&source);
+            if room.taken() == 0 {
+                self.rooms.remove(&origin);
             }
         }
     }
@@ -226,19 +309,40 @@ impl Shared {
         self.rank_clients.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The source a key exchange from `peer` over `stream` is charged to; `None` for a
-    /// process of the store's own user on this host, never held back.
-    fn source_of(&self, stream: &TcpStream, peer: SocketAddr) -> Option<Source> {
-        let uid = stream
+    /// Where a connection from `peer` over `stream` comes from: from this host, the user whose
+    /// socket it is, asked of the kernel (one `sock_diag` lookup) as soon as it is accepted.
+    fn origin_of(&self, stream: &TcpStream, peer: SocketAddr) -> Origin {
+        let local = stream
             .local_addr()
             .ok()
-            .filter(|local| throttle::from_this_host(*local, peer))
-            .and_then(|local| throttle::local_peer_uid(local, peer));
-        let trusted = *self.trusted_uid.lock().unwrap_or_else(|p| p.into_inner());
-        if uid.is_some() && uid == trusted {
-            return None;
+            .filter(|local| throttle::from_this_host(*local, peer));
+        Origin {
+            ip: match local {
+                Some(_) => peer.ip(),
+                None => throttle::remote_address(peer.ip()),
+            },
+            local: local.is_some(),
+            uid: local.and_then(|local| throttle::local_peer_uid(local, peer)),
         }
-        Some(Source::new(peer.ip(), uid))
+    }
+
+    /// Whether `origin` is a process of the store's own user on this host, never held back.
+    fn trusted(&self, origin: Origin) -> bool {
+        let trusted = *self.trusted_uid.lock().unwrap_or_else(|p| p.into_inner());
+        origin.local && origin.uid.is_some() && origin.uid == trusted
+    }
+
+    /// The source a key exchange from `origin` is charged to: another host's address, or on
+    /// this host the user (one source for all of a user's local addresses, and one for all
+    /// whose user is unknown); `None` for the store's own user on this host, never held back.
+    fn source_of(&self, origin: Origin) -> Option<Source> {
+        if !origin.local {
+            Some(Source::remote(origin.ip))
+        } else if self.trusted(origin) {
+            None
+        } else {
+            Some(Source::local(origin.uid))
+        }
     }
 }
 
@@ -484,14 +588,15 @@ fn admit(
     shared: &Arc<Shared>,
     workers: &mut Vec<JoinHandle<()>>,
 ) {
-    let source = peer.ip();
     // A port scan or a flood must not exhaust rank 0's threads or memory: at most
-    // MAX_HANDSHAKES connections are in their handshake at once, one address holds at most
-    // MAX_HANDSHAKES_PER_SOURCE of them, and a newcomer past either limit closes the oldest
-    // (see `Handshakes::admit`).
+    // MAX_HANDSHAKES connections are in their handshake at once, one address (one address and
+    // user, from this host) holds at most MAX_HANDSHAKES_PER_SOURCE of them, and a newcomer
+    // past either limit closes one that has not sent its hello, or is refused (see
+    // `Handshakes::admit`).
     if stream.set_nonblocking(false).is_err() {
         return;
     }
+    let origin = shared.origin_of(&stream, peer);
     let _ = stream.set_nodelay(true);
     let Ok(clone) = stream.try_clone() else {
         return;
@@ -504,28 +609,44 @@ fn admit(
         let _ = stream.shutdown(Shutdown::Both);
         return;
     }
-    let evicted = shared.handshakes().admit(source, id);
-    if let Some((old, from)) = evicted {
-        if let Some(s) = shared.conns().remove(&old) {
-            let _ = s.shutdown(Shutdown::Both);
+    let admission = shared
+        .handshakes()
+        .admit(origin, id, shared.trusted(origin), Instant::now());
+    match admission {
+        Admission::Refused => {
+            shared.conns().remove(&id);
+            // Closed without a word: a client retries within its connect deadline.
+            let _ = stream.shutdown(Shutdown::Both);
+            shared.refusals.note(
+                peer.ip(),
+                "refused: its address's handshakes have all sent their hello",
+            );
+            return;
         }
-        shared
-            .refusals
-            .note(from, "closed for newer ones (the oldest handshake)");
+        Admission::In(Some((old, from))) => {
+            if let Some(s) = shared.conns().remove(&old) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            shared.refusals.note(
+                from.ip,
+                "closed for newer ones (a silent or the newest handshake)",
+            );
+        }
+        Admission::In(None) => {}
     }
     let sh = Arc::clone(shared);
     let spawned = std::thread::Builder::new()
         .name("ddp-store-conn".into())
         .stack_size(CONNECTION_STACK)
         .spawn(move || {
-            serve_connection(stream, peer, id, &sh);
+            serve_connection(stream, peer, origin, id, &sh);
             sh.conns().remove(&id);
         });
     match spawned {
         Ok(h) => workers.push(h),
         Err(e) => {
             tracing::warn!(%peer, "rendezvous store: cannot start a thread: {e}");
-            shared.handshakes().finish(source, id);
+            shared.handshakes().finish(origin, id);
             if let Some(s) = shared.conns().remove(&id) {
                 let _ = s.shutdown(Shutdown::Both);
             }
@@ -533,9 +654,9 @@ fn admit(
     }
 }
 
-fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Shared) {
-    let authenticated = handshake(stream, peer, id, shared);
-    shared.handshakes().finish(peer.ip(), id);
+fn serve_connection(stream: TcpStream, peer: SocketAddr, origin: Origin, id: u64, shared: &Shared) {
+    let authenticated = handshake(stream, peer, origin, id, shared);
+    shared.handshakes().finish(origin, id);
     let Some((mut stream, writer)) = authenticated else {
         return;
     };
@@ -637,6 +758,7 @@ fn send(stream: &mut TcpStream, reply: &Reply) -> io::Result<()> {
 fn handshake(
     mut stream: TcpStream,
     peer: SocketAddr,
+    origin: Origin,
     id: u64,
     shared: &Shared,
 ) -> Option<(TcpStream, Option<u32>)> {
@@ -644,11 +766,11 @@ fn handshake(
     // the whole handshake however the bytes trickle in.
     let _ = stream.set_write_timeout(Some(FIRST_FRAME_TIMEOUT));
     let started = Instant::now();
-    let source = peer.ip();
+    let source_ip = peer.ip();
     let refuse = |stream: &mut TcpStream, why: &'static str| {
         // One closed to make room for newer ones was counted then.
         if shared.conns().contains_key(&id) {
-            shared.refusals.note(source, why);
+            shared.refusals.note(source_ip, why);
         }
         // The peer is not trusted: it learns nothing but the refusal.
         let _ = send(stream, &Reply::Refused("refused".into()));
@@ -699,14 +821,14 @@ fn handshake(
     shared.handshakes().spoke(id);
     // Each exchange tests one guess of the token: a source whose exchanges failed waits its
     // turn (never the store's own user on this host).
-    let throttled = shared.source_of(&stream, peer);
+    let throttled = shared.source_of(origin);
     if let Some(source) = throttled
         && !wait_for_turn(&stream, id, source, shared)
     {
         if shared.conns().contains_key(&id) && !shared.shutdown.load(Ordering::SeqCst) {
             shared
                 .refusals
-                .note(source.ip(), "waiting past its turn (failed key exchanges)");
+                .note(source_ip, "waiting past its turn (failed key exchanges)");
         }
         // Closed without a word: a client retries within its connect deadline.
         let _ = stream.shutdown(Shutdown::Both);
@@ -715,7 +837,11 @@ fn handshake(
     let turn = Instant::now();
     let failed = || {
         if let Some(source) = throttled {
-            shared.throttle().failed(source, Instant::now());
+            let now = Instant::now();
+            let penalty = shared.throttle().failed(source, now);
+            shared
+                .handshakes()
+                .failed(origin, throttle::reopen_delay(penalty), now);
         }
     };
     let context = exchange_context(claimed);
@@ -946,4 +1072,139 @@ fn wait_for<'a>(
     };
     st.waiting_keys -= keys.len();
     outcome.map(|()| st)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote(n: u8) -> Origin {
+        Origin {
+            ip: IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, n)),
+            local: false,
+            uid: None,
+        }
+    }
+
+    fn local(uid: u32) -> Origin {
+        Origin {
+            ip: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            local: true,
+            uid: Some(uid),
+        }
+    }
+
+    /// Fills `origin`'s room with connections `ids`, each having sent its hello if `spoken`.
+    fn fill(h: &mut Handshakes, origin: Origin, ids: std::ops::Range<u64>, spoken: bool) {
+        let now = Instant::now();
+        for id in ids {
+            assert_eq!(h.admit(origin, id, false, now), Admission::In(None));
+            if spoken {
+                h.spoke(id);
+            }
+        }
+    }
+
+    /// A newcomer to a full room closes the room's oldest silent connection; with every
+    /// connection of the room spoken (waiting for its turn), it is refused and none is cut.
+    #[test]
+    fn a_connection_that_sent_its_hello_is_never_cut_for_its_own_origins_newcomer() {
+        let mut h = Handshakes::default();
+        let now = Instant::now();
+        let a = remote(1);
+        fill(&mut h, a, 0..14, true);
+        fill(&mut h, a, 14..16, false);
+        assert_eq!(h.admit(a, 16, false, now), Admission::In(Some((14, a))));
+        h.spoke(16);
+        assert_eq!(h.admit(a, 17, false, now), Admission::In(Some((15, a))));
+        h.spoke(17);
+        // All 16 spoken: refused, whoever comes, the store's own user's priority included.
+        assert_eq!(h.admit(a, 18, false, now), Admission::Refused);
+        assert_eq!(h.admit(a, 19, true, now), Admission::Refused);
+        assert_eq!(h.total, 16);
+        // Another origin has its own room; another local user too.
+        assert_eq!(h.admit(remote(2), 20, false, now), Admission::In(None));
+        fill(&mut h, local(1000), 21..37, true);
+        assert_eq!(h.admit(local(0), 37, false, now), Admission::In(None));
+        // One ends: its slot is free at once.
+        h.finish(a, 3);
+        assert_eq!(h.admit(a, 38, false, now), Admission::In(None));
+    }
+
+    /// A slot freed by an exchange that failed in a full room stays taken until its moment.
+    #[test]
+    fn a_failed_exchanges_slot_in_a_full_room_reopens_later() {
+        let mut h = Handshakes::default();
+        let now = Instant::now();
+        let a = remote(1);
+        fill(&mut h, a, 0..16, true);
+        h.failed(a, Duration::from_millis(100), now);
+        h.finish(a, 0);
+        assert_eq!(h.admit(a, 16, false, now), Admission::Refused);
+        let later = now + Duration::from_millis(101);
+        assert_eq!(h.admit(a, 17, false, later), Admission::In(None));
+        // In a room with space, a failure holds nothing.
+        let b = remote(2);
+        fill(&mut h, b, 100..104, true);
+        h.failed(b, Duration::from_secs(60), now);
+        h.finish(b, 100);
+        fill(&mut h, b, 104..117, false);
+        assert_eq!(h.rooms[&b].taken(), 16);
+    }
+
+    /// Past the 128 slots, all spoken: a newcomer closes the newest connection of the origin
+    /// holding the most, if it holds at least two more than the newcomer's; else it is refused,
+    /// unless it is the store's own user's.
+    #[test]
+    fn past_every_slot_the_largest_origin_gives_up_its_newest() {
+        let mut h = Handshakes::default();
+        let now = Instant::now();
+        for n in 0..8u8 {
+            let first = u64::from(n) * 16;
+            fill(&mut h, remote(n), first..first + 16, true);
+        }
+        assert_eq!(h.total, MAX_HANDSHAKES);
+        // The newest of the (equally) largest origins: 127, of remote(7).
+        assert_eq!(
+            h.admit(remote(100), 200, false, now),
+            Admission::In(Some((127, remote(7))))
+        );
+        h.spoke(200);
+        // Every origin but remote(7) holds 16; remote(7) 15, remote(100) 1.
+        assert_eq!(
+            h.admit(remote(100), 201, false, now),
+            Admission::In(Some((111, remote(6))))
+        );
+        h.spoke(201);
+        // Now 128 origins of one spoken connection each: a newcomer of one is refused...
+        let mut h = Handshakes::default();
+        for n in 0..128u64 {
+            let o = Origin {
+                ip: IpAddr::V4(std::net::Ipv4Addr::from(0x0a01_0000 + n as u32)),
+                local: false,
+                uid: None,
+            };
+            fill(&mut h, o, n..n + 1, true);
+        }
+        assert_eq!(h.admit(remote(1), 500, false, now), Admission::Refused);
+        // ...but the store's own user gets in.
+        assert!(matches!(
+            h.admit(local(0), 501, true, now),
+            Admission::In(Some(_))
+        ));
+        // A silent one, anywhere, is always closed first.
+        let mut h = Handshakes::default();
+        fill(&mut h, remote(1), 0..1, false);
+        for n in 0..8u8 {
+            let first = 1 + u64::from(n) * 16;
+            fill(&mut h, remote(2 + n), first..(first + 16).min(128), true);
+        }
+        assert_eq!(h.total, MAX_HANDSHAKES);
+        assert_eq!(
+            h.admit(remote(50), 128, false, now),
+            Admission::In(Some((0, remote(1))))
+        );
+        // A full room of spoken ones refuses its own newcomer even so.
+        assert_eq!(h.admit(remote(3), 129, false, now), Admission::Refused);
+    }
 }

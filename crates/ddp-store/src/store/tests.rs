@@ -960,3 +960,180 @@ fn another_users_guesses_never_hold_back_the_jobs_own_user() {
     assert!(in_window >= 2, "the guessing went on: {in_window}");
     assert!(slowest < Duration::from_secs(2), "{slowest:?}");
 }
+
+/// A guessing loop of raw key exchanges with wrong tokens until `stop`, each connection from the
+/// next of `addresses` (bound as its source): when each guess was answered (a challenge came:
+/// the guess was tested).
+fn guess_from_addresses(
+    to: std::net::SocketAddr,
+    addresses: Vec<std::net::IpAddr>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Vec<Instant>> {
+    std::thread::spawn(move || {
+        let mut tries = Vec::new();
+        for (n, from) in addresses.iter().cycle().enumerate() {
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                break;
+            }
+            let mut s = ddp_testkit::connect_from(*from, to).expect("binding a loopback address");
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let (hello, _) = hello_with(&format!("guess-{n}"), None);
+            if crate::wire::write_frame(&mut s, &hello.encode(), 4096).is_err() {
+                continue;
+            }
+            let answer = crate::wire::read_frame(&mut s, 4096);
+            if let Ok(Some(frame)) = answer
+                && let Ok(Reply::Challenge { .. }) = Reply::decode(&frame)
+            {
+                tries.push(Instant::now());
+            }
+            // Dropped without a proof: the exchange fails (and is counted) at once.
+        }
+        tries
+    })
+}
+
+/// Review of the throttle, defect 1: a source from this host was its address and user, and any
+/// local user may bind any of 127.0.0.0/8 as its source, so each new address was a fresh source
+/// without a penalty (a few hundred addresses: a few thousand guesses a second). Now a
+/// connection from this host is its user's, whatever address it comes from: 4 guessing loops of
+/// this process, each connection from the next of 250 loopback addresses, are slowed together
+/// to a few tries a second, as from one address.
+#[test]
+fn guesses_spread_over_many_local_addresses_are_slowed_together() {
+    let (s, ep) = server(Some("the-real-token"));
+    s.trust_no_local_user();
+    let to = s.local_addr();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let guessers: Vec<_> = (0..4u16)
+        .map(|g| {
+            // Each loop walks the 250 addresses from its own start.
+            let addresses = (0..250u16)
+                .map(|i| std::net::Ipv4Addr::new(127, 0, 0, 2 + ((i + g * 60) % 250) as u8).into())
+                .collect();
+            guess_from_addresses(to, addresses, Arc::clone(&stop))
+        })
+        .collect();
+    let started = Instant::now();
+    // Warm-up: the penalty doubles to its largest within a few tries.
+    std::thread::sleep(Duration::from_secs(1));
+    let window = (
+        started + Duration::from_secs(1),
+        started + Duration::from_secs(5),
+    );
+    std::thread::sleep(window.1.saturating_duration_since(Instant::now()));
+    // The right key still gets in (it waits its turn behind the guesses).
+    let mut c = StoreClient::connect(&ep, Some("the-real-token"), Duration::from_secs(30))
+        .expect("the right key gets in during the guessing");
+    c.set("k", b"v").unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let tries: Vec<Instant> = guessers
+        .into_iter()
+        .flat_map(|g| g.join().unwrap())
+        .collect();
+    let in_window = tries
+        .iter()
+        .filter(|t| **t >= window.0 && **t < window.1)
+        .count();
+    let rate = in_window as f64 / (window.1 - window.0).as_secs_f64();
+    eprintln!(
+        "guessing from 250 loopback addresses: {} tries in all, {in_window} in the 4 s window \
+         ({rate:.1}/s)",
+        tries.len()
+    );
+    assert!(rate < 100.0, "{rate:.1} guesses/s");
+    assert!(in_window >= 4, "the guessing went on: {in_window}");
+}
+
+/// Review of the throttle, defect 2: when an address held its 16 handshakes, a newcomer closed
+/// the oldest, even one that had sent its hello and waited for its turn: a guesser at the job's
+/// address (a NAT, another user behind it) opening connection after connection kept cutting
+/// the client's waiting one, which never reached the front of the queue. Now one that has sent
+/// its hello is never cut for a newcomer of its source; the newcomer is refused. 24 guessing
+/// loops of one source (this process, its user held back like any other, as one on another
+/// host would be) keep its 16 slots full of waiting exchanges (newcomers are refused), and a
+/// client with the right key from the same source gets in every time, within its connect
+/// deadline.
+#[test]
+fn a_source_full_of_waiting_guesses_still_lets_the_right_key_in() {
+    let (s, ep) = server(Some("the-real-token"));
+    s.trust_no_local_user();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let guessers: Vec<_> = (0..24)
+        .map(|_| guess_until(ep.clone(), Arc::clone(&stop)))
+        .collect();
+    // Warm-up: the penalty at its largest, the source's room full.
+    std::thread::sleep(Duration::from_secs(2));
+    let refused_before = s.refused_connections();
+    let mut took = Vec::new();
+    for i in 0..4 {
+        let t = Instant::now();
+        let mut c = StoreClient::connect(&ep, Some("the-real-token"), Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("the right key, try {i}, during the guessing: {e}"));
+        c.set("k", b"v").unwrap();
+        took.push(t.elapsed());
+    }
+    let refused = s.refused_connections() - refused_before;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let tries: usize = guessers.into_iter().map(|g| g.join().unwrap().len()).sum();
+    eprintln!(
+        "24 guessing loops of one source: {tries} guesses tested, {refused} connections refused \
+         or cut while the right key connected in {took:?}"
+    );
+    assert!(refused > 0, "the source's room was never full");
+    assert!(tries >= 4, "the guessing went on: {tries}");
+}
+
+/// Run as root (as CI runs): another user of this host (`nobody`) keeps 24 guessing loops going
+/// from 127.0.0.1, more than the 16 handshakes one address may hold, all waiting their turn;
+/// the job's own user, from the same address, never waits: its handshakes are counted apart
+/// from another user's (and never wait their turn), so it connects in well under a second every
+/// time. Not as root: skipped, no other user can be taken on.
+#[test]
+fn another_users_room_full_of_waiting_guesses_never_holds_back_the_jobs_own_user() {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: cannot run as another user");
+        return;
+    }
+    let (s, ep) = server(Some("the-real-token"));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let guesser = {
+        let (ep, stop) = (ep.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            // This thread alone becomes user nobody (the raw system call); the threads it
+            // starts are nobody's too.
+            // SAFETY: changes this thread's credentials only; it never goes back.
+            let rc = unsafe { libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534) };
+            assert_eq!(rc, 0, "setresuid: {}", std::io::Error::last_os_error());
+            let loops: Vec<_> = (0..24)
+                .map(|_| guess_until(ep.clone(), Arc::clone(&stop)))
+                .collect();
+            loops
+                .into_iter()
+                .map(|g| g.join().unwrap().len())
+                .sum::<usize>()
+        })
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    let refused_before = s.refused_connections();
+    let mut slowest = Duration::ZERO;
+    for _ in 0..20 {
+        let t = Instant::now();
+        let mut c = StoreClient::connect(&ep, Some("the-real-token"), Duration::from_secs(30))
+            .expect("the job's own user gets in");
+        c.set("k", b"v").unwrap();
+        slowest = slowest.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let refused = s.refused_connections() - refused_before;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let tries = guesser.join().unwrap();
+    eprintln!(
+        "another user's 24 guessing loops: {tries} guesses tested, {refused} of its connections \
+         refused or cut; the job's own user connected in at most {slowest:?}"
+    );
+    assert!(refused > 0, "the other user's room was never full");
+    assert!(tries >= 2, "the guessing went on: {tries}");
+    assert!(slowest < Duration::from_secs(2), "{slowest:?}");
+}
