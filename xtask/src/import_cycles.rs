@@ -1,5 +1,7 @@
 //! The rule "no module imports one that imports it", checked over the workspace's library
-//! sources as a test (`cargo test -p xtask`, part of CI's test step).
+//! sources and the tools' (`tools/`) as a test (`cargo test -p xtask`, part of CI's test
+//! step); and the tools' one crate rule, that they depend on no bench or training runner above
+//! them (`the_tools_depend_on_nothing_above_them`).
 //!
 //! The graph is one node per source file (`a.rs` or `a/mod.rs` is module `a`). A file has an
 //! edge to the file of every module it names by path — `crate::a::b::X`, `super::x`,
@@ -331,7 +333,11 @@ fn the_libraries_have_no_import_cycles() {
         "crates/burn-ddp",
         "crates/ddp-testkit",
         "tools/cuda-standin",
+        "tools/cuda-tools",
+        "tools/cargo-tasks",
+        "crates/ddp-bench/runs",
         "examples/train-cnn",
+        "examples/train-cnn/runs",
     ] {
         let src = root.join(krate).join("src");
         assert!(
@@ -354,6 +360,81 @@ fn the_libraries_have_no_import_cycles() {
         "only {checked} modules found: the walk is broken"
     );
     assert!(report.is_empty(), "import cycles:\n{}", report.join("\n"));
+}
+
+/// The workspace crates a manifest's `[dependencies]` name (`NAME.workspace = true` or
+/// `NAME = { workspace = true, … }`), of those in `workspace`'s `[workspace.dependencies]`
+/// with a path: their paths.
+fn workspace_deps(manifest: &str, workspace: &str) -> Vec<String> {
+    let section = |text: &str, header: &str| -> Vec<String> {
+        text.lines()
+            .map(str::trim)
+            .skip_while(|l| *l != header)
+            .skip(1)
+            .take_while(|l| !l.starts_with('['))
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let name = |l: &str| {
+        l.split(['.', '=', ' '])
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let paths: Vec<(String, String)> = section(workspace, "[workspace.dependencies]")
+        .iter()
+        .filter_map(|l| {
+            let path = l.split("path = \"").nth(1)?.split('"').next()?;
+            Some((name(l), path.to_string()))
+        })
+        .collect();
+    section(manifest, "[dependencies]")
+        .iter()
+        .filter(|l| l.contains("workspace = true") || l.contains(".workspace"))
+        .filter_map(|l| paths.iter().find(|(n, _)| *n == name(l)))
+        .map(|(_, p)| p.clone())
+        .collect()
+}
+
+/// The tools sit above the libraries and below the runners that use them (xtask, the bench
+/// and training runners): cargo-tasks depends on no workspace crate, cuda-tools on cargo-tasks
+/// and the libraries in `crates/` only, never on a runner (`crates/ddp-bench/runs`,
+/// `examples/*/runs`), the tests, their kit or xtask. cuda-tools once depended on ddp-bench-runs for the ResNet table, which now lives in
+/// cargo-tasks.
+#[test]
+fn the_tools_depend_on_nothing_above_them() {
+    let root = cargo_tasks::workspace_root();
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
+    let workspace = read("Cargo.toml");
+    assert_eq!(
+        workspace_deps(&read("tools/cargo-tasks/Cargo.toml"), &workspace),
+        Vec::<String>::new()
+    );
+    let cuda_tools = workspace_deps(&read("tools/cuda-tools/Cargo.toml"), &workspace);
+    assert!(
+        cuda_tools.contains(&"tools/cargo-tasks".to_string()),
+        "{cuda_tools:?}"
+    );
+    for dep in &cuda_tools {
+        // The libraries, not the benchmarks, the multi-process tests or their kit.
+        let library = dep.starts_with("crates/")
+            && !["crates/ddp-bench", "crates/ddp-tests", "crates/ddp-testkit"]
+                .iter()
+                .any(|above| dep.starts_with(above));
+        assert!(
+            library || dep == "tools/cargo-tasks",
+            "tools/cuda-tools depends on {dep}, above it or beside it"
+        );
+    }
+    // The parser sees a runner where there is one.
+    assert_eq!(
+        workspace_deps(&read("xtask/Cargo.toml"), &workspace)
+            .iter()
+            .filter(|d| d.ends_with("/runs"))
+            .count(),
+        2
+    );
 }
 
 #[test]

@@ -1,11 +1,14 @@
-//! What the workspace's tools (`cargo xtask`, the CUDA tools) share: where the workspace and its
-//! build outputs are, a `cargo` to run from inside `cargo run`, and the command lines of CI's one
-//! build.
+//! What the workspace's tools (`cargo xtask`, the CUDA tools, the bench runner) share: where the
+//! workspace and its build outputs are, a `cargo` to run from inside `cargo run`, the command
+//! lines of CI's one build, and the ResNet-18 benchmark's launch description and table
+//! ([`resnet`]: `cargo xtask bench resnet` and the GPU check's ResNet row run the same programs
+//! with the same arguments and print the same table).
 
 #![warn(missing_docs)]
 
 mod build_set;
 mod command;
+pub mod resnet;
 mod workspace;
 
 pub use build_set::{

@@ -1,13 +1,15 @@
-//! The checks `gpu-check run` makes, in order of importance (a spent budget skips the last),
-//! and how each becomes rows of the table.
+//! The checks `gpu-check run` makes, in order of value (a spent budget skips the last; see
+//! [`CHECKS`]), and how each becomes rows of the table.
 //!
 //! A [`Check`] is either every `#[ignore]`d test of a libtest binary (one row per test, tests
 //! named `two_gpus_*` skipped with fewer than two GPUs) or a [`Task`] this module performs with
 //! the unpacked programs. Every child process runs under a deadline (see [`super::process`]);
 //! a failed row never stops the table.
 //!
-//! This file holds the table ([`CHECKS`]), the gating and budget helpers and the libtest
-//! runner; the tasks are in `tasks.rs`, the unit tests in `tests.rs`.
+//! This file holds the table ([`CHECKS`]), the gating and budget helpers, the libtest runner
+//! and the dispatch of a task row; the tasks are in `tasks.rs` (one process per GPU) and
+//! `one_gpu.rs` (several NCCL ranks on one GPU), which share `steps.rs` and import nothing of
+//! each other; the unit tests are in `tests.rs`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,15 +19,19 @@ use super::process::{self, Exit};
 use super::report::{self, Report, Row, Status};
 
 mod one_gpu;
+mod steps;
 mod tasks;
 #[cfg(test)]
 mod tests;
 
-use tasks::run_task;
+use steps::{StepError, Steps};
 // The tasks' pure helpers stay at `rows::X`, where they were before the split; outside
-// tasks.rs only the unit tests use them, so a build without tests sees the re-export unused.
+// tasks.rs and steps.rs only the unit tests use them, so a build without tests sees the
+// re-export unused.
 #[cfg_attr(not(test), allow(unused_imports))]
-pub use tasks::{allreduce_bench_lines, compare_epochs, step_time_lines};
+pub use steps::compare_epochs;
+#[cfg_attr(not(test), allow(unused_imports))]
+pub use tasks::{allreduce_bench_lines, step_time_lines};
 
 /// The note heading NCCL's `NCCL_DEBUG` lines (kept from the first row that printed any).
 pub const NCCL_NOTE: &str = "--- NCCL_DEBUG=WARN lines of the first NCCL row:";
@@ -108,9 +114,31 @@ pub const SMOKE_TEST: &str = "cuda::smoke::cuda_smoke_kernels_match_the_cpu";
 /// The smoke row's test binary.
 pub const SMOKE_BINARY: &str = "burn-ddp-tests";
 
-/// The checks, in order of what they prove: that Burn's kernels compute on this GPU at all
-/// (smoke, 20 s), then SyncBatchNorm's kernels, the NCCL device path, whole training runs,
-/// DDP equivalence, timings, and last what needs no GPU.
+/// The NCCL all-reduce row's test in `ddp-nccl-tests`.
+pub const NCCL_RANKS_TEST: &str = "emulated_gpu_hosts_run_the_collectives_at_2_and_4_ranks";
+
+/// The DDP-against-one-process-over-NCCL row's test in `ddp-tests`.
+pub const DDP_NCCL_RANKS_TEST: &str = "cuda::nccl_ranks_match_one_process_on_the_joined_batch";
+
+/// How many rows of [`CHECKS`] are the ones the check is for: the smoke row, then the 2-rank
+/// (and 4-rank) NCCL all-reduce, DDP against one process over NCCL, and the ResNet table.
+pub const FIRST_ROWS: usize = 4;
+
+/// The checks, in order of value, so that a run its budget cuts (450 s by default) still
+/// reports the first ones:
+///
+/// 1. the smoke row (that Burn's kernels compute on this GPU at all; 60 s limit, 1 s on an
+///    H200; first, because a driver that refuses LLVM's PTX there switches the CUDA rows to
+///    the NVRTC bundle),
+/// 2. what no GPU has run yet and the GPU check is for ([`FIRST_ROWS`]): NCCL between 2 and 4
+///    ranks, DDP against one process over NCCL, the ResNet-18 table; at their limits the first
+///    three leave the ResNet row at least 160 s of the default budget (a unit test keeps that);
+/// 3. the other multi-rank NCCL rows, never run on a GPU either: train-cnn on NCCL ranks,
+///    SyncBatchNorm over NCCL ranks, DDP's other CUDA tests with live recovery over NCCL, the
+///    NCCL transport's other tests;
+/// 4. the rows that passed on an H200 (2026-12-04): SyncBatchNorm's kernels, burn-ddp on CUDA,
+///    CUDA against the CPU, a world of one under ddprun, `xtask train`, step times;
+/// 5. last what needs no GPU (CPU all-reduce scaling).
 pub const CHECKS: &[Check] = &[
     Check {
         label: "CUDA smoke: element-wise, sum, exp/log, f16/bf16 vs CPU",
@@ -119,7 +147,53 @@ pub const CHECKS: &[Check] = &[
         binaries: &["burn-ddp-tests"],
     },
     Check {
-        label: "SyncBatchNorm on CUDA (kernels, NCCL, host-staged)",
+        label: "NCCL all-reduce between 2, then 4 ranks on one GPU (emulated GPU hosts): sum and mean exact in f32, f64, bf16; broadcast, all-gather, reduce-scatter",
+        kind: Kind::Test("ddp-nccl-tests", NCCL_RANKS_TEST, 90),
+        needs: Needs::Cuda,
+        binaries: &["ddp-nccl-tests"],
+    },
+    Check {
+        label: "DDP against one process over NCCL: 2 ranks (SGD, Adam), 4 ranks (SGD), gradients all-reduced by NCCL",
+        kind: Kind::Test("ddp-tests", DDP_NCCL_RANKS_TEST, 120),
+        needs: Needs::Cuda,
+        binaries: &["ddp-tests", "ddp_worker"],
+    },
+    Check {
+        label: "ResNet-18 step time: Burn, burn-ddp 1 and 2 ranks, PyTorch beside it",
+        kind: Kind::Task(Task::ResnetBench, 300),
+        needs: Needs::Cuda,
+        binaries: &["ddprun", "train-cnn"],
+    },
+    Check {
+        label: "NCCL ranks on one GPU (emulated GPU hosts): ddprun 2 and 4 ranks, train-cnn, ZeRO-1",
+        kind: Kind::Task(Task::EmulatedHosts, 180),
+        needs: Needs::Cuda,
+        binaries: &["ddprun", "train-cnn"],
+    },
+    Check {
+        label: "SyncBatchNorm over NCCL: 2 and 4 ranks, uneven batches",
+        kind: Kind::Test(
+            "sync_batch_norm-tests",
+            "cuda::nccl_ranks_uneven_batches_match_joined_batch",
+            TEST_LIMIT_SECS,
+        ),
+        needs: Needs::Cuda,
+        binaries: &["sync_batch_norm-tests", "syncbn_worker"],
+    },
+    Check {
+        label: "DDP equivalence on CUDA (1 GPU over NCCL, 2 ranks); live recovery over NCCL",
+        kind: Kind::Libtest("ddp-tests"),
+        needs: Needs::Cuda,
+        binaries: &["ddp-tests", "ddp_worker", "ddprun"],
+    },
+    Check {
+        label: "ddp-nccl NCCL transport",
+        kind: Kind::Libtest("ddp-nccl-tests"),
+        needs: Needs::Cuda,
+        binaries: &["ddp-nccl-tests"],
+    },
+    Check {
+        label: "SyncBatchNorm on CUDA (kernels, NCCL world of one, host-staged)",
         kind: Kind::Libtest("sync_batch_norm-tests"),
         needs: Needs::Cuda,
         binaries: &["sync_batch_norm-tests", "syncbn_worker"],
@@ -143,40 +217,16 @@ pub const CHECKS: &[Check] = &[
         binaries: &["ddprun", "train-cnn"],
     },
     Check {
-        label: "DDP equivalence on CUDA (1 GPU over NCCL, 2 ranks); live recovery over NCCL",
-        kind: Kind::Libtest("ddp-tests"),
-        needs: Needs::Cuda,
-        binaries: &["ddp-tests", "ddp_worker", "ddprun"],
-    },
-    Check {
-        label: "step time: cuda / wgpu / cpu; BatchNorm vs SyncBatchNorm",
-        kind: Kind::Task(Task::StepTimes, 300),
-        needs: Needs::Cuda,
-        binaries: &["train-cnn"],
-    },
-    Check {
-        label: "ddp-nccl NCCL transport",
-        kind: Kind::Libtest("ddp-nccl-tests"),
-        needs: Needs::Cuda,
-        binaries: &["ddp-nccl-tests"],
-    },
-    Check {
         label: "cargo xtask train --gpus 1, --gpus 2 --emulate-gpu-hosts (the xtask binary)",
         kind: Kind::Task(Task::XtaskTrain, 240),
         needs: Needs::Cuda,
         binaries: &["train-cnn"],
     },
     Check {
-        label: "NCCL ranks on one GPU (emulated GPU hosts): ddprun 2 and 4 ranks, train-cnn, ZeRO-1",
-        kind: Kind::Task(Task::EmulatedHosts, 300),
+        label: "step time: cuda / wgpu / cpu; BatchNorm vs SyncBatchNorm",
+        kind: Kind::Task(Task::StepTimes, 300),
         needs: Needs::Cuda,
-        binaries: &["ddprun", "train-cnn"],
-    },
-    Check {
-        label: "ResNet-18 step time: Burn, burn-ddp 1 and 2 ranks, PyTorch beside it",
-        kind: Kind::Task(Task::ResnetBench, 300),
-        needs: Needs::Cuda,
-        binaries: &["ddprun", "train-cnn"],
+        binaries: &["train-cnn"],
     },
     Check {
         label: "CPU all-reduce scaling: 2, 4, 8 ranks (shm), gloo beside it",
@@ -313,6 +363,37 @@ pub fn run_all(ctx: &Ctx, checks: &[Check], report: &mut Report, on_row: OnRow<'
                 push(report, row, on_row);
             }
         }
+    }
+}
+
+/// Runs `task` as the row `label` under `limit` seconds, its children's output in `log`.
+fn run_task(ctx: &Ctx, task: Task, label: &str, limit: u64, log: &Path) -> Row {
+    let start = Instant::now();
+    let steps = Steps {
+        ctx,
+        deadline: start + Duration::from_secs(limit),
+        log,
+    };
+    let result = match task {
+        Task::CompareBackends => tasks::compare_backends(&steps),
+        Task::DdprunNccl => tasks::ddprun_nccl(&steps),
+        Task::StepTimes => tasks::step_times(&steps),
+        Task::XtaskTrain => tasks::xtask_train(&steps),
+        Task::CpuScaling => tasks::cpu_scaling(&steps),
+        Task::EmulatedHosts => one_gpu::emulated_hosts(&steps),
+        Task::ResnetBench => one_gpu::resnet_bench(&steps),
+    };
+    let (status, note) = match result {
+        Ok(()) => (Status::Pass, String::new()),
+        Err(StepError::TimedOut) => (Status::Timeout, format!("killed after {limit} s")),
+        Err(StepError::Failed(note)) => (Status::Fail, report::cut(&note, 200)),
+    };
+    Row {
+        label: label.into(),
+        status,
+        secs: Some(start.elapsed().as_secs_f64()),
+        limit: Some(limit),
+        note,
     }
 }
 

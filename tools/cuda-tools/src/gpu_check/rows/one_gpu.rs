@@ -5,9 +5,9 @@
 
 use std::path::Path;
 
-use ddp_bench_runs::resnet::{self, ResnetRuns};
+use cargo_tasks::resnet::{self, Measured, ResnetRuns};
 
-use super::tasks::{DDPRUN_TRAIN_ARGS, StepError, Steps, compare_epochs, last_epoch};
+use super::steps::{DDPRUN_TRAIN_ARGS, StepError, Steps, compare_epochs, last_epoch};
 
 /// How far ZeRO-1's losses on NCCL may be from the unsharded run's (relative): the same
 /// optimisation, but NCCL's reductions are not promised bitwise between the two layouts.
@@ -83,7 +83,8 @@ pub(super) fn emulated_hosts(s: &Steps) -> Result<(), StepError> {
 /// [`super::Task::ResnetBench`]: ResNet-18 steps on the GPU: Burn alone, burn-ddp in a world of
 /// one and on 2 ranks sharing the GPU (emulated GPU hosts), BatchNorm and SyncBatchNorm; the
 /// same for PyTorch (eager, DDP under ddprun with the same variables) where python3 imports
-/// torch. One BENCH table.
+/// torch. One BENCH table, printed also when a run fails or the row's deadline cuts it: then
+/// it holds the rows measured before, and an OUTCOME line says it is partial.
 pub(super) fn resnet_bench(s: &Steps) -> Result<(), StepError> {
     // A batch of 128 images of 3 × 32 × 32 per rank.
     let r = ResnetRuns {
@@ -94,11 +95,29 @@ pub(super) fn resnet_bench(s: &Steps) -> Result<(), StepError> {
         device: "cuda".into(),
         no_torch: false,
     };
+    let mut rows = Vec::new();
+    let result = resnet_rows(s, &r, &mut rows);
+    if result.is_err() && !rows.is_empty() {
+        s.line(&format!(
+            "OUTCOME the ResNet table is partial: {} row(s) measured before a run failed or the \
+             row's deadline came",
+            rows.len()
+        ));
+    }
+    if !rows.is_empty() {
+        for line in resnet::table(&r, &rows).lines() {
+            s.line(&format!("BENCH {line}"));
+        }
+    }
+    result
+}
+
+/// The runs of [`resnet_bench`], Burn's first, each measured row pushed onto `rows` as it ends.
+fn resnet_rows(s: &Steps, r: &ResnetRuns, rows: &mut Vec<Measured>) -> Result<(), StepError> {
     let common = r.program_args();
     let common: Vec<&str> = common.iter().map(String::as_str).collect();
     let train = s.bin("train-cnn").display().to_string();
     let ddprun = s.bin("ddprun");
-    let mut rows = Vec::new();
     let mut bench = |program: &Path, args: Vec<&str>| -> Result<(), StepError> {
         let out = s.run_ok(program, &args, &[("DDP_NCCL", "required")])?;
         rows.push(resnet::parse(&out)?);
@@ -155,9 +174,6 @@ pub(super) fn resnet_bench(s: &Steps) -> Result<(), StepError> {
             "OUTCOME no torch in python3 here (or no resnet18_torch.py in the bundle): the \
              ResNet table has Burn's rows only",
         );
-    }
-    for line in resnet::table(&r, &rows).lines() {
-        s.line(&format!("BENCH {line}"));
     }
     Ok(())
 }

@@ -1,218 +1,20 @@
-//! The task rows of `gpu-check run`: the checks this module performs itself with the unpacked
-//! programs (train-cnn runs compared across backends, ddprun over NCCL, step times, `xtask
-//! train`, CPU all-reduce scaling), each one deadline and one log, and the pure helpers that
-//! turn their output into OUTCOME and BENCH lines.
+//! The task rows of `gpu-check run` on one process per GPU (train-cnn runs compared across
+//! backends, ddprun over NCCL in a world of one, step times, `xtask train`, CPU all-reduce
+//! scaling), each one deadline and one log, and the pure helpers that turn their output into
+//! OUTCOME and BENCH lines. The rows of several NCCL ranks on one GPU are in `one_gpu.rs`; what
+//! both use is in `steps.rs`.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
-use super::{CUDA_VS_CPU_TOLERANCE, Ctx, Task};
-use crate::gpu_check::process::{self, Exit};
-use crate::gpu_check::report::{self, Row, Status};
+use super::CUDA_VS_CPU_TOLERANCE;
+use super::steps::{BATCH, DDPRUN_TRAIN_ARGS, StepError, Steps, compare_epochs, field, last_epoch};
 
-/// Where the train-cnn runs of the checks write.
-const TRAIN_ROOT: &str = "/tmp/gpu-check-train";
-
-/// Batch size of the train-cnn runs (for ms/step).
-const BATCH: u32 = 32;
-
-/// How a task step ended badly.
-#[derive(Debug)]
-pub(super) enum StepError {
-    /// A child ran past the row's deadline.
-    TimedOut,
-    /// Anything else: the note.
-    Failed(String),
-}
-
-impl From<String> for StepError {
-    fn from(s: String) -> Self {
-        StepError::Failed(s)
-    }
-}
-
-/// The children of one task row: one deadline, one log.
-pub(super) struct Steps<'a> {
-    /// The run's context.
-    pub(super) ctx: &'a Ctx,
-    /// When every child of the row is killed.
-    pub(super) deadline: Instant,
-    /// The row's log: every child's output and the lines of [`Self::line`].
-    pub(super) log: &'a Path,
-}
-
-impl Steps<'_> {
-    /// A program of the bundle.
-    pub(super) fn bin(&self, name: &str) -> PathBuf {
-        self.ctx.bin_dir.join(name)
-    }
-
-    /// Runs `program args` with `env` on top of the row environment; returns how it ended
-    /// and what it printed.
-    pub(super) fn run(
-        &self,
-        program: &Path,
-        args: &[&str],
-        env: &[(&str, &str)],
-    ) -> Result<(Exit, String), StepError> {
-        let before = std::fs::metadata(self.log).map_or(0, |m| m.len()) as usize;
-        self.line(&format!("$ {} {}", program.display(), args.join(" ")));
-        let mut cmd = self.ctx.command(program);
-        cmd.args(args).envs(env.iter().copied());
-        let f = process::run_until(&mut cmd, self.deadline, self.log)
-            .map_err(|e| StepError::Failed(e.to_string()))?;
-        let text = std::fs::read(self.log).unwrap_or_default();
-        let new = String::from_utf8_lossy(text.get(before..).unwrap_or_default()).into_owned();
-        if f.exit == Exit::TimedOut {
-            return Err(StepError::TimedOut);
-        }
-        Ok((f.exit, new))
-    }
-
-    /// [`Self::run`], failing unless it exits 0.
-    pub(super) fn run_ok(
-        &self,
-        program: &Path,
-        args: &[&str],
-        env: &[(&str, &str)],
-    ) -> Result<String, StepError> {
-        let (exit, out) = self.run(program, args, env)?;
-        if exit.success() {
-            Ok(out)
-        } else {
-            Err(StepError::Failed(format!(
-                "{} {}: {exit}",
-                program.display(),
-                args.first().copied().unwrap_or("")
-            )))
-        }
-    }
-
-    /// Appends a line to the row's log (OUTCOME and BENCH lines end up below the table).
-    pub(super) fn line(&self, line: &str) {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log)
-        {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-
-    /// A short train-cnn run into `TRAIN_ROOT/name`.
-    fn train(&self, name: &str, flags: &[&str]) -> Result<PathBuf, StepError> {
-        self.train_sized(name, "2000", flags)
-    }
-
-    /// [`Self::train`] on `images` training images.
-    fn train_sized(&self, name: &str, images: &str, flags: &[&str]) -> Result<PathBuf, StepError> {
-        let out = Path::new(TRAIN_ROOT).join(name);
-        let _ = std::fs::remove_dir_all(&out);
-        let out_s = out.display().to_string();
-        let batch = BATCH.to_string();
-        let mut args = vec![
-            "--seed",
-            "7",
-            "--train-size",
-            images,
-            "--eval-size",
-            "500",
-            "--batch-size",
-            &batch,
-            "--no-progress",
-            "--out",
-            &out_s,
-        ];
-        args.extend_from_slice(flags);
-        self.run_ok(&self.bin("train-cnn"), &args, &[])?;
-        Ok(out)
-    }
-}
-
-/// Runs `task` as the row `label` under `limit` seconds, its children's output in `log`.
-pub(super) fn run_task(ctx: &Ctx, task: Task, label: &str, limit: u64, log: &Path) -> Row {
-    let start = Instant::now();
-    let steps = Steps {
-        ctx,
-        deadline: start + Duration::from_secs(limit),
-        log,
-    };
-    let result = match task {
-        Task::CompareBackends => compare_backends(&steps),
-        Task::DdprunNccl => ddprun_nccl(&steps),
-        Task::StepTimes => step_times(&steps),
-        Task::XtaskTrain => xtask_train(&steps),
-        Task::CpuScaling => cpu_scaling(&steps),
-        Task::EmulatedHosts => super::one_gpu::emulated_hosts(&steps),
-        Task::ResnetBench => super::one_gpu::resnet_bench(&steps),
-    };
-    let (status, note) = match result {
-        Ok(()) => (Status::Pass, String::new()),
-        Err(StepError::TimedOut) => (Status::Timeout, format!("killed after {limit} s")),
-        Err(StepError::Failed(note)) => (Status::Fail, report::cut(&note, 200)),
-    };
-    Row {
-        label: label.into(),
-        status,
-        secs: Some(start.elapsed().as_secs_f64()),
-        limit: Some(limit),
-        note,
-    }
-}
-
-/// The last epoch of a train-cnn run's `metrics.json`.
-pub(super) fn last_epoch(run: &Path) -> Result<serde_json::Value, String> {
-    let file = run.join("metrics.json");
-    let text = std::fs::read_to_string(&file)
-        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
-    v.as_array()
-        .and_then(|a| a.last())
-        .cloned()
-        .ok_or_else(|| format!("{}: no epoch", file.display()))
-}
-
-/// The number `key` of an epoch of `metrics.json`.
-fn field(epoch: &serde_json::Value, key: &str) -> Result<f64, String> {
-    epoch
-        .get(key)
-        .and_then(serde_json::Value::as_f64)
-        .ok_or_else(|| format!("metrics.json has no number {key}"))
-}
-
-/// The OUTCOME lines comparing two runs' last epochs, and the worst relative difference of
-/// their losses.
-pub fn compare_epochs(
-    (a_name, a): (&str, &serde_json::Value),
-    (b_name, b): (&str, &serde_json::Value),
-    tolerance: f64,
-) -> Result<(Vec<String>, f64), String> {
-    let mut lines = Vec::new();
-    let mut worst: f64 = 0.0;
-    for key in ["train_loss", "eval_loss"] {
-        let (x, y) = (field(a, key)?, field(b, key)?);
-        let rel = (x - y).abs() / y.abs().max(1e-12);
-        worst = worst.max(rel);
-        lines.push(format!(
-            "OUTCOME {key}: {a_name} {x:.6}, {b_name} {y:.6} (relative difference {rel:.1e}, bound {tolerance})"
-        ));
-    }
-    lines.push(format!(
-        "OUTCOME eval accuracy: {:.4} vs {:.4}",
-        field(a, "eval_accuracy")?,
-        field(b, "eval_accuracy")?
-    ));
-    Ok((lines, worst))
-}
-
-/// [`Task::CompareBackends`]: train-cnn on CUDA and on the CPU from the same weights and data
+/// [`super::Task::CompareBackends`]: train-cnn on CUDA and on the CPU from the same weights and data
 /// order. Three steps (96 images), losses within [`CUDA_VS_CPU_TOLERANCE`]: the pass criterion.
 /// Then one epoch each, compared for the record only: CubeCL multiplies f32 matrices on CUDA's
 /// tensor cores in TF32 (10-bit mantissa, as cuDNN does by default in PyTorch), and the
 /// difference grows with every step (2–5 % after 63 steps on an H200).
-fn compare_backends(s: &Steps) -> Result<(), StepError> {
+pub(super) fn compare_backends(s: &Steps) -> Result<(), StepError> {
     let flags = |backend| ["--backend", backend, "--sync-bn", "--epochs", "1"];
     let cuda = s.train_sized("cuda-3-steps", "96", &flags("cuda"))?;
     let cpu = s.train_sized("cpu-3-steps", "96", &flags("cpu"))?;
@@ -236,24 +38,9 @@ fn compare_backends(s: &Steps) -> Result<(), StepError> {
     Ok(())
 }
 
-/// train-cnn's arguments under ddprun in the NCCL rows: one epoch of 2000 images on CUDA with
-/// SyncBatchNorm.
-pub(super) const DDPRUN_TRAIN_ARGS: [&str; 10] = [
-    "--backend",
-    "cuda",
-    "--sync-bn",
-    "--epochs",
-    "1",
-    "--train-size",
-    "2000",
-    "--eval-size",
-    "500",
-    "--no-progress",
-];
-
-/// [`Task::DdprunNccl`]: train-cnn as a world of one under ddprun, NCCL required and its
+/// [`super::Task::DdprunNccl`]: train-cnn as a world of one under ddprun, NCCL required and its
 /// communicator logged.
-fn ddprun_nccl(s: &Steps) -> Result<(), StepError> {
+pub(super) fn ddprun_nccl(s: &Steps) -> Result<(), StepError> {
     let train = s.bin("train-cnn").display().to_string();
     let mut args = vec!["--nproc-per-node", "1", "--", &train];
     args.extend(DDPRUN_TRAIN_ARGS);
@@ -308,8 +95,8 @@ pub fn step_time_lines(rates: &[(&str, Option<f64>)], batch: u32) -> Vec<String>
     lines
 }
 
-/// [`Task::StepTimes`]: the [`STEP_RUNS`], two epochs each, as a table of epoch 2's rates.
-fn step_times(s: &Steps) -> Result<(), StepError> {
+/// [`super::Task::StepTimes`]: the [`STEP_RUNS`], two epochs each, as a table of epoch 2's rates.
+pub(super) fn step_times(s: &Steps) -> Result<(), StepError> {
     let mut rates = Vec::new();
     for (name, flags) in STEP_RUNS {
         // Epoch 1 includes compiling the kernels; the table reads epoch 2.
@@ -342,8 +129,8 @@ fn step_times(s: &Steps) -> Result<(), StepError> {
     }
 }
 
-/// [`Task::XtaskTrain`]: `xtask train --gpus 1` with the bundle's train-cnn as `--program`.
-fn xtask_train(s: &Steps) -> Result<(), StepError> {
+/// [`super::Task::XtaskTrain`]: `xtask train --gpus 1` with the bundle's train-cnn as `--program`.
+pub(super) fn xtask_train(s: &Steps) -> Result<(), StepError> {
     let train = s.bin("train-cnn").display().to_string();
     // One rank per GPU, then two ranks on one GPU as emulated GPU hosts (NCCL between them).
     for (gpus, more) in [("1", None), ("2", Some("--emulate-gpu-hosts"))] {
@@ -378,7 +165,7 @@ pub fn allreduce_bench_lines(output: &str, ranks: u32) -> Vec<String> {
         .collect()
 }
 
-/// [`Task::CpuScaling`]: allreduce_bench under ddprun at 2, 4, 8 ranks, then gloo where torch
+/// [`super::Task::CpuScaling`]: allreduce_bench under ddprun at 2, 4, 8 ranks, then gloo where torch
 /// is installed.
 pub(super) fn cpu_scaling(s: &Steps) -> Result<(), StepError> {
     let bench = s.bin("allreduce_bench").display().to_string();

@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use super::tasks::{StepError, Steps, cpu_scaling};
+use super::tasks::cpu_scaling;
 use super::*;
 
 #[test]
@@ -13,6 +13,48 @@ fn limits_shrink_to_the_budget_and_rows_are_skipped_when_it_is_spent() {
     assert_eq!(row_limit(150, Duration::from_secs(20)), Some(15));
     assert_eq!(row_limit(150, Duration::from_secs(19)), None);
     assert_eq!(row_limit(150, Duration::ZERO), None);
+}
+
+#[test]
+fn the_most_valuable_rows_come_first_and_fit_the_default_budget() {
+    let first = &CHECKS[..FIRST_ROWS];
+    assert!(matches!(
+        first[0].kind,
+        Kind::Test(SMOKE_BINARY, SMOKE_TEST, _)
+    ));
+    assert!(matches!(
+        first[1].kind,
+        Kind::Test("ddp-nccl-tests", NCCL_RANKS_TEST, _)
+    ));
+    assert!(matches!(
+        first[2].kind,
+        Kind::Test("ddp-tests", DDP_NCCL_RANKS_TEST, _)
+    ));
+    assert_eq!(first[3].kind, Kind::Task(Task::ResnetBench, 300));
+    // At their limits, after 15 s of unpacking and probing, the first three leave the ResNet
+    // row at least 160 s of the default budget (what `row_limit` gives it).
+    let limit = |c: &Check| match c.kind {
+        Kind::Test(_, _, l) | Kind::Task(_, l) => l,
+        Kind::Libtest(_) => unreachable!("the first rows are single tests and tasks"),
+    };
+    let before: u64 = 15 + first[..3].iter().map(limit).sum::<u64>();
+    let left = Duration::from_secs(crate::gpu_check::DEFAULT_BUDGET_SECS - before);
+    assert!(
+        row_limit(limit(&first[3]), left) >= Some(160),
+        "{before} s before the ResNet row"
+    );
+    // Every other row comes after them, the one that needs no GPU last.
+    assert_eq!(CHECKS.last().unwrap().needs, Needs::Cpu);
+    // The tests with a row of their own are in the binaries' libtest rows too (there they are
+    // left out), so a new binary cannot hide them.
+    for c in CHECKS {
+        if let Kind::Test(binary, _, _) = c.kind {
+            assert!(
+                CHECKS.iter().any(|l| l.kind == Kind::Libtest(binary)),
+                "{binary}"
+            );
+        }
+    }
 }
 
 #[test]
