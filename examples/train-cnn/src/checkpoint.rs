@@ -49,6 +49,10 @@ pub struct CheckpointMeta {
     pub history: Vec<EpochMetrics>,
     /// The epoch in progress, when the checkpoint was saved in the middle of one.
     pub partial: Option<PartialEpoch>,
+    /// The step after which this state's last mid-epoch checkpoint was saved: a run resumed
+    /// from it, or a replacement that takes it from the survivors, does not save it again.
+    #[serde(default)]
+    pub saved_at_step: Option<u64>,
 }
 
 /// The parameter values of a checkpoint's model record, in visit order: the record decoded

@@ -17,7 +17,6 @@ use ddp_comm::ReduceOp;
 
 use burn_ddp::checkpoint::{Checkpointer, Progress};
 use burn_ddp::data::LoaderState;
-use burn_ddp::recovery::StepStart;
 
 use crate::checkpoint::{self, CheckpointError, CheckpointMeta, PartialEpoch};
 use crate::data::{self, DataError, DataSpec, ImageBatch, ImageBatcher, ImageSet, Splits};
@@ -173,11 +172,10 @@ impl TrainError {
     }
 }
 
-/// Where a run stands after its last finished step or epoch.
-struct Committed {
-    progress: Progress,
-    history: Vec<EpochMetrics>,
-    partial: Option<PartialEpoch>,
+impl burn_ddp::recovery::MaybeLostPeer for TrainError {
+    fn lost_a_peer(&self) -> bool {
+        TrainError::lost_a_peer(self)
+    }
 }
 
 impl From<burn_ddp::DdpError> for TrainError {
@@ -300,44 +298,27 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
     // parameters and its own buffers (per-rank BatchNorm statistics).
     let mut model = ddp.replicate_model(model)?;
     let ckpt = Checkpointer::new(&cfg.out).every_steps(cfg.checkpoint_every_steps);
-    let mut history = Vec::new();
-    let mut seed = cfg.seed;
-    let mut resumed_at = None;
-    let mut partial = None;
-    let meta_of =
-        |seed: u64, history: &[EpochMetrics], partial: Option<PartialEpoch>| CheckpointMeta {
-            seed,
-            model: model_cfg.clone(),
-            norm: N::NAME.to_string(),
-            batch_size: cfg.batch_size,
-            lr: cfg.lr,
-            schedule: (cfg.schedule.name().to_string(), cfg.epochs),
-            data: cfg.data.to_string(),
-            history: history.to_vec(),
-            partial,
-        };
+    let meta_of = |seed: u64,
+                   history: Vec<EpochMetrics>,
+                   partial: Option<PartialEpoch>,
+                   saved_at_step: Option<u64>| CheckpointMeta {
+        seed,
+        model: model_cfg.clone(),
+        norm: N::NAME.to_string(),
+        batch_size: cfg.batch_size,
+        lr: cfg.lr,
+        schedule: (cfg.schedule.name().to_string(), cfg.epochs),
+        data: cfg.data.to_string(),
+        history,
+        partial,
+        saved_at_step,
+    };
     // A process started in place of a lost rank (`ddprun --recover live`) takes the survivors'
-    // state from their memory, not from the checkpoint.
-    let mut handed_over = None;
-    if ddp.is_replacement() {
-        let (restored, progress, handed) = ddp.recover_with(
-            model,
-            &mut optim,
-            Progress::default(),
-            meta_of(seed, &[], None),
-        )?;
-        model = restored;
-        seed = handed.seed;
-        history = handed.history;
-        partial = handed.partial;
-        handed_over = Some(progress);
-        tracing::info!(
-            step = progress.step,
-            "took the survivors' state in place of a lost rank"
-        );
-    }
-    let resume = handed_over.is_none()
+    // state from their memory (in `LiveStart::start` below), not from the checkpoint.
+    let resume = !ddp.is_replacement()
         && (cfg.resume || (cfg.resume_if_present && ckpt.exists(ddp.group())?));
+    let mut resumed_at = None;
+    let mut meta = meta_of(cfg.seed, Vec::new(), None, None);
     if resume {
         let Some(ck) = ckpt.read::<CheckpointMeta>(ddp.group())? else {
             return Err(CheckpointError::Io {
@@ -357,51 +338,33 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
         }
         let (restored, r) = ckpt.restore(ck, model, &mut optim)?;
         model = restored;
-        let meta = r.metadata;
-        // (schedule, epochs it spans); a constant rate spans nothing.
-        let span = |name: &str, epochs: usize| {
-            let epochs = if name == LrSchedule::Constant.name() {
-                0
-            } else {
-                epochs
-            };
-            (name.to_string(), epochs)
-        };
-        let saved = span(&meta.schedule.0, meta.schedule.1);
-        let now = span(cfg.schedule.name(), cfg.epochs);
-        if meta.lr != cfg.lr || saved != now {
-            tracing::warn!(
-                "resuming a run trained with lr {} ({} schedule over {} epochs) with lr {} ({} over {} epochs): the learning rates differ from an uninterrupted run",
-                meta.lr,
-                saved.0,
-                saved.1,
-                cfg.lr,
-                now.0,
-                now.1
-            );
-        }
-        if meta.batch_size != cfg.batch_size || r.world_size != world {
-            tracing::warn!(
-                "resuming a run of {} ranks × batch {} with {world} ranks × batch {}: the global batch, so the optimisation, differs from an uninterrupted run (the epoch's data continues at its global sample position)",
-                r.world_size,
-                meta.batch_size,
-                cfg.batch_size
-            );
-        }
-        seed = meta.seed;
-        history = meta.history;
-        partial = meta.partial;
-        resumed_at = Some(r.progress);
+        warn_if_settings_differ(cfg, &r.metadata, r.world_size, world);
         tracing::info!(
             "resumed after {} epochs and {} steps",
             r.progress.epochs_done,
             r.progress.step
         );
+        resumed_at = Some(r.progress);
+        meta = r.metadata;
     }
     let resumed_after = resumed_at.map(|p| p.epochs_done as usize);
-    let started_at = resumed_at.or(handed_over);
-
-    let start = history.len();
+    let start_progress = resumed_at.unwrap_or(Progress {
+        step: 0,
+        epochs_done: 0,
+        loader: Some(LoaderState::at_epoch(0)),
+    });
+    // From here on the run's state — model, optimizer, progress (step, loader position) and
+    // `CheckpointMeta` (the metrics so far) — is `live`'s: under `ddprun --recover live` a lost
+    // rank's replacement takes it from the survivors, and every step lost with a rank is redone.
+    let mut live = ddp.live(model, optim).start(start_progress, meta)?;
+    if ddp.is_main() && live.recoveries() > 0 {
+        tracing::info!(
+            step = live.progress().step,
+            "took the survivors' state in place of a lost rank"
+        );
+    }
+    let seed = live.state().seed;
+    let start = live.state().history.len();
     let remaining = cfg.epochs.saturating_sub(start);
     let per_epoch_global = (batches_per_epoch * cfg.batch_size * world) as u64;
     let bar = progress_bar(
@@ -420,7 +383,7 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
                 cfg.data,
                 splits.train.0.len(),
                 splits.eval.0.len(),
-                crate::model::trainable_params(&model)
+                crate::model::trainable_params(live.model())
             ),
         );
         if remaining == 0 {
@@ -447,128 +410,111 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
         .build(splits.train.clone(), ddp.rank(), world, device.clone())?;
     debug_assert_eq!(loader.num_batches(), batches_per_epoch);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let mut header_printed = false;
-    if let Some(state) = started_at.and_then(|p| p.loader) {
-        // A checkpoint from the middle of an epoch: continue that epoch at its next batch.
+    if let Some(state) = live.progress().loader {
+        // A checkpoint from the middle of an epoch, or the survivors' position: continue that
+        // epoch at its next batch.
         loader.load_state(state);
     }
-    let meta =
-        |history: &[EpochMetrics], partial: Option<PartialEpoch>| meta_of(seed, history, partial);
-    let live = ddp.recovers_live();
-    // Where the run stands after its last finished step or epoch: what a checkpoint keeps, and
-    // what the survivors of a lost rank hand its replacement (`ddprun --recover live`).
-    let mut committed = Committed {
-        progress: started_at.unwrap_or(Progress {
-            step: (start * batches_per_epoch) as u64,
-            epochs_done: start as u64,
-            loader: Some(LoaderState::at_epoch(start as u64)),
-        }),
-        history,
-        partial,
-    };
-    // The model's values at the start of the step in progress, under live recovery.
-    let mut step_start = None;
+    let mut header_printed = false;
     let mut printed = start;
-    // The epochs from `committed` on; a lost peer returns its error with `model` and `committed`
-    // as they were at the last finished step (`step_start` holds the running statistics the
-    // failed step's forward changed).
-    let mut run = |model: &mut Net<N>,
-                   optim: &mut DdpOptimizer,
-                   committed: &mut Committed,
-                   step_start: &mut Option<StepStart<Net<N>>>|
-     -> Result<(), TrainError> {
-        for epoch in committed.history.len()..cfg.epochs {
-            let t0 = Instant::now();
-            if loader.epoch() != epoch as u64 {
-                loader.set_epoch(epoch as u64);
-            }
-            // Batches of this epoch done before this pass, counted at this world size from the
-            // epoch's global sample position (a checkpoint of another world size continues the
-            // epoch's data order from there, and the schedule from the same point).
-            let state = loader.state();
-            let skip = state.samples_done.map_or(state.batches_done, |done| {
-                (done / (cfg.batch_size * world) as u64) as usize
-            });
-            // Loss × n, correct, n over all ranks so far (every rank holds the same sums).
-            let mut sums = [0f64; 3];
-            let mut seconds_before = 0.0;
-            if let Some(p) = committed.partial.filter(|_| skip > 0) {
-                seconds_before = p.seconds;
-                sums = p.sums;
-            }
-            bar.set_position(
-                (epoch - start) as u64 * per_epoch_global + (skip * cfg.batch_size * world) as u64,
-            );
-            let (mut sync_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
-            for (j, batch) in loader.batches().enumerate() {
-                let i = skip + j;
-                let batch = batch?;
-                let lr = cfg.schedule.at(
-                    cfg.lr,
-                    epoch * batches_per_epoch + i,
-                    cfg.epochs * batches_per_epoch,
-                );
-                let items = batch.targets.dims()[0];
-                let n = items as f64;
-                *step_start = live.then(|| StepStart::take(&*model));
-                // SyncBatchNorm's exchange runs inside the forward and backward: a peer lost
-                // there returns here as an error too.
-                let (loss_value, correct, grads) = ddp.catch_lost_peer(|| {
-                    let logits = model.forward(batch.images);
-                    let correct = count_correct(logits.clone(), batch.targets.clone());
-                    let loss = loss_fn.forward(logits, batch.targets);
-                    let loss_value = loss.clone().into_scalar::<f32>() as f64;
-                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
-                    (loss_value, correct, grads)
+    while live.state().history.len() < cfg.epochs {
+        let epoch = live.state().history.len();
+        let t0 = Instant::now();
+        if loader.epoch() != epoch as u64 {
+            loader.set_epoch(epoch as u64);
+        }
+        // Batches of this epoch done before this pass, counted at this world size from the
+        // epoch's global sample position (a checkpoint of another world size continues the
+        // epoch's data order from there, and the schedule from the same point).
+        let state = loader.state();
+        let skip = state.samples_done.map_or(state.batches_done, |done| {
+            (done / (cfg.batch_size * world) as u64) as usize
+        });
+        let seconds_before = match live.state().partial {
+            Some(p) if skip > 0 => p.seconds,
+            _ => 0.0,
+        };
+        bar.set_position(
+            (epoch - start) as u64 * per_epoch_global + (skip * cfg.batch_size * world) as u64,
+        );
+        let (mut sync_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
+        for (j, batch) in loader.batches().enumerate() {
+            let i = skip + j;
+            let batch = batch?;
+            // Between steps, at the top of the loop (where a replacement starts): the
+            // checkpoint due after the step before, unless this state's was saved there.
+            let step = live.progress().step;
+            if i > 0 && ckpt.due_after_step(step) && live.state().saved_at_step != Some(step) {
+                live.collective(|l| {
+                    let meta = CheckpointMeta {
+                        saved_at_step: Some(step),
+                        ..l.state().clone()
+                    };
+                    ckpt.save(ddp.group(), l.model(), l.optimizer(), *l.progress(), &meta)
                 })?;
-                // This step's sums over all ranks, added in step order: the epoch's metrics are
-                // the same bits whether or not a rank was replaced on the way.
-                let mut step_sums = [loss_value * n, correct as f64, n];
-                sum_over_ranks(ddp, &mut step_sums)?;
-                *model = optim.try_step(lr, model.clone(), grads)?;
-                *step_start = None;
+                live.state_mut().saved_at_step = Some(step);
+            }
+            let lr = cfg
+                .schedule
+                .at(cfg.lr, step as usize, cfg.epochs * batches_per_epoch);
+            let items = batch.targets.dims()[0];
+            let n = items as f64;
+            let mut loss_value = f64::NAN;
+            // Forward and backward (SyncBatchNorm's exchange inside them), this step's sums over
+            // all ranks, the gradients' synchronisation and the update; redone after a lost
+            // rank. The sums are added in step order: the epoch's metrics are the same bits
+            // whether or not a rank was replaced on the way.
+            let summed = live.step(lr, |model, _| {
+                let logits = model.forward(batch.images.clone());
+                let correct = count_correct(logits.clone(), batch.targets.clone());
+                let loss = loss_fn.forward(logits, batch.targets.clone());
+                loss_value = loss.clone().into_scalar::<f32>() as f64;
+                let grads = GradientsParams::from_grads(loss.backward(), model);
+                (grads, [loss_value * n, correct as f64, n])
+            })?;
+            let st = live.optimizer().last_sync_stats();
+            sync_time += st.total;
+            wait_time += st.presence;
+            if let Some(step_sums) = summed {
+                let state = live.state_mut();
+                let mut sums = state.partial.map_or([0.0; 3], |p| p.sums);
                 for (sum, add) in sums.iter_mut().zip(step_sums) {
                     *sum += add;
                 }
-                let st = optim.last_sync_stats();
-                sync_time += st.total;
-                wait_time += st.presence;
-                bar.inc(items as u64 * world as u64);
-                bar.set_message(format!(
-                    "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
-                    epoch + 1,
-                    cfg.epochs,
-                    bar.per_sec()
-                ));
-                let step = (epoch * batches_per_epoch + i + 1) as u64;
-                committed.progress = Progress {
-                    step,
-                    epochs_done: epoch as u64,
-                    loader: Some(loader.state()),
-                };
-                committed.partial = Some(PartialEpoch {
+                state.partial = Some(PartialEpoch {
                     sums,
                     seconds: seconds_before + t0.elapsed().as_secs_f64(),
                 });
-                if ckpt.due_after_step(step) && i + 1 < batches_per_epoch {
-                    ckpt.save(
-                        ddp.group(),
-                        &*model,
-                        &*optim,
-                        committed.progress,
-                        &meta(&committed.history, committed.partial),
-                    )?;
-                }
             }
-            let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
-            // Mean over ranks of this epoch's time in gradient sync and in waiting for the
-            // others.
+            let progress = live.progress_mut();
+            progress.epochs_done = epoch as u64;
+            progress.loader = Some(loader.state());
+            bar.inc(items as u64 * world as u64);
+            bar.set_message(format!(
+                "epoch {}/{} loss {loss_value:.4} {:.0} samples/s",
+                epoch + 1,
+                cfg.epochs,
+                bar.per_sec()
+            ));
+        }
+        let train_seconds = seconds_before + t0.elapsed().as_secs_f64();
+        let sums = live.state().partial.map_or([0.0; 3], |p| p.sums);
+        let end = Progress {
+            step: ((epoch + 1) * batches_per_epoch) as u64,
+            epochs_done: epoch as u64 + 1,
+            loader: Some(LoaderState::at_epoch(epoch as u64 + 1)),
+        };
+        // The epoch's end, between steps: every rank's time in the gradient sync, the
+        // evaluation, the metrics files and the checkpoint, as one collective of the program's
+        // (made once whatever rank is lost in it).
+        let ended = live.collective(|l| {
+            // Mean over ranks of this epoch's time in gradient sync and in waiting.
             let mut comm = [sync_time.as_secs_f64(), wait_time.as_secs_f64()];
             sum_over_ranks(ddp, &mut comm)?;
             let (eval_loss, eval_accuracy) = if cfg.eval_last_only && epoch + 1 < cfg.epochs {
                 (f64::NAN, f64::NAN)
             } else {
-                evaluate(ddp, model, &splits, &batcher, &device)?
+                evaluate(ddp, l.model(), &splits, &batcher, &device)?
             };
             let m = EpochMetrics {
                 epoch: epoch + 1,
@@ -581,75 +527,42 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
                 sync_seconds: comm[0] / world as f64,
                 wait_seconds: comm[1] / world as f64,
             };
-            let mut history = committed.history.clone();
-            history.push(m);
+            let mut history = l.state().history.clone();
+            history.push(m.clone());
             if ddp.is_main() {
-                let table = metrics::table(&history);
-                let mut lines = table.lines();
-                let header = lines.next().unwrap_or_default();
-                // An epoch's end redone after a lost rank prints its line once.
-                if !cfg.quiet && epoch >= printed {
-                    if !header_printed {
-                        say(&bar, header);
-                        header_printed = true;
-                    }
-                    say(&bar, lines.last().unwrap_or_default());
-                    printed = epoch + 1;
-                }
                 write_outputs(&paths, &history)?;
             }
-            let progress = Progress {
-                step: ((epoch + 1) * batches_per_epoch) as u64,
-                epochs_done: epoch as u64 + 1,
-                loader: Some(LoaderState::at_epoch(epoch as u64 + 1)),
-            };
-            ckpt.save(
-                ddp.group(),
-                &*model,
-                &*optim,
-                progress,
-                &meta(&history, None),
-            )?;
-            *committed = Committed {
-                progress,
+            let meta = CheckpointMeta {
                 history,
                 partial: None,
+                ..l.state().clone()
             };
+            ckpt.save(ddp.group(), l.model(), l.optimizer(), end, &meta)?;
+            Ok::<_, TrainError>(m)
+        })?;
+        if let Some(m) = ended {
+            let state = live.state_mut();
+            state.history.push(m);
+            state.partial = None;
         }
-        Ok(())
-    };
-    loop {
-        match run(&mut model, &mut optim, &mut committed, &mut step_start) {
-            Ok(()) => break,
-            Err(e) if live && e.lost_a_peer() => {
-                tracing::warn!(
-                    step = committed.progress.step,
-                    "lost a peer ({e}); re-forming the group with its replacement"
-                );
-                let before = match step_start.take() {
-                    Some(start) => start.restore(model),
-                    None => model,
-                };
-                let (restored, progress, handed) = ddp.recover_with(
-                    before,
-                    &mut optim,
-                    committed.progress,
-                    meta(&committed.history, committed.partial),
-                )?;
-                model = restored;
-                if let Some(state) = progress.loader {
-                    loader.load_state(state);
-                }
-                committed = Committed {
-                    progress,
-                    history: handed.history,
-                    partial: handed.partial,
-                };
+        *live.progress_mut() = end;
+        let history = &live.state().history;
+        // Rank 0 prints each epoch's line once (a rank that had finished the epoch's end
+        // before a loss took its metrics from the state).
+        if ddp.is_main() && !cfg.quiet && history.len() > printed {
+            let table = metrics::table(history);
+            let mut lines = table.lines();
+            let header = lines.next().unwrap_or_default();
+            if !header_printed {
+                say(&bar, header);
+                header_printed = true;
             }
-            Err(e) => return Err(e),
+            say(&bar, lines.last().unwrap_or_default());
+            printed = history.len();
         }
     }
-    let history = committed.history;
+    let (model, _, _, meta) = live.into_parts();
+    let history = meta.history;
     bar.finish_and_clear();
     if ddp.is_main() && remaining == 0 {
         write_outputs(&paths, &history)?;
@@ -661,6 +574,45 @@ pub fn train<N: NormLayer>(ddp: &Ddp, cfg: &TrainConfig) -> Result<Trained<N>, T
         resumed_after,
         paths,
     })
+}
+
+/// Warns when a resumed run's settings differ from the checkpoint's (`meta`, written by
+/// `saved_world` ranks): the optimisation then differs from an uninterrupted run.
+fn warn_if_settings_differ(
+    cfg: &TrainConfig,
+    meta: &CheckpointMeta,
+    saved_world: usize,
+    world: usize,
+) {
+    // (schedule, epochs it spans); a constant rate spans nothing.
+    let span = |name: &str, epochs: usize| {
+        let epochs = if name == LrSchedule::Constant.name() {
+            0
+        } else {
+            epochs
+        };
+        (name.to_string(), epochs)
+    };
+    let saved = span(&meta.schedule.0, meta.schedule.1);
+    let now = span(cfg.schedule.name(), cfg.epochs);
+    if meta.lr != cfg.lr || saved != now {
+        tracing::warn!(
+            "resuming a run trained with lr {} ({} schedule over {} epochs) with lr {} ({} over {} epochs): the learning rates differ from an uninterrupted run",
+            meta.lr,
+            saved.0,
+            saved.1,
+            cfg.lr,
+            now.0,
+            now.1
+        );
+    }
+    if meta.batch_size != cfg.batch_size || saved_world != world {
+        tracing::warn!(
+            "resuming a run of {saved_world} ranks × batch {} with {world} ranks × batch {}: the global batch, so the optimisation, differs from an uninterrupted run (the epoch's data continues at its global sample position)",
+            meta.batch_size,
+            cfg.batch_size
+        );
+    }
 }
 
 /// Prints a line on stdout without tearing the progress bar.

@@ -534,6 +534,51 @@ fn a_rank_replaced_live_ends_bitwise_as_the_run_never_killed() {
     }
 }
 
+/// Lose a rank with plain BatchNorm (each rank's running statistics its own, so each rank's
+/// evaluation too): rank 1 SIGKILLed 60 ms after the first mid-epoch checkpoint under `ddprun
+/// --recover live`. train-cnn's loop runs on `LiveTraining`, which keeps every rank's
+/// statistics and gives the replacement its own: every train and eval column and the final
+/// parameters are bitwise those of the plain-BatchNorm run never killed.
+#[test]
+fn a_rank_replaced_live_with_plain_batch_norm_keeps_every_eval_column() {
+    let args = |out: &Path| -> Vec<String> {
+        train_args(out, 2, " --checkpoint-every-steps 20")
+            .into_iter()
+            .filter(|a| a != "--sync-bn")
+            .collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    let report = launch_with_deadline(
+        config(0, &dir.path().join("marks"), &straight.join(FILE_NAME)),
+        env!("CARGO_BIN_EXE_train-cnn").into(),
+        args(&straight),
+    );
+    assert!(report.success(), "uninterrupted run failed: {report:?}");
+    let ha = read_json(&straight.join("metrics.json")).unwrap();
+    let out = dir.path().join("killed");
+    let marks = out.join("marks");
+    let mut cfg = config(1, &marks, &out.join(FILE_NAME));
+    cfg.live_recovery = true;
+    cfg.extra_env.extend([
+        ("KILL_DELAY_MS".into(), "60".into()),
+        ("VICTIM".into(), "1".into()),
+    ]);
+    let report = run_under(cfg, LIVE_KILL, args(&out), &marks);
+    assert!(report.success(), "{report:?}");
+    assert_eq!(report.attempt, 0, "the group restarted: {report:?}");
+    assert_eq!(report.replaced.len(), 1, "{report:?}");
+    assert_eq!(
+        max_param_diff(&straight.join(FILE_NAME), &out.join(FILE_NAME)),
+        0.0
+    );
+    assert_same_metrics(
+        &ha,
+        &read_json(&out.join("metrics.json")).unwrap(),
+        "plain BatchNorm",
+    );
+}
+
 /// Lose a rank on another node: the same job on two launchers (one rank each, emulated hosts,
 /// TCP between them, gradients in bf16 on the wire), under `--recover live` on both. Node 1's
 /// rank is SIGKILLed right after the first mid-epoch checkpoint, then while rank 0 writes a

@@ -60,7 +60,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use burn_ddp_checkpoint::{
-    Checkpoint, CheckpointError, Progress, Resumed, WRITE_PAUSE_VAR, restore_buffers, write_atomic,
+    Checkpoint, CheckpointError, Progress, Resumed, WRITE_PAUSE_VAR, commit_running_states,
+    restore_buffers, write_atomic,
 };
 
 use crate::comm::{self, GroupHandle};

@@ -39,13 +39,20 @@
 //!
 //! Rank 0 is replaced as any rank where the launcher serves the ranks' store (`ddprun --recover
 //! live` does); where rank 0 serves it, its loss takes the store and the job restarts.
-//! Per-rank BatchNorm statistics of the replaced rank come from the source, as after a resume
-//! at another world size (SyncBatchNorm's are the same on every rank).
+//! Per-rank BatchNorm statistics of the replaced rank come from the source with
+//! [`Ddp::recover`] alone, as after a resume at another world size (SyncBatchNorm's are the same
+//! on every rank); [`LiveTraining`] keeps every rank's and gives the replacement its own.
+//!
+//! [`LiveTraining`] (`live.rs`) does all of the above for a loop: it takes each step, keeps
+//! what a recovery needs, recovers and redoes the step; most programs need nothing else.
 
+mod live;
+mod rank_buffers;
 mod sharded;
 mod step_start;
 pub(crate) mod unwind;
 
+pub use live::{LiveStart, LiveTraining, MaybeLostPeer};
 pub use step_start::StepStart;
 
 use std::path::PathBuf;
@@ -135,6 +142,22 @@ impl Ddp {
         progress: Progress,
         state: T,
     ) -> Result<(M, Progress, T)> {
+        let (model, progress, _, state) = self.recover_between(model, optim, progress, 0, state)?;
+        Ok((model, progress, state))
+    }
+
+    /// [`Ddp::recover_with`] for a rank that made `units` collectives of the program's own
+    /// since its last finished step ([`LiveTraining::collective`]): the group agrees on the
+    /// furthest (steps, units) a rank reached (sharded: the fewest steps a survivor finished,
+    /// then the most units at them), and returns the units with the rest.
+    pub(crate) fn recover_between<M: Module, T: Serialize + DeserializeOwned>(
+        &self,
+        model: M,
+        optim: &mut DdpOptimizer,
+        progress: Progress,
+        units: u64,
+        state: T,
+    ) -> Result<(M, Progress, u64, T)> {
         if optim.is_sharded() && !optim.recovers_with_copies() {
             return Err(refuse(
                 "this sharded optimizer (ZeRO-1) keeps no copy of the shards (it was built \
@@ -151,6 +174,7 @@ impl Ddp {
         let mut holding = Holding {
             model,
             progress,
+            units,
             state,
             has_state: !self.awaiting_handover(),
         };
@@ -206,31 +230,35 @@ impl Ddp {
         &self,
         holding: Holding<M, T>,
         optim: &mut DdpOptimizer,
-    ) -> std::result::Result<(M, Progress, T), HandOverError<M, T>> {
+    ) -> std::result::Result<(M, Progress, u64, T), HandOverError<M, T>> {
         let sharded = optim.is_sharded();
         let exchanged = {
             let mut pg = comm::lock(self.group());
-            // Every rank's finished steps; a replacement without state has none (-1).
+            // Every rank's finished steps and the collectives of the program's own it made
+            // since (`LiveTraining::collective`); a replacement without state has none (-1).
             let mine = if holding.has_state {
-                holding.progress.step as i64
+                [holding.progress.step as i64, holding.units as i64]
             } else {
-                -1
+                [-1, 0]
             };
-            let mut steps = vec![0i64; self.world_size()];
-            pg.all_gather(&[mine], &mut steps)
-                .map(|()| (steps, pg.generation()))
+            let mut both = vec![0i64; 2 * self.world_size()];
+            pg.all_gather(&mine, &mut both)
+                .map(|()| (both, pg.generation()))
         };
-        let (steps, generation) = match exchanged {
+        let (both, generation) = match exchanged {
             Ok(x) => x,
             Err(e) => return Err(HandOverError::back(e.into(), holding)),
         };
+        let steps: Vec<i64> = both.iter().step_by(2).copied().collect();
+        let units: Vec<i64> = both.iter().skip(1).step_by(2).copied().collect();
         // Unsharded, the run rolls forward to the survivor that finished the most steps;
-        // sharded, it goes back to the one that finished the fewest (`sharded.rs`).
+        // sharded, it goes back to the one that finished the fewest (`sharded.rs`). Among
+        // those, the one that made the most collectives since.
         let chosen = if sharded {
-            sharded::target(&steps).map(|(_, source)| source)
+            sharded::target(&steps).map(|(t, _)| furthest_at(&steps, &units, t as i64))
         } else {
             let most = steps.iter().copied().max().filter(|&m| m >= 0);
-            most.and_then(|m| steps.iter().position(|&s| s == m))
+            most.map(|m| furthest_at(&steps, &units, m))
         };
         let Some(source) = chosen else {
             // Every rank that held the state was lost (a survivor died during the hand-over
@@ -244,6 +272,7 @@ impl Ddp {
             }
             return Err(HandOverError::Failed(refuse(reason)));
         };
+        let agreed_units = units[source] as u64;
         let shard = if sharded {
             let t = steps[source] as u64;
             if holding.has_state && holding.progress.step > t {
@@ -334,14 +363,29 @@ impl Ddp {
                 .restore_shard(&model, own, progress.step)
                 .map_err(HandOverError::Failed)?;
         }
-        Ok((model, progress, state))
+        Ok((model, progress, agreed_units, state))
     }
+}
+
+/// The lowest rank among those that finished `t` steps (`steps`, by rank) with the most
+/// collectives of the program's own since (`units`).
+fn furthest_at(steps: &[i64], units: &[i64], t: i64) -> usize {
+    let most = (0..steps.len())
+        .filter(|&r| steps[r] == t)
+        .map(|r| units[r])
+        .max()
+        .unwrap_or(0);
+    (0..steps.len())
+        .find(|&r| steps[r] == t && units[r] == most)
+        .expect("a rank finished t steps")
 }
 
 /// What a rank holds when a try at the hand-over begins.
 struct Holding<M, T> {
     model: M,
     progress: Progress,
+    /// The program's collectives since its last finished step.
+    units: u64,
     state: T,
     /// `false` for a replacement that has not received a state yet (its model is fresh).
     has_state: bool,
@@ -378,5 +422,17 @@ fn refuse(reason: &str) -> DdpError {
     DdpError::InvalidSetting {
         setting: "Ddp::recover",
         reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::furthest_at;
+
+    #[test]
+    fn the_source_is_the_lowest_rank_furthest_between_steps() {
+        assert_eq!(furthest_at(&[5, 5, -1], &[0, 0, 0], 5), 0);
+        assert_eq!(furthest_at(&[5, 5, -1], &[1, 2, 0], 5), 1);
+        assert_eq!(furthest_at(&[6, 5, 5], &[0, 3, 3], 5), 1);
     }
 }
