@@ -1,7 +1,9 @@
 //! `cargo xtask bench recovery`: what a lost rank costs, live recovery against today's restart
 //! and reload, the same train-cnn job in the same run.
 //!
-//! Four launches of `ddprun -- train-cnn` (release builds): the job uninterrupted; the job with
+//! Five launches of `ddprun -- train-cnn` (release builds): the job uninterrupted, without and
+//! with `--recover live` (what train-cnn's `LiveTraining` keeps at every step while nothing
+//! fails: the step's start, every rank's buffers, the step's sums); the job with
 //! rank 1 SIGKILLed at a fixed moment and `--recover live` (the survivors hand a replacement
 //! their state from memory and redo one step); the same with a second fault during the
 //! recovery (the replacement itself SIGKILLed `--second-kill-after-ms` after it started, while
@@ -55,6 +57,7 @@ const LAUNCH_DEADLINE: Duration = Duration::from_secs(600);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Uninterrupted,
+    UninterruptedLive,
     Live,
     LiveSecondKill,
     Restart,
@@ -64,6 +67,7 @@ impl Kind {
     fn name(self) -> &'static str {
         match self {
             Kind::Uninterrupted => "never killed",
+            Kind::UninterruptedLive => "never killed, under --recover live",
             Kind::Live => "live recovery (--recover live)",
             Kind::LiveSecondKill => {
                 "live recovery, the replacement killed too (--recover live --max-restarts 2)"
@@ -120,6 +124,7 @@ pub fn run_recovery(r: &RecoveryRuns) -> Result<(), String> {
     let mut rows = Vec::new();
     for kind in [
         Kind::Uninterrupted,
+        Kind::UninterruptedLive,
         Kind::Live,
         Kind::LiveSecondKill,
         Kind::Restart,
@@ -142,7 +147,7 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
     cmd.args(["--nproc-per-node", &r.nproc.to_string(), "--no-prefix"]);
     match kind {
         Kind::Uninterrupted => {}
-        Kind::Live => {
+        Kind::UninterruptedLive | Kind::Live => {
             cmd.args(["--recover", "live", "--max-restarts", "1"]);
         }
         Kind::LiveSecondKill => {
@@ -175,7 +180,7 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
         .arg(out)
         .env("CHECKPOINT", out.join("checkpoint.bin"))
         .env("RAYON_NUM_THREADS", "1");
-    if kind != Kind::Uninterrupted {
+    if !matches!(kind, Kind::Uninterrupted | Kind::UninterruptedLive) {
         cmd.env("KILL_AFTER_MS", r.kill_after_ms.to_string());
     }
     eprintln!("bench recovery: {}", kind.name());
@@ -219,7 +224,7 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
     let replaced = stderr.matches("started a replacement for rank 1").count();
     let restarted = stderr.contains("restarting the group");
     let as_meant = match kind {
-        Kind::Uninterrupted => replaced == 0 && !restarted,
+        Kind::Uninterrupted | Kind::UninterruptedLive => replaced == 0 && !restarted,
         Kind::Live => replaced == 1 && !restarted,
         Kind::LiveSecondKill => replaced == 2 && !restarted,
         Kind::Restart => restarted && replaced == 0,
