@@ -235,8 +235,9 @@ impl JobAuth {
             return Err(CommError::Unauthenticated(format!(
                 "{TOKEN_VAR} is not set and the ranks are on several hosts (WORLD_SIZE={} with \
                  LOCAL_WORLD_SIZE={}, MASTER_ADDR={}): set {TOKEN_VAR} to the same secret on \
-                 every rank (e.g. `export {TOKEN_VAR}=$(openssl rand -hex 32)`), launch with \
-                 ddprun (it makes one), or set {INSECURE_VAR}=1 to run without authentication",
+                 every rank (e.g. `export {TOKEN_VAR}=$(openssl rand -hex 32)`; in a Slurm \
+                 batch script before srun, see docs/clusters.md), launch with ddprun (it makes \
+                 one), or set {INSECURE_VAR}=1 to run without authentication",
                 env.world_size, env.local_world_size, env.master_addr
             )));
         }
