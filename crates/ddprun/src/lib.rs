@@ -677,11 +677,14 @@ fn kill_hung_rank(
     kill_group(pid, libc::SIGKILL);
 }
 
-/// Removes the shared-memory segments the rank process `pid` created and did not unlink (it
-/// was killed mid-handshake); a failure is logged with the path.
+/// Removes the shared-memory segments and the local socket's directory the rank process `pid`
+/// created and did not remove (it was killed mid-handshake); a failure is logged with the path.
 fn remove_segments(pid: u32) {
     if let Err(e) = ddp_comm::group::remove_segments_of(pid) {
         tracing::warn!("cannot remove the shared-memory segments of process {pid}: {e}");
+    }
+    if let Err(e) = ddp_comm::group::remove_local_dirs_of(pid) {
+        tracing::warn!("cannot remove the local socket directory of process {pid}: {e}");
     }
 }
 

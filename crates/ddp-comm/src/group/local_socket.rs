@@ -4,7 +4,9 @@
 //! it or squat its name (the directory is created by this process, atomically, and a name
 //! already taken is never reused), as they can a TCP port on loopback. Ranks on other hosts
 //! still meet over TCP. The listener lives for the rendezvous only: once every peer is
-//! connected it is closed and its directory removed.
+//! connected it is closed and its directory removed. A rank killed before that leaves its
+//! directory behind (named by its pid, `ddp-comm-{pid}-…`); its launcher removes it with
+//! [`remove_local_dirs_of`] once it has reaped the process.
 
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -77,7 +79,7 @@ fn base_dir() -> PathBuf {
 /// that existed), mode 0700, owned by this process's user, which is checked.
 fn private_dir(base: &Path) -> io::Result<tempfile::TempDir> {
     let dir = tempfile::Builder::new()
-        .prefix("ddp-comm-")
+        .prefix(&dir_prefix(std::process::id()))
         .permissions(std::fs::Permissions::from_mode(0o700))
         .tempdir_in(base)?;
     let meta = std::fs::metadata(dir.path())?;
@@ -95,6 +97,91 @@ fn private_dir(base: &Path) -> io::Result<tempfile::TempDir> {
         ));
     }
     Ok(dir)
+}
+
+/// The name of a rank's private directory starts with this and its pid: what
+/// [`remove_local_dirs_of`] looks for.
+fn dir_prefix(pid: u32) -> String {
+    format!("ddp-comm-{pid}-")
+}
+
+/// Removes the private directories (and their sockets) that the rank process `pid` created for
+/// its local listener and did not remove: it was killed before its mesh stood. Looks where
+/// a rank's local listener creates them (`$XDG_RUNTIME_DIR`, the temporary directory). Call it
+/// only for a process that has exited. Only directories owned by this process's effective user
+/// and holding nothing but the socket are removed; symbolic links are never followed. An entry
+/// that vanishes meanwhile is skipped; the first other error is returned, naming the path, after
+/// every other entry has been tried. Returns how many were removed.
+pub fn remove_local_dirs_of(pid: u32) -> io::Result<usize> {
+    let (base, temp) = (base_dir(), std::env::temp_dir());
+    let mut removed = remove_local_dirs_in(&base, pid)?;
+    if base != temp {
+        removed += remove_local_dirs_in(&temp, pid)?;
+    }
+    Ok(removed)
+}
+
+/// [`remove_local_dirs_of`] under `base`.
+fn remove_local_dirs_in(base: &Path, pid: u32) -> io::Result<usize> {
+    let named =
+        |path: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+    let entries = match std::fs::read_dir(base) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(named(base, e)),
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let prefix = dir_prefix(pid);
+    let (mut removed, mut first_error) = (0, None);
+    for entry in entries {
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(e) => {
+                first_error.get_or_insert(named(base, e));
+                continue;
+            }
+        };
+        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let dir = entry.path();
+        let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
+        // lstat: a symbolic link is looked at, not followed.
+        match std::fs::symlink_metadata(&dir) {
+            Ok(meta) if meta.file_type().is_dir() && meta.uid() == me => {}
+            Ok(_) => continue,
+            Err(e) if gone(&e) => continue,
+            Err(e) => {
+                first_error.get_or_insert(named(&dir, e));
+                continue;
+            }
+        }
+        let socket = dir.join(SOCKET_NAME);
+        match std::fs::remove_file(&socket) {
+            Ok(()) => {}
+            Err(e) if gone(&e) => {}
+            Err(e) => {
+                first_error.get_or_insert(named(&socket, e));
+                continue;
+            }
+        }
+        // Not recursive: a directory holding anything else is not ours to empty.
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => {
+                tracing::debug!("removed {} (process {pid} has exited)", dir.display());
+                removed += 1;
+            }
+            Err(e) if gone(&e) => {}
+            Err(e) => {
+                first_error.get_or_insert(named(&dir, e));
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(removed),
+    }
 }
 
 /// How long a peer's published listener (its Unix socket, or its TCP port) may refuse
@@ -151,6 +238,46 @@ pub(crate) fn connect(
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    /// A dead rank's directory (its socket inside) goes; a live name of another pid, a
+    /// directory holding more than the socket, a symbolic link and another name stay.
+    #[test]
+    fn a_dead_rank_s_directory_is_removed_and_nothing_else() {
+        let base = tempfile::tempdir().unwrap();
+        let b = base.path();
+        let made = |name: &str| {
+            let d = b.join(name);
+            std::fs::create_dir(&d).unwrap();
+            drop(UnixListener::bind(d.join(SOCKET_NAME)).unwrap());
+            d
+        };
+        let dead = made("ddp-comm-4242-aB3xYz");
+        let other_pid = made("ddp-comm-42420-aB3xYz");
+        let crowded = made("ddp-comm-4242-crowded");
+        std::fs::write(crowded.join("notes"), "kept").unwrap();
+        let target = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(target.path(), b.join("ddp-comm-4242-link")).unwrap();
+        let e = remove_local_dirs_in(b, 4242).unwrap_err();
+        assert!(e.to_string().contains("crowded"), "{e}");
+        assert!(!dead.exists());
+        assert!(other_pid.join(SOCKET_NAME).exists());
+        assert!(crowded.join("notes").exists());
+        assert!(target.path().exists() && b.join("ddp-comm-4242-link").exists());
+        std::fs::remove_file(crowded.join("notes")).unwrap();
+        assert_eq!(remove_local_dirs_in(b, 4242).unwrap(), 1);
+        assert_eq!(remove_local_dirs_in(&b.join("absent"), 4242).unwrap(), 0);
+        // A listener's own directory carries its pid.
+        let l = LocalListener::bind().unwrap();
+        let name = l
+            .path()
+            .parent()
+            .unwrap()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .to_string();
+        assert!(name.starts_with(&dir_prefix(std::process::id())), "{name}");
+    }
 
     #[test]
     fn the_socket_lives_in_a_private_directory_removed_with_the_listener() {

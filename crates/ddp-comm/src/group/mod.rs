@@ -69,6 +69,7 @@ mod rendezvous;
 mod scatter;
 mod shards;
 mod shm;
+pub use local_socket::remove_local_dirs_of;
 pub use shm::remove_segments_of;
 mod trace_hooks;
 

@@ -102,16 +102,35 @@ fn first_recovery_generation(stdout: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// The shared-memory segments (`/dev/shm/ddp-pg-{pid}-…`) that processes `pids` left.
+/// What processes `pids` left behind: shared-memory segments (`/dev/shm/ddp-pg-{pid}-…`) and
+/// local socket directories (`ddp-comm-{pid}-…` in the temporary directory or
+/// `$XDG_RUNTIME_DIR`).
 fn leftover_segments(pids: &[u32]) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|name| {
-            pids.iter()
-                .any(|p| name.starts_with(&format!("ddp-pg-{p}-")))
+    let mut places = vec![
+        (std::path::PathBuf::from("/dev/shm"), "ddp-pg"),
+        (std::env::temp_dir(), "ddp-comm"),
+    ];
+    if let Some(runtime) = std::env::var_os("XDG_RUNTIME_DIR") {
+        places.push((runtime.into(), "ddp-comm"));
+    }
+    places
+        .iter()
+        .flat_map(|(dir, kind)| {
+            let names: Vec<String> = std::fs::read_dir(dir)
+                .map(|entries| {
+                    entries
+                        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            names
+                .into_iter()
+                .filter(|name| {
+                    pids.iter()
+                        .any(|p| name.starts_with(&format!("{kind}-{p}-")))
+                })
+                .map(|name| dir.join(name).display().to_string())
+                .collect::<Vec<_>>()
         })
         .collect()
 }
@@ -158,7 +177,7 @@ fn assert_recovered_bitwise_on(
     let pids = job_pids(all);
     assert!(pids.len() >= 3, "{case}: no pids in\n{all}");
     let left = leftover_segments(&pids);
-    assert!(left.is_empty(), "{case}: left in /dev/shm: {left:?}\n{all}");
+    assert!(left.is_empty(), "{case}: left behind: {left:?}\n{all}");
 }
 
 /// Runs the job of `steps` steps with `extra` worker arguments and `max_restarts`.
@@ -287,7 +306,7 @@ fn three_losses_in_a_row_spend_the_budget_of_three_and_no_more() {
         ended.all
     );
     let left = leftover_segments(&job_pids(&ended.all));
-    assert!(left.is_empty(), "left in /dev/shm: {left:?}\n{}", ended.all);
+    assert!(left.is_empty(), "left behind: {left:?}\n{}", ended.all);
 }
 
 /// A rank that fails with an error of its own (exit code 3, no lost peer behind it) is not
@@ -423,7 +442,7 @@ fn on_two_launchers_the_budget_is_the_jobs() {
         "{all}"
     );
     let left = leftover_segments(&job_pids(&all));
-    assert!(left.is_empty(), "left in /dev/shm: {left:?}\n{all}");
+    assert!(left.is_empty(), "left behind: {left:?}\n{all}");
 }
 
 /// Two launchers of one rank each: node 1's rank stops (SIGSTOP before step 5). Rank 0's
@@ -464,7 +483,7 @@ fn on_two_launchers_a_hung_rank_is_killed_by_its_own_launcher() {
         );
     }
     let left = leftover_segments(&job_pids(&all));
-    assert!(left.is_empty(), "left in /dev/shm: {left:?}\n{all}");
+    assert!(left.is_empty(), "left behind: {left:?}\n{all}");
 }
 
 /// Two ranks: rank 1 dies before step 5, and rank 0 — the only rank that holds the state —

@@ -8,7 +8,20 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{DEADLINE, RANK_ENV, TRAIN_CNN, assert_same_job, free_port, reference, run, tool};
+use super::{
+    DEADLINE, RANK_ENV, TRAIN_CNN, assert_same_job, engines_installed, free_port, reference, run,
+    tool,
+};
+
+/// What a Slurm of two nodes on this host needs.
+const SLURM: &[(&str, &str)] = &[
+    ("munged", "munge"),
+    ("mungekey", "munge"),
+    ("slurmctld", "slurm-wlm"),
+    ("slurmd", "slurm-wlm"),
+    ("srun", "slurm-wlm"),
+    ("sbatch", "slurm-wlm"),
+];
 
 /// A Slurm cluster of two nodes on this host, stopped (jobs, daemons) when dropped.
 struct Cluster {
@@ -258,6 +271,9 @@ fn token() -> String {
 /// same bits; a task SIGKILLed in the middle of a step fails every task and srun.
 #[test]
 fn slurm_runs_train_cnn_bitwise_as_ddprun() {
+    if !engines_installed("slurm_runs_train_cnn_bitwise_as_ddprun", SLURM) {
+        return;
+    }
     let cluster = Cluster::start();
     let dir = tempfile::tempdir().unwrap();
     let by_ddprun = dir.path().join("ddprun");
@@ -437,6 +453,9 @@ fn resuming_job(dir: &Path, out: &Path, epochs: usize) -> PathBuf {
 /// resumes from the checkpoint, and the job ends bitwise as the one never requeued.
 #[test]
 fn slurm_scancel_leaves_a_whole_checkpoint_and_a_requeued_job_resumes_bitwise() {
+    if !engines_installed("slurm_scancel_leaves_a_whole_checkpoint_…", SLURM) {
+        return;
+    }
     let cluster = Cluster::start();
     let dir = tempfile::tempdir().unwrap();
     let sbatch = |script: &Path, log: &str| {
