@@ -264,3 +264,77 @@ fn a_rank_killed_at_any_moment_recovers_bitwise() {
         );
     }
 }
+
+/// The README's adoption loop with live recovery (`readme_live`, the README's block word for
+/// word: checked here) on 2 ranks under `ddprun --recover live`, rank 1 SIGKILLed 300 ms into
+/// its training (a wrapper's timer; its replacement is not): the epoch lines rank 0 prints
+/// (every loss in full precision) are those of the job never killed.
+#[test]
+fn the_readme_s_live_loop_recovers_bitwise() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let after = readme
+        .split("**With live recovery**")
+        .nth(1)
+        .expect("the README's live-recovery section");
+    let block = after
+        .split("```rust\n")
+        .nth(1)
+        .and_then(|b| b.split("\n```").next())
+        .expect("its Rust block");
+    let program = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/src/bin/readme_live.rs"
+    ))
+    .unwrap();
+    let code: String = program
+        .lines()
+        .skip_while(|l| l.starts_with("//!") || l.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert_eq!(
+        code.trim_end(),
+        block.trim_end(),
+        "README block and readme_live.rs differ"
+    );
+
+    let program = ddp_testkit::bundled(env!("CARGO_BIN_EXE_readme_live"));
+    let ddprun = program.with_file_name("ddprun");
+    let kill = r#"
+if [ "$RANK" = 1 ] && [ "$DDP_REJOIN" != 1 ]; then ( sleep 0.3; kill -9 $$ ) & fi
+exec "$@"
+"#;
+    let launch = |killing: bool| {
+        let mut cmd = Command::new(&ddprun);
+        cmd.args([
+            "--recover",
+            "live",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--",
+        ]);
+        if killing {
+            cmd.args(["sh", "-c", kill, "sh"]);
+        }
+        cmd.arg(&program)
+            .envs([("DDP_TIMEOUT_SECS", "30"), ("RAYON_NUM_THREADS", "1")]);
+        let ended = ddp_testkit::Launched::spawn(&mut cmd)
+            .expect("start ddprun")
+            .wait_until(Instant::now() + Duration::from_secs(120));
+        let all = format!("{}\n{}", ended.stdout, ended.stderr);
+        assert!(ended.status.success(), "{all}");
+        let epochs: Vec<String> = ddp_testkit::rank_lines(&ended.stdout, 0)
+            .iter()
+            .filter(|l| l.starts_with("epoch "))
+            .map(|l| l.to_string())
+            .collect();
+        assert_eq!(epochs.len(), 3, "{all}");
+        (epochs, all)
+    };
+    let (straight, _) = launch(false);
+    let (recovered, all) = launch(true);
+    assert!(all.contains("1 lost rank(s) replaced"), "{all}");
+    assert_eq!(straight, recovered, "{all}");
+}
