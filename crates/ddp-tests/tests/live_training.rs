@@ -266,7 +266,7 @@ fn a_rank_killed_at_any_moment_recovers_bitwise() {
 }
 
 /// The README's adoption loop with live recovery (`readme_live`, the README's block word for
-/// word: checked here) on 2 ranks under `ddprun --recover live`, rank 1 SIGKILLed 300 ms into
+/// word: checked here) on 2 ranks under `ddprun --recover live`, rank 1 SIGKILLed 500 ms into
 /// its training (a wrapper's timer; its replacement is not): the epoch lines rank 0 prints
 /// (every loss in full precision) are those of the job never killed.
 #[test]
@@ -301,7 +301,7 @@ fn the_readme_s_live_loop_recovers_bitwise() {
     let program = ddp_testkit::bundled(env!("CARGO_BIN_EXE_readme_live"));
     let ddprun = program.with_file_name("ddprun");
     let kill = r#"
-if [ "$RANK" = 1 ] && [ "$DDP_REJOIN" != 1 ]; then ( sleep 0.3; kill -9 $$ ) & fi
+if [ "$RANK" = 1 ] && [ "$DDP_REJOIN" != 1 ]; then ( sleep 0.5; kill -9 $$ ) & fi
 exec "$@"
 "#;
     let launch = |killing: bool| {
