@@ -14,6 +14,12 @@
 //! per epoch and split ([`burn_ddp::EpochLineRenderer`]): burn-train's full-screen interface
 //! needs its `tui` feature and a terminal of its own, which several ranks cannot share; the
 //! other ranks print nothing.
+//!
+//! **A lost rank**: live recovery (`ddprun --recover live`) does not cover a `Learner` job:
+//! burn-train 0.22.1's `TrainStep::optimize` cannot return an error and its loop gives no place
+//! to recover a failed step (docs/failures.md names the missing calls). A replacement started
+//! for this program stops at `init` with one line saying to run with `--recover restart`
+//! instead; a loop of one's own gets live recovery from `burn_ddp::recovery::LiveTraining`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
