@@ -86,6 +86,25 @@ fn differing_ranks(a: &Path, b: &Path) -> Vec<usize> {
         .collect()
 }
 
+/// The checks of a job `recovered` (writing into `killed`) against the same job never killed
+/// (`base`, into `straight`): ddprun replaced one rank, what `pick` takes of their outputs is
+/// the same, and so is every rank's final parameters and buffers.
+fn assert_replaced_bitwise(
+    (straight, base): (&Path, &Ended),
+    (killed, recovered): (&Path, &Ended),
+    pick: impl Fn(&str) -> Vec<String>,
+    what: &str,
+) {
+    let all = &recovered.all;
+    assert!(all.contains("1 lost rank(s) replaced"), "{what}\n{all}");
+    assert_eq!(pick(&base.stdout), pick(&recovered.stdout), "{what}\n{all}");
+    assert_eq!(
+        differing_ranks(straight, killed),
+        Vec::<usize>::new(),
+        "{what}\n{all}"
+    );
+}
+
 fn recoveries(stdout: &str, r: usize) -> usize {
     ddp_testkit::rank_lines(stdout, r)
         .iter()
@@ -107,10 +126,11 @@ fn a_lost_rank_with_plain_batch_norm_and_dropout_recovers_bitwise() {
     let (straight, killed) = (dir(), dir());
     let base = ok_job(straight.path(), &seeded);
     let recovered = ok_job(killed.path(), &kill);
-    assert!(
-        recovered.all.contains("1 lost rank(s) replaced"),
-        "{}",
-        recovered.all
+    assert_replaced_bitwise(
+        (straight.path(), &base),
+        (killed.path(), &recovered),
+        metrics,
+        "rank 2 killed before step 5",
     );
     for r in 0..3 {
         assert_eq!(
@@ -120,18 +140,6 @@ fn a_lost_rank_with_plain_batch_norm_and_dropout_recovers_bitwise() {
             recovered.all
         );
     }
-    assert_eq!(
-        metrics(&base.stdout),
-        metrics(&recovered.stdout),
-        "{}",
-        recovered.all
-    );
-    assert_eq!(
-        differing_ranks(straight.path(), killed.path()),
-        Vec::<usize>::new(),
-        "{}",
-        recovered.all
-    );
 
     // The controls: what each part keeps is needed.
     let forgot = dir();
@@ -177,26 +185,17 @@ fn a_rank_lost_between_steps_or_with_a_sharded_optimizer_recovers_bitwise() {
             "--die-in-eval",
         ],
     );
-    assert!(
-        recovered.all.contains("1 lost rank(s) replaced"),
-        "{}",
-        recovered.all
+    assert_replaced_bitwise(
+        (straight.path(), &base),
+        (killed.path(), &recovered),
+        metrics,
+        "rank 1 killed in an evaluation",
     );
     let evals_at_4 = ddp_testkit::rank_lines(&recovered.stdout, 0)
         .iter()
         .filter(|l| l.starts_with("EVAL 4 "))
         .count();
     assert_eq!(evals_at_4, 1, "{}", recovered.all);
-    assert_eq!(
-        metrics(&base.stdout),
-        metrics(&recovered.stdout),
-        "{}",
-        recovered.all
-    );
-    assert_eq!(
-        differing_ranks(straight.path(), killed.path()),
-        Vec::<usize>::new()
-    );
 
     let (sharded, sharded_killed) = (dir(), dir());
     let base = ok_job(sharded.path(), &["--seed", "3", "--sharded"]);
@@ -212,20 +211,11 @@ fn a_rank_lost_between_steps_or_with_a_sharded_optimizer_recovers_bitwise() {
             "5",
         ],
     );
-    assert!(
-        recovered.all.contains("1 lost rank(s) replaced"),
-        "{}",
-        recovered.all
-    );
-    assert_eq!(
-        metrics(&base.stdout),
-        metrics(&recovered.stdout),
-        "{}",
-        recovered.all
-    );
-    assert_eq!(
-        differing_ranks(sharded.path(), sharded_killed.path()),
-        Vec::<usize>::new()
+    assert_replaced_bitwise(
+        (sharded.path(), &base),
+        (sharded_killed.path(), &recovered),
+        metrics,
+        "ZeRO-1, rank 2 killed before step 5",
     );
 }
 
@@ -245,22 +235,11 @@ fn a_rank_killed_at_any_moment_recovers_bitwise() {
         let killed = dir();
         let kill = [&args[..], &["--victim", "1", "--die-after-ms", ms]].concat();
         let recovered = ok_job(killed.path(), &kill);
-        assert!(
-            recovered.all.contains("1 lost rank(s) replaced"),
-            "{ms} ms\n{}",
-            recovered.all
-        );
-        assert_eq!(
-            sums(&base.stdout),
-            sums(&recovered.stdout),
-            "{ms} ms\n{}",
-            recovered.all
-        );
-        assert_eq!(
-            differing_ranks(straight.path(), killed.path()),
-            Vec::<usize>::new(),
-            "{ms} ms\n{}",
-            recovered.all
+        assert_replaced_bitwise(
+            (straight.path(), &base),
+            (killed.path(), &recovered),
+            sums,
+            &format!("killed {ms} ms in"),
         );
     }
 }

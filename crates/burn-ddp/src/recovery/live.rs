@@ -499,15 +499,13 @@ fn went_back(step: u64, units: u64) -> DdpError {
     }
 }
 
-/// The seed of step `step` on rank `rank`: SplitMix64's finaliser over the three, so that
-/// neighbouring steps and ranks get unrelated streams.
+/// The seed of step `step` on rank `rank`: xxh3 of the two, keyed by `seed` (neighbouring
+/// steps and ranks get unrelated streams; the same three, the same seed).
 fn step_seed(seed: u64, rank: usize, step: u64) -> u64 {
-    let mut z = seed
-        ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&(rank as u64).to_le_bytes());
+    key[8..].copy_from_slice(&step.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64_with_seed(&key, seed)
 }
 
 #[cfg(test)]

@@ -216,10 +216,7 @@ if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then ( sleep 0.4; kill -9 $$ ) & fi
 exec "$@"
 "#;
     // Long enough that the kill falls inside the training.
-    let args: Vec<String> = train_args(&out)
-        .into_iter()
-        .map(|a| if a == "2" { "50".into() } else { a })
-        .collect();
+    let args = train_args_for(&out, 50);
     let ended = run(
         mpirun(free_port())
             .args(["sh", "-c", kill_rank_1, "sh", TRAIN_CNN])

@@ -281,35 +281,34 @@ fn slurm_runs_train_cnn_bitwise_as_ddprun() {
 
     // srun alone: a task per rank.
     let by_srun = dir.path().join("srun");
-    let port = free_port().to_string();
     let token = token();
-    let srun = |out: &Path, token: Option<&str>| {
+    // 4 tasks on the two nodes, `wrapper` (a shell, or nothing) starting train-cnn `args`.
+    let srun = |wrapper: &[&str], args: Vec<String>, token: Option<&str>| {
         let mut cmd = cluster.command("srun");
-        cmd.args([
-            "-N",
-            "2",
-            "-n",
-            "4",
-            "--ntasks-per-node=2",
-            "--kill-on-bad-exit=1",
-        ])
-        .arg(TRAIN_CNN)
-        .args(super::train_args(out))
-        .envs(RANK_ENV.iter().copied())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", &port)
-        .env_remove("DDP_JOB_TOKEN");
+        cmd.args(["-N", "2", "-n", "4", "--ntasks-per-node=2"])
+            .arg("--kill-on-bad-exit=1")
+            .args(wrapper)
+            .arg(TRAIN_CNN)
+            .args(args)
+            .envs(RANK_ENV.iter().copied())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", free_port().to_string())
+            .env_remove("DDP_JOB_TOKEN");
         if let Some(t) = token {
             cmd.env("DDP_JOB_TOKEN", t);
         }
         cmd
     };
-    let ended = run(&mut srun(&by_srun, Some(&token)), DEADLINE);
+    let ended = run(
+        &mut srun(&[], super::train_args(&by_srun), Some(&token)),
+        DEADLINE,
+    );
     assert!(ended.ok, "{}\n{}", ended.all, cluster.logs());
     assert!(ended.all.contains("train-cnn: 4 ranks"), "{}", ended.all);
     assert_same_job(&by_ddprun, &by_srun, "srun vs ddprun");
 
-    let refused = run(&mut srun(&dir.path().join("no-token"), None), DEADLINE);
+    let no_token = super::train_args(&dir.path().join("no-token"));
+    let refused = run(&mut srun(&[], no_token, None), DEADLINE);
     assert!(!refused.ok, "{}", refused.all);
     assert!(
         refused
@@ -357,26 +356,9 @@ fn slurm_runs_train_cnn_bitwise_as_ddprun() {
 
     // A task SIGKILLed mid-training: srun ends the step, every task and srun exit non-zero.
     let kill = r#"if [ "$SLURM_PROCID" = 3 ]; then ( sleep 0.5; kill -9 $$ ) & fi; exec "$@""#;
-    let killed_out = dir.path().join("killed");
-    let args: Vec<String> = super::train_args(&killed_out)
-        .into_iter()
-        .map(|a| if a == "2" { "50".into() } else { a })
-        .collect();
-    let mut cmd = cluster.command("srun");
-    cmd.args([
-        "-N",
-        "2",
-        "-n",
-        "4",
-        "--ntasks-per-node=2",
-        "--kill-on-bad-exit=1",
-    ])
-    .args(["sh", "-c", kill, "sh", TRAIN_CNN])
-    .args(args)
-    .envs(RANK_ENV.iter().copied())
-    .env("MASTER_ADDR", "127.0.0.1")
-    .env("MASTER_PORT", free_port().to_string())
-    .env("DDP_JOB_TOKEN", &token);
+    // Long enough that the kill falls inside the training.
+    let args = super::train_args_for(&dir.path().join("killed"), 50);
+    let mut cmd = srun(&["sh", "-c", kill, "sh"], args, Some(&token));
     let ended = run(&mut cmd, DEADLINE);
     assert!(!ended.ok && ended.code.is_some(), "{}", ended.all);
     assert!(
