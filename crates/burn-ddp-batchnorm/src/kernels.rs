@@ -502,10 +502,26 @@ fn empty_f32(t: &CubeTensor, shape: Shape) -> CubeTensor {
 const TILE_C: usize = 32;
 const TILE_ROWS: usize = BLOCK / TILE_C;
 
+/// The units a per-channel reduction's cube gets on `x`'s device: [`BLOCK`] where the device
+/// allows that many, else the largest power of two it allows. CubeCL's CPU runtime allows as
+/// many units per cube as the machine has cores and runs each unit of a cube that synchronises
+/// on a thread of its own (a spin barrier): a cube of [`BLOCK`] units there would be
+/// [`BLOCK`] threads spinning on two cores.
+fn reduction_units(x: &CubeTensor) -> usize {
+    let allowed = x.client.properties().hardware.max_units_per_cube as usize;
+    if allowed >= BLOCK {
+        BLOCK
+    } else {
+        // The largest power of two ≤ allowed (≥ 1): the trees halve their lanes.
+        1 << allowed.max(1).ilog2()
+    }
+}
+
 /// Which reduction layout reads `x` coalesced: one cube per channel when a sample's channel
-/// slice spans at least `TILE_C` consecutive elements, channel tiles otherwise.
+/// slice spans at least `TILE_C` consecutive elements, channel tiles otherwise. Tiles need
+/// [`BLOCK`] units per cube; a device with fewer (the CPU runtime) takes one cube per channel.
 fn tiled(x: &CubeTensor) -> bool {
-    x.meta.shape()[2] < TILE_C
+    x.meta.shape()[2] < TILE_C && reduction_units(x) == BLOCK
 }
 
 fn per_channel_launch(x: &CubeTensor) -> (CubeCount, CubeDim) {
@@ -518,7 +534,7 @@ fn per_channel_launch(x: &CubeTensor) -> (CubeCount, CubeDim) {
     } else {
         (
             CubeCount::Static(channels as u32, 1, 1),
-            CubeDim::new_1d(BLOCK as u32),
+            CubeDim::new_1d(reduction_units(x) as u32),
         )
     }
 }
