@@ -89,7 +89,8 @@ enum Bench {
         extra: Vec<String>,
     },
     /// Step time of a small CNN with BatchNorm vs SyncBatchNorm on CPU ranks, and the CubeCL
-    /// kernels vs the tensor-op path on wgpu. Arguments after `--` go to `syncbn_bench`.
+    /// kernels vs the tensor-op path on wgpu and on burn-cpu. Arguments after `--` go to
+    /// `syncbn_bench`.
     Syncbn {
         /// More arguments for the benchmark (`syncbn_bench --help`).
         #[arg(last = true)]
@@ -201,7 +202,7 @@ fn main() -> ExitCode {
                 "-p",
                 "ddp-bench",
                 "--features",
-                "wgpu",
+                "wgpu,cpu",
                 "--bin",
                 "syncbn_bench",
             ],

@@ -341,14 +341,16 @@ fn compression_from_env() -> Result<Compression> {
     }
 }
 
-/// Whether `device` is a GPU (a CubeCL device: wgpu or CUDA).
+/// Whether `device` is a GPU (a CubeCL device other than CubeCL's CPU runtime: wgpu or CUDA).
 fn is_gpu(device: &Device) -> bool {
     #[cfg(feature = "cube")]
     {
-        matches!(
-            device.clone().inner().as_dispatch(),
-            burn::backend::DispatchDevice::Cube(_)
-        )
+        match device.clone().inner().as_dispatch() {
+            #[cfg(feature = "cpu")]
+            burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Cpu(_)) => false,
+            burn::backend::DispatchDevice::Cube(_) => true,
+            _ => false,
+        }
     }
     #[cfg(not(feature = "cube"))]
     {

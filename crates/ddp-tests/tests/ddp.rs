@@ -273,6 +273,17 @@ fn a_learner_run_uses_the_jobs_compression() {
     assert!(apart > 0.0, "bf16 and f32 trained the same parameters");
 }
 
+/// Two ranks on burn-cpu (CubeCL's CPU runtime), Adam: each rank's gradients leave the device
+/// through the host path and the result matches one process on the joined batch, which rank 0
+/// computes on the same runtime. The runtime's kernels sum in another order than the joined
+/// batch's, hence 1e-5. (One job: every rank compiles each kernel it launches with LLVM, about
+/// 40 s of a 5-step job in the tests' build.)
+#[cfg(feature = "cpu")]
+#[test]
+fn two_ranks_on_burn_cpu_match_one_process_on_the_joined_batch() {
+    equivalence_with(2, "adam", &["--device", "burn-cpu"], &[], 1e-5);
+}
+
 // The live-recovery job of the fault tests, here on CUDA ranks.
 #[cfg(feature = "cuda")]
 mod live_job;

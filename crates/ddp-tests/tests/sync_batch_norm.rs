@@ -2,7 +2,9 @@
 //!
 //! - World size 1 (no process group): `SyncBatchNorm` ≡ `burn::nn::BatchNorm` — output, input
 //!   gradient, γ/β gradients and running statistics — on Flex and, with `--features wgpu`, on
-//!   wgpu with the CubeCL kernels and with the tensor-op path; kernels ≡ tensor ops on wgpu.
+//!   wgpu with the CubeCL kernels and with the tensor-op path; kernels ≡ tensor ops on wgpu;
+//!   with `--features cpu` the same on burn-cpu (CubeCL's CPU runtime, the kernels compiled by
+//!   LLVM), two and three ranks included.
 //! - World sizes 2 and 3 (real rank processes, `syncbn_worker`): every rank's output and input
 //!   gradient equal `BatchNorm` on the concatenated batch; γ/β gradients after DDP averaging
 //!   equal the joined-batch gradients divided by the world size (each rank's loss is `Σ w ⊙ y`
@@ -15,7 +17,7 @@
 //! Tolerances are relative to the largest magnitude of the reference tensor.
 //!
 //! Longer than 600 lines: one file so that `cargo test --test sync_batch_norm` runs the whole
-//! equivalence matrix (worlds 1–3, Flex/wgpu/CUDA, precisions) against one reference.
+//! equivalence matrix (worlds 1–3, Flex/wgpu/burn-cpu/CUDA, precisions) against one reference.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -456,6 +458,8 @@ fn one_sample_with_the_unbiased_variance_leaves_the_running_statistics_on_every_
         &Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
         "world 1, CubeCL kernels (wgpu)",
     );
+    #[cfg(feature = "cpu")]
+    check_world1(&Device::cpu(), "world 1, CubeCL kernels (burn-cpu)");
     // Two ranks, host-staged: one sample between them.
     let mut case = make_case(&[1, 0], 3, &[], 1, 47);
     case.unbiased = true;
@@ -598,6 +602,76 @@ mod wgpu {
     #[test]
     fn large_mean_statistics_wgpu_tensor_ops() {
         check_large_mean(&device(), true);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// burn-cpu (the same CubeCL kernels compiled for the CPU by LLVM: CubeCL's CPU runtime)
+
+#[cfg(feature = "cpu")]
+mod cpu {
+    use super::*;
+
+    fn device() -> Device {
+        Device::cpu()
+    }
+
+    #[test]
+    fn world1_matches_batch_norm_cpu_kernels() {
+        check_world1(&device(), false);
+    }
+
+    #[test]
+    fn world1_matches_batch_norm_cpu_tensor_ops() {
+        check_world1(&device(), true);
+    }
+
+    #[test]
+    fn kernels_match_tensor_ops_cpu() {
+        let device = device().autodiff();
+        for (rows, spatial) in [
+            (vec![9], vec![]),
+            (vec![6], vec![5, 7]),
+            (vec![3], vec![300]),
+        ] {
+            let mut case = make_case(&rows, 4, &spatial, 2, 21);
+            let kernels = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+            case.tensor_ops = true;
+            let ops = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+            assert_results_close(
+                &format!("kernels vs tensor ops on burn-cpu {spatial:?}"),
+                &kernels,
+                &ops,
+                TOL,
+            );
+        }
+    }
+
+    #[test]
+    fn half_precision_input_cpu_kernels() {
+        check_half(&device(), burn::tensor::DType::F16, false);
+    }
+
+    #[test]
+    fn large_mean_statistics_cpu_kernels() {
+        check_large_mean(&device(), false);
+    }
+
+    /// Two ranks on burn-cpu, uneven batches, 4-D input: the kernels' statistics exchanged
+    /// through the host process group match one process on the joined batch.
+    #[test]
+    fn world2_uneven_4d_cpu_kernels_match_joined_batch() {
+        let mut case = make_case(&[5, 3], 3, &[4, 4], 2, 45);
+        case.device = "cpu".into();
+        check_ranks(&case);
+    }
+
+    /// Three ranks on burn-cpu, one of them with no rows at all.
+    #[test]
+    fn world3_with_an_empty_rank_cpu_kernels_match_joined_batch() {
+        let mut case = make_case(&[5, 3, 0], 3, &[3, 4], 2, 43);
+        case.device = "cpu".into();
+        check_ranks(&case);
     }
 }
 

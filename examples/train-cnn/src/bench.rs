@@ -48,6 +48,8 @@ enum Mode {
 enum DeviceArg {
     /// The CPU (Flex).
     Cpu,
+    /// CubeCL's CPU runtime (burn-cpu; a build with train-cnn's `cpu` feature).
+    BurnCpu,
     /// CUDA device `LOCAL_RANK` (a build with train-cnn's `cuda` feature).
     Cuda,
 }
@@ -121,6 +123,7 @@ pub fn run(args: &Args) -> Result<(), String> {
             let builder = Ddp::builder();
             let builder = match args.device {
                 DeviceArg::Cpu => builder.device(Device::flex()),
+                DeviceArg::BurnCpu => builder.device(burn_cpu_device()?),
                 DeviceArg::Cuda => builder.cuda(),
             };
             let ddp = builder.init().map_err(|e| e.to_string())?;
@@ -141,6 +144,7 @@ pub fn run(args: &Args) -> Result<(), String> {
 fn alone_device(arg: DeviceArg) -> Result<Device, String> {
     match arg {
         DeviceArg::Cpu => Ok(Device::flex()),
+        DeviceArg::BurnCpu => burn_cpu_device(),
         DeviceArg::Cuda => {
             // What burn-ddp's init does for a CUDA device: the kernels that call exp/log need
             // libdevice, which Burn alone finds only through CUDA_PATH.
@@ -154,8 +158,17 @@ fn alone_device(arg: DeviceArg) -> Result<Device, String> {
 fn alone_device(arg: DeviceArg) -> Result<Device, String> {
     match arg {
         DeviceArg::Cpu => Ok(Device::flex()),
+        DeviceArg::BurnCpu => burn_cpu_device(),
         DeviceArg::Cuda => Err("--device cuda needs train-cnn built with `--features cuda`".into()),
     }
+}
+
+/// CubeCL's CPU runtime, where this build has it.
+fn burn_cpu_device() -> Result<Device, String> {
+    #[cfg(feature = "cpu")]
+    return Ok(Device::cpu());
+    #[cfg(not(feature = "cpu"))]
+    Err("--device burn-cpu needs train-cnn built with `--features cpu`".into())
 }
 
 /// One batch of synthetic images and labels for `rank` (the same every step: the data path is
@@ -286,7 +299,11 @@ fn print_row(args: &Args, framework: &str, world: usize, t: &Timing) {
         "mode": match args.mode { Mode::Alone => "alone", Mode::Ddp => "ddp" },
         "ranks": world,
         "norm": if args.sync_bn { "SyncBatchNorm" } else { "BatchNorm" },
-        "device": match args.device { DeviceArg::Cpu => "cpu", DeviceArg::Cuda => "cuda" },
+        "device": match args.device {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::BurnCpu => "burn-cpu",
+            DeviceArg::Cuda => "cuda",
+        },
         "batch": args.batch,
         "size": args.size,
         "steps": args.steps,

@@ -192,6 +192,9 @@ enum Backend {
     Auto,
     /// The CPU backend (Flex).
     Cpu,
+    /// CubeCL's CPU runtime (burn-cpu: kernels compiled by LLVM, SyncBatchNorm's CubeCL kernels
+    /// included; build with `--features cpu`).
+    BurnCpu,
     /// wgpu's default adapter (build with `--features wgpu`).
     Wgpu,
     /// CUDA device `LOCAL_RANK` (build with `--features cuda`); an error without one.
@@ -216,6 +219,14 @@ fn join(backend: Backend, compression: Option<ddp_comm::Compression>) -> Result<
         Backend::Wgpu => {
             return Err(TrainError::Config(
                 "--backend wgpu needs train-cnn built with `--features wgpu`".into(),
+            ));
+        }
+        #[cfg(feature = "cpu")]
+        Backend::BurnCpu => builder.device(Device::cpu()),
+        #[cfg(not(feature = "cpu"))]
+        Backend::BurnCpu => {
+            return Err(TrainError::Config(
+                "--backend burn-cpu needs train-cnn built with `--features cpu`".into(),
             ));
         }
         // Without the `cuda` feature (`cargo xtask train --gpus N` builds with it), `init`

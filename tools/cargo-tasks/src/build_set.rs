@@ -5,8 +5,7 @@
 /// The one feature set of every build CI makes: the CubeCL kernels on wgpu (lavapipe) and on
 /// CUDA, Burn's CUDA backend in burn-ddp, the rank programs and train-cnn, and the NCCL
 /// transport (cudarc, loaded at run time). See the module's documentation for why it is one.
-pub const FEATURES: &str =
-    "ddp-tests/wgpu,ddp-tests/cuda,train-cnn/wgpu,train-cnn/cuda,ddp-bench/wgpu";
+pub const FEATURES: &str = "ddp-tests/wgpu,ddp-tests/cuda,ddp-tests/cpu,train-cnn/wgpu,train-cnn/cuda,train-cnn/cpu,ddp-bench/wgpu,ddp-bench/cpu";
 
 /// The targets with CUDA code that `cargo xtask gpu-check` runs on a GPU and `cargo xtask
 /// ptx-check` under the stand-in: burn-ddp's unit tests, the CUDA test binaries and, through

@@ -18,7 +18,8 @@ pub struct ResnetRuns {
     pub steps: usize,
     /// Untimed steps first.
     pub warmup: usize,
-    /// `cpu` or `cuda`.
+    /// `cpu` or `cuda` (`cargo xtask bench resnet`); `train-cnn bench` also takes `burn-cpu`,
+    /// which `bench resnet --device cpu` runs beside Flex.
     pub device: String,
     /// Leave PyTorch out (no install, Burn's rows only).
     pub no_torch: bool,
@@ -49,6 +50,9 @@ pub struct Measured {
     mode: String,
     ranks: usize,
     norm: String,
+    /// `cpu` (Flex for Burn's rows), `burn-cpu` or `cuda`.
+    #[serde(default)]
+    device: String,
     batch: usize,
     step_ms: f64,
     no_sync_ms: Option<f64>,
@@ -63,6 +67,16 @@ impl Measured {
     /// What a step waits for the gradient synchronisation: the step minus the step without it.
     fn waited_sync_ms(&self) -> Option<f64> {
         self.no_sync_ms.map(|n| (self.step_ms - n).max(0.0))
+    }
+
+    /// The table's first column: the framework, and the backend where Burn has two on the CPU.
+    fn framework_name(&self) -> String {
+        let backend = match (self.framework.as_str(), self.device.as_str()) {
+            (_, "burn-cpu") => " (burn-cpu)",
+            ("Burn" | "burn-ddp", "cpu") => " (Flex)",
+            _ => "",
+        };
+        format!("{} {}{backend}", self.framework, self.version)
     }
 
     fn run_name(&self) -> String {
@@ -102,9 +116,8 @@ pub fn table(r: &ResnetRuns, rows: &[Measured]) -> String {
     s += "|---|---|---|---:|---:|---:|---:|---:|\n";
     for m in rows {
         s += &format!(
-            "| {} {} | {} | {} | {:.1} | {:.1} | {} | {} | {} |\n",
-            m.framework,
-            m.version,
+            "| {} | {} | {} | {:.1} | {:.1} | {} | {} | {} |\n",
+            m.framework_name(),
             m.run_name(),
             m.norm,
             m.step_ms,
@@ -119,10 +132,18 @@ pub fn table(r: &ResnetRuns, rows: &[Measured]) -> String {
               (\"SyncBatchNorm layers only work with GPU modules\").\n";
     }
     s += "\n";
-    let find = |framework: &str, mode: &str, ranks: usize, norm: &str| {
+    let find_on = |device: &str, framework: &str, mode: &str, ranks: usize, norm: &str| {
         rows.iter().find(|m| {
-            m.framework == framework && m.mode == mode && m.ranks == ranks && m.norm == norm
+            m.framework == framework
+                && m.mode == mode
+                && m.ranks == ranks
+                && m.norm == norm
+                && (m.device == device || device != "burn-cpu" && m.device != "burn-cpu")
         })
+    };
+    // Flex's rows (or CUDA's) and PyTorch's; burn-cpu's have their own lines below.
+    let find = |framework: &str, mode: &str, ranks: usize, norm: &str| {
+        find_on(&r.device, framework, mode, ranks, norm)
     };
     let n = r.nproc as usize;
     let ratio = |a: Option<&Measured>, b: Option<&Measured>| match (a, b) {
@@ -171,6 +192,38 @@ pub fn table(r: &ResnetRuns, rows: &[Measured]) -> String {
         ms(find("burn-ddp", "ddp", n, bn).and_then(Measured::waited_sync_ms)),
         ms(find("PyTorch", "ddp", n, bn).and_then(Measured::waited_sync_ms)),
     );
+    if rows.iter().any(|m| m.device == "burn-cpu") {
+        let cpu = |framework: &str, mode: &str, ranks: usize, norm: &str| {
+            find_on("burn-cpu", framework, mode, ranks, norm)
+        };
+        s += &format!(
+            "- burn-cpu ÷ Flex, step time: alone {}, world of one {}, {n} ranks BatchNorm {}, \
+             {n} ranks SyncBatchNorm {}\n",
+            ratio(cpu("Burn", "alone", 1, bn), find("Burn", "alone", 1, bn)),
+            ratio(
+                cpu("burn-ddp", "ddp", 1, bn),
+                find("burn-ddp", "ddp", 1, bn)
+            ),
+            ratio(
+                cpu("burn-ddp", "ddp", n, bn),
+                find("burn-ddp", "ddp", n, bn)
+            ),
+            ratio(
+                cpu("burn-ddp", "ddp", n, sbn),
+                find("burn-ddp", "ddp", n, sbn)
+            ),
+        );
+        s += &format!(
+            "- on burn-cpu: DDP overhead {}, SyncBatchNorm overhead at {n} ranks {}; one process \
+             alone ÷ PyTorch's {}\n",
+            ratio(cpu("burn-ddp", "ddp", 1, bn), cpu("Burn", "alone", 1, bn)),
+            ratio(
+                cpu("burn-ddp", "ddp", n, sbn),
+                cpu("burn-ddp", "ddp", n, bn)
+            ),
+            ratio(cpu("Burn", "alone", 1, bn), find("PyTorch", "alone", 1, bn)),
+        );
+    }
     s
 }
 
@@ -203,8 +256,19 @@ mod tests {
             device: "cpu".into(),
             no_torch: false,
         };
-        let t = table(&r, &[burn, torch]);
-        assert!(t.contains("| burn-ddp 0.1.0 | DDP, 2 rank(s) | BatchNorm | 200.0 | 80.0 | 150.0 | 50.0 | 40.0 |"), "{t}");
+        let on_burn_cpu = parse(
+            "RESNET {\"framework\":\"burn-ddp\",\"version\":\"0.1.0\",\"mode\":\"ddp\",\
+             \"ranks\":2,\"norm\":\"BatchNorm\",\"device\":\"burn-cpu\",\"batch\":8,\"size\":32,\
+             \"steps\":10,\"step_ms\":300.0,\"no_sync_ms\":250.0,\"own_sync_ms\":40.0}",
+        )
+        .unwrap();
+        let t = table(&r, &[burn, on_burn_cpu, torch]);
+        assert!(t.contains("| burn-ddp 0.1.0 (Flex) | DDP, 2 rank(s) | BatchNorm | 200.0 | 80.0 | 150.0 | 50.0 | 40.0 |"), "{t}");
+        assert!(
+            t.contains("| burn-ddp 0.1.0 (burn-cpu) | DDP, 2 rank(s) | BatchNorm | 300.0 |"),
+            "{t}"
+        );
+        assert!(t.contains("2 ranks BatchNorm 1.500"), "{t}");
         assert!(
             t.contains("burn-ddp ÷ PyTorch at 2 ranks, step time: BatchNorm 2.000"),
             "{t}"

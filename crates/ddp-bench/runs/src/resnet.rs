@@ -29,6 +29,9 @@ pub fn run(r: &ResnetRuns) -> Result<(), String> {
         .args(["build", "--release", "-p", "train-cnn", "-p", "ddprun"]);
     if r.device == "cuda" {
         build.args(["--features", "train-cnn/cuda"]);
+    } else {
+        // burn-cpu's rows beside Flex's.
+        build.args(["--features", "train-cnn/cpu"]);
     }
     cargo_tasks::run(&mut build)?;
     let release = cargo_tasks::target_dir(&root).join("release");
@@ -42,23 +45,34 @@ pub fn run(r: &ResnetRuns) -> Result<(), String> {
     let mut rows = Vec::new();
     let bench = release.join("train-cnn");
     let n = r.nproc.to_string();
-    // Burn: alone, burn-ddp alone (a world of one), burn-ddp on N ranks.
-    rows.push(measure(
-        Command::new(&bench)
-            .args(["bench", "--mode", "alone"])
-            .args(&common),
-    )?);
-    rows.push(measure(Command::new(&bench).arg("bench").args(&common))?);
-    for sync_bn in [false, true] {
-        let mut cmd = Command::new(release.join("ddprun"));
-        cmd.args(["--nproc-per-node", &n, "--no-prefix", "--"])
-            .arg(&bench)
-            .arg("bench")
-            .args(&common);
-        if sync_bn {
-            cmd.arg("--sync-bn");
+    // Burn: alone, burn-ddp alone (a world of one), burn-ddp on N ranks; on the CPU once on
+    // Flex and once on burn-cpu (CubeCL's CPU runtime).
+    let mut burn_runs = vec![common.clone()];
+    if r.device == "cpu" {
+        let on_burn_cpu = ResnetRuns {
+            device: "burn-cpu".into(),
+            ..r.clone()
+        };
+        burn_runs.push(on_burn_cpu.program_args());
+    }
+    for args in &burn_runs {
+        rows.push(measure(
+            Command::new(&bench)
+                .args(["bench", "--mode", "alone"])
+                .args(args),
+        )?);
+        rows.push(measure(Command::new(&bench).arg("bench").args(args))?);
+        for sync_bn in [false, true] {
+            let mut cmd = Command::new(release.join("ddprun"));
+            cmd.args(["--nproc-per-node", &n, "--no-prefix", "--"])
+                .arg(&bench)
+                .arg("bench")
+                .args(args);
+            if sync_bn {
+                cmd.arg("--sync-bn");
+            }
+            rows.push(measure(&mut cmd)?);
         }
-        rows.push(measure(&mut cmd)?);
     }
     if let Some(py) = &torch {
         // One thread per process, as Burn's CPU backend runs, and as torchrun sets for several

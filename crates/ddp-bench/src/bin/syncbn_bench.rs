@@ -7,8 +7,10 @@
 //!    CubeCL kernels and with tensor ops against Burn's `BatchNorm` (output, input and γ/β
 //!    gradients, running stats; exit status 1 above 1e-4 relative), then forward + backward
 //!    times of the three. `--ranks 0` skips the CPU table (the GPU check script runs it so).
+//! 3. With `--features cpu`, the same on burn-cpu (CubeCL's CPU runtime: the kernels compiled
+//!    for the CPU by LLVM).
 //!
-//! `cargo run -p ddp-bench --bin syncbn_bench [--features wgpu] -- [--ranks 2] [--steps 20]`
+//! `cargo run -p ddp-bench --bin syncbn_bench [--features wgpu,cpu] -- [--ranks 2] [--steps 20]`
 //! Prints markdown tables on stdout (rank 0).
 
 use std::process::{Command, ExitCode};
@@ -239,7 +241,7 @@ fn launch(args: &Args) -> Result<(), String> {
 }
 
 /// max |a − b| / max |b| over two tensors' values (normwise relative error).
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cpu"))]
 fn max_rel_err<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
     let a: Vec<f32> = a
         .into_data()
@@ -263,14 +265,15 @@ fn max_rel_err<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
     if scale > 0.0 { diff / scale } else { diff }
 }
 
-/// SyncBatchNorm on the wgpu device (world of one): kernels and tensor ops against Burn's
-/// BatchNorm (output, input gradient, γ/β gradients, running stats), then forward + backward
-/// timings of the three. Returns an error when a difference is above 1e-4 relative.
-#[cfg(feature = "wgpu")]
-fn wgpu_table(args: &Args) -> Result<(), String> {
+/// SyncBatchNorm on a CubeCL device `on` (wgpu, or burn-cpu: CubeCL's CPU runtime), world of
+/// one: kernels and tensor ops against Burn's BatchNorm (output, input gradient, γ/β
+/// gradients, running stats), then forward + backward timings of the three. Returns an error
+/// when a difference is above 1e-4 relative.
+#[cfg(any(feature = "wgpu", feature = "cpu"))]
+fn cube_table(args: &Args, device: Device, on: &str) -> Result<(), String> {
     use burn_ddp::sync_batch_norm::SyncBatchNormImpl;
     const TOL: f64 = 1e-4;
-    let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff();
+    let device = device.autodiff();
     // One step of a layer on `x`: output, input grad, gamma grad, beta grad, running mean/var.
     // Loss Σ y·w with a fixed random w (Σ y² would have an identically zero input gradient).
     let run = |layer: &Norm, x: &Tensor<4>, w: &Tensor<4>| {
@@ -299,7 +302,7 @@ fn wgpu_table(args: &Args) -> Result<(), String> {
         ),
     };
     println!(
-        "\n### SyncBatchNorm vs Burn's BatchNorm on wgpu, world of one (max |Δ| / max |BatchNorm|)\n"
+        "\n### SyncBatchNorm vs Burn's BatchNorm on {on}, world of one (max |Δ| / max |BatchNorm|)\n"
     );
     println!(
         "| batch | path | output | input grad | γ grad | β grad | running mean | running var |"
@@ -342,7 +345,7 @@ fn wgpu_table(args: &Args) -> Result<(), String> {
         median_ms(&mut times)
     };
     println!(
-        "\n### Forward + backward on wgpu ([B, 16, 32, 32]), median of {} steps\n",
+        "\n### Forward + backward on {on} ([B, 16, 32, 32]), median of {} steps\n",
         args.steps
     );
     println!(
@@ -361,7 +364,7 @@ fn wgpu_table(args: &Args) -> Result<(), String> {
     }
     if worst > TOL {
         return Err(format!(
-            "SyncBatchNorm on wgpu differs from BatchNorm by {worst:.1e} relative (> {TOL:.0e})"
+            "SyncBatchNorm on {on} differs from BatchNorm by {worst:.1e} relative (> {TOL:.0e})"
         ));
     }
     Ok(())
@@ -384,7 +387,15 @@ fn main() -> ExitCode {
             Ok(())
         };
         #[cfg(feature = "wgpu")]
-        let cpu = cpu.and_then(|()| wgpu_table(&args));
+        let cpu = cpu.and_then(|()| {
+            cube_table(
+                &args,
+                Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+                "wgpu",
+            )
+        });
+        #[cfg(feature = "cpu")]
+        let cpu = cpu.and_then(|()| cube_table(&args, Device::cpu(), "burn-cpu"));
         cpu
     };
     match result {

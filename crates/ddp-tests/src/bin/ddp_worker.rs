@@ -53,6 +53,9 @@ enum DeviceArg {
     /// The default wgpu adapter (needs the `wgpu` feature); several ranks may share one GPU.
     #[cfg(feature = "wgpu")]
     Wgpu,
+    /// CubeCL's CPU runtime (burn-cpu: kernels compiled by LLVM; needs the `cpu` feature).
+    #[cfg(feature = "cpu")]
+    BurnCpu,
     /// CUDA device `LOCAL_RANK` (device 0 when one is visible; needs the `cuda` feature).
     /// `DDP_NCCL` picks the gradient path; with NCCL every sync must take the device path.
     Cuda,
@@ -549,6 +552,8 @@ fn run(args: &Args) -> Result<(), String> {
         DeviceArg::Cpu => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
         DeviceArg::Wgpu => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(feature = "cpu")]
+        DeviceArg::BurnCpu => builder.device(Device::cpu()),
         DeviceArg::Cuda => builder.cuda(),
     };
     let ddp = builder.init().map_err(|e| e.to_string())?;

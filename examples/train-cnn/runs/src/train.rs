@@ -16,6 +16,10 @@ pub enum BackendArg {
     Wgpu,
     /// The CPU backend (Flex).
     Cpu,
+    /// CubeCL's CPU runtime (burn-cpu: Burn's GPU kernels compiled for the CPU by LLVM), with
+    /// SyncBatchNorm's CubeCL kernels. Slower than Flex on this project's CNN: see
+    /// docs/benchmarks.md.
+    BurnCpu,
 }
 
 /// Options of `cargo xtask train`.
@@ -154,6 +158,9 @@ pub(crate) fn build_example(
         BackendArg::Wgpu => {
             cmd.args(["--features", "wgpu"]);
         }
+        BackendArg::BurnCpu => {
+            cmd.args(["--features", "cpu"]);
+        }
         BackendArg::Cpu => {}
     }
     cargo_tasks::run(&mut cmd)?;
@@ -167,6 +174,7 @@ pub(crate) fn backend_name(b: BackendArg) -> &'static str {
         BackendArg::Cuda => "cuda",
         BackendArg::Wgpu => "wgpu",
         BackendArg::Cpu => "cpu",
+        BackendArg::BurnCpu => "burn-cpu",
     }
 }
 

@@ -22,6 +22,8 @@ fn join(case: &Case) -> Result<Ddp, String> {
         "flex" => builder.device(Device::flex()),
         #[cfg(feature = "wgpu")]
         "wgpu" => builder.device(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(feature = "cpu")]
+        "cpu" => builder.device(Device::cpu()),
         "cuda" => builder.cuda().nccl(if case.nccl {
             burn_ddp::NcclPolicy::Required
         } else {
