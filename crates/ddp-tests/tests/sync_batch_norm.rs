@@ -547,6 +547,29 @@ fn bad_input_is_an_error() {
     ));
 }
 
+/// SyncBatchNorm's CubeCL kernels against its tensor-op path on the CubeCL device `device`
+/// (`on` names it), world of one: 2-D, 4-D and long-spatial inputs.
+#[cfg(any(feature = "wgpu", feature = "cpu"))]
+fn check_kernels_match_tensor_ops(device: &Device, on: &str) {
+    let device = device.clone().autodiff();
+    for (rows, spatial) in [
+        (vec![9], vec![]),
+        (vec![6], vec![5, 7]),
+        (vec![3], vec![300]),
+    ] {
+        let mut case = make_case(&rows, 4, &spatial, 2, 21);
+        let kernels = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+        case.tensor_ops = true;
+        let ops = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
+        assert_results_close(
+            &format!("kernels vs tensor ops on {on} {spatial:?}"),
+            &kernels,
+            &ops,
+            TOL,
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgpu (CubeCL kernels on Mesa lavapipe in CI)
 
@@ -570,23 +593,7 @@ mod wgpu {
 
     #[test]
     fn kernels_match_tensor_ops_wgpu() {
-        let device = device().autodiff();
-        for (rows, spatial) in [
-            (vec![9], vec![]),
-            (vec![6], vec![5, 7]),
-            (vec![3], vec![300]),
-        ] {
-            let mut case = make_case(&rows, 4, &spatial, 2, 21);
-            let kernels = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
-            case.tensor_ops = true;
-            let ops = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
-            assert_results_close(
-                &format!("kernels vs tensor ops {spatial:?}"),
-                &kernels,
-                &ops,
-                TOL,
-            );
-        }
+        check_kernels_match_tensor_ops(&device(), "wgpu");
     }
 
     #[test]
@@ -628,23 +635,7 @@ mod cpu {
 
     #[test]
     fn kernels_match_tensor_ops_cpu() {
-        let device = device().autodiff();
-        for (rows, spatial) in [
-            (vec![9], vec![]),
-            (vec![6], vec![5, 7]),
-            (vec![3], vec![300]),
-        ] {
-            let mut case = make_case(&rows, 4, &spatial, 2, 21);
-            let kernels = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
-            case.tensor_ops = true;
-            let ops = run_joined(&case, &Layer::Sync(init_sync(&case, &device)), &device);
-            assert_results_close(
-                &format!("kernels vs tensor ops on burn-cpu {spatial:?}"),
-                &kernels,
-                &ops,
-                TOL,
-            );
-        }
+        check_kernels_match_tensor_ops(&device(), "burn-cpu");
     }
 
     #[test]
