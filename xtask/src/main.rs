@@ -109,8 +109,8 @@ enum Bench {
     },
     /// ResNet-18 (CIFAR layout) training steps, burn-ddp beside PyTorch in the same run: each
     /// alone, DDP in a world of one, DDP on N ranks with BatchNorm and SyncBatchNorm (PyTorch
-    /// over gloo on the CPU). PyTorch is python3's, else installed with pip into
-    /// `$DDP_TORCH_DIR` (default `~/.cache/burn-ddp/torch`).
+    /// over gloo on the CPU; Burn's rows on Flex and on burn-cpu). PyTorch is python3's, else
+    /// installed with pip into `$DDP_TORCH_DIR` (default `~/.cache/burn-ddp/torch`).
     Resnet {
         /// Ranks of the distributed rows.
         #[arg(long, default_value_t = 2)]

@@ -1,8 +1,9 @@
 //! `cargo xtask bench resnet`: ResNet-18 (CIFAR layout, 11.2 M parameters) training steps,
 //! burn-ddp beside PyTorch in the same run: each framework alone, DDP in a world of one, and
 //! DDP on N ranks with BatchNorm and with SyncBatchNorm (PyTorch's over gloo on the CPU, NCCL
-//! on CUDA). `train-cnn bench` is the Burn side, `scripts/resnet18_torch.py` the PyTorch side;
-//! both print one `RESNET {json}` line, read here into one table.
+//! on CUDA). On the CPU Burn's rows run twice, on Flex and on burn-cpu (CubeCL's CPU runtime,
+//! train-cnn's `cpu` feature). `train-cnn bench` is the Burn side, `scripts/resnet18_torch.py`
+//! the PyTorch side; both print one `RESNET {json}` line, read here into one table.
 
 use std::path::Path;
 use std::process::Command;
