@@ -14,6 +14,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::leftovers;
+
 /// Longest socket path the kernel takes (`sockaddr_un`'s 108 bytes, less the final NUL).
 const MAX_PATH: usize = 107;
 /// The socket's name in its directory.
@@ -83,8 +85,7 @@ fn private_dir(base: &Path) -> io::Result<tempfile::TempDir> {
         .permissions(std::fs::Permissions::from_mode(0o700))
         .tempdir_in(base)?;
     let meta = std::fs::metadata(dir.path())?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
+    let me = leftovers::euid();
     if meta.uid() != me || meta.mode() & 0o077 != 0 {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -123,65 +124,22 @@ pub fn remove_local_dirs_of(pid: u32) -> io::Result<usize> {
 
 /// [`remove_local_dirs_of`] under `base`.
 fn remove_local_dirs_in(base: &Path, pid: u32) -> io::Result<usize> {
-    let named =
-        |path: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", path.display()));
-    let entries = match std::fs::read_dir(base) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(named(base, e)),
-    };
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    let prefix = dir_prefix(pid);
-    let (mut removed, mut first_error) = (0, None);
-    for entry in entries {
-        let entry = match entry {
-            Ok(entry) => entry,
-            Err(e) => {
-                first_error.get_or_insert(named(base, e));
-                continue;
+    leftovers::remove_owned(
+        base,
+        &dir_prefix(pid),
+        |t| t.is_dir(),
+        pid,
+        |dir| {
+            let socket = dir.join(SOCKET_NAME);
+            match std::fs::remove_file(&socket) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(leftovers::named(&socket, e)),
             }
-        };
-        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
-            continue;
-        }
-        let dir = entry.path();
-        let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
-        // lstat: a symbolic link is looked at, not followed.
-        match std::fs::symlink_metadata(&dir) {
-            Ok(meta) if meta.file_type().is_dir() && meta.uid() == me => {}
-            Ok(_) => continue,
-            Err(e) if gone(&e) => continue,
-            Err(e) => {
-                first_error.get_or_insert(named(&dir, e));
-                continue;
-            }
-        }
-        let socket = dir.join(SOCKET_NAME);
-        match std::fs::remove_file(&socket) {
-            Ok(()) => {}
-            Err(e) if gone(&e) => {}
-            Err(e) => {
-                first_error.get_or_insert(named(&socket, e));
-                continue;
-            }
-        }
-        // Not recursive: a directory holding anything else is not ours to empty.
-        match std::fs::remove_dir(&dir) {
-            Ok(()) => {
-                tracing::debug!("removed {} (process {pid} has exited)", dir.display());
-                removed += 1;
-            }
-            Err(e) if gone(&e) => {}
-            Err(e) => {
-                first_error.get_or_insert(named(&dir, e));
-            }
-        }
-    }
-    match first_error {
-        Some(e) => Err(e),
-        None => Ok(removed),
-    }
+            // Not recursive: a directory holding anything else is not ours to empty.
+            std::fs::remove_dir(dir).map_err(|e| leftovers::named(dir, e))
+        },
+    )
 }
 
 /// How long a peer's published listener (its Unix socket, or its TCP port) may refuse

@@ -56,6 +56,7 @@ mod engine;
 mod header;
 mod hello_readers;
 mod hierarchical;
+mod leftovers;
 mod link;
 mod local_socket;
 pub(crate) mod mesh;

@@ -23,13 +23,14 @@
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use memmap2::{MmapMut, MmapOptions};
+
+use super::leftovers::{self, describe, euid};
 
 /// Default bytes of data in each ring (a multiple of 8). `DDP_SHM_RING_KIB` overrides it on
 /// the creating side; the other side reads the size from the segment.
@@ -189,30 +190,6 @@ impl std::error::Error for OpenError {
     }
 }
 
-/// What a file of type `t` is, for messages.
-fn describe(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_symlink() {
-        "a symbolic link"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_block_device() || t.is_char_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    }
-}
-
-/// This process's effective user.
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 /// Removes the shared-memory segments process `pid` created (`/dev/shm/ddp-pg-{pid}-*`) and
 /// returns how many it removed.
 ///
@@ -231,60 +208,13 @@ pub fn remove_segments_of(pid: u32) -> io::Result<usize> {
 
 /// [`remove_segments_of`] in the directory `dir`.
 fn remove_segments_in(dir: &Path, pid: u32) -> io::Result<usize> {
-    let named =
-        |path: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", path.display()));
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(named(dir, e)),
-    };
-    let (prefix, me) = (segment_prefix(pid), euid());
-    let (mut removed, mut first_error) = (0, None);
-    for entry in entries {
-        let entry = match entry {
-            Ok(entry) => entry,
-            Err(e) => {
-                first_error.get_or_insert(named(dir, e));
-                continue;
-            }
-        };
-        if !entry.file_name().as_bytes().starts_with(prefix.as_bytes()) {
-            continue;
-        }
-        let path = entry.path();
-        // lstat: a symbolic link is looked at, not followed.
-        let meta = match std::fs::symlink_metadata(&path) {
-            Ok(meta) => meta,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => {
-                first_error.get_or_insert(named(&path, e));
-                continue;
-            }
-        };
-        if !meta.file_type().is_file() || meta.uid() != me {
-            tracing::debug!(
-                "left {} alone: {}, owner uid {}",
-                path.display(),
-                describe(meta.file_type()),
-                meta.uid()
-            );
-            continue;
-        }
-        match std::fs::remove_file(&path) {
-            Ok(()) => {
-                tracing::debug!("removed {} (process {pid} has exited)", path.display());
-                removed += 1;
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => {
-                first_error.get_or_insert(named(&path, e));
-            }
-        }
-    }
-    match first_error {
-        Some(e) => Err(e),
-        None => Ok(removed),
-    }
+    leftovers::remove_owned(
+        dir,
+        &segment_prefix(pid),
+        |t| t.is_file(),
+        pid,
+        |path| std::fs::remove_file(path).map_err(|e| leftovers::named(path, e)),
+    )
 }
 
 /// One direction of a pair: a view into the mapping.
