@@ -539,7 +539,7 @@ fn compressed_segment(
 fn agrees(a: &Header, b: &Header) -> bool {
     let same_len = !matches!(
         a.kind,
-        Kind::AllGatherVarlen | Kind::BroadcastBytes | Kind::AllGatherShards
+        Kind::AllGatherVarlen | Kind::BroadcastBytes | Kind::AllGatherShards | Kind::ShiftBytes
     );
     a.kind == b.kind
         && a.seq == b.seq
@@ -573,6 +573,7 @@ fn describe(h: &Header, dtype_name: Option<&str>) -> String {
             s += &format!("{} × {dtype}, root {}", h.len, h.root)
         }
         Kind::AllGather | Kind::AllGatherVarlen => s += &format!("{} × {dtype}", h.len),
+        Kind::ShiftBytes => s += &format!("{} × {dtype} to the next rank", h.len),
         Kind::ReduceScatter => {
             s += &format!(
                 "{} × {dtype}, {}, shard sizes #{:08x}",

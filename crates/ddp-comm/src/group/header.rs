@@ -34,6 +34,8 @@ pub(crate) enum Kind {
     /// An all-gather of shards of any sizes into one buffer (`len` is the sender's own shard,
     /// `root` the fingerprint of the shard sizes).
     AllGatherShards = 10,
+    /// Every rank's bytes to its successor (`len` is the sender's own count).
+    ShiftBytes = 11,
 }
 
 impl Kind {
@@ -49,6 +51,7 @@ impl Kind {
             8 => Kind::ReduceScatter,
             9 => Kind::ReduceScatterCompressed,
             10 => Kind::AllGatherShards,
+            11 => Kind::ShiftBytes,
             _ => return None,
         })
     }
@@ -65,6 +68,7 @@ impl Kind {
             Kind::ReduceScatter => "reduce_scatter",
             Kind::ReduceScatterCompressed => "reduce_scatter_compressed",
             Kind::AllGatherShards => "all_gather_into",
+            Kind::ShiftBytes => "shift_bytes",
         }
     }
 }

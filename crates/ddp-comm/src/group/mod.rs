@@ -69,6 +69,7 @@ mod reform;
 mod rendezvous;
 mod scatter;
 mod shards;
+mod shift;
 mod shm;
 pub use local_socket::remove_local_dirs_of;
 pub use shm::remove_segments_of;
@@ -598,6 +599,24 @@ impl ProcessGroup {
                 g.chain(bytes, root)?;
             }
             Ok(())
+        })
+    }
+
+    /// Sends `input` (any length) to the next rank (`rank + 1`, modulo the world size) and
+    /// receives the previous rank's into `out` (replaced; its allocation is kept when the
+    /// length is unchanged, so a buffer handed back each call is not faulted in again). Every
+    /// rank moves its own message once, point to point. In a world of one `out` becomes a copy
+    /// of `input`.
+    pub fn shift_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<()> {
+        let _span = self.trace_op("shift_bytes", "u8", Some(input.len()), None);
+        self.collective(|g, seq| {
+            if g.world_size == 1 {
+                out.clear();
+                out.extend_from_slice(input);
+                return Ok(());
+            }
+            let hdr = g.header::<u8>(Kind::ShiftBytes, seq, input.len(), 0, 0);
+            g.shift_bytes_impl(hdr, input, out)
         })
     }
 

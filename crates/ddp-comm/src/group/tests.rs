@@ -410,6 +410,9 @@ mod scatter;
 /// Tests of the node-aware all-reduce on emulated hosts.
 mod nodes;
 
+/// Tests of `shift_bytes`.
+mod shift;
+
 /// A process group of one records nothing while `DDP_TRACE` is unset, and leaves no file.
 #[test]
 fn a_group_of_one_traces_nothing_without_ddp_trace() {
