@@ -154,6 +154,11 @@ impl Sharding {
             .as_ref()
             .expect("prepared before the gradient sync");
         let stepped = owned.present;
+        if let Some(redundancy) = &mut self.redundancy {
+            // The gradients' reduction finished here: every rank finished the last exchange,
+            // so the older copies go before the update makes the new state beside them.
+            redundancy.drop_older();
+        }
         let t = std::time::Instant::now();
         let module = optim.step(lr, module, owned.grads);
         let optimizer_step = t.elapsed();
@@ -277,22 +282,11 @@ impl Sharding {
     /// Live recovery's copies (when kept), as of `advance` more finished steps than the last
     /// copies' (0 before the first step, 1 after a step). Collective.
     fn copy_shards(&mut self, optim: &ModuleOptimizer, advance: u64) -> Result<()> {
-        let Some(completed) = self.redundancy.as_ref().map(Redundancy::completed) else {
-            return Ok(());
-        };
-        let own = Self::own_shard(optim)?;
         if let Some(redundancy) = &mut self.redundancy {
-            redundancy.exchange(&self.group, own, completed + advance)?;
+            let at = redundancy.completed() + advance;
+            redundancy.exchange(&self.group, optim, at)?;
         }
         Ok(())
-    }
-
-    /// This rank's shard as the optimizer writes it (keyed by this process's parameter ids).
-    fn own_shard(optim: &ModuleOptimizer) -> Result<Vec<u8>> {
-        Ok(optim
-            .into_bytes()
-            .map_err(|e| ShardingError::State(format!("this rank's shard: {e}")))?
-            .to_vec())
     }
 
     /// Live recovery: whether this optimizer keeps copies of the shards (the program recovers
@@ -324,13 +318,12 @@ impl Sharding {
         let ids: Vec<u64> = plan.params.iter().map(|p| p.id.val()).collect();
         let shard = state::transform(&[&own], |pos| ids.get(pos as usize).copied())?;
         load_shard(optim, shard)?;
-        let own = Self::own_shard(optim)?;
         let redundancy = self
             .redundancy
             .as_mut()
             .expect("restore is called for an optimizer that keeps copies");
         redundancy.restart_at(finished);
-        redundancy.exchange(&self.group, own, finished)
+        redundancy.exchange(&self.group, optim, finished)
     }
 
     /// Keeps a whole state (from a checkpoint) until the next step.

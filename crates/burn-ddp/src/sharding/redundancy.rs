@@ -5,17 +5,24 @@
 //! then lives on in its successor, at the step every survivor can go back to (see
 //! `recovery::sharded`); two neighbouring ranks lost together take a shard with them.
 //!
-//! The copies travel as one all-gather of every rank's shard after each step (its burnpack
-//! bytes as the optimizer writes them, keyed by the rank's own parameter ids): each rank keeps
-//! one part of it. Every rank's ids in the model's visit order are all-gathered once per plan,
-//! so that a copy is re-keyed by parameter position (the same in every process) only when a
-//! recovery needs it. That is the whole optimizer state received by every rank per step, on top of the
-//! step's own traffic; a point-to-point shift would move 1/N of it (not built). It is only on
-//! when the program recovers live.
+//! The copies travel point to point: after each step every rank sends its own shard (its
+//! burnpack bytes as the optimizer writes them, keyed by the rank's own parameter ids) to its
+//! successor only ([`ddp_comm::ProcessGroup::shift_bytes`]), into the buffer of the copy that
+//! was dropped last (no fresh allocation per step). A rank's own shard is kept as the optimizer
+//! itself (a clone: its state tensors are shared, not copied); it becomes bytes only at a
+//! recovery. Every rank's ids in the model's visit order are all-gathered once per plan, so
+//! that a copy is re-keyed by parameter position (the same in every process) only when a
+//! recovery needs it. The older copies are dropped as soon as the next step's first collective
+//! shows that every rank finished the last exchange ([`Redundancy::drop_older`]): at most two
+//! steps' copies are held, one of them only from the end of a step to the next step's update.
+//! It is only on when the program recovers live.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use burn::optim::ModuleOptimizer;
+
+use super::ShardingError;
 use super::state;
 use crate::comm::{self, SharedGroup};
 use crate::error::Result;
@@ -24,13 +31,14 @@ use crate::error::Result;
 type IdsByRank = Arc<Vec<Vec<u64>>>;
 
 /// One rank's copies as of one finished step.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Snapshot {
     /// The number of steps this optimizer had finished.
     pub(crate) at: u64,
-    /// This rank's shard (keyed by its own parameter ids).
-    own: Vec<u8>,
-    /// The predecessor's shard (keyed by the predecessor's ids).
+    /// This rank's optimizer as it was (its state tensors shared with the live one until the
+    /// next step replaces them).
+    own: ModuleOptimizer,
+    /// The predecessor's shard (burnpack bytes keyed by the predecessor's ids).
     kept: Vec<u8>,
     /// Every rank's ids when the copies were made.
     ids: IdsByRank,
@@ -39,10 +47,21 @@ pub(crate) struct Snapshot {
     world: usize,
 }
 
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("at", &self.at)
+            .field("kept_bytes", &self.kept.len())
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Snapshot {
     /// This rank's shard, keyed by parameter position.
     pub(crate) fn own_by_position(&self) -> Result<Vec<u8>> {
-        by_position(&self.own, &self.ids[self.rank])
+        by_position(&shard_bytes(&self.own)?, &self.ids[self.rank])
     }
 
     /// The predecessor's shard, keyed by parameter position.
@@ -50,6 +69,13 @@ impl Snapshot {
         let predecessor = (self.rank + self.world - 1) % self.world;
         by_position(&self.kept, &self.ids[predecessor])
     }
+}
+
+/// `optim`'s state as burnpack bytes, keyed by this process's parameter ids.
+pub(super) fn shard_bytes(optim: &ModuleOptimizer) -> Result<burn::tensor::Bytes> {
+    Ok(optim
+        .into_bytes()
+        .map_err(|e| ShardingError::State(format!("this rank's shard: {e}")))?)
 }
 
 /// `shard` (keyed by the ids `ids`, in visit order) re-keyed by position in that order.
@@ -62,13 +88,15 @@ fn by_position(shard: &[u8], ids: &[u64]) -> Result<Vec<u8>> {
     Ok(state::transform(&[shard], |id| position.get(&id).copied())?)
 }
 
-/// The copies of the last two finished steps.
+/// The copies of the last finished steps (two at most).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Redundancy {
     /// Steps this optimizer finished (its exchange included).
     completed: u64,
     /// At most two, oldest first.
     snapshots: VecDeque<Snapshot>,
+    /// The buffer of the last dropped copy, received into by the next exchange.
+    spare: Vec<u8>,
     /// Every rank's ids under the current plan.
     ids: IdsByRank,
 }
@@ -109,24 +137,26 @@ impl Redundancy {
         self.completed
     }
 
-    /// Every rank's shard `own` all-gathered over `group`; keeps `own` and the predecessor's
-    /// as the copies at `at` steps (the older of two goes). Collective.
-    pub(crate) fn exchange(&mut self, group: &SharedGroup, own: Vec<u8>, at: u64) -> Result<()> {
+    /// Sends this rank's shard (`optim`'s state) to the successor and receives the
+    /// predecessor's; keeps `optim` itself and the received shard as the copies at `at` steps.
+    /// Collective.
+    pub(crate) fn exchange(
+        &mut self,
+        group: &SharedGroup,
+        optim: &ModuleOptimizer,
+        at: u64,
+    ) -> Result<()> {
+        // Called after this step's collectives: every rank finished the previous exchange.
+        self.drop_older();
         let mut g = comm::lock(group);
         let (rank, world) = (g.rank(), g.world_size());
-        let kept = if world == 1 {
-            own.clone()
-        } else {
-            let mut parts = g.all_gather_varlen::<u8>(&own)?;
-            parts.swap_remove((rank + world - 1) % world)
-        };
+        // (In a world of one, a copy of its own: it is its own predecessor.)
+        let mut kept = std::mem::take(&mut self.spare);
+        g.shift_bytes(&shard_bytes(optim)?, &mut kept)?;
         drop(g);
-        if self.snapshots.len() == 2 {
-            self.snapshots.pop_front();
-        }
         self.snapshots.push_back(Snapshot {
             at,
-            own,
+            own: optim.clone(),
             kept,
             ids: self.ids.clone(),
             rank,
@@ -134,6 +164,17 @@ impl Redundancy {
         });
         self.completed = at;
         Ok(())
+    }
+
+    /// Drops every copy but the latest (its buffer kept for the next exchange). Called once a
+    /// collective after the latest exchange finished on this rank: every rank then finished
+    /// that exchange, so no survivor can go back further than the latest copies.
+    pub(crate) fn drop_older(&mut self) {
+        while self.snapshots.len() > 1 {
+            if let Some(old) = self.snapshots.pop_front() {
+                self.spare = old.kept;
+            }
+        }
     }
 
     /// The copies as of `at` steps, if still held.
@@ -151,25 +192,30 @@ impl Redundancy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::optim::SgdConfig;
     use std::sync::{Arc, Mutex};
 
     #[test]
-    fn the_last_two_steps_are_kept() {
+    fn the_last_two_steps_are_kept_until_the_older_is_dropped() {
         let group: SharedGroup = Arc::new(Mutex::new(ddp_comm::ProcessGroup::single()));
+        let optim: ModuleOptimizer = SgdConfig::new().init();
         let mut r = Redundancy::default();
         assert!(r.is_empty());
         for at in 0..3u64 {
-            r.exchange(&group, vec![at as u8], at).unwrap();
+            r.exchange(&group, &optim, at).unwrap();
         }
         assert_eq!(r.completed(), 2);
         assert!(r.at(0).is_none());
         let s = r.at(1).unwrap();
         // A world of one is its own predecessor.
-        assert_eq!(
-            (s.own.as_slice(), s.kept.as_slice()),
-            (&[1u8][..], &[1u8][..])
-        );
+        assert_eq!(s.kept, shard_bytes(&optim).unwrap().to_vec());
         assert!(r.at(2).is_some());
+        r.drop_older();
+        assert!(r.at(1).is_none() && r.at(2).is_some());
+        assert!(
+            !r.spare.is_empty(),
+            "the dropped copy's buffer is kept for the next"
+        );
         r.learn_ids(&group, &[7, 9]).unwrap();
         assert_eq!(*r.ids, vec![vec![7, 9]]);
         r.restart_at(7);

@@ -132,6 +132,22 @@ fn table(rows: &[Measured]) -> String {
             ),
         );
     }
+    for copies in rows
+        .iter()
+        .filter(|r| r.mode == "sharded, live-recovery copies")
+    {
+        if let Some(sharded) = rows
+            .iter()
+            .find(|b| b.ranks == copies.ranks && b.mode == "sharded")
+        {
+            s += &format!(
+                "\n{} ranks: the sharded step with live recovery's copies is {:.3} × the sharded \
+                 step without them.\n",
+                copies.ranks,
+                copies.step_ms / sharded.step_ms
+            );
+        }
+    }
     s += "\nWhere rank 0's step goes (medians, ms):\n\n";
     s += "| ranks | optimizer | backward | gradient sync | optimizer step | parameter all-gather | shard copies (live recovery) |\n";
     s += "|---|---|---|---|---|---|---|\n";
@@ -165,6 +181,21 @@ mod tests {
             "{t}"
         );
         assert!(parse("nothing").is_err());
+        let c = Measured {
+            mode: "sharded, live-recovery copies".into(),
+            step_ms: 130.0,
+            ..parse(out).unwrap()
+        };
+        let sharded = Measured {
+            mode: "sharded".into(),
+            step_ms: 104.0,
+            ..parse(out).unwrap()
+        };
+        let t = table(&[sharded, c]);
+        assert!(
+            t.contains("2 ranks: the sharded step with live recovery's copies is 1.250 × the sharded step without them."),
+            "{t}"
+        );
     }
 
     #[test]
