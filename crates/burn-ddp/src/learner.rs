@@ -12,11 +12,16 @@
 //! let model = ddp.replicate_model(MyModel::new(&device))?;          // same start everywhere
 //! let learner = Learner::new(DdpModel::new(&ddp, model), AdamConfig::new().init(), 1e-3);
 //! // train/valid: ShardedDataLoaderBuilder … .build_for(dataset, &ddp), each in an Arc
+//! // Rank 0 writes the checkpoints; after a restart (ddprun --max-restarts) every rank resumes.
+//! let checkpoints =
+//!     LearnerCheckpoints::open(&ddp, "runs/checkpoint", burn_ddp::recovery::restarted())?;
+//! if let Some(epoch) = checkpoints.resume_epoch() {
+//!     train.set_epoch(epoch as u64);                                    // the next epoch's order
+//! }
 //! let dir = format!("runs/rank{}", ddp.rank());                     // burn-train's logs, per rank
-//! let mut training = SupervisedTraining::new(dir, train, valid).num_epochs(10);
-//! if ddp.is_main() {
-//!     training = training.with_default_checkpointers();                 // rank 0 writes
-//! } else {
+//! let training = SupervisedTraining::new(dir, train, valid).num_epochs(10);
+//! let mut training = checkpoints.apply(training);
+//! if !ddp.is_main() {
 //!     training = training.renderer(Box::new(burn_ddp::SilentRenderer)); // others stay quiet
 //! }
 //! let result = training.launch(learner);
@@ -25,8 +30,10 @@
 //!
 //! - **Metrics**: rank 0 renders its own per-rank metrics; to report global values, average
 //!   them with [`crate::Ddp::average_scalar`] after `launch` (or inside a metric).
-//! - **Checkpoints**: enable checkpointers only on rank 0 (as above) and give each rank its
-//!   own artifact directory (burn-train writes logs there). `DdpModel`'s record is the inner
+//! - **Checkpoints**: [`LearnerCheckpoints`] (as above): rank 0 writes burn-train's three files
+//!   per epoch, the other ranks read them; after a restart every rank resumes after the last
+//!   epoch checkpointed whole, bitwise the job never killed (the train loader set to that
+//!   epoch). Give each rank its own artifact directory (burn-train writes logs there). `DdpModel`'s record is the inner
 //!   model's record (same parameter paths), so checkpoints load into the plain model.
 //! - **Gradient accumulation** (`grads_accumulation(n)`): burn-train accumulates locally and
 //!   calls `optimize` once per `n` batches, so ranks communicate only then.
@@ -51,6 +58,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::context::Ddp;
 use crate::grad_sync::{GradientSynchronizer, SyncStats};
+pub use crate::learner_checkpoints::LearnerCheckpoints;
 
 /// The synchroniser, whatever a panic elsewhere left it as (a failed sync panics, and the
 /// group is broken then anyway).

@@ -91,6 +91,8 @@ pub mod grad_sync;
 #[cfg(feature = "learner")]
 #[cfg_attr(docsrs, doc(cfg(feature = "learner")))]
 pub mod learner;
+#[cfg(feature = "learner")]
+mod learner_checkpoints;
 mod optimizer;
 mod panic_report;
 pub mod recovery;

@@ -138,21 +138,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Whether a launcher started this job again (`ddprun --max-restarts`, torchrun's
-/// `--max-restarts`, or a round of a multi-node job after a scale-up, `DDP_ROUND`): then a
-/// checkpoint the earlier attempt left is resumed without `--resume`.
-fn restarted() -> bool {
-    let vars = ddp_comm::env::RESTART_COUNT_VARS
-        .iter()
-        .chain([&ddp_comm::env::ROUND_VAR]);
-    vars.into_iter().any(|var| {
-        std::env::var(var)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .is_some_and(|n| n > 0)
-    })
-}
-
 fn run(args: Args) -> Result<(), TrainError> {
     let cfg = TrainConfig {
         batch_size: args.batch_size,
@@ -167,7 +152,7 @@ fn run(args: Args) -> Result<(), TrainError> {
         out: args.out,
         resume: args.resume,
         checkpoint_every_steps: args.checkpoint_every_steps,
-        resume_if_present: restarted(),
+        resume_if_present: burn_ddp::recovery::restarted(),
         progress: !args.no_progress && !args.quiet,
         quiet: args.quiet,
         eval_last_only: args.eval_last_only,

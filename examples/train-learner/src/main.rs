@@ -15,11 +15,16 @@
 //! needs its `tui` feature and a terminal of its own, which several ranks cannot share; the
 //! other ranks print nothing.
 //!
-//! **A lost rank**: live recovery (`ddprun --recover live`) does not cover a `Learner` job:
-//! burn-train 0.22.1's `TrainStep::optimize` cannot return an error and its loop gives no place
-//! to recover a failed step (docs/failures.md names the missing calls). A replacement started
-//! for this program stops at `init` with one line saying to run with `--recover restart`
-//! instead; a loop of one's own gets live recovery from `burn_ddp::recovery::LiveTraining`.
+//! **A lost rank**: the job restarts from its last checkpoint on its own. Under `ddprun
+//! --max-restarts K` the launcher starts the group again, and every rank resumes after the last
+//! epoch rank 0 checkpointed completely ([`LearnerCheckpoints`]: rank 0 writes, every rank
+//! reads), the train loader set to the next epoch: the job ends bitwise as the job never killed
+//! (tests/restart.rs), having lost the epoch that was running. Live recovery (`ddprun --recover
+//! live`) does not cover a `Learner` job: burn-train 0.22.1's `TrainStep::optimize` cannot
+//! return an error and its loop gives no place to recover a failed step (docs/failures.md
+//! names the missing calls). A replacement started for this program stops at `init` with one
+//! line saying to run with `--recover restart` instead; a loop of one's own gets live recovery
+//! from `burn_ddp::recovery::LiveTraining`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,6 +42,7 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::data::ShardedDataLoaderBuilder;
+use burn_ddp::learner::LearnerCheckpoints;
 use burn_ddp::{DdpModel, EpochLineRenderer, SilentRenderer};
 use clap::Parser;
 
@@ -60,8 +66,8 @@ struct Args {
     /// Seed of the weights and of the shuffling.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// burn-train's artifacts (rank 0's checkpoints, each rank's logs) and `params.f32`,
-    /// rank 0's final parameters.
+    /// burn-train's artifacts (rank 0's checkpoints under `checkpoint/`, each rank's logs) and
+    /// `params.f32`, rank 0's final parameters.
     #[arg(long, default_value = "runs/learner")]
     out: PathBuf,
 }
@@ -193,16 +199,29 @@ fn run(args: &Args) -> Result<(), String> {
         .build_for(InMemDataset::new(valid_items), &ddp)
         .map_err(|e| e.to_string())?;
 
+    // Rank 0 writes the checkpoints; after a restart every rank resumes from them.
+    let checkpoints = LearnerCheckpoints::open(
+        &ddp,
+        args.out.join("checkpoint"),
+        burn_ddp::recovery::restarted(),
+    )
+    .map_err(|e| e.to_string())?;
+    if let Some(epoch) = checkpoints.resume_epoch() {
+        train.set_epoch(epoch as u64);
+        if ddp.is_main() {
+            eprintln!("train-learner: restarted, resuming after epoch {epoch}");
+        }
+    }
+
     // Each rank its own artifact directory: burn-train writes its logs there.
     let dir = args.out.join(format!("rank{}", ddp.rank()));
     let learner = Learner::new(DdpModel::new(&ddp, model), SgdConfig::new().init(), args.lr);
     let mut training = SupervisedTraining::new(&dir, Arc::new(train), Arc::new(valid))
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .num_epochs(args.epochs);
+    training = checkpoints.apply(training);
     training = if ddp.is_main() {
-        training
-            .with_default_checkpointers()
-            .renderer(Box::new(EpochLineRenderer::new()))
+        training.renderer(Box::new(EpochLineRenderer::new()))
     } else {
         training.renderer(Box::new(SilentRenderer))
     };

@@ -55,8 +55,12 @@ fn two_ranks_of_batch_10_train_as_one_process_of_batch_20() {
         res.rank(1).stdout
     );
     assert!(
-        dir.path().join("one/rank0/checkpoint").exists(),
+        dir.path().join("two/checkpoint/model-2.bpk").exists(),
         "rank 0 writes checkpoints"
+    );
+    assert!(
+        !dir.path().join("two/rank1/checkpoint").exists(),
+        "rank 1 writes none"
     );
 }
 

@@ -48,11 +48,13 @@
 
 mod live;
 mod rank_buffers;
+mod restarted;
 mod sharded;
 mod step_start;
 pub(crate) mod unwind;
 
 pub use live::{LiveStart, LiveTraining, MaybeLostPeer};
+pub use restarted::restarted;
 pub use step_start::StepStart;
 
 use std::path::PathBuf;

@@ -6,7 +6,9 @@ use super::*;
 
 /// Rank `r`'s message in the tests: `len + r · 1001` bytes, each depending on `r` and its index.
 fn message(r: usize, len: usize) -> Vec<u8> {
-    (0..len + r * 1001).map(|i| (i * 7 + r * 13) as u8).collect()
+    (0..len + r * 1001)
+        .map(|i| (i * 7 + r * 13) as u8)
+        .collect()
 }
 
 #[test]
@@ -27,7 +29,11 @@ fn every_rank_receives_its_predecessors_message() {
                 });
                 for (r, first, second) in res {
                     let prev = (r + world - 1) % world;
-                    assert_eq!(first, message(prev, len), "rank {r}, {world} ranks, {len} B");
+                    assert_eq!(
+                        first,
+                        message(prev, len),
+                        "rank {r}, {world} ranks, {len} B"
+                    );
                     let inverted: Vec<u8> = message(prev, len).iter().map(|b| !b).collect();
                     assert_eq!(second, inverted, "rank {r}, second call");
                 }
@@ -47,7 +53,10 @@ fn a_rank_calling_something_else_fails_every_rank() {
         e.to_string()
     });
     for msg in res {
-        assert!(msg.contains("shift_bytes") && msg.contains("all_gather_varlen"), "{msg}");
+        assert!(
+            msg.contains("shift_bytes") && msg.contains("all_gather_varlen"),
+            "{msg}"
+        );
     }
 }
 
