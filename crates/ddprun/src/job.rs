@@ -239,10 +239,19 @@ impl Node<'_> {
             // A rank of this node lost while the others run is replaced by this launcher alone
             // (the other nodes' ranks re-form their group with it and their launchers see no
             // failure), charged to the job's budget in the shared state.
+            let adopted = info.adopted.contains(&node_rank);
+            if adopted {
+                eprintln!(
+                    "ddprun: {} takes over node {node_rank} of round {}, whose launcher was \
+                     lost: its ranks start as replacements in the running group",
+                    self.label, info.round
+                );
+            }
             let shared = super::Shared {
                 cfg,
                 notes: self.notes,
                 forwarding: self.forwarding,
+                rejoin: adopted,
             };
             let mut report = super::launch_once(
                 shared,

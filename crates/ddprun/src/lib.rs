@@ -151,6 +151,7 @@ pub fn launch(
             cfg,
             notes: &notes,
             forwarding: forwarding.as_ref(),
+            rejoin: false,
         };
         let mut report = launch_once(shared, &env, 0, program, args, &mut budget)?;
         report.attempt = attempt;
@@ -253,6 +254,9 @@ struct Shared<'a> {
     notes: &'a FailureNotes,
     /// The caught SIGINT/SIGTERM, with `forward_signals`.
     forwarding: Option<&'a SignalForwarding>,
+    /// This node's ranks start as replacements of lost ones in a running group
+    /// (`DDP_REJOIN=1`): a spare launcher that took over a lost node (`--recover live`).
+    rejoin: bool,
 }
 
 /// One attempt: starts the ranks with `env` (global ranks from `first_rank`), watches them
@@ -265,7 +269,9 @@ fn launch_once(
     args: &[impl AsRef<std::ffi::OsStr>],
     hooks: &mut dyn RoundHooks,
 ) -> Result<LaunchReport, LaunchError> {
-    let Shared { cfg, notes, .. } = shared;
+    let Shared {
+        cfg, notes, rejoin, ..
+    } = shared;
     let start = Instant::now();
     tracing::info!(
         program = ?program,
@@ -296,7 +302,7 @@ fn launch_once(
     };
     let mut ranks: Vec<Rank> = Vec::with_capacity(cfg.nproc_per_node);
     for local in 0..cfg.nproc_per_node {
-        match spawner.spawn(local, false) {
+        match spawner.spawn(local, rejoin) {
             Ok(child) => ranks.push(Rank {
                 rank: first_rank + local,
                 child,
@@ -382,6 +388,7 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
         cfg,
         notes,
         forwarding,
+        ..
     } = shared;
     let mut first_failure: Option<Failure> = None;
     // Failures a replacement process recovered (`--recover live`).

@@ -118,6 +118,11 @@ struct Args {
     /// job's first attempt.
     #[arg(long)]
     fail_at_step: Option<u64>,
+    /// `live`: before this step the victim waits for the file `kill-launcher-now` under
+    /// `--out` (60 s at most), then SIGKILLs its launcher (its parent): the whole node is lost,
+    /// the victim with it (its parent-death signal).
+    #[arg(long)]
+    kill_launcher_at_step: Option<u64>,
     /// `live`: the victim stops itself (SIGSTOP) before this step: a hung rank.
     #[arg(long)]
     stop_at_step: Option<u64>,
@@ -463,6 +468,19 @@ fn run_live(args: &Args, ddp: &Ddp) -> Result<(), String> {
             return Err(format!(
                 "failing on purpose before step {step} (--fail-at-step)"
             ));
+        }
+        if victim && args.kill_launcher_at_step == Some(step) {
+            let go = args.out.join("kill-launcher-now");
+            let waited = std::time::Instant::now();
+            while !go.exists() && waited.elapsed() < std::time::Duration::from_secs(60) {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            println!("KILLING LAUNCHER rank={rank} at={}", unix_ms());
+            // SAFETY: getppid and kill have no preconditions.
+            unsafe { libc::kill(libc::getppid(), libc::SIGKILL) };
+            // The parent-death signal follows; never go on as if nothing happened.
+            std::thread::sleep(std::time::Duration::from_secs(30));
+            return Err("the launcher was killed but this rank was not".into());
         }
         if victim && args.stop_at_step == Some(step) {
             println!("STOPPING rank={rank} at={}", unix_ms());

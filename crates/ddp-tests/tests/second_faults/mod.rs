@@ -531,3 +531,103 @@ fn the_source_lost_during_the_hand_over_never_leaves_a_fresh_model_as_the_state(
         }
     }
 }
+
+/// One launcher of one rank of the worker under `--nnodes 2:3 --recover live --max-restarts
+/// 1` (emulated host `node`, TCP), a last call of 1 s, with `extra` worker arguments.
+fn elastic_launcher(
+    dir: &Path,
+    node: usize,
+    port: &str,
+    token: &str,
+    extra: &[&str],
+) -> ddp_testkit::Launched {
+    let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
+    let ddprun = worker.with_file_name("ddprun");
+    let mut cmd = std::process::Command::new(&ddprun);
+    cmd.args(["--nnodes", "2:3", "--node-rank", &node.to_string()])
+        .args(["--nproc-per-node", "1", "--master-port", port])
+        .args([
+            "--recover",
+            "live",
+            "--max-restarts",
+            "1",
+            "--rdzv-last-call",
+            "1",
+        ])
+        .arg("--")
+        .arg(&worker)
+        .args(["--scenario", "live", "--steps", "12", "--out"])
+        .arg(dir)
+        .args(extra)
+        .envs(ENV.iter().copied())
+        .env("DDP_JOB_TOKEN", token)
+        .env("DDP_HOST_ID", format!("emulated-host-{node}"));
+    ddp_testkit::Launched::spawn(&mut cmd).expect("start ddprun")
+}
+
+/// A whole host lost, a spare waiting: nodes 0 and 1 (`--nnodes 2:3 --recover live`) form the
+/// round, node 2 arrives while it runs and waits as a spare (under live recovery a running
+/// round does not restart to admit it). Before step 5, node 1's rank SIGKILLs node 1's
+/// launcher (the rank dies with it): the rendezvous host hands node 1 over to the spare, whose
+/// launcher starts rank 1 as a replacement in the running group; rank 0 never stops. Nodes 0
+/// and 2 exit 0, and both ranks end bitwise as the two-launcher job never killed.
+#[test]
+fn a_lost_host_is_replaced_live_by_a_spare_launcher() {
+    use std::os::unix::process::ExitStatusExt;
+    let straight = tempfile::tempdir().unwrap();
+    let (ended, all) = two_launchers(straight.path(), &[], "1", ENV);
+    assert!(ended.iter().all(|e| e.status.success()), "{all}");
+    let victim = ["--victim", "1", "--kill-launcher-at-step", "5"];
+    let dir = tempfile::tempdir().unwrap();
+    let (port, token) = (
+        ddp_testkit::free_port().to_string(),
+        ddp_testkit::job_token(),
+    );
+    let mut launched: Vec<_> = (0..2)
+        .map(|node| elastic_launcher(dir.path(), node, &port, &token, &victim))
+        .collect();
+    // The round closes after the last call (1 s) with nodes 0 and 1; then the spare comes.
+    std::thread::sleep(Duration::from_secs(3));
+    launched.push(elastic_launcher(dir.path(), 2, &port, &token, &victim));
+    std::thread::sleep(Duration::from_millis(1500));
+    std::fs::write(dir.path().join("kill-launcher-now"), b"").unwrap();
+    let ended: Vec<_> = launched
+        .into_iter()
+        .map(|l| l.wait_for(Duration::from_secs(120)))
+        .collect();
+    let all = ended
+        .iter()
+        .enumerate()
+        .map(|(n, e)| format!("node {n} ({}):\n{}\n{}", e.status, e.stdout, e.stderr))
+        .collect::<Vec<_>>()
+        .join("\n");
+    // (The victim's own line went down with its launcher, which copied its output.)
+    assert!(
+        all.contains("rank 0: lost a peer in step 5") && all.contains("RECOVERED rank=1 step=5"),
+        "{all}"
+    );
+    assert_eq!(
+        ended[1].status.signal(),
+        Some(9),
+        "node 1's launcher was killed\n{all}"
+    );
+    assert!(
+        ended[0].status.success() && ended[2].status.success(),
+        "node 0 and the spare exit 0\n{all}"
+    );
+    assert!(
+        all.contains("replaced live on node 2")
+            && all.contains("takes over node 1 of round 0")
+            && !all.contains("restarting the group"),
+        "{all}"
+    );
+    for r in 0..2 {
+        let read = |d: &Path| std::fs::read(d.join(format!("rank{r}.f32"))).unwrap();
+        assert!(
+            read(straight.path()) == read(dir.path()),
+            "rank {r}'s parameters differ from the job never killed\n{all}"
+        );
+    }
+    let left = leftover_segments(&job_pids(&all));
+    assert!(left.is_empty(), "left behind: {left:?}\n{all}");
+}

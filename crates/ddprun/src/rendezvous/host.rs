@@ -212,6 +212,33 @@ struct Beat {
     changed: Duration,
 }
 
+/// How a launcher was lost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lost {
+    /// Every heartbeat connection it opened has ended: its process exited or was killed, and
+    /// its ranks (killed with it by their parent-death signal) are gone too.
+    Closed,
+    /// Its heartbeat did not advance for this long: stopped or cut off, its ranks perhaps
+    /// still running.
+    Silent(Duration),
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lost::Closed => write!(
+                f,
+                "its connection to the rendezvous closed (its ddprun exited or was killed)"
+            ),
+            Lost::Silent(silence) => write!(
+                f,
+                "it sent no heartbeat for {:.1} s (its ddprun was stopped or cut off)",
+                silence.as_secs_f64()
+            ),
+        }
+    }
+}
+
 /// What the host knows of the launchers' liveness.
 #[derive(Default)]
 struct Liveness {
@@ -219,7 +246,7 @@ struct Liveness {
 }
 
 impl Liveness {
-    /// `Some(why)` once launcher `id` is lost: every heartbeat connection it opened has ended
+    /// `Some(how)` once launcher `id` is lost: every heartbeat connection it opened has ended
     /// (killed: seen at once), or its heartbeat did not advance for `timeout` of the judge's
     /// running time `now` (stopped, cut off): a judge that was itself stopped does not count
     /// that time against the others.
@@ -229,16 +256,14 @@ impl Liveness {
         id: &str,
         timeout: Duration,
         now: Duration,
-    ) -> Result<Option<String>> {
+    ) -> Result<Option<Lost>> {
         let mut ns = PrefixStore::new(client, keys::LAUNCHERS);
         // `gone` first: a launcher that replaces its connection counts the new one before the
         // old one ends.
         let gone = ns.add(&keys::launcher_gone(id), 0)?;
         let opened = ns.add(&keys::launcher_connections(id), 0)?;
         if opened > 0 && gone >= opened {
-            return Ok(Some(
-                "its connection to the rendezvous closed (its ddprun exited or was killed)".into(),
-            ));
+            return Ok(Some(Lost::Closed));
         }
         let count = ns.add(&keys::launcher_heartbeat(id), 0)?;
         let beat = self.beats.entry(id.to_string()).or_insert(Beat {
@@ -252,12 +277,7 @@ impl Liveness {
             };
         }
         let silence = now.saturating_sub(beat.changed);
-        Ok((silence > timeout).then(|| {
-            format!(
-                "it sent no heartbeat for {:.1} s (its ddprun was stopped or cut off)",
-                silence.as_secs_f64()
-            )
-        }))
+        Ok((silence > timeout).then_some(Lost::Silent(silence)))
     }
 }
 
@@ -312,7 +332,7 @@ impl Coordinator {
         }
     }
 
-    fn lost(&mut self, id: &str) -> Result<Option<String>, StateError> {
+    fn lost(&mut self, id: &str) -> Result<Option<Lost>, StateError> {
         if id == self.host_id {
             // The host's own launcher is this process.
             return Ok(None);
@@ -481,6 +501,20 @@ impl Coordinator {
         self.last_running = Some(info.clone());
         for (id, label) in info.nodes.iter().zip(&info.labels) {
             if let Some(why) = self.lost(id)? {
+                // Killed, its ranks gone with it: a spare launcher may take its node over.
+                if why == Lost::Closed {
+                    let handed = change(&mut self.store, "hand over", |s| {
+                        s.hand_over(info.round, id)
+                    })?;
+                    if let (Some((node, spare, spent)), _) = handed {
+                        let max = state.job.max_restarts;
+                        eprintln!(
+                            "ddprun: {label} was lost: {why}; its node {node}'s ranks are \
+                             replaced live on {spare} (restart budget {spent} of {max} spent)"
+                        );
+                        return Ok(());
+                    }
+                }
                 let end = RoundEnd::new(
                     EndKind::Lost,
                     format!("ddprun: {label} was lost: {why} (round {})", info.round),
@@ -495,7 +529,10 @@ impl Coordinator {
         // A rank failure noted in the round ends it as a failure once its cause has settled:
         // no scale-up meanwhile.
         let failing = matches!(&state.phase, Phase::Running { failed, .. } if !failed.is_empty());
+        // Under live recovery a launcher that arrives while a round runs waits as a spare
+        // (see `State::hand_over`) instead of restarting the group to admit it.
         if !failing
+            && !state.job.live_recovery
             && info.nodes.len() < state.job.max_nodes
             && let Some(j) = state.waiting.iter().find(|j| !info.nodes.contains(&j.id))
         {

@@ -122,6 +122,11 @@ pub(crate) struct RoundInfo {
     pub stop_within_ms: u64,
     /// Rounds that ended in a failure before this one (they count against `--max-restarts`).
     pub failures_before: usize,
+    /// Node ranks whose launcher was lost while the round ran and was replaced by a spare
+    /// launcher (`--recover live`): that launcher starts the node's ranks as replacements of
+    /// lost ones (`DDP_REJOIN=1`) in the running group.
+    #[serde(default)]
+    pub adopted: Vec<usize>,
 }
 
 impl RoundInfo {
@@ -302,6 +307,7 @@ mod tests {
             master_port: 1234,
             stop_within_ms: 0,
             failures_before,
+            adopted: Vec::new(),
         }
     }
 

@@ -240,6 +240,7 @@ impl State {
             master_port: master.master_port,
             stop_within_ms: nodes.iter().map(|j| j.stop_within_ms).max().unwrap_or(0),
             failures_before: self.failures,
+            adopted: Vec::new(),
         };
         self.waiting.retain(|j| !info.nodes.contains(&j.id));
         self.round_replaced.clear();
@@ -318,6 +319,45 @@ impl State {
             self.round_replaced.push(rank);
         }
         Ok(spent + 1)
+    }
+
+    /// Hands the node of launcher `lost` in the running round `round` over to the first
+    /// waiting launcher (a spare, `--recover live`): the spare takes the lost launcher's node
+    /// rank and starts its ranks as replacements in the running group, each charged to the
+    /// budget as a live replacement. `Some((node rank, the spare's label, budget spent))`;
+    /// `None` — the round then ends as for any lost launcher — when live recovery is off, the
+    /// round is not running or a failure is noted in it, the lost node is the round's node 0
+    /// (its launcher serves the ranks' store, which went with it), nobody waits, or the budget
+    /// has no room for all of the node's ranks.
+    pub fn hand_over(&mut self, round: u64, lost: &str) -> Option<(usize, String, usize)> {
+        let Phase::Running { info, failed, .. } = &mut self.phase else {
+            return None;
+        };
+        let node = info.node_rank(lost)?;
+        let nproc = info.nproc_per_node;
+        let spent = self.failures + self.replacements;
+        if !self.job.live_recovery
+            || info.round != round
+            || !failed.is_empty()
+            || node == 0
+            || spent + nproc > self.job.max_restarts
+        {
+            return None;
+        }
+        let mut waiting = self.waiting.clone();
+        waiting.sort_by_key(|j| (j.requested_node_rank, j.arrival));
+        let spare = waiting.into_iter().next()?;
+        info.nodes[node] = spare.id.clone();
+        info.labels[node] = spare.label.clone();
+        info.adopted.push(node);
+        self.waiting.retain(|j| j.id != spare.id);
+        self.replacements += nproc;
+        for rank in node * nproc..(node + 1) * nproc {
+            if !self.round_replaced.contains(&rank) {
+                self.round_replaced.push(rank);
+            }
+        }
+        Some((node, spare.label, spent + nproc))
     }
 
     /// Reports global rank `rank` of round `round` as hung (a rank of another node waited for
@@ -577,6 +617,53 @@ mod tests {
 
     fn failed(code: i32) -> RoundEnd {
         RoundEnd::new(EndKind::Failed, "rank 1 failed".into(), code)
+    }
+
+    /// Under live recovery a lost launcher's node goes to the first spare waiting: it takes
+    /// the node rank, its ranks are charged as replacements, and the round runs on. Not for
+    /// node 0 (the ranks' store went with it), without a spare, beyond the budget, with a
+    /// failure noted, or without live recovery: then the round ends as for any lost launcher.
+    #[test]
+    fn a_spare_takes_a_lost_node_over_under_live_recovery_only() {
+        let live = |restarts| NodeSpec {
+            live_recovery: true,
+            ..spec(2, 3, restarts)
+        };
+        let running = |job: NodeSpec| {
+            let mut s = State::new(job);
+            s.join(joiner("host", 0, 1));
+            s.join(joiner("n1", 1, 2));
+            s.close().unwrap();
+            s
+        };
+        let mut s = running(live(2));
+        assert_eq!(s.hand_over(0, "n1"), None, "nobody waits");
+        assert!(s.join(joiner("spare", 2, 3)));
+        assert_eq!(
+            s.hand_over(0, "host"),
+            None,
+            "node 0 serves the ranks' store"
+        );
+        assert_eq!(s.hand_over(1, "n1"), None, "another round");
+        assert_eq!(s.hand_over(0, "n1"), Some((1, "node 2".into(), 2)));
+        let info = s.running().unwrap();
+        assert_eq!(info.nodes, vec!["host".to_string(), "spare".into()]);
+        assert_eq!(info.adopted, vec![1]);
+        assert!(s.waiting.is_empty() && s.budget_spent() == 2);
+        assert_eq!(s.round_replaced, vec![2, 3]);
+        // The budget must hold every rank of the node.
+        let mut s = running(live(1));
+        s.join(joiner("spare", 2, 3));
+        assert_eq!(s.hand_over(0, "n1"), None);
+        // Without live recovery, a lost launcher ends the round as ever.
+        let mut s = running(spec(2, 3, 5));
+        s.join(joiner("spare", 2, 3));
+        assert_eq!(s.hand_over(0, "n1"), None);
+        // A failure noted first wins.
+        let mut s = running(live(5));
+        s.join(joiner("spare", 2, 3));
+        assert!(s.note_failure(0, "host", failed(3), Cause::Own, true));
+        assert_eq!(s.hand_over(0, "n1"), None);
     }
 
     /// One budget for the job: live replacements on any node and failed rounds together. A
