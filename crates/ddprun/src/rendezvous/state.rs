@@ -326,11 +326,12 @@ impl State {
     /// rank and starts its ranks as replacements in the running group, each charged to the
     /// budget as a live replacement. `Some((node rank, the spare's label, budget spent))`;
     /// `None` — the round then ends as for any lost launcher — when live recovery is off, the
-    /// round is not running or a failure is noted in it, the lost node is the round's node 0
+    /// round is not running or a failure is noted in it, a node's ranks already all exited 0
+    /// (a group whose ranks have finished cannot re-form), the lost node is the round's node 0
     /// (its launcher serves the ranks' store, which went with it), nobody waits, or the budget
     /// has no room for all of the node's ranks.
     pub fn hand_over(&mut self, round: u64, lost: &str) -> Option<(usize, String, usize)> {
-        let Phase::Running { info, failed, .. } = &mut self.phase else {
+        let Phase::Running { info, failed, done } = &mut self.phase else {
             return None;
         };
         let node = info.node_rank(lost)?;
@@ -339,6 +340,7 @@ impl State {
         if !self.job.live_recovery
             || info.round != round
             || !failed.is_empty()
+            || !done.is_empty()
             || node == 0
             || spent + nproc > self.job.max_restarts
         {
@@ -658,6 +660,11 @@ mod tests {
         // Without live recovery, a lost launcher ends the round as ever.
         let mut s = running(spec(2, 3, 5));
         s.join(joiner("spare", 2, 3));
+        assert_eq!(s.hand_over(0, "n1"), None);
+        // Once a node's ranks have all finished, the group cannot re-form.
+        let mut s = running(live(5));
+        s.join(joiner("spare", 2, 3));
+        assert!(s.mark_done(0, "host"));
         assert_eq!(s.hand_over(0, "n1"), None);
         // A failure noted first wins.
         let mut s = running(live(5));
