@@ -475,15 +475,7 @@ fn on_two_launchers_a_hung_rank_is_killed_by_its_own_launcher() {
         ended.iter().all(|e| e.after < Duration::from_secs(20)),
         "{all}"
     );
-    for r in 0..2 {
-        let read = |d: &Path| std::fs::read(d.join(format!("rank{r}.f32"))).unwrap();
-        assert!(
-            read(straight.path()) == read(stopped.path()),
-            "rank {r}: the parameters differ from the run never stopped\n{all}"
-        );
-    }
-    let left = leftover_segments(&job_pids(&all));
-    assert!(left.is_empty(), "left behind: {left:?}\n{all}");
+    two_ranks_end_as_never_killed_and_leave_nothing(straight.path(), stopped.path(), &all);
 }
 
 /// Two ranks: rank 1 dies before step 5, and rank 0 — the only rank that holds the state —
@@ -621,13 +613,19 @@ fn a_lost_host_is_replaced_live_by_a_spare_launcher() {
             && !all.contains("restarting the group"),
         "{all}"
     );
+    two_ranks_end_as_never_killed_and_leave_nothing(straight.path(), dir.path(), &all);
+}
+
+/// Ranks 0 and 1 wrote the parameters of the job never killed (`straight`) into `dir`, and the
+/// job's processes (named in `all`, everything the launchers printed) left nothing behind.
+fn two_ranks_end_as_never_killed_and_leave_nothing(straight: &Path, dir: &Path, all: &str) {
     for r in 0..2 {
         let read = |d: &Path| std::fs::read(d.join(format!("rank{r}.f32"))).unwrap();
         assert!(
-            read(straight.path()) == read(dir.path()),
-            "rank {r}'s parameters differ from the job never killed\n{all}"
+            read(straight) == read(dir),
+            "rank {r}: the parameters differ from the job never killed\n{all}"
         );
     }
-    let left = leftover_segments(&job_pids(&all));
+    let left = leftover_segments(&job_pids(all));
     assert!(left.is_empty(), "left behind: {left:?}\n{all}");
 }
