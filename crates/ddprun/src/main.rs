@@ -47,7 +47,9 @@ struct Args {
     nproc_per_node: u32,
     /// Nodes in the job, N or MIN:MAX (each runs its own ddprun; set DDP_JOB_TOKEN to one
     /// value on all). With MIN:MAX a round starts with MAX nodes, or with at least MIN once
-    /// --rdzv-last-call has passed; a node that joins later is admitted by restarting the group.
+    /// --rdzv-last-call has passed; a node that joins later is admitted by restarting the group
+    /// (under --recover live it waits as a spare instead, and takes over a node whose ddprun
+    /// is killed, live).
     #[arg(long, default_value = "1", value_parser = parse_nnodes, value_name = "N|MIN:MAX")]
     nnodes: (u32, u32),
     /// This node's index. Node 0 hosts the launchers' rendezvous; a round ranks its nodes by
@@ -123,7 +125,9 @@ struct Args {
     /// group again (within --max-restarts); `live` replaces a lost rank (0 included) by a new
     /// process with DDP_REJOIN=1, started by its node's launcher, while the others keep
     /// running and re-form their group with it (each replacement counts against this node's
-    /// --max-restarts; other failures stop every rank). Under `live` the launcher of rank 0
+    /// --max-restarts; other failures stop every rank). On several nodes a spare launcher
+    /// (one that joined while the round ran) takes over a node whose ddprun was killed, its
+    /// ranks replacements in the running group. Under `live` the launcher of rank 0
     /// serves the ranks' store at MASTER_PORT (DDP_LAUNCHER_STORE=1): the program's rank 0
     /// must connect to it rather than serve one (burn-ddp's does).
     #[arg(long, value_enum, default_value_t = Recover::Restart)]

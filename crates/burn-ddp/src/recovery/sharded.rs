@@ -1,6 +1,7 @@
 //! Live recovery with a sharded optimizer (ZeRO-1): each rank's shard comes back from the copies
 //! the optimizer keeps when the program recovers live (`sharding::redundancy`: after every
-//! step, each rank's own shard and its predecessor's, as of the last two finished steps).
+//! step, each rank's own shard and its predecessor's, as of the last finished step, and of the
+//! one before until the next step's update).
 //!
 //! The survivors may stand one step apart: the peer died after some of them had finished the
 //! step's last collective (the copies' exchange) and before the others had. Unsharded, the run

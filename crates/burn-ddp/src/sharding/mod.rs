@@ -45,8 +45,9 @@
 //! owns under the new world size.
 //!
 //! **Live recovery**: when the program recovers live ([`crate::Ddp::recovers_live`]), each rank
-//! also keeps a copy of its predecessor's shard after every step (`redundancy.rs`: one
-//! all-gather of the shards per step), so that a lost rank's shard lives on in its successor.
+//! also keeps a copy of its predecessor's shard after every step (`redundancy.rs`: each rank
+//! sends its shard to its successor, point to point), so that a lost rank's shard lives on in
+//! its successor.
 //!
 //! The module holds the whole sharded path: the owners ([`assign_owners`], `plan.rs`), the
 //! owner-major layout of what moves (`owner_streams.rs`), the gradients' reduce-scatter to
@@ -114,8 +115,8 @@ pub struct ShardStats {
     pub optimizer_step: std::time::Duration,
     /// Time the parameter all-gather took (copies included).
     pub gather: std::time::Duration,
-    /// Time live recovery's copies of the shards took (serialising this rank's shard and the
-    /// all-gather that leaves each rank its predecessor's); zero without live recovery.
+    /// Time live recovery's copies of the shards took (serialising this rank's shard, sending
+    /// it to the successor and receiving the predecessor's); zero without live recovery.
     pub shard_copies: std::time::Duration,
 }
 
@@ -155,8 +156,10 @@ impl Sharding {
             .expect("prepared before the gradient sync");
         let stepped = owned.present;
         if let Some(redundancy) = &mut self.redundancy {
-            // The gradients' reduction finished here: every rank finished the last exchange,
-            // so the older copies go before the update makes the new state beside them.
+            // This step's host all-reduce of which parameters have gradients (made by every
+            // rank before its update, on the NCCL path too) finished here: every rank finished
+            // the last exchange, so the older copies go before the update makes the new state
+            // beside them.
             redundancy.drop_older();
         }
         let t = std::time::Instant::now();
@@ -348,10 +351,7 @@ impl Sharding {
                 }
             }
             (None, Some(plan)) => {
-                let own = optim
-                    .into_bytes()
-                    .map_err(|e| ShardingError::State(format!("this rank's shard: {e}")))?
-                    .to_vec();
+                let own = redundancy::shard_bytes(optim)?.to_vec();
                 let to_root: std::collections::HashMap<u64, u64> = plan
                     .params
                     .iter()

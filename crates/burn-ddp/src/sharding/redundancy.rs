@@ -1,7 +1,8 @@
 //! A second copy of every rank's optimizer shard, for live recovery with a sharded optimizer
 //! (ZeRO-1 under `ddprun --recover live`): a lost rank's shard exists nowhere else, so after
 //! every step each rank keeps its own shard and its predecessor's (rank `r` keeps rank
-//! `r − 1`'s, modulo the world size), as of the last two finished steps. A lost rank's shard
+//! `r − 1`'s, modulo the world size), as of the last finished step (and the one before, from a
+//! step's end until the next step's update). A lost rank's shard
 //! then lives on in its successor, at the step every survivor can go back to (see
 //! `recovery::sharded`); two neighbouring ranks lost together take a shard with them.
 //!
@@ -12,9 +13,12 @@
 //! itself (a clone: its state tensors are shared, not copied); it becomes bytes only at a
 //! recovery. Every rank's ids in the model's visit order are all-gathered once per plan, so
 //! that a copy is re-keyed by parameter position (the same in every process) only when a
-//! recovery needs it. The older copies are dropped as soon as the next step's first collective
-//! shows that every rank finished the last exchange ([`Redundancy::drop_older`]): at most two
-//! steps' copies are held, one of them only from the end of a step to the next step's update.
+//! recovery needs it. The older copies are dropped once a collective of the next step that
+//! every rank takes part in has finished on this rank — the host all-reduce of which
+//! parameters have gradients, made every step before the update (`owned_gradients.rs`), also
+//! on the NCCL path — which shows that every rank finished the last exchange
+//! ([`Redundancy::drop_older`]): at most two steps' copies are held, one of them only from the
+//! end of a step to the next step's update.
 //! It is only on when the program recovers live.
 
 use std::collections::{HashMap, VecDeque};
@@ -89,7 +93,7 @@ fn by_position(shard: &[u8], ids: &[u64]) -> Result<Vec<u8>> {
 }
 
 /// The copies of the last finished steps (two at most).
-#[derive(Debug, Clone, Default)]
+#[derive(Default)]
 pub(crate) struct Redundancy {
     /// Steps this optimizer finished (its exchange included).
     completed: u64,
@@ -99,6 +103,28 @@ pub(crate) struct Redundancy {
     spare: Vec<u8>,
     /// Every rank's ids under the current plan.
     ids: IdsByRank,
+}
+
+impl std::fmt::Debug for Redundancy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Redundancy")
+            .field("completed", &self.completed)
+            .field("snapshots", &self.snapshots)
+            .field("spare_bytes", &self.spare.capacity())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Clone for Redundancy {
+    /// The copies, without the spare buffer (a clone allocates its own at its next exchange).
+    fn clone(&self) -> Self {
+        Redundancy {
+            completed: self.completed,
+            snapshots: self.snapshots.clone(),
+            spare: Vec::new(),
+            ids: self.ids.clone(),
+        }
+    }
 }
 
 impl Redundancy {
@@ -146,14 +172,17 @@ impl Redundancy {
         optim: &ModuleOptimizer,
         at: u64,
     ) -> Result<()> {
-        // Called after this step's collectives: every rank finished the previous exchange.
+        // (Normally done already before the step's update, see `Sharding::step`; a no-op then.)
         self.drop_older();
+        // Serialised before taking the group: the group stays free meanwhile.
+        let own = shard_bytes(optim)?;
         let mut g = comm::lock(group);
         let (rank, world) = (g.rank(), g.world_size());
         // (In a world of one, a copy of its own: it is its own predecessor.)
         let mut kept = std::mem::take(&mut self.spare);
-        g.shift_bytes(&shard_bytes(optim)?, &mut kept)?;
+        g.shift_bytes(&own, &mut kept)?;
         drop(g);
+        drop(own);
         self.snapshots.push_back(Snapshot {
             at,
             own: optim.clone(),
@@ -167,8 +196,9 @@ impl Redundancy {
     }
 
     /// Drops every copy but the latest (its buffer kept for the next exchange). Called once a
-    /// collective after the latest exchange finished on this rank: every rank then finished
-    /// that exchange, so no survivor can go back further than the latest copies.
+    /// collective every rank takes part in finished on this rank after the latest exchange:
+    /// every rank then finished that exchange, so no survivor can go back further than the
+    /// latest copies.
     pub(crate) fn drop_older(&mut self) {
         while self.snapshots.len() > 1 {
             if let Some(old) = self.snapshots.pop_front() {

@@ -148,10 +148,11 @@ exec "$@"
 /// The first rank of node 1 (`$NODE1_FIRST_RANK`), not a replacement, SIGKILLs its launcher
 /// (its parent: `$PPID` of this shell) `$KILL_AFTER_MS` after the first checkpoint exists and
 /// the spare launcher waits (`$SPARE_READY` made by the bench); every rank of node 1 dies with
-/// it (their parent-death signal).
+/// it (their parent-death signal). The watchers give up after the launch's deadline.
 const KILL_HOST_1: &str = r#"
 if [ "$RANK" = "$NODE1_FIRST_RANK" ] && [ "$DDP_REJOIN" != 1 ] && [ -n "$KILL_AFTER_MS" ]; then
-  ( while [ ! -f "$CHECKPOINT" ] || [ ! -f "$SPARE_READY" ]; do sleep 0.05; done
+  ( i=0; while [ ! -f "$CHECKPOINT" ] || [ ! -f "$SPARE_READY" ]; do
+      i=$((i + 1)); [ $i -gt 12000 ] && exit 0; sleep 0.05; done
     sleep "$(awk "BEGIN { print $KILL_AFTER_MS / 1000 }")"
     kill -9 $PPID ) &
 fi
@@ -162,7 +163,8 @@ exec "$@"
 /// 0's checkpoint of epoch 1 is whole (its scheduler file, the last of three, in place).
 const KILL_LEARNER_RANK_1: &str = r#"
 if [ "$RANK" = 1 ] && [ "$DDP_RESTART_COUNT" = 0 ] && [ -n "$KILL_AFTER_MS" ]; then
-  ( while [ ! -f "$OUT/checkpoint/scheduler-1.bpk" ]; do sleep 0.05; done
+  ( i=0; while [ ! -f "$OUT/checkpoint/scheduler-1.bpk" ]; do
+      i=$((i + 1)); [ $i -gt 12000 ] && exit 0; sleep 0.05; done
     sleep "$(awk "BEGIN { print $KILL_AFTER_MS / 1000 }")"
     kill -9 $$ ) &
 fi

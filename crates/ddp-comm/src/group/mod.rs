@@ -605,7 +605,8 @@ impl ProcessGroup {
     /// Sends `input` (any length) to the next rank (`rank + 1`, modulo the world size) and
     /// receives the previous rank's into `out` (replaced; its allocation is kept when the
     /// length is unchanged, so a buffer handed back each call is not faulted in again). Every
-    /// rank moves its own message once, point to point. In a world of one `out` becomes a copy
+    /// rank moves its own message once, point to point (a message of 64 KiB or less rides in
+    /// the header exchange, which reaches every rank). In a world of one `out` becomes a copy
     /// of `input`.
     pub fn shift_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<()> {
         let _span = self.trace_op("shift_bytes", "u8", Some(input.len()), None);

@@ -578,10 +578,12 @@ fn a_lost_host_is_replaced_live_by_a_spare_launcher() {
     let mut launched: Vec<_> = (0..2)
         .map(|node| elastic_launcher(dir.path(), node, &port, &token, &victim))
         .collect();
-    // The round closes after the last call (1 s) with nodes 0 and 1; then the spare comes.
-    std::thread::sleep(Duration::from_secs(3));
+    // The round closes after the last call (1 s) with nodes 0 and 1; then the spare comes, and
+    // is given time to join (a few milliseconds when the machine is idle; CI runs tests side
+    // by side).
+    std::thread::sleep(Duration::from_secs(4));
     launched.push(elastic_launcher(dir.path(), 2, &port, &token, &victim));
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_secs(3));
     std::fs::write(dir.path().join("kill-launcher-now"), b"").unwrap();
     let ended: Vec<_> = launched
         .into_iter()

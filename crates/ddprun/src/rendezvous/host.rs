@@ -82,6 +82,7 @@ impl Host {
                         gathering: None,
                         last_running: None,
                         previous: None,
+                        closed_since: HashMap::new(),
                     };
                     if let Err(e) = c.run() {
                         // A request that timed out while this process was stopped is the
@@ -297,7 +298,16 @@ struct Coordinator {
     last_running: Option<RoundInfo>,
     /// While gathering: the round that ran before, and when the gathering began.
     previous: Option<(RoundInfo, Instant)>,
+    /// Launchers of the running round seen with every connection closed, and since when: a
+    /// hand-over to a spare waits until that has lasted [`CLOSED_FOR_HAND_OVER`].
+    closed_since: HashMap<String, Instant>,
 }
+
+/// How long a launcher's connections must stay closed before its node is handed to a spare:
+/// a launcher whose heartbeat connection broke opens a new one only after the old one closed,
+/// and in between it looks as a killed one does. Starting ranks in its place while it still
+/// runs them would put two processes on one rank.
+const CLOSED_FOR_HAND_OVER: Duration = Duration::from_secs(1);
 
 impl Coordinator {
     /// Watches and moves the state until the job is over or the host stops it.
@@ -500,9 +510,21 @@ impl Coordinator {
     fn monitor(&mut self, state: &State, info: &RoundInfo) -> Result<(), StateError> {
         self.last_running = Some(info.clone());
         for (id, label) in info.nodes.iter().zip(&info.labels) {
-            if let Some(why) = self.lost(id)? {
-                // Killed, its ranks gone with it: a spare launcher may take its node over.
-                if why == Lost::Closed {
+            let why = self.lost(id)?;
+            if why != Some(Lost::Closed) {
+                self.closed_since.remove(id);
+            }
+            if let Some(why) = why {
+                // Killed, its ranks gone with it: a spare launcher may take its node over,
+                // once the connections stayed closed long enough to rule out a reconnection.
+                if why == Lost::Closed && state.job.live_recovery && !state.waiting.is_empty() {
+                    let since = *self
+                        .closed_since
+                        .entry(id.clone())
+                        .or_insert_with(Instant::now);
+                    if since.elapsed() < CLOSED_FOR_HAND_OVER {
+                        return Ok(());
+                    }
                     let handed = change(&mut self.store, "hand over", |s| {
                         s.hand_over(info.round, id)
                     })?;

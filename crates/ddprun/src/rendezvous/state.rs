@@ -352,9 +352,13 @@ impl State {
         info.nodes[node] = spare.id.clone();
         info.labels[node] = spare.label.clone();
         info.adopted.push(node);
+        info.stop_within_ms = info.stop_within_ms.max(spare.stop_within_ms);
         self.waiting.retain(|j| j.id != spare.id);
         self.replacements += nproc;
-        for rank in node * nproc..(node + 1) * nproc {
+        let ranks = node * nproc..(node + 1) * nproc;
+        // The lost ranks' replacements are not the hung processes reported before.
+        self.hung.retain(|r| !ranks.contains(r));
+        for rank in ranks {
             if !self.round_replaced.contains(&rank) {
                 self.round_replaced.push(rank);
             }
@@ -653,6 +657,12 @@ mod tests {
         assert_eq!(info.adopted, vec![1]);
         assert!(s.waiting.is_empty() && s.budget_spent() == 2);
         assert_eq!(s.round_replaced, vec![2, 3]);
+        // A rank of the lost node reported hung before: its replacement is not.
+        let mut s = running(live(2));
+        assert!(s.report_hung(0, 3) && s.report_hung(0, 1));
+        s.join(joiner("spare", 2, 3));
+        assert!(s.hand_over(0, "n1").is_some());
+        assert_eq!(s.hung, vec![1]);
         // The budget must hold every rank of the node.
         let mut s = running(live(1));
         s.join(joiner("spare", 2, 3));
