@@ -1,10 +1,11 @@
 //! A `Learner` job that loses a rank restarts from its last checkpoint on its own and ends
-//! bitwise as the job never killed: under `ddprun --max-restarts 1`, rank 1 of the first
-//! attempt is SIGKILLed soon after rank 0's checkpoint of epoch 1 is whole (an epoch takes a
-//! fraction of a second here, so the kill lands in epoch 2 or a little later); the launcher
-//! starts the group again, every rank resumes after the last epoch checkpointed whole
-//! (`LearnerCheckpoints`, the train loader set to that epoch), and the final parameters and
-//! every epoch line printed after the resume are those of the same job never killed.
+//! bitwise as the job never killed, on one launcher and on two: under `ddprun --max-restarts
+//! 1`, rank 1 of the first attempt is SIGKILLed soon after rank 0's checkpoint of epoch 1 is
+//! whole (an epoch takes a fraction of a second here, so the kill lands in epoch 2 or a little
+//! later); the launchers start the group again, every rank resumes after the last epoch
+//! checkpointed whole (`LearnerCheckpoints`, the train loader set to that epoch), and the final
+//! parameters and every epoch line printed after the resume are those of the same job never
+//! killed.
 
 use std::path::Path;
 use std::time::Duration;
@@ -32,9 +33,22 @@ fi
 exec "$@"
 "#;
 
-/// `ddprun` with 2 ranks of train-learner (`EPOCHS` epochs) writing to `out`, through `sh -c
-/// KILL_RANK_1_IN_EPOCH_2` when `kill`.
-fn launch(out: &Path, kill: bool) -> ddp_testkit::Finished {
+/// What a job's launchers printed and how they ended.
+struct Ended {
+    /// Every launcher exited 0.
+    success: bool,
+    /// Their stdout, node 0's first.
+    stdout: String,
+    /// Their stderr, node 0's first.
+    stderr: String,
+    /// Their exit statuses, for messages.
+    statuses: String,
+}
+
+/// The job on `nodes` launchers (one of 2 ranks, or two of 1 rank each on emulated hosts under
+/// one job token), train-learner (`EPOCHS` epochs) writing to `out`, through `sh -c
+/// KILL_RANK_1_IN_EPOCH_2` when `kill`, `--max-restarts 1`.
+fn launch(out: &Path, kill: bool, nodes: usize) -> Ended {
     let ddprun = Path::new(PROGRAM).with_file_name("ddprun");
     assert!(
         ddprun.exists(),
@@ -42,22 +56,43 @@ fn launch(out: &Path, kill: bool) -> ddp_testkit::Finished {
         ddprun.display()
     );
     let port = ddp_testkit::free_port().to_string();
-    let mut cmd = std::process::Command::new(&ddprun);
-    cmd.args(["--nproc-per-node", "2", "--master-port", &port])
-        .args(["--max-restarts", "1", "--"]);
-    if kill {
-        cmd.args(["sh", "-c", KILL_RANK_1_IN_EPOCH_2, "sh"]);
+    let token = ddp_testkit::job_token();
+    let launched: Vec<Launched> = (0..nodes)
+        .map(|node| {
+            let mut cmd = std::process::Command::new(&ddprun);
+            cmd.args(["--master-port", &port, "--max-restarts", "1"]);
+            if nodes == 1 {
+                cmd.args(["--nproc-per-node", "2"]);
+            } else {
+                cmd.args(["--nproc-per-node", "1", "--nnodes", "2"])
+                    .args(["--node-rank", &node.to_string()])
+                    .env("DDP_JOB_TOKEN", &token)
+                    .env("DDP_HOST_ID", format!("emulated-host-{node}"));
+            }
+            cmd.arg("--");
+            if kill {
+                cmd.args(["sh", "-c", KILL_RANK_1_IN_EPOCH_2, "sh"]);
+            }
+            cmd.arg(PROGRAM)
+                .args(["--epochs", &EPOCHS.to_string(), "--train-size", "3000"])
+                .args(["--batch-size", "10"])
+                .arg("--out")
+                .arg(out)
+                .env("OUT", out)
+                .env("RAYON_NUM_THREADS", "1");
+            Launched::spawn(&mut cmd).expect("start ddprun")
+        })
+        .collect();
+    let finished: Vec<_> = launched.into_iter().map(|l| l.wait_for(DEADLINE)).collect();
+    Ended {
+        success: finished.iter().all(|f| f.status.success()),
+        stdout: finished.iter().map(|f| f.stdout.as_str()).collect(),
+        stderr: finished.iter().map(|f| f.stderr.as_str()).collect(),
+        statuses: format!(
+            "{:?}",
+            finished.iter().map(|f| f.status).collect::<Vec<_>>()
+        ),
     }
-    cmd.arg(PROGRAM)
-        .args(["--epochs", &EPOCHS.to_string(), "--train-size", "3000"])
-        .args(["--batch-size", "10"])
-        .arg("--out")
-        .arg(out)
-        .env("OUT", out)
-        .env("RAYON_NUM_THREADS", "1");
-    Launched::spawn(&mut cmd)
-        .expect("start ddprun")
-        .wait_for(DEADLINE)
 }
 
 /// Rank 0's last line that starts with `prefix`.
@@ -68,26 +103,24 @@ fn last_line<'a>(stdout: &'a str, prefix: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no line {prefix:?} of rank 0 in:\n{stdout}"))
 }
 
-#[test]
-fn a_learner_job_that_loses_a_rank_resumes_from_its_checkpoint_bitwise() {
+/// The job never killed and the job with rank 1 killed, on `nodes` launchers: the killed one
+/// restarts, resumes after a whole epoch, and ends bitwise as the other.
+fn resumes_bitwise(nodes: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let never = launch(&dir.path().join("never"), false);
+    let never = launch(&dir.path().join("never"), false, nodes);
     assert!(
-        never.status.success(),
+        never.success,
         "the job never killed: {}\n{}\n{}",
-        never.status,
-        never.stdout,
-        never.stderr
+        never.statuses, never.stdout, never.stderr
     );
-    let killed = launch(&dir.path().join("killed"), true);
+    let killed = launch(&dir.path().join("killed"), true, nodes);
     let log = format!(
-        "{}\nstdout:\n{}\nstderr:\n{}",
-        killed.status, killed.stdout, killed.stderr
+        "{nodes} launcher(s), {}\nstdout:\n{}\nstderr:\n{}",
+        killed.statuses, killed.stdout, killed.stderr
     );
-    assert!(killed.status.success(), "the killed job: {log}");
+    assert!(killed.success, "the killed job: {log}");
     assert!(
-        killed.stderr.contains("rank 1 was killed by signal 9")
-            || killed.stdout.contains("rank 1 was killed by signal 9"),
+        killed.stderr.contains("rank 1 was killed by signal 9"),
         "rank 1 was not killed: {log}"
     );
     let resumed_after: usize = killed
@@ -116,4 +149,16 @@ fn a_learner_job_that_loses_a_rank_resumes_from_its_checkpoint_bitwise() {
             );
         }
     }
+}
+
+#[test]
+fn a_learner_job_that_loses_a_rank_resumes_from_its_checkpoint_bitwise() {
+    resumes_bitwise(1);
+}
+
+/// The same on two launchers (`--nnodes 2`, emulated hosts): node 1's rank is killed, every
+/// launcher restarts its ranks, and the ranks of both nodes resume from rank 0's checkpoint.
+#[test]
+fn on_two_launchers_a_learner_job_resumes_from_its_checkpoint_bitwise() {
+    resumes_bitwise(2);
 }
