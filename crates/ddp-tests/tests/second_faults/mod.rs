@@ -565,11 +565,28 @@ fn elastic_launcher(
 /// and 2 exit 0, and both ranks end bitwise as the two-launcher job never killed.
 #[test]
 fn a_lost_host_is_replaced_live_by_a_spare_launcher() {
+    a_spare_takes_the_lost_host_over(&[]);
+}
+
+/// The same with the optimizer state sharded (ZeRO-1): rank 1's shard comes back from rank 0's
+/// copy, across the emulated hosts, bitwise.
+#[test]
+fn a_lost_host_with_a_sharded_optimizer_is_replaced_live_by_a_spare_launcher() {
+    a_spare_takes_the_lost_host_over(&["--sharded"]);
+}
+
+/// The spare's case with the worker's `optimizer` arguments (the job never killed has them
+/// too).
+fn a_spare_takes_the_lost_host_over(optimizer: &[&str]) {
     use std::os::unix::process::ExitStatusExt;
     let straight = tempfile::tempdir().unwrap();
-    let (ended, all) = two_launchers(straight.path(), &[], "1", ENV);
+    let (ended, all) = two_launchers(straight.path(), optimizer, "1", ENV);
     assert!(ended.iter().all(|e| e.status.success()), "{all}");
-    let victim = ["--victim", "1", "--kill-launcher-at-step", "5"];
+    let victim = [
+        optimizer,
+        &["--victim", "1", "--kill-launcher-at-step", "5"],
+    ]
+    .concat();
     let dir = tempfile::tempdir().unwrap();
     let (port, token) = (
         ddp_testkit::free_port().to_string(),
