@@ -387,26 +387,11 @@ fn two_launchers(
     max_restarts: &str,
     env: &[(&str, &str)],
 ) -> (Vec<ddp_testkit::Finished>, String) {
-    let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
-    let ddprun = worker.with_file_name("ddprun");
     let port = ddp_testkit::free_port().to_string();
     let token = ddp_testkit::job_token();
+    let launcher_args = ["--nnodes", "2", "--max-restarts", max_restarts];
     let launched: Vec<_> = (0..2)
-        .map(|node| {
-            let mut cmd = std::process::Command::new(&ddprun);
-            cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
-                .args(["--nproc-per-node", "1", "--master-port", &port])
-                .args(["--recover", "live", "--max-restarts", max_restarts])
-                .arg("--")
-                .arg(&worker)
-                .args(["--scenario", "live", "--steps", "12", "--out"])
-                .arg(dir)
-                .args(extra)
-                .envs(env.iter().copied())
-                .env("DDP_JOB_TOKEN", &token)
-                .env("DDP_HOST_ID", format!("emulated-host-{node}"));
-            ddp_testkit::Launched::spawn(&mut cmd).expect("start ddprun")
-        })
+        .map(|node| live_launcher(dir, node, &port, &token, &launcher_args, extra, env))
         .collect();
     let ended: Vec<_> = launched
         .into_iter()
@@ -524,8 +509,36 @@ fn the_source_lost_during_the_hand_over_never_leaves_a_fresh_model_as_the_state(
     }
 }
 
-/// One launcher of one rank of the worker under `--nnodes 2:3 --recover live --max-restarts
-/// 1` (emulated host `node`, TCP), a last call of 1 s, with `extra` worker arguments.
+/// One launcher of one rank of the worker (`--scenario live`, 12 steps, `extra` arguments)
+/// under `--recover live`, on emulated host `node`, with `launcher_args` (its `--nnodes`,
+/// `--max-restarts` and the like), the job's `token` and `env`.
+fn live_launcher(
+    dir: &Path,
+    node: usize,
+    port: &str,
+    token: &str,
+    launcher_args: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> ddp_testkit::Launched {
+    let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
+    let ddprun = worker.with_file_name("ddprun");
+    let mut cmd = std::process::Command::new(&ddprun);
+    cmd.args(["--node-rank", &node.to_string(), "--nproc-per-node", "1"])
+        .args(["--master-port", port, "--recover", "live"])
+        .args(launcher_args)
+        .arg("--")
+        .arg(&worker)
+        .args(["--scenario", "live", "--steps", "12", "--out"])
+        .arg(dir)
+        .args(extra)
+        .envs(env.iter().copied())
+        .env("DDP_JOB_TOKEN", token)
+        .env("DDP_HOST_ID", format!("emulated-host-{node}"));
+    ddp_testkit::Launched::spawn(&mut cmd).expect("start ddprun")
+}
+
+/// One launcher of the spare's job: `--nnodes 2:3 --max-restarts 1`, a last call of 1 s.
 fn elastic_launcher(
     dir: &Path,
     node: usize,
@@ -533,28 +546,15 @@ fn elastic_launcher(
     token: &str,
     extra: &[&str],
 ) -> ddp_testkit::Launched {
-    let worker = ddp_testkit::bundled(env!("CARGO_BIN_EXE_ddp_worker"));
-    let ddprun = worker.with_file_name("ddprun");
-    let mut cmd = std::process::Command::new(&ddprun);
-    cmd.args(["--nnodes", "2:3", "--node-rank", &node.to_string()])
-        .args(["--nproc-per-node", "1", "--master-port", port])
-        .args([
-            "--recover",
-            "live",
-            "--max-restarts",
-            "1",
-            "--rdzv-last-call",
-            "1",
-        ])
-        .arg("--")
-        .arg(&worker)
-        .args(["--scenario", "live", "--steps", "12", "--out"])
-        .arg(dir)
-        .args(extra)
-        .envs(ENV.iter().copied())
-        .env("DDP_JOB_TOKEN", token)
-        .env("DDP_HOST_ID", format!("emulated-host-{node}"));
-    ddp_testkit::Launched::spawn(&mut cmd).expect("start ddprun")
+    let launcher_args = [
+        "--nnodes",
+        "2:3",
+        "--max-restarts",
+        "1",
+        "--rdzv-last-call",
+        "1",
+    ];
+    live_launcher(dir, node, port, token, &launcher_args, extra, ENV)
 }
 
 /// A whole host lost, a spare waiting: nodes 0 and 1 (`--nnodes 2:3 --recover live`) form the
