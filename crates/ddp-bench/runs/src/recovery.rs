@@ -257,6 +257,20 @@ fn train_cnn_args(r: &RecoveryRuns, out: &Path) -> Vec<std::ffi::OsString> {
     args
 }
 
+/// Launchers of one launch: killed and reaped when dropped, whichever way the launch ends (their
+/// ranks die with them: they have their launcher's parent-death signal). Killing one already
+/// reaped does nothing.
+struct Launchers(Vec<Child>);
+
+impl Drop for Launchers {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Starts `cmd` with its output into `log_path` (no pipe to drain while waiting).
 fn start(cmd: &mut Command, log_path: &Path) -> Result<Child, String> {
     let log =
@@ -358,18 +372,16 @@ fn launch_on_nodes(
     };
     eprintln!("bench recovery: {}", kind.name());
     let started = Instant::now();
-    let mut children = Vec::new();
+    let mut children = Launchers(Vec::new());
     for n in 0..2 {
-        children.push(start(&mut node(n), &out.join(format!("ddprun-{n}.log")))?);
+        children
+            .0
+            .push(start(&mut node(n), &out.join(format!("ddprun-{n}.log")))?);
     }
     if kind == Kind::SpareHost {
         let checkpoint = out.join("checkpoint.bin");
         while !checkpoint.exists() {
             if started.elapsed() > LAUNCH_DEADLINE {
-                for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
                 return Err(format!(
                     "{}: no checkpoint within {LAUNCH_DEADLINE:?}",
                     kind.name()
@@ -377,14 +389,16 @@ fn launch_on_nodes(
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        children.push(start(&mut node(2), &out.join("ddprun-2.log"))?);
+        children
+            .0
+            .push(start(&mut node(2), &out.join("ddprun-2.log"))?);
         std::thread::sleep(Duration::from_millis(300));
         std::fs::write(&spare_ready, b"").map_err(|e| format!("{}: {e}", spare_ready.display()))?;
     }
-    let statuses = wait_all(&mut children, started, kind, out)?;
+    let statuses = wait_all(&mut children.0, started, kind, out)?;
     let secs = started.elapsed().as_secs_f64();
     let mut logs = String::new();
-    for n in 0..children.len() {
+    for n in 0..children.0.len() {
         let path = out.join(format!("ddprun-{n}.log"));
         logs += &std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     }
@@ -427,8 +441,8 @@ fn launch_learner(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> R
     eprintln!("bench recovery: {}", kind.name());
     let log_path = out.join("ddprun.log");
     let started = Instant::now();
-    let mut children = vec![start(&mut cmd, &log_path)?];
-    let statuses = wait_all(&mut children, started, kind, out)?;
+    let mut children = Launchers(vec![start(&mut cmd, &log_path)?]);
+    let statuses = wait_all(&mut children.0, started, kind, out)?;
     let secs = started.elapsed().as_secs_f64();
     let log =
         std::fs::read_to_string(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
@@ -479,8 +493,8 @@ fn launch(r: &RecoveryRuns, release: &Path, kind: Kind, out: &Path) -> Result<f6
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
     let log_path = out.join("ddprun.log");
     let started = Instant::now();
-    let mut children = vec![start(&mut cmd, &log_path)?];
-    let status = wait_all(&mut children, started, kind, out)?[0];
+    let mut children = Launchers(vec![start(&mut cmd, &log_path)?]);
+    let status = wait_all(&mut children.0, started, kind, out)?[0];
     let secs = started.elapsed().as_secs_f64();
     let stderr =
         std::fs::read_to_string(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;

@@ -520,7 +520,7 @@ impl Member {
             &self.token,
             round,
             self.timing,
-            self.spec.label(),
+            (self.spec.id.clone(), self.spec.label()),
         )
         .map_err(|e| self.gone(e))
     }
@@ -704,7 +704,7 @@ impl RoundWatch {
         token: &str,
         round: u64,
         timing: Timing,
-        label: String,
+        (id, label): (String, String),
     ) -> Result<Self> {
         let request = timing.request();
         let mut client = StoreClient::connect(endpoint, Some(token), timing.heartbeat)?;
@@ -729,6 +729,18 @@ impl RoundWatch {
                             Ok(s) => {
                                 if let Some(end) = s.end_of(round) {
                                     break Seen::Ended(end.clone());
+                                }
+                                // Taken for lost (its connections closed for a while) and its
+                                // node handed to a spare: its ranks must not run beside the
+                                // spare's.
+                                if s.running().is_some_and(|info| {
+                                    info.round == round && info.node_rank(&id).is_none()
+                                }) {
+                                    break Seen::Broken(format!(
+                                        "ddprun: {label}: the rendezvous took this launcher for \
+                                         lost and handed its node to a spare in round {round}; \
+                                         it stops its ranks"
+                                    ));
                                 }
                                 *running_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(asked);
                                 if s.round == round {
