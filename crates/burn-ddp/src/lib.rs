@@ -84,6 +84,10 @@ mod context;
 mod cuda;
 /// Sharded data: the `burn-ddp-data` crate (`DistributedSampler`, `ShardedDataLoader`).
 pub use burn_ddp_data as data;
+/// The hang doctor's flight recorder: mark the phases the library cannot see
+/// ([`doctor::set_phase`]`(Phase::Backward)`, an evaluation as [`doctor::Phase::Other`]) and
+/// label your own collectives ([`doctor::label_next`]); `ddprun` reads the rest.
+pub use ddp_comm::doctor;
 #[cfg(feature = "learner")]
 mod epoch_renderer;
 mod error;

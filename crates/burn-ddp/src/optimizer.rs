@@ -263,6 +263,20 @@ impl DdpOptimizer {
         module: M,
         grads: GradientsParams,
     ) -> Result<M> {
+        // The flight recorder's phases: sync until the gradients are in, then the update; the
+        // step ends with it (a failed step ends in its phase: where it failed).
+        ddp_comm::doctor::set_phase(ddp_comm::doctor::Phase::Sync);
+        let updated = self.sync_and_update(lr, module, grads)?;
+        ddp_comm::doctor::step_done();
+        Ok(updated)
+    }
+
+    fn sync_and_update<M: Module>(
+        &mut self,
+        lr: impl Into<ModuleLearningRate>,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<M> {
         match &mut self.sharding {
             Some(sharding) => {
                 let owners = sharding.prepare(&module, &mut self.optim)?;
@@ -272,6 +286,7 @@ impl DdpOptimizer {
                     let mut squared = clip::squared_norms(&module, &owned.grads)?;
                     let mut group = comm::lock(self.sync.group());
                     if group.world_size() > 1 {
+                        ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new("gradient norm"));
                         group.all_reduce(&mut squared, ReduceOp::Sum)?;
                     }
                     drop(group);
@@ -279,6 +294,7 @@ impl DdpOptimizer {
                     owned.grads = grads;
                     self.last_grad_norm = Some(norm);
                 }
+                ddp_comm::doctor::set_phase(ddp_comm::doctor::Phase::Optimizer);
                 sharding.step(
                     &mut self.optim,
                     lr.into(),
@@ -295,6 +311,7 @@ impl DdpOptimizer {
                     grads = clipped;
                     self.last_grad_norm = Some(norm);
                 }
+                ddp_comm::doctor::set_phase(ddp_comm::doctor::Phase::Optimizer);
                 Ok(self.optim.step(lr, module, grads))
             }
         }

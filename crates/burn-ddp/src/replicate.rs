@@ -236,6 +236,7 @@ impl Ddp {
         } else {
             Vec::new()
         };
+        ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new("rank 0's parameters"));
         g.broadcast_bytes(&mut payload, 0)?;
         drop(g);
         tracing::debug!(

@@ -13,7 +13,10 @@
 //!   identities), [`wire`] (the byte encoding of the store's and the rendezvous' messages) and
 //!   [`error`];
 //! - `ddp-trace` as [`trace`]: per-rank timelines of the collectives and of spans the program
-//!   marks (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file.
+//!   marks (`DDP_TRACE=DIR`), merged by the launcher into one Chrome trace-event file;
+//! - `ddp-doctor` as [`doctor`]: the flight recorder every collective of a group is noted in
+//!   (label the next one with [`doctor::label_next`]), the step and phase marks, and the
+//!   progress a rank publishes to its launcher for its hang and straggler verdicts.
 //!
 //! ```no_run
 //! use ddp_comm::{ProcessGroup, ReduceOp};
@@ -31,6 +34,7 @@ pub mod collectives;
 pub mod group;
 pub mod log;
 
+pub use ddp_doctor as doctor;
 pub use ddp_store::{
     auth, env, error, failure_note, gpu_hosts, job_auth, port_range, refusals, store, wire,
 };

@@ -45,6 +45,8 @@ pub struct NcclGroup {
     timeout: Duration,
     version: NcclVersion,
     broken: Option<String>,
+    /// NCCL calls so far (the flight recorder's call numbers of this group).
+    calls: u64,
 }
 
 impl fmt::Debug for NcclGroup {
@@ -226,6 +228,7 @@ impl NcclGroup {
             timeout: opts.timeout,
             version: libs.nccl_version,
             broken: None,
+            calls: 0,
         })
     }
 
@@ -358,9 +361,15 @@ impl NcclGroup {
             .arg("world", self.world_size)
             .arg("device", self.device);
         self.usable()?;
+        // The flight recorder sees the host side: from the enqueueing to the completion.
+        self.calls += 1;
+        let ticket = ddp_comm::doctor::recorder::issue(op, "nccl", 0, self.calls);
         let start = Instant::now();
         let deadline = start + self.timeout;
         let result = self.run_and_wait(what, start, deadline, call);
+        if let Some(t) = ticket {
+            ddp_comm::doctor::recorder::finish(t, result.is_err());
+        }
         if let Err(e) = &result {
             self.comm.abort();
             self.broken = Some(format!("rank {}: {e}", self.rank));

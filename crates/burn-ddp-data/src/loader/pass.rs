@@ -152,7 +152,11 @@ impl<I, O> Iterator for ShardedBatches<I, O> {
             return None;
         }
         let k = self.next;
-        match self.fetch(k) {
+        // The flight recorder's phases: data while fetching, forward once the batch is out.
+        ddp_doctor::set_phase(ddp_doctor::Phase::Data);
+        let fetched = self.fetch(k);
+        ddp_doctor::set_phase(ddp_doctor::Phase::Forward);
+        match fetched {
             Ok(batch) => {
                 self.next += 1;
                 self.items_done += self.batches[k].len();

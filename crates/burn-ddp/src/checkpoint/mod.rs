@@ -331,6 +331,7 @@ impl Checkpointer {
         metadata: &T,
     ) -> Result<()> {
         let _span = ddp_comm::trace::span("checkpoint_save", "ddp").arg("step", progress.step);
+        let _phase = ddp_comm::doctor::enter(ddp_comm::doctor::Phase::Checkpoint);
         let g = group.process_group();
         let (rank, world_size) = {
             let pg = comm::lock(g);

@@ -26,12 +26,12 @@ impl GradientSynchronizer {
             return Ok(times);
         }
         if !self.overlap {
-            for bucket in buckets {
+            for (index, bucket) in buckets.iter().enumerate() {
                 let t = Instant::now();
                 let mut parts = fill_bucket(slots, bucket)?;
                 times.fill += t.elapsed();
                 let t = Instant::now();
-                reduce_parts(&mut *comm::lock(&self.group), &mut parts, wire)?;
+                reduce_parts(&mut *comm::lock(&self.group), &mut parts, wire, index)?;
                 times.all_reduce += t.elapsed();
                 let t = Instant::now();
                 unpack_bucket(slots, parts);
@@ -48,9 +48,9 @@ impl GradientSynchronizer {
             let comm = scope.spawn(move || -> Result<Duration> {
                 let mut g = comm::lock(&group);
                 let mut busy = Duration::ZERO;
-                for mut parts in comm_in {
+                for (index, mut parts) in comm_in.into_iter().enumerate() {
                     let t = Instant::now();
-                    reduce_parts(&mut *g, &mut parts, compression)?;
+                    reduce_parts(&mut *g, &mut parts, compression, index)?;
                     busy += t.elapsed();
                     if comm_out.send(parts).is_err() {
                         break;
@@ -130,13 +130,19 @@ impl Part {
 
 /// All-reduces a bucket's parts in order, averaging (Mean: the ring divides each chunk once,
 /// as it finishes reducing it), on the wire as `compression` says. Written against
-/// [`Collectives`] on host memory: the host group in every job.
+/// [`Collectives`] on host memory: the host group in every job. Each all-reduce is labelled
+/// `gradient bucket <bucket>` in the flight recorder.
 fn reduce_parts<C: Collectives<Buffer = [f32]>>(
     group: &mut C,
     parts: &mut [Part],
     compression: Compression,
+    bucket: usize,
 ) -> Result<()> {
     for part in parts {
+        ddp_comm::doctor::label_next(ddp_comm::doctor::Label::indexed(
+            "gradient bucket",
+            bucket as u64,
+        ));
         group.all_reduce(part.values()?, ReduceOp::Mean, compression)?;
     }
     Ok(())

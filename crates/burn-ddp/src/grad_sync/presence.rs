@@ -58,7 +58,10 @@ impl GradientSynchronizer {
             buf.push(u8::from(yes));
             buf.push(u8::from(!yes));
         }
-        comm::lock(&self.group).all_reduce(&mut buf, ReduceOp::Max)?;
+        let mut group = comm::lock(&self.group);
+        ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new("gradient presence"));
+        group.all_reduce(&mut buf, ReduceOp::Max)?;
+        drop(group);
         // Equal on all ranks iff max(b) + max(!b) == 255 for every fingerprint byte.
         let (bits, tail) = buf.split_at(n);
         let agree = (0..8).all(|i| u16::from(tail[i]) + u16::from(tail[8 + i]) == 255);

@@ -254,6 +254,9 @@ impl GradientSynchronizer {
             }
             let t = Instant::now();
             let packed = Tensor::cat(parts, 0);
+            ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new(
+                "ZeRO-1 gradient reduce-scatter",
+            ));
             let reduced =
                 device_comm.reduce_scatter(packed, &counts, ReduceOp::Mean, self.compression)?;
             times.all_reduce += t.elapsed();

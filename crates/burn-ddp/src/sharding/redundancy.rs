@@ -180,6 +180,7 @@ impl Redundancy {
         let (rank, world) = (g.rank(), g.world_size());
         // (In a world of one, a copy of its own: it is its own predecessor.)
         let mut kept = std::mem::take(&mut self.spare);
+        ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new("ZeRO-1 shard copies"));
         g.shift_bytes(&own, &mut kept)?;
         drop(g);
         drop(own);

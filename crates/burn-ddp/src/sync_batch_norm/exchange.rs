@@ -103,6 +103,9 @@ impl Exchange {
                 let mut pg = comm::lock(group);
                 let world = pg.world_size();
                 let mut all = vec![0.0f64; mine.len() * world];
+                ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new(
+                    "SyncBatchNorm forward statistics",
+                ));
                 pg.all_gather(&mine, &mut all)?;
                 drop(pg);
                 let total = all
@@ -143,7 +146,12 @@ impl Exchange {
             Exchange::Host(group) => {
                 let (device, dtype, shape) = (local.device(), local.dtype(), local.shape());
                 let mut buf = read_host::<B>(local)?;
-                comm::lock(group).all_reduce(&mut buf, ReduceOp::Sum)?;
+                let mut pg = comm::lock(group);
+                ddp_comm::doctor::label_next(ddp_comm::doctor::Label::new(
+                    "SyncBatchNorm backward sums",
+                ));
+                pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+                drop(pg);
                 Ok(upload::<B>(&buf, &shape, dtype, &device))
             }
             Exchange::Nccl(device_comm) => device_comm

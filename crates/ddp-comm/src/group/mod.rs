@@ -452,7 +452,9 @@ impl ProcessGroup {
     /// Reduces `buf` element-wise across ranks, in place; every rank gets the result.
     pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let _span = self.trace_all_reduce(T::NAME, size_of_val(buf), op);
-        self.collective(|g, seq| g.all_reduce_impl(seq, buf, op))
+        self.collective(Call::new("all_reduce", T::NAME, buf.len()), |g, seq| {
+            g.all_reduce_impl(seq, buf, op)
+        })
     }
 
     /// [`Self::all_reduce`] of f32 values that travel as 16-bit values (`compression`), which
@@ -515,21 +517,24 @@ impl ProcessGroup {
         let _span = self
             .trace_all_reduce(compression.name(), 2 * buf.len(), op)
             .arg("wire", compression.name());
-        self.collective(|g, seq| {
-            if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
-                return Err(CommError::InvalidArgument(format!(
-                    "all_reduce_compressed with {compression} supports ReduceOp::Sum and \
+        self.collective(
+            Call::new("all_reduce", compression.name(), buf.len()),
+            |g, seq| {
+                if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                    return Err(CommError::InvalidArgument(format!(
+                        "all_reduce_compressed with {compression} supports ReduceOp::Sum and \
                      ReduceOp::Mean, not ReduceOp::{op:?} (use all_reduce)"
-                )));
-            }
-            g.all_reduce_compressed_impl(seq, buf, op, h)
-        })
+                    )));
+                }
+                g.all_reduce_compressed_impl(seq, buf, op, h)
+            },
+        )
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (lengths must match).
     pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<()> {
         let _span = self.trace_op("broadcast", T::NAME, Some(size_of_val(buf)), Some(root));
-        self.collective(|g, seq| {
+        self.collective(Call::new("broadcast", T::NAME, buf.len()), |g, seq| {
             g.check_root(root)?;
             let hdr = g.header::<T>(Kind::Broadcast, seq, buf.len(), root, 0);
             g.broadcast_impl(hdr, bytemuck::cast_slice_mut(buf), root)
@@ -540,7 +545,7 @@ impl ProcessGroup {
     /// world_size`), rank order.
     pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         let _span = self.trace_op("all_gather", T::NAME, Some(size_of_val(input)), None);
-        self.collective(|g, seq| {
+        self.collective(Call::new("all_gather", T::NAME, input.len()), |g, seq| {
             if output.len() != input.len() * g.world_size {
                 return Err(CommError::InvalidArgument(format!(
                     "all_gather: output has {} elements, expected input length {} × world size {}",
@@ -559,19 +564,22 @@ impl ProcessGroup {
     /// Gathers `input`s of any lengths from every rank, rank order.
     pub fn all_gather_varlen<T: Element>(&mut self, input: &[T]) -> Result<Vec<Vec<T>>> {
         let _span = self.trace_op("all_gather_varlen", T::NAME, Some(size_of_val(input)), None);
-        self.collective(|g, seq| {
-            if g.world_size == 1 {
-                return Ok(vec![input.to_vec()]);
-            }
-            let hdr = g.header::<T>(Kind::AllGatherVarlen, seq, input.len(), 0, 0);
-            g.all_gather_varlen_impl(hdr, input)
-        })
+        self.collective(
+            Call::new("all_gather_varlen", T::NAME, input.len()),
+            |g, seq| {
+                if g.world_size == 1 {
+                    return Ok(vec![input.to_vec()]);
+                }
+                let hdr = g.header::<T>(Kind::AllGatherVarlen, seq, input.len(), 0, 0);
+                g.all_gather_varlen_impl(hdr, input)
+            },
+        )
     }
 
     /// Broadcasts a byte message of any length from `root` (others' `bytes` are replaced).
     pub fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
         let _span = self.trace_broadcast_bytes(bytes.len(), root);
-        self.collective(|g, seq| {
+        self.collective(Call::new("broadcast_bytes", "u8", bytes.len()), |g, seq| {
             g.check_root(root)?;
             if g.world_size == 1 {
                 return Ok(());
@@ -610,7 +618,7 @@ impl ProcessGroup {
     /// of `input`.
     pub fn shift_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<()> {
         let _span = self.trace_op("shift_bytes", "u8", Some(input.len()), None);
-        self.collective(|g, seq| {
+        self.collective(Call::new("shift_bytes", "u8", input.len()), |g, seq| {
             if g.world_size == 1 {
                 out.clear();
                 out.extend_from_slice(input);
@@ -624,7 +632,7 @@ impl ProcessGroup {
     /// Returns once every rank has called it.
     pub fn barrier(&mut self) -> Result<()> {
         let _span = self.trace_op("barrier", "-", None, None);
-        self.collective(|g, seq| {
+        self.collective(Call::new("barrier", "-", 0), |g, seq| {
             if g.world_size == 1 {
                 return Ok(());
             }
@@ -635,8 +643,13 @@ impl ProcessGroup {
 
     // ---------------------------------------------------------------------------------------
 
-    /// Runs one collective: refuses on a poisoned group, numbers the call, poisons on error.
-    fn collective<R>(&mut self, f: impl FnOnce(&mut Self, u64) -> Result<R>) -> Result<R> {
+    /// Runs one collective: refuses on a poisoned group, numbers the call, notes it in the
+    /// flight recorder ([`ddp_doctor::recorder`]) from its issue to its end, poisons on error.
+    fn collective<R>(
+        &mut self,
+        call: Call,
+        f: impl FnOnce(&mut Self, u64) -> Result<R>,
+    ) -> Result<R> {
         if let Some(why) = &self.poisoned {
             return Err(CommError::Poisoned(why.clone()));
         }
@@ -647,7 +660,12 @@ impl ProcessGroup {
         }
         self.seq += 1;
         let seq = self.seq;
-        f(self, seq).inspect_err(|e| self.poison(e))
+        let ticket = ddp_doctor::recorder::issue(call.op, call.dtype, call.count, seq);
+        let result = f(self, seq);
+        if let Some(t) = ticket {
+            ddp_doctor::recorder::finish(t, result.is_err());
+        }
+        result.inspect_err(|e| self.poison(e))
     }
 
     /// Breaks the group after `err`: later calls fail, and every link is shut so peers fail
@@ -698,6 +716,21 @@ impl Drop for ProcessGroup {
             }
         }
         crate::trace::flush_best_effort();
+    }
+}
+
+/// What the flight recorder notes of a collective call: the operation, the element type and
+/// this rank's element count.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call {
+    op: &'static str,
+    dtype: &'static str,
+    count: usize,
+}
+
+impl Call {
+    pub(crate) fn new(op: &'static str, dtype: &'static str, count: usize) -> Self {
+        Call { op, dtype, count }
     }
 }
 

@@ -56,48 +56,51 @@ impl ProcessGroup {
         let _span = self
             .trace_op("reduce_scatter", T::NAME, Some(size_of_val(buf)), None)
             .arg("reduce", super::engine::op_name(op_code(op)));
-        self.collective(|g, seq| {
-            let n = g.world_size;
-            let shards = Shards::new(counts, buf.len(), n, "reduce_scatter")?;
-            if n == 1 {
-                return Ok(());
-            }
-            let mut hdr = g.header::<T>(
-                Kind::ReduceScatter,
-                seq,
-                buf.len(),
-                shards.fingerprint() as usize,
-                op_code(op),
-            );
-            hdr.inline = size_of_val(buf) * (n - 1) <= INLINE_BYTES;
-            let mine = shards.range(g.rank);
-            if hdr.inline {
-                g.exchange(&hdr, bytemuck::cast_slice(buf))?;
-                g.reduce_inline(buf, mine, op);
-                return Ok(());
-            }
-            // Whether the node-aware path runs travels in the op's high bit: every rank must
-            // agree (a mismatch fails the call on every rank).
-            let nodes = g.nodes_where(super::nodes::Nodes::reduce_scatter_chain_pays);
-            if nodes.is_some() {
-                hdr.op |= NODE_AWARE_OP;
-            }
-            g.exchange(&hdr, &[])?;
-            let what = g.what(&hdr);
-            let wait = g.waiting();
-            let round = g.round(&wait, &what);
-            match nodes {
-                Some(nodes) => super::hierarchical::reduce_scatter(
-                    g.mesh_mut(),
-                    &round,
-                    &nodes,
-                    buf,
-                    &shards,
-                    op,
-                ),
-                None => direct::reduce_scatter(g.mesh_mut(), &round, buf, &shards, op),
-            }
-        })
+        self.collective(
+            super::Call::new("reduce_scatter", T::NAME, buf.len()),
+            |g, seq| {
+                let n = g.world_size;
+                let shards = Shards::new(counts, buf.len(), n, "reduce_scatter")?;
+                if n == 1 {
+                    return Ok(());
+                }
+                let mut hdr = g.header::<T>(
+                    Kind::ReduceScatter,
+                    seq,
+                    buf.len(),
+                    shards.fingerprint() as usize,
+                    op_code(op),
+                );
+                hdr.inline = size_of_val(buf) * (n - 1) <= INLINE_BYTES;
+                let mine = shards.range(g.rank);
+                if hdr.inline {
+                    g.exchange(&hdr, bytemuck::cast_slice(buf))?;
+                    g.reduce_inline(buf, mine, op);
+                    return Ok(());
+                }
+                // Whether the node-aware path runs travels in the op's high bit: every rank must
+                // agree (a mismatch fails the call on every rank).
+                let nodes = g.nodes_where(super::nodes::Nodes::reduce_scatter_chain_pays);
+                if nodes.is_some() {
+                    hdr.op |= NODE_AWARE_OP;
+                }
+                g.exchange(&hdr, &[])?;
+                let what = g.what(&hdr);
+                let wait = g.waiting();
+                let round = g.round(&wait, &what);
+                match nodes {
+                    Some(nodes) => super::hierarchical::reduce_scatter(
+                        g.mesh_mut(),
+                        &round,
+                        &nodes,
+                        buf,
+                        &shards,
+                        op,
+                    ),
+                    None => direct::reduce_scatter(g.mesh_mut(), &round, buf, &shards, op),
+                }
+            },
+        )
     }
 
     /// [`Self::reduce_scatter`] of f32 values that travel as 16-bit values (`compression`),
@@ -132,46 +135,49 @@ impl ProcessGroup {
             )
             .arg("reduce", super::engine::op_name(op_code(op)))
             .arg("wire", compression.name());
-        self.collective(|g, seq| {
-            if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
-                return Err(CommError::InvalidArgument(format!(
-                    "reduce_scatter_compressed with {compression} supports ReduceOp::Sum and \
+        self.collective(
+            super::Call::new("reduce_scatter", compression.name(), buf.len()),
+            |g, seq| {
+                if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                    return Err(CommError::InvalidArgument(format!(
+                        "reduce_scatter_compressed with {compression} supports ReduceOp::Sum and \
                      ReduceOp::Mean, not ReduceOp::{op:?} (use reduce_scatter)"
-                )));
-            }
-            let n = g.world_size;
-            let shards = Shards::new(counts, buf.len(), n, "reduce_scatter_compressed")?;
-            if n == 1 {
-                return Ok(());
-            }
-            let (r, len) = (g.rank, buf.len());
-            let div = (op == ReduceOp::Mean).then_some(n);
-            let hdr = Header {
-                kind: Kind::ReduceScatterCompressed,
-                op: op_code(op),
-                inline: 2 * len * (n - 1) <= INLINE_BYTES,
-                elem: 2,
-                seq,
-                len: len as u64,
-                root: shards.fingerprint(),
-                dtype: element::tag_of(h.name(), 2),
-                dtype_name: h.name(),
-            };
-            let mine = shards.range(r);
-            if hdr.inline {
-                return g.reduce_inline_half(&hdr, buf, mine, h, div);
-            }
-            g.exchange(&hdr, &[])?;
-            let what = g.what(&hdr);
-            let wait = g.waiting();
-            let round = g.round(&wait, &what);
-            let rounds = shards.rounds(4);
-            for k in 0..rounds {
-                let pieces = shards.pieces(rounds, k);
-                direct::reduce_round_half(g.mesh_mut(), &round, buf, &pieces, h, div)?;
-            }
-            Ok(())
-        })
+                    )));
+                }
+                let n = g.world_size;
+                let shards = Shards::new(counts, buf.len(), n, "reduce_scatter_compressed")?;
+                if n == 1 {
+                    return Ok(());
+                }
+                let (r, len) = (g.rank, buf.len());
+                let div = (op == ReduceOp::Mean).then_some(n);
+                let hdr = Header {
+                    kind: Kind::ReduceScatterCompressed,
+                    op: op_code(op),
+                    inline: 2 * len * (n - 1) <= INLINE_BYTES,
+                    elem: 2,
+                    seq,
+                    len: len as u64,
+                    root: shards.fingerprint(),
+                    dtype: element::tag_of(h.name(), 2),
+                    dtype_name: h.name(),
+                };
+                let mine = shards.range(r);
+                if hdr.inline {
+                    return g.reduce_inline_half(&hdr, buf, mine, h, div);
+                }
+                g.exchange(&hdr, &[])?;
+                let what = g.what(&hdr);
+                let wait = g.waiting();
+                let round = g.round(&wait, &what);
+                let rounds = shards.rounds(4);
+                for k in 0..rounds {
+                    let pieces = shards.pieces(rounds, k);
+                    direct::reduce_round_half(g.mesh_mut(), &round, buf, &pieces, h, div)?;
+                }
+                Ok(())
+            },
+        )
     }
 
     /// Gathers every rank's shard of `buf` into every rank's `buf`: `buf` holds one shard per
@@ -205,7 +211,7 @@ impl ProcessGroup {
     pub fn all_gather_into<T: Element>(&mut self, buf: &mut [T], counts: &[usize]) -> Result<()> {
         let own_bytes = counts.get(self.rank).map(|&c| c * std::mem::size_of::<T>());
         let _span = self.trace_op("all_gather_into", T::NAME, own_bytes, None);
-        self.collective(|g, seq| {
+        self.collective(super::Call::new("all_gather_into", T::NAME, buf.len()), |g, seq| {
             let n = g.world_size;
             let shards = Shards::new(counts, buf.len(), n, "all_gather_into")?;
             if n == 1 {
