@@ -90,6 +90,18 @@ pub struct LaunchConfig {
     /// has ended, also when ranks failed. `None`: `DDP_TRACE` from [`Self::extra_env`] or
     /// from our environment, if set, does the same. With restarts, the last attempt's.
     pub trace: Option<std::path::PathBuf>,
+    /// The hang doctor ([`crate::doctor`]): a hang verdict once no rank finished a collective
+    /// for this long while ranks wait in one. `None`: a quarter of the ranks' collective
+    /// timeout (`DDP_TIMEOUT_SECS` in [`Self::extra_env`] or our environment, else 300 s),
+    /// at least 1 s.
+    pub hang_after: Option<Duration>,
+    /// A straggler warning once a rank's own work per step exceeds this many times the
+    /// others' median (sustained over its last steps).
+    pub straggler_factor: f64,
+    /// Where dumps go (every rank's flight recorder and stack as JSON): at every hang verdict
+    /// (`--dump-on-hang DIR`) and on SIGUSR1. `None`: no dump at a hang; SIGUSR1 writes into
+    /// `ddprun-dumps` in the current directory.
+    pub dump_on_hang: Option<std::path::PathBuf>,
 }
 
 impl Default for LaunchConfig {
@@ -117,6 +129,9 @@ impl Default for LaunchConfig {
             live_recovery: false,
             emulate_gpu_hosts: false,
             trace: None,
+            hang_after: None,
+            straggler_factor: 2.0,
+            dump_on_hang: None,
         }
     }
 }

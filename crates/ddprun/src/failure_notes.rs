@@ -1,6 +1,7 @@
 //! The launcher's side of `DDP_FAILURE_FILE` ([`ddp_comm::failure_note`]): a private folder
 //! with one file per rank, where a rank that fails only on a peer's failure says so, so that
-//! the launcher names the rank whose own error it was.
+//! the launcher names the rank whose own error it was. The ranks' progress files
+//! (`DDP_PROGRESS_FILE`, the hang doctor's input) live there too.
 
 use std::io;
 use std::os::unix::fs::DirBuilderExt;
@@ -67,6 +68,49 @@ impl FailureNotes {
             );
             None
         })
+    }
+
+    /// The variable and file of global rank `rank`'s progress ([`ddp_doctor::publisher`]),
+    /// an earlier attempt's removed.
+    pub fn progress_for_rank(&self, rank: usize) -> Result<(&'static str, PathBuf), LaunchError> {
+        let path = self.progress_path(rank);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(LaunchError::Io {
+                    what: format!("removing the progress file {}", path.display()),
+                    source,
+                });
+            }
+        }
+        Ok((ddp_doctor::publisher::PROGRESS_FILE_VAR, path))
+    }
+
+    /// Rank `rank`'s latest progress, if it published any. An unreadable file is logged with
+    /// its path and read as none.
+    pub fn progress(&self, rank: usize) -> Option<ddp_doctor::RankSnapshot> {
+        let path = self.progress_path(rank);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
+            Err(e) => {
+                tracing::warn!("cannot read rank {rank}'s progress {}: {e}", path.display());
+                return None;
+            }
+        };
+        serde_json::from_slice(&bytes)
+            .inspect_err(|e| {
+                tracing::warn!(
+                    "rank {rank}'s progress {} is unreadable: {e}",
+                    path.display()
+                )
+            })
+            .ok()
+    }
+
+    fn progress_path(&self, rank: usize) -> PathBuf {
+        self.dir.join(format!("progress-{rank}.json"))
     }
 
     fn path(&self, rank: usize) -> PathBuf {

@@ -229,6 +229,7 @@ impl Node<'_> {
             );
             let mut hooks = Hooks {
                 watch: member.watch(info.round)?,
+                nodes: info.nodes.len(),
                 member: &mut member,
                 round: info.round,
                 label: self.label.clone(),
@@ -432,6 +433,8 @@ struct Hooks<'a> {
     member: &'a mut Member,
     watch: RoundWatch,
     round: u64,
+    /// The round's nodes.
+    nodes: usize,
     label: String,
     /// This node's failure, not written yet, and when it is due (see [`CAUSE_SETTLE`]).
     held: Option<(RoundEnd, Instant)>,
@@ -589,6 +592,10 @@ impl RoundHooks for Hooks<'_> {
 
     fn hung_elsewhere(&mut self) -> Vec<usize> {
         self.watch.hung()
+    }
+
+    fn progress_share(&mut self, node: usize) -> Option<crate::doctor::share::Share> {
+        Some(self.member.progress_share(self.round, node, self.nodes))
     }
 
     fn charge_replacement(&mut self, rank: usize) -> Result<usize, Option<usize>> {

@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 mod config;
+mod doctor;
 mod failure_notes;
 mod job;
 mod live;
@@ -205,6 +206,17 @@ pub fn launch(
     unreachable!("the attempts loop returns")
 }
 
+/// `ddprun doctor DIR`: prints where every rank of the dump(s) under `dir` was and the verdict
+/// (a hang judged with `hang_after`, stragglers with `straggler_factor`). Exit code 0 once
+/// read, 2 when `dir` holds no readable dump (the line says why).
+pub fn doctor(
+    dir: &std::path::Path,
+    hang_after: Duration,
+    straggler_factor: f64,
+) -> std::process::ExitCode {
+    doctor::command::run(dir, hang_after, straggler_factor)
+}
+
 /// What a job over several nodes adds to the watch loop of one attempt.
 trait RoundHooks {
     /// Called once, when the first local rank fails.
@@ -221,6 +233,11 @@ trait RoundHooks {
     /// The ranks another node's launcher reported hung (some may be this node's).
     fn hung_elsewhere(&mut self) -> Vec<usize> {
         Vec::new()
+    }
+    /// The hang doctor's exchange of progress with the other nodes' launchers (this launcher
+    /// is node `node` of the round); `None` alone.
+    fn progress_share(&mut self, _node: usize) -> Option<doctor::share::Share> {
+        None
     }
 }
 
@@ -407,6 +424,15 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
     // killed as hung (each once).
     let mut hung_checked = Instant::now();
     let mut hung_killed = HungKills::default();
+    // The hang doctor: the ranks' progress, verdicts while they are alive, dumps.
+    let env_number = |k: &str| spawner.env.get(k).and_then(|v| v.parse::<usize>().ok());
+    let node = env_number("GROUP_RANK").unwrap_or(0);
+    let mut doctor = doctor::Doctor::new(
+        cfg,
+        env_number("WORLD_SIZE").unwrap_or(ranks.len()),
+        node,
+        hooks.progress_share(node),
+    );
 
     loop {
         let mut running = 0;
@@ -573,6 +599,18 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
                     kill_at = Some(Instant::now());
                 }
             }
+        }
+
+        if kill_at.is_none() {
+            let watched: Vec<doctor::Watched> = ranks
+                .iter()
+                .map(|r| doctor::Watched {
+                    rank: r.rank,
+                    pid: r.child.id(),
+                    running: r.exit.is_none(),
+                })
+                .collect();
+            doctor.poll(&watched, notes);
         }
 
         if let Some(t) = kill_at

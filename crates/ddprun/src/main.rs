@@ -154,9 +154,30 @@ struct Args {
     /// rank up to the highest found.
     #[arg(long = "merge-trace", value_name = "DIR", conflicts_with_all = ["trace", "command"])]
     merge_trace: Option<std::path::PathBuf>,
+    /// The hang doctor: a hang verdict (which ranks wait in which collective, where each other
+    /// rank is, with its stack) once no rank finished a collective for SECS while ranks wait in
+    /// one [default: a quarter of DDP_TIMEOUT_SECS, 75 s without it]. One line per incident,
+    /// while every rank is alive; the job goes on until the collective timeout ends it.
+    #[arg(long = "hang-after", value_parser = parse_secs, value_name = "SECS")]
+    hang_after: Option<f64>,
+    /// Warn (once per incident; the job goes on) when a rank's own work per step exceeds X
+    /// times the others' median over its last steps: a straggler.
+    #[arg(long = "straggler-factor", default_value_t = 2.0, value_name = "X",
+          value_parser = parse_factor)]
+    straggler_factor: f64,
+    /// Write every rank's flight recorder and stack as JSON under DIR at every hang verdict
+    /// (and on SIGUSR1, which without this flag writes under ./ddprun-dumps). Read a dump with
+    /// `ddprun doctor DIR`.
+    #[arg(long = "dump-on-hang", value_name = "DIR")]
+    dump_on_hang: Option<std::path::PathBuf>,
+    /// Launch nothing: read the dump(s) under DIR (written on SIGUSR1 or at a hang) and print
+    /// where every rank was and the verdict. Also `ddprun doctor DIR`. With --hang-after SECS
+    /// (default 10 here), the threshold the verdict is judged by.
+    #[arg(long = "doctor", value_name = "DIR", conflicts_with_all = ["trace", "command", "merge_trace"])]
+    doctor: Option<std::path::PathBuf>,
     /// The program to run, then its arguments (after `--`).
     #[arg(
-        required_unless_present = "merge_trace",
+        required_unless_present_any = ["merge_trace", "doctor"],
         trailing_var_arg = true,
         allow_hyphen_values = true,
         value_name = "PROGRAM [ARGS]..."
@@ -195,6 +216,13 @@ fn parse_secs(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_factor(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 1.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a factor above 1")),
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -204,7 +232,16 @@ fn main() -> ExitCode {
         .with_ansi(ddp_comm::log::colour_wanted())
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    // `ddprun doctor DIR` is `ddprun --doctor DIR`.
+    let mut argv: Vec<OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "doctor") {
+        argv[1] = "--doctor".into();
+    }
+    let args = Args::parse_from(argv);
+    if let Some(dir) = &args.doctor {
+        let hang_after = Duration::from_secs_f64(args.hang_after.unwrap_or(10.0));
+        return ddprun::doctor(dir, hang_after, args.straggler_factor);
+    }
     if let Some(dir) = &args.merge_trace {
         return merge_trace(dir, (args.nnodes.1 * args.nproc_per_node) as usize);
     }
@@ -247,6 +284,9 @@ fn main() -> ExitCode {
         live_recovery: args.recover == Recover::Live,
         emulate_gpu_hosts: args.emulate_gpu_hosts,
         trace: args.trace,
+        hang_after: args.hang_after.map(Duration::from_secs_f64),
+        straggler_factor: args.straggler_factor,
+        dump_on_hang: args.dump_on_hang,
     };
     let (program, rest) = args
         .command

@@ -61,8 +61,23 @@ pub(crate) fn caught() -> Option<(i32, u32)> {
     }
 }
 
+/// How many SIGUSR1 arrived while forwarding is installed (each asks the hang doctor for a
+/// dump; see `crate::doctor`).
+static USR1_COUNT: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    // Only async-signal-safe work: one atomic add.
+    USR1_COUNT.fetch_add(1, Ordering::SeqCst);
+}
+
+/// How many SIGUSR1 arrived so far (while forwarding was installed).
+pub(crate) fn usr1_count() -> u32 {
+    USR1_COUNT.load(Ordering::SeqCst)
+}
+
 /// While alive, SIGINT and SIGTERM are caught (not acted on by the default handler) and
-/// recorded for the launcher's watch loop; dropping it restores the previous handlers.
+/// recorded for the launcher's watch loop, and SIGUSR1 is counted (a dump, not an end);
+/// dropping it restores the previous handlers.
 pub(crate) struct SignalForwarding {
     previous: Vec<(libc::c_int, libc::sigaction)>,
 }
@@ -74,12 +89,16 @@ impl SignalForwarding {
         RECEIVED.store(0, Ordering::SeqCst);
         RECEIVED_COUNT.store(0, Ordering::SeqCst);
         let mut previous = Vec::new();
-        for sig in FORWARDED {
+        let handlers = FORWARDED
+            .iter()
+            .map(|&s| (s, on_signal as extern "C" fn(libc::c_int)))
+            .chain([(libc::SIGUSR1, on_usr1 as extern "C" fn(libc::c_int))]);
+        for (sig, handler) in handlers {
             // SAFETY: sigaction is called with fully initialised structs; the handler only
             // touches atomics.
             unsafe {
                 let mut action: libc::sigaction = std::mem::zeroed();
-                action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+                action.sa_sigaction = handler as usize;
                 action.sa_flags = libc::SA_RESTART;
                 libc::sigemptyset(&mut action.sa_mask);
                 let mut old: libc::sigaction = std::mem::zeroed();

@@ -42,11 +42,13 @@ impl<A: AsRef<OsStr>> RankSpawner<'_, A> {
     pub(crate) fn spawn(&mut self, local: usize, rejoin: bool) -> Result<Child, LaunchError> {
         let (cfg, rank) = (self.cfg, self.first_rank + local);
         let (note_var, note_file) = self.notes.for_rank(rank)?;
+        let (progress_var, progress_file) = self.notes.progress_for_rank(rank)?;
         // SAFETY: getpid has no preconditions.
         let launcher_pid = unsafe { libc::getpid() };
         let mut cmd = Command::new(self.program);
         cmd.args(self.args)
             .env(note_var, note_file)
+            .env(progress_var, progress_file)
             .envs(self.env)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())

@@ -415,6 +415,23 @@ impl Member {
         Ok(charged.ok_or(refused.flatten()))
     }
 
+    /// The hang doctor's exchange of progress with the other nodes' launchers in `round`
+    /// (this launcher is node `node` of `nodes`), over a connection of its own.
+    pub fn progress_share(
+        &self,
+        round: u64,
+        node: usize,
+        nodes: usize,
+    ) -> crate::doctor::share::Share {
+        crate::doctor::share::Share::start(
+            self.endpoint.clone(),
+            self.token.clone(),
+            round,
+            node,
+            nodes,
+        )
+    }
+
     /// Reports global rank `rank` of `round`, on another node, as hung (see
     /// [`State::report_hung`]).
     pub fn report_hung(&mut self, round: u64, rank: usize) -> Result<(), RendezvousError> {
