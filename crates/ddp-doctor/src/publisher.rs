@@ -68,8 +68,9 @@ fn publish_forever(path: &Path, rank: usize, every: Duration) {
 pub fn publish(path: &Path, rank: usize) -> std::io::Result<()> {
     let snapshot = recorder::snapshot(rank);
     let json = serde_json::to_vec(&snapshot).map_err(std::io::Error::other)?;
+    // A file of this process's own (a child that inherited the variable writes its own).
     let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
+    tmp.push(format!(".{}.tmp", std::process::id()));
     std::fs::write(&tmp, json)?;
     std::fs::rename(&tmp, path)
 }

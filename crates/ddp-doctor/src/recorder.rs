@@ -62,6 +62,7 @@ pub struct Ticket {
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     id: u64,
+    group: &'static str,
     seq: u64,
     op: &'static str,
     dtype: &'static str,
@@ -141,6 +142,13 @@ pub fn enabled() -> bool {
     }
 }
 
+/// Turns the recorder on or off from now on, whatever `DDP_RECORDER` says (a benchmark's A/B
+/// in one process: `cargo xtask bench ddp`). A collective issued while on and ending while
+/// off is still finished.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(if on { ON } else { OFF }, Ordering::Relaxed);
+}
+
 fn recorder() -> MutexGuard<'static, Recorder> {
     static RECORDER: OnceLock<Mutex<Recorder>> = OnceLock::new();
     let cell = RECORDER.get_or_init(|| {
@@ -159,9 +167,15 @@ pub fn label_next(label: Label) {
     }
 }
 
-/// Records collective `seq` (`op` of `count` × `dtype`) as issued now. `None` when the
-/// recorder is off.
-pub fn issue(op: &'static str, dtype: &'static str, count: usize, seq: u64) -> Option<Ticket> {
+/// Records call `seq` of a `group` (`host`, `nccl`): `op` of `count` × `dtype`, issued now.
+/// `None` when the recorder is off.
+pub fn issue(
+    group: &'static str,
+    op: &'static str,
+    dtype: &'static str,
+    count: usize,
+    seq: u64,
+) -> Option<Ticket> {
     if !enabled() {
         return None;
     }
@@ -174,6 +188,7 @@ pub fn issue(op: &'static str, dtype: &'static str, count: usize, seq: u64) -> O
     }
     let slot = Slot {
         id,
+        group,
         seq,
         op,
         dtype,
@@ -260,6 +275,15 @@ pub fn step_done() {
     r.phase = Phase::Data;
 }
 
+/// Starts the recorder (and its publisher, when the launcher asked for one) now rather than at
+/// the first collective: a rank stuck before it still reports. `ddp-comm` calls it when a
+/// group forms.
+pub fn start() {
+    if enabled() {
+        drop(recorder());
+    }
+}
+
 /// Sets the step number (a program resuming at step `step` after a restart).
 pub fn set_step(step: u64) {
     if enabled() {
@@ -274,12 +298,12 @@ pub fn step() -> u64 {
 
 /// This process's recorder now, as global rank `rank` publishes it.
 pub fn snapshot(rank: usize) -> RankSnapshot {
-    let now = Instant::now();
     let r = recorder();
     let collectives = r
         .ring
         .iter()
         .map(|s| CollectiveRecord {
+            group: s.group.to_string(),
             seq: s.seq,
             op: s.op.to_string(),
             dtype: s.dtype.to_string(),
@@ -295,7 +319,11 @@ pub fn snapshot(rank: usize) -> RankSnapshot {
     RankSnapshot {
         rank,
         pid: std::process::id(),
-        written_ms: r.unix_ms(now),
+        // The wall clock now (not the recorder's epoch plus its running time): the launcher
+        // compares it with its own reading of the same clock.
+        written_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3),
         step: r.step,
         phase: r.phase,
         phase_since_ms: r.unix_ms(r.phase_since),

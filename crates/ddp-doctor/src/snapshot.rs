@@ -10,6 +10,9 @@ use crate::phase::Phase;
 /// One collective in a rank's flight recorder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CollectiveRecord {
+    /// Which kind of group ran it: `host` (a `ddp_comm::ProcessGroup`) or `nccl`; call numbers
+    /// count per kind.
+    pub group: String,
     /// The group's call number (`#seq`: the same call has the same number on every rank).
     pub seq: u64,
     /// The operation (`all_reduce`, `broadcast_bytes`, …).
@@ -38,13 +41,23 @@ pub struct CollectiveRecord {
 impl CollectiveRecord {
     /// `all_reduce #8213 (gradient bucket 0 of step 412)`.
     pub fn describe(&self) -> String {
+        let op = match self.group.as_str() {
+            "host" => self.op.clone(),
+            g => format!("{} {}", g.to_uppercase(), self.op),
+        };
         match &self.label {
-            Some(l) => format!("{} #{} ({l} of step {})", self.op, self.seq, self.step),
+            Some(l) => format!("{op} #{} ({l} of step {})", self.seq, self.step),
+            None if self.count == 0 => format!("{op} #{} (step {})", self.seq, self.step),
             None => format!(
-                "{} #{} ({} × {}, step {})",
-                self.op, self.seq, self.count, self.dtype, self.step
+                "{op} #{} ({} × {}, step {})",
+                self.seq, self.count, self.dtype, self.step
             ),
         }
+    }
+
+    /// Whether `other` is the same call (same kind of group, same call number).
+    pub fn same_call(&self, other: &CollectiveRecord) -> bool {
+        self.group == other.group && self.seq == other.seq
     }
 }
 
@@ -108,16 +121,6 @@ impl RankSnapshot {
             .iter()
             .filter_map(|c| c.finished_ms)
             .reduce(f64::max)
-    }
-
-    /// The call number of the last collective it finished (0: none).
-    pub fn last_finished_seq(&self) -> u64 {
-        self.collectives
-            .iter()
-            .filter(|c| c.finished_ms.is_some())
-            .map(|c| c.seq)
-            .max()
-            .unwrap_or(0)
     }
 }
 

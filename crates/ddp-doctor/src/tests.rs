@@ -17,6 +17,7 @@ fn limits() -> Thresholds {
 
 fn coll(seq: u64, label: &str, step: u64, issued: f64, finished: Option<f64>) -> CollectiveRecord {
     CollectiveRecord {
+        group: "host".into(),
         seq,
         op: "all_reduce".into(),
         dtype: "f32".into(),
@@ -176,7 +177,7 @@ fn the_recorder_keeps_collectives_labels_phases_and_steps() {
     crate::set_phase(Phase::Forward);
     std::thread::sleep(Duration::from_millis(20));
     crate::label_next(crate::Label::indexed("gradient bucket", 3));
-    let t = crate::recorder::issue("all_reduce", "f32", 12, 1).unwrap();
+    let t = crate::recorder::issue("host", "all_reduce", "f32", 12, 1).unwrap();
     std::thread::sleep(Duration::from_millis(10));
     let s = crate::recorder::snapshot(5);
     assert_eq!(

@@ -13,7 +13,8 @@ use crate::snapshot::{CollectiveRecord, RankSnapshot};
 pub struct Thresholds {
     /// A hang: no rank finished a collective for this long, and ranks wait in one as long.
     pub hang_after: Duration,
-    /// A rank whose last report is older than this went silent (stopped, frozen, or gone).
+    /// A rank whose last report was older than this when its launcher read it went silent
+    /// (frozen, or gone); one its launcher saw stopped is silent at once.
     pub silent_after: Duration,
     /// A straggler: its own work per step over this many times the others' median.
     pub straggler_factor: f64,
@@ -88,6 +89,15 @@ impl Hang {
     }
 }
 
+/// The newest end of a collective in `snapshots` (Unix milliseconds), if any: the job's last
+/// progress. A hang verdict stands until it moves.
+pub fn last_progress(snapshots: &[RankSnapshot]) -> Option<f64> {
+    snapshots
+        .iter()
+        .filter_map(RankSnapshot::last_finished_ms)
+        .reduce(f64::max)
+}
+
 /// The hang verdict for `snapshots` (a world of `world_size` ranks) at `now_ms` (Unix
 /// milliseconds), if one is due.
 pub fn hang(
@@ -98,28 +108,46 @@ pub fn hang(
 ) -> Option<Hang> {
     let hang_ms = limits.hang_after.as_secs_f64() * 1e3;
     let silent_ms = limits.silent_after.as_secs_f64() * 1e3;
-    let fresh = |s: &RankSnapshot| now_ms - s.written_ms <= silent_ms;
-    // The newest finished collective anywhere: progress.
-    let last_progress = snapshots
-        .iter()
-        .filter_map(RankSnapshot::last_finished_ms)
-        .reduce(f64::max);
-    if last_progress.is_some_and(|t| now_ms - t < hang_ms) {
+    // A report's age as its own launcher saw it (one host's clock), else as judged now; a
+    // process its launcher saw stopped is silent whatever its last report's age.
+    let age_ms = |s: &RankSnapshot| match &s.observed {
+        Some(o) => o.seen_ms - s.written_ms,
+        None => now_ms - s.written_ms,
+    };
+    let fresh = |s: &RankSnapshot| {
+        age_ms(s) <= silent_ms
+            && !s
+                .observed
+                .as_ref()
+                .is_some_and(|o| matches!(o.process.as_str(), "stopped" | "traced"))
+    };
+    if last_progress(snapshots).is_some_and(|t| now_ms - t < hang_ms) {
         return None;
     }
     let waiters: Vec<&RankSnapshot> = snapshots
         .iter()
         .filter(|s| fresh(s) && s.waiting_in().is_some())
         .collect();
+    // The call most ranks wait in (the latest issued among equals).
+    let in_call = |c: &CollectiveRecord| {
+        waiters
+            .iter()
+            .filter(|s| s.waiting_in().is_some_and(|w| w.same_call(c)))
+            .count()
+    };
     let target = waiters
         .iter()
         .filter_map(|s| s.waiting_in())
-        .max_by_key(|c| c.seq)?
+        .max_by(|a, b| {
+            in_call(a)
+                .cmp(&in_call(b))
+                .then(a.issued_ms.total_cmp(&b.issued_ms))
+        })?
         .clone();
     let waiting: Vec<&RankSnapshot> = waiters
         .iter()
         .copied()
-        .filter(|s| s.waiting_in().is_some_and(|c| c.seq == target.seq))
+        .filter(|s| s.waiting_in().is_some_and(|c| c.same_call(&target)))
         .collect();
     let first_issued = waiting
         .iter()
@@ -139,7 +167,7 @@ pub fn hang(
         };
         let whereabouts = if !fresh(s) {
             Whereabouts::Silent {
-                age_s: (now_ms - s.written_ms) / 1e3,
+                age_s: age_ms(s).max(0.0) / 1e3,
                 process: s.observed.as_ref().map(|o| o.process.clone()),
                 last: match s.waiting_in() {
                     Some(c) => format!("in {}", c.describe()),

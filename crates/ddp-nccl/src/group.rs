@@ -363,7 +363,7 @@ impl NcclGroup {
         self.usable()?;
         // The flight recorder sees the host side: from the enqueueing to the completion.
         self.calls += 1;
-        let ticket = ddp_comm::doctor::recorder::issue(op, "nccl", 0, self.calls);
+        let ticket = ddp_comm::doctor::recorder::issue("nccl", op, "-", 0, self.calls);
         let start = Instant::now();
         let deadline = start + self.timeout;
         let result = self.run_and_wait(what, start, deadline, call);

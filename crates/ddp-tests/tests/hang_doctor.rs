@@ -151,10 +151,20 @@ fn hang_verdict(scenario: &str, extra: &[&str]) -> String {
     let mut worker_args = vec!["--scenario", scenario, "--checkpoint-ms", "600000"];
     worker_args.extend_from_slice(extra);
     let mut job = one_launcher(&["--hang-after", &hang_after], &worker_args);
-    let (started, _) = job
+    let (started, start_line) = job
         .wait_line("HANG-START", VERDICT_WAIT)
         .unwrap_or_else(|| panic!("{scenario}: the victim never misbehaved"));
     let verdict = job.wait_line("ddprun: hang at step", VERDICT_WAIT);
+    // The stack was taken and the rank let go: it is not held by its launcher any more.
+    let victim = start_line
+        .rsplit_once("pid=")
+        .and_then(|(_, p)| p.trim().parse::<u32>().ok())
+        .expect("the victim's pid");
+    let status = std::fs::read_to_string(format!("/proc/{victim}/status")).unwrap_or_default();
+    assert!(
+        status.contains("TracerPid:\t0"),
+        "{scenario}: rank process {victim} is still traced after the verdict:\n{status}"
+    );
     let (status, text) = job.stop();
     let (at, line) = verdict.unwrap_or_else(|| panic!("{scenario}: no hang verdict:\n{text}"));
     let late = (at - started) / 1e3;
@@ -386,6 +396,10 @@ fn on_two_launchers_the_node_of_the_stuck_rank_tells_the_verdict_with_its_stack(
         ],
     );
     assert!(quiet.is_none(), "node 0 told a verdict too:\n{t0}");
+    assert!(
+        !t0.contains("hang at step"),
+        "node 0 told a verdict too, later:\n{t0}"
+    );
     assert!(!s1.expect("node 1 ends").success(), "{t1}");
     assert!(!s0.expect("node 0 ends").success(), "{t0}");
 }

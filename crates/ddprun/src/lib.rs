@@ -443,6 +443,12 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
             if r.exit.is_some() {
                 continue;
             }
+            if doctor.holds(r.child.id()) {
+                // Held for its stack, not yet stopped: a plain wait would take the coming
+                // ptrace stop for its end. The doctor lets it go first.
+                running += 1;
+                continue;
+            }
             match r.child.try_wait() {
                 Ok(Some(status)) => {
                     let exit = RankExit::from_status(status);
@@ -542,6 +548,7 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
                 Instant::now()
             };
             stop_at = Some(stop_at.map_or(due, |t| t.min(due)));
+            doctor.failed(&watched(ranks), notes, &failure.what_happened());
             first_failure = Some(failure);
         }
         if let (Some(t), Some(failure)) = (stop_at, first_failure.as_mut())
@@ -602,15 +609,7 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
         }
 
         if kill_at.is_none() {
-            let watched: Vec<doctor::Watched> = ranks
-                .iter()
-                .map(|r| doctor::Watched {
-                    rank: r.rank,
-                    pid: r.child.id(),
-                    running: r.exit.is_none(),
-                })
-                .collect();
-            doctor.poll(&watched, notes);
+            doctor.poll(&watched(ranks), notes);
         }
 
         if let Some(t) = kill_at
@@ -638,6 +637,18 @@ fn watch<A: AsRef<std::ffi::OsStr>>(
         replaced,
         job_stop,
     }
+}
+
+/// The ranks as the hang doctor sees them.
+fn watched(ranks: &[Rank]) -> Vec<doctor::Watched> {
+    ranks
+        .iter()
+        .map(|r| doctor::Watched {
+            rank: r.rank,
+            pid: r.child.id(),
+            running: r.exit.is_none(),
+        })
+        .collect()
 }
 
 /// The ranks that exited 0.

@@ -36,6 +36,13 @@
 //! the optimizer state each rank holds (the largest over ranks), unsharded → sharded. Peak
 //! memory per rank needs one process per mode: `cargo xtask bench zero`.
 //!
+//! After the table, **the flight recorder's cost** (the hang doctor's ring of collectives,
+//! `burn_ddp::doctor`), per model at the first bucket cap: the SGD step (forward, backward,
+//! [`DdpOptimizer::try_step`], between barriers) with the recorder on and off in alternating
+//! blocks of steps (`step ms on / off`, `on vs off`), and, measured without the step's noise,
+//! what the recorder adds to one collective (a 4-byte all-reduce timed on and off, 2 000 calls
+//! per block) times the collectives of a step, as a share of the step (`estimated cost %`).
+//!
 //! The very last column, `replica check ms`: what the first synchronisation adds once, the
 //! comparison of the ranks' parameters that catches a forgotten `replicate_model`
 //! ([`GradientSynchronizer::check_replicas`]: a fingerprint of every parameter's values and an
@@ -88,6 +95,9 @@ struct Args {
     /// Leave out the sharded-optimizer columns (Adam unsharded and sharded per row).
     #[arg(long)]
     no_sharded: bool,
+    /// Leave out the flight recorder's cost (the table after the main one).
+    #[arg(long)]
+    no_recorder_cost: bool,
 }
 
 #[derive(Module, Debug)]
@@ -319,6 +329,65 @@ fn measure<M: Module>(
     Ok((row, params))
 }
 
+/// The flight recorder's cost for one model: (step ms on, step ms off, collectives per step,
+/// recorder µs per collective).
+fn recorder_cost<M: Module>(
+    ddp: &Ddp,
+    args: &Args,
+    mut model: M,
+    loss: impl Fn(&M) -> Tensor<1>,
+) -> Result<(f64, f64, f64, f64), burn_ddp::DdpError> {
+    use burn_ddp::doctor::recorder;
+    const BLOCKS: usize = 6;
+    let mut optim = DdpOptimizer::new(ddp, burn::optim::SgdConfig::new().init());
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    let mut collectives = (0u64, 0usize);
+    let per_block = args.steps.div_ceil(BLOCKS / 2).max(2);
+    for block in 0..=BLOCKS {
+        // Block 0 warms up; then on, off, on, off …
+        let enabled = block % 2 == 1;
+        recorder::set_enabled(enabled || block == 0);
+        for _ in 0..if block == 0 { args.warmup } else { per_block } {
+            ddp.barrier()?;
+            let before = recorder::snapshot(0).finished;
+            let t = Instant::now();
+            let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+            model = optim.try_step(1e-4, model, grads)?;
+            let _ = model.devices().first().map(|d| d.sync());
+            let took = t.elapsed();
+            ddp.barrier()?;
+            match block {
+                0 => {}
+                _ if enabled => {
+                    // The step's collectives (the barriers around it excluded).
+                    let during = recorder::snapshot(0).finished - before;
+                    collectives = (collectives.0 + during.saturating_sub(1), collectives.1 + 1);
+                    on.push(took);
+                }
+                _ => off.push(took),
+            }
+        }
+    }
+    // One collective, on and off, without the step around it.
+    let mut tiny = [0f32];
+    let (mut tiny_on, mut tiny_off) = (Vec::new(), Vec::new());
+    for block in 0..BLOCKS {
+        let enabled = block % 2 == 0;
+        recorder::set_enabled(enabled);
+        ddp.barrier()?;
+        let t = Instant::now();
+        for _ in 0..2000 {
+            ddp.with_group(|pg| pg.all_reduce(&mut tiny, ReduceOp::Sum))?;
+        }
+        let per_call = t.elapsed() / 2000;
+        if enabled { &mut tiny_on } else { &mut tiny_off }.push(per_call);
+    }
+    recorder::set_enabled(true);
+    let per_step = collectives.0 as f64 / collectives.1.max(1) as f64;
+    let per_collective_us = (median(tiny_on) - median(tiny_off)) * 1e3;
+    Ok((median(on), median(off), per_step, per_collective_us))
+}
+
 fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
     let ddp = burn_ddp::init()?;
     let device = ddp.device().clone().autodiff();
@@ -406,7 +475,40 @@ fn run(args: &Args) -> Result<(), burn_ddp::DdpError> {
             }
         }
     }
+    if !args.no_recorder_cost {
+        recorder_table(&ddp, args, &device)?;
+    }
     ddp.barrier()
+}
+
+/// The flight recorder's cost, one row per model (see the crate docs).
+fn recorder_table(ddp: &Ddp, args: &Args, device: &Device) -> Result<(), burn_ddp::DdpError> {
+    if ddp.is_main() {
+        println!(
+            "\n| model | ranks | step ms, recorder on / off | on vs off | collectives per step | recorder µs per collective | estimated cost % of the step |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+    }
+    for &model in &args.models {
+        device.seed(7);
+        let (on, off, per_step, per_collective_us) = match model {
+            Model::Mlp => recorder_cost(ddp, args, ddp.replicate_model(Mlp::new(device))?, |m| {
+                m.loss(args.batch, device)
+            })?,
+            Model::Cnn => recorder_cost(ddp, args, ddp.replicate_model(Cnn::new(device))?, |m| {
+                m.loss(args.batch, device)
+            })?,
+        };
+        if ddp.is_main() {
+            let estimated = 100.0 * per_step * per_collective_us.max(0.0) / (off * 1e3);
+            println!(
+                "| {model:?} | {} | {on:.2} / {off:.2} | {:.3} | {per_step:.1} | {per_collective_us:.3} | {estimated:.4} |",
+                ddp.world_size(),
+                on / off
+            );
+        }
+    }
+    Ok(())
 }
 
 fn main() -> std::process::ExitCode {

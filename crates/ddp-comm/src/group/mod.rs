@@ -255,6 +255,9 @@ impl ProcessGroup {
     /// Joins the group described by `env`: rank 0 serves the store (unless the launcher does,
     /// [`crate::env::LAUNCHER_STORE_VAR`]), everyone connects.
     pub fn init(env: &LaunchEnv, opts: GroupOptions) -> Result<Self> {
+        // The flight recorder (and the progress file the launcher reads) from the start: a
+        // rank stuck before its first collective still reports where it is.
+        ddp_doctor::recorder::start();
         if env.world_size == 1 {
             let mut pg = Self::single();
             pg.timeout = opts.timeout;
@@ -660,7 +663,7 @@ impl ProcessGroup {
         }
         self.seq += 1;
         let seq = self.seq;
-        let ticket = ddp_doctor::recorder::issue(call.op, call.dtype, call.count, seq);
+        let ticket = ddp_doctor::recorder::issue("host", call.op, call.dtype, call.count, seq);
         let result = f(self, seq);
         if let Some(t) = ticket {
             ddp_doctor::recorder::finish(t, result.is_err());

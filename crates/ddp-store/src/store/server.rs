@@ -53,7 +53,8 @@ const MAX_HANDSHAKES: usize = 128;
 /// millisecond) still gets in, and one that waits its turn is never cut for a newer one.
 const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
 /// Authenticated connections served at once unless [`StoreServer::limit_clients`] says
-/// otherwise (each rank holds one or two; each launcher three).
+/// otherwise (each rank holds one or two; each launcher four: its rendezvous, its heartbeat,
+/// its round watch and its hang doctor's progress exchange).
 const DEFAULT_MAX_CLIENTS: usize = 256;
 /// Connections one rank may hold at once in a store with per-rank keys. A rank holds its
 /// process group's (for its whole life: the rendezvous, the trace clock, a re-forming) and,
@@ -455,7 +456,7 @@ impl StoreServer {
 
     /// Serves at most `n` authenticated connections at once (256 unless set); a client past
     /// the limit is told so and closed. Size it from the job: each rank holds one or two
-    /// connections, each launcher three.
+    /// connections, each launcher four.
     pub fn limit_clients(&self, n: usize) {
         self.shared.max_clients.store(n.max(1), Ordering::Relaxed);
     }

@@ -4,7 +4,7 @@
 //! after the last step (label `evaluation loss`), then a checkpoint phase.
 //!
 //! `--scenario` makes rank `--victim` misbehave at step `--at-step` (printing
-//! `HANG-START <unix ms>` the moment it does): `data-sleep` (its data loader sleeps),
+//! `HANG-START <unix ms> pid=<its pid>` the moment it does): `data-sleep` (its data loader sleeps),
 //! `compute-loop` (its forward spins), `deadlock` (two threads of its own lock two mutexes in
 //! opposite orders), `sigstop` (it stops itself), `skip` (it skips the evaluation all-reduce),
 //! `extra` (it calls the evaluation all-reduce twice), `slow` (its forward takes three times
@@ -81,7 +81,7 @@ fn hang_start() {
     let ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
-    println!("HANG-START {ms}");
+    println!("HANG-START {ms} pid={}", std::process::id());
 }
 
 /// The data loader: the batch of (rank, step); the victim's sleeps under `data-sleep`.

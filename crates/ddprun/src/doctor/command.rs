@@ -42,7 +42,7 @@ pub fn report(
     let world = snapshots.iter().map(|s| s.rank + 1).max().unwrap_or(0);
     let limits = Thresholds {
         hang_after,
-        silent_after: Duration::from_secs(3).min(hang_after),
+        silent_after: super::silent_after(),
         straggler_factor,
     };
     let mut lines = vec![format!("{} rank(s); as of the dump:", snapshots.len())];

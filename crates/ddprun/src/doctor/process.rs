@@ -29,6 +29,26 @@ pub(crate) fn state(pid: u32) -> String {
     .to_string()
 }
 
+/// The parent of process `pid`, from `/proc/PID/stat`.
+fn parent(pid: u32) -> Option<u32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &text[text.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Whether process `pid` descends from `ancestor` (within eight generations).
+pub(crate) fn descends_from(pid: u32, ancestor: u32) -> bool {
+    let mut p = pid;
+    for _ in 0..8 {
+        match parent(p) {
+            Some(q) if q == ancestor => return true,
+            Some(q) if q > 1 => p = q,
+            _ => return false,
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
@@ -47,9 +67,14 @@ mod tests {
 
     #[test]
     fn a_sleeping_child_then_stopped_then_gone() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
         let pid = child.id();
         assert_eq!(settle(pid, "sleeping"), "sleeping");
+        assert!(super::descends_from(pid, std::process::id()));
+        assert!(!super::descends_from(std::process::id(), pid));
         // SAFETY: kill has no memory-safety preconditions.
         unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
         assert_eq!(settle(pid, "stopped"), "stopped");
