@@ -353,8 +353,10 @@ fn ddp_doctor_read(dir: &Path) -> (ExitStatus, String) {
     (out.status, text)
 }
 
-#[test]
-fn on_two_launchers_the_node_of_the_stuck_rank_tells_the_verdict_with_its_stack() {
+/// Two launchers (one rank each, emulated hosts) of `scenario`, rank 1 (node 1's) the victim,
+/// until node 1's verdict: checks its timing, that node 0 tells none, and that both nodes
+/// exit non-zero once node 1's launcher is stopped; returns the verdict.
+fn two_launchers_verdict(scenario: &str) -> String {
     let port = ddp_testkit::free_port().to_string();
     let token = ddp_testkit::job_token();
     let hang_after = HANG_AFTER_S.to_string();
@@ -366,7 +368,7 @@ fn on_two_launchers_the_node_of_the_stuck_rank_tells_the_verdict_with_its_stack(
                 .args(["--grace-secs", "2", "--hang-after", &hang_after])
                 .arg("--")
                 .arg(worker())
-                .args(["--scenario", "data-sleep", "--checkpoint-ms", "0"])
+                .args(["--scenario", scenario, "--checkpoint-ms", "0"])
                 .env("DDP_TIMEOUT_SECS", "60")
                 .env("BURN_DEVICE", "flex")
                 .env("DDP_JOB_TOKEN", &token)
@@ -384,8 +386,21 @@ fn on_two_launchers_the_node_of_the_stuck_rank_tells_the_verdict_with_its_stack(
     let (s1, t1) = node1.stop();
     let (s0, t0) = node0.wait(Duration::from_secs(30));
     let (at, line) =
-        verdict.unwrap_or_else(|| panic!("no verdict on node 1:\n{t1}\nnode 0:\n{t0}"));
+        verdict.unwrap_or_else(|| panic!("{scenario}: no verdict on node 1:\n{t1}\nnode 0:\n{t0}"));
     assert!((at - started) / 1e3 <= HANG_AFTER_S + 2.0, "{t1}");
+    assert!(quiet.is_none(), "node 0 told a verdict too:\n{t0}");
+    assert!(
+        !t0.contains("hang at step"),
+        "node 0 told a verdict too, later:\n{t0}"
+    );
+    assert!(!s1.expect("node 1 ends").success(), "{t1}");
+    assert!(!s0.expect("node 0 ends").success(), "{t0}");
+    line
+}
+
+#[test]
+fn on_two_launchers_the_node_of_the_stuck_rank_tells_the_verdict_with_its_stack() {
+    let line = two_launchers_verdict("data-sleep");
     assert_has(
         &line,
         &[
@@ -395,11 +410,17 @@ fn on_two_launchers_the_node_of_the_stuck_rank_tells_the_verdict_with_its_stack(
             "at load_batch (src/bin/hang_worker.rs:",
         ],
     );
-    assert!(quiet.is_none(), "node 0 told a verdict too:\n{t0}");
-    assert!(
-        !t0.contains("hang at step"),
-        "node 0 told a verdict too, later:\n{t0}"
+}
+
+#[test]
+fn on_two_launchers_a_stopped_rank_is_named_stopped_by_its_node() {
+    let line = two_launchers_verdict("sigstop");
+    assert_has(
+        &line,
+        &[
+            "rank 0 waits in all_reduce #",
+            "rank 1 silent: its last report is ",
+            "its process is stopped (SIGSTOP, a debugger)",
+        ],
     );
-    assert!(!s1.expect("node 1 ends").success(), "{t1}");
-    assert!(!s0.expect("node 0 ends").success(), "{t0}");
 }

@@ -38,8 +38,9 @@
 //!
 //! After the table, **the flight recorder's cost** (the hang doctor's ring of collectives,
 //! `burn_ddp::doctor`), per model at the first bucket cap: the SGD step (forward, backward,
-//! [`DdpOptimizer::try_step`], between barriers) with the recorder on and off in alternating
-//! blocks of steps (`step ms on / off`, `on vs off`), and, measured without the step's noise,
+//! [`DdpOptimizer::try_step`], between barriers) with the recorder on and off, step by step
+//! in the order on, off, off, on … (`step ms on / off`, `on vs off`: medians of `4 ×
+//! ⌈steps / 2⌉` steps), and, measured without the step's noise,
 //! what the recorder adds to one collective (a 4-byte all-reduce timed on and off, 2 000 calls
 //! per block) times the collectives of a step, as a share of the step (`estimated cost %`).
 //!
@@ -342,30 +343,30 @@ fn recorder_cost<M: Module>(
     let mut optim = DdpOptimizer::new(ddp, burn::optim::SgdConfig::new().init());
     let (mut on, mut off) = (Vec::new(), Vec::new());
     let mut collectives = (0u64, 0usize);
-    let per_block = args.steps.div_ceil(BLOCKS / 2).max(2);
-    for block in 0..=BLOCKS {
-        // Block 0 warms up; then on, off, on, off …
-        let enabled = block % 2 == 1;
-        recorder::set_enabled(enabled || block == 0);
-        for _ in 0..if block == 0 { args.warmup } else { per_block } {
-            ddp.barrier()?;
-            let before = recorder::snapshot(0).finished;
-            let t = Instant::now();
-            let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
-            model = optim.try_step(1e-4, model, grads)?;
-            let _ = model.devices().first().map(|d| d.sync());
-            let took = t.elapsed();
-            ddp.barrier()?;
-            match block {
-                0 => {}
-                _ if enabled => {
-                    // The step's collectives (the barriers around it excluded).
-                    let during = recorder::snapshot(0).finished - before;
-                    collectives = (collectives.0 + during.saturating_sub(1), collectives.1 + 1);
-                    on.push(took);
-                }
-                _ => off.push(took),
-            }
+    // After the warm-up, steps alternate on, off, off, on … (each pair in both orders, so that
+    // a drift of the machine falls on both sides alike).
+    let timed = 4 * args.steps.div_ceil(2).max(1);
+    for i in 0..args.warmup + timed {
+        let enabled = i < args.warmup || matches!((i - args.warmup) % 4, 0 | 3);
+        recorder::set_enabled(enabled);
+        ddp.barrier()?;
+        let before = recorder::snapshot(0).finished;
+        let t = Instant::now();
+        let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+        model = optim.try_step(1e-4, model, grads)?;
+        let _ = model.devices().first().map(|d| d.sync());
+        let took = t.elapsed();
+        ddp.barrier()?;
+        if i < args.warmup {
+            continue;
+        }
+        if enabled {
+            // The step's collectives (the barrier after it excluded).
+            let during = recorder::snapshot(0).finished - before;
+            collectives = (collectives.0 + during.saturating_sub(1), collectives.1 + 1);
+            on.push(took);
+        } else {
+            off.push(took);
         }
     }
     // One collective, on and off, without the step around it.
