@@ -330,8 +330,15 @@ fn a_second_tokenless_job_on_the_same_port_leaves_the_first_alone() {
             Instant::now() < deadline,
             "the first job's secret never appeared"
         );
+        // The published file only: the secret is written to a temporary file beside it first
+        // (seen here under load just before its rename).
         let files: Vec<_> = std::fs::read_dir(&secrets)
-            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "secret"))
+                    .collect()
+            })
             .unwrap_or_default();
         if let [file] = files.as_slice()
             && let Ok(s) = std::fs::read_to_string(file)
