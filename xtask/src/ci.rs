@@ -52,6 +52,8 @@ const PUBLISHED: &[&str] = &[
     "-p",
     "ddp-trace",
     "-p",
+    "ddp-doctor",
+    "-p",
     "ddp-comm",
     "-p",
     "ddp-nccl",

@@ -324,6 +324,7 @@ fn the_libraries_have_no_import_cycles() {
     for krate in [
         "crates/ddp-store",
         "crates/ddp-trace",
+        "crates/ddp-doctor",
         "crates/ddp-comm",
         "crates/ddp-nccl",
         "crates/ddprun",

@@ -38,16 +38,7 @@ impl FailureNotes {
     /// removed.
     pub fn for_rank(&self, rank: usize) -> Result<(&'static str, PathBuf), LaunchError> {
         let path = self.path(rank);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(LaunchError::Io {
-                    what: format!("removing the failure note {}", path.display()),
-                    source,
-                });
-            }
-        }
+        remove_stale(&path, "failure note")?;
         Ok((FAILURE_FILE_VAR, path))
     }
 
@@ -74,16 +65,7 @@ impl FailureNotes {
     /// an earlier attempt's removed.
     pub fn progress_for_rank(&self, rank: usize) -> Result<(&'static str, PathBuf), LaunchError> {
         let path = self.progress_path(rank);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(LaunchError::Io {
-                    what: format!("removing the progress file {}", path.display()),
-                    source,
-                });
-            }
-        }
+        remove_stale(&path, "progress file")?;
         Ok((ddp_doctor::publisher::PROGRESS_FILE_VAR, path))
     }
 
@@ -121,6 +103,18 @@ impl FailureNotes {
     #[cfg(test)]
     pub fn dir(&self) -> &std::path::Path {
         &self.dir
+    }
+}
+
+/// Removes an earlier attempt's `what` at `path`; absent is fine, any other error stops.
+fn remove_stale(path: &std::path::Path, what: &str) -> Result<(), LaunchError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(LaunchError::Io {
+            what: format!("removing the {what} {}", path.display()),
+            source,
+        }),
     }
 }
 
