@@ -188,6 +188,8 @@ impl<M: TrainStep + Module> TrainStep for DdpModel<M> {
         lr_module: ModuleLearningRate,
         grads: GradientsParams,
     ) -> Self {
+        // The flight recorder's phases and step, as `DdpOptimizer::try_step` marks them.
+        ddp_comm::doctor::set_phase(ddp_comm::doctor::Phase::Sync);
         let synced = lock(&self.sync).sync(&self, grads);
         let grads = match synced {
             Ok(g) => g,
@@ -196,7 +198,10 @@ impl<M: TrainStep + Module> TrainStep for DdpModel<M> {
                 panic!("DDP gradient synchronisation failed: {e}")
             }
         };
-        optim.step(lr_module, self, grads)
+        ddp_comm::doctor::set_phase(ddp_comm::doctor::Phase::Optimizer);
+        let updated = optim.step(lr_module, self, grads);
+        ddp_comm::doctor::step_done();
+        updated
     }
 
     /// Merges the per-device gradients of this rank, averages them over all ranks, then

@@ -7,7 +7,8 @@
 //!   work by phase, time inside collectives). `ddp-comm` records every collective of a
 //!   process group; `burn-ddp` marks the phases it sees and labels its collectives.
 //! - **Publishing** ([`publisher`]): when the launcher sets `DDP_PROGRESS_FILE`, a thread of the
-//!   rank writes its [`RankSnapshot`] there every `DDP_PROGRESS_MS` (500 ms), whole.
+//!   rank writes its [`RankSnapshot`] there every `DDP_PROGRESS_MS` (500 ms), whole, from the
+//!   moment its process group forms ([`publisher::start`]).
 //! - **Verdicts** ([`verdict`]): from the snapshots, [`verdict::hang`] (no collective finished
 //!   for a while, ranks wait in one: which ranks wait, in what, and where each other rank is)
 //!   and [`verdict::stragglers`] (a rank whose own work per step is a multiple of the others').

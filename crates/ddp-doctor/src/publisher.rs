@@ -28,9 +28,17 @@ pub fn interval() -> Duration {
         })
 }
 
-/// Starts the publishing thread when `DDP_PROGRESS_FILE` is set (called once, when the recorder
-/// is first used).
-pub(crate) fn start_if_asked() {
+/// Starts the recorder and, when the launcher set `DDP_PROGRESS_FILE`, the publishing thread
+/// (once per process; later calls do nothing). `ddp-comm` calls it when a process group
+/// forms, so a rank stuck before its first collective still reports where it is.
+pub fn start() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    if recorder::enabled() {
+        STARTED.call_once(start_if_asked);
+    }
+}
+
+fn start_if_asked() {
     let Some(path) = std::env::var_os(PROGRESS_FILE_VAR).filter(|p| !p.is_empty()) else {
         return;
     };

@@ -151,10 +151,7 @@ pub fn set_enabled(on: bool) {
 
 fn recorder() -> MutexGuard<'static, Recorder> {
     static RECORDER: OnceLock<Mutex<Recorder>> = OnceLock::new();
-    let cell = RECORDER.get_or_init(|| {
-        crate::publisher::start_if_asked();
-        Mutex::new(Recorder::new())
-    });
+    let cell = RECORDER.get_or_init(|| Mutex::new(Recorder::new()));
     // A panic while holding the lock leaves plain data behind: keep recording.
     cell.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -273,15 +270,6 @@ pub fn step_done() {
     r.step_started = now;
     r.step += 1;
     r.phase = Phase::Data;
-}
-
-/// Starts the recorder (and its publisher, when the launcher asked for one) now rather than at
-/// the first collective: a rank stuck before it still reports. `ddp-comm` calls it when a
-/// group forms.
-pub fn start() {
-    if enabled() {
-        drop(recorder());
-    }
 }
 
 /// Sets the step number (a program resuming at step `step` after a restart).

@@ -341,6 +341,35 @@ fn a_dump_on_sigusr1_leaves_a_healthy_run_bitwise_unchanged() {
     assert_eq!(empty.0.code(), Some(2), "{}", empty.1);
 }
 
+#[test]
+fn a_job_that_died_leaves_a_dump_the_doctor_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let dumps = dir.path().join("dumps");
+    let job = one_launcher(
+        &["--dump-on-hang", dumps.to_str().unwrap()],
+        &["--scenario", "fail", "--at-step", "4"],
+    );
+    let (status, text) = job.wait(Duration::from_secs(120));
+    assert!(!status.expect("the job ends").success(), "{text}");
+    assert_has(
+        &text,
+        &["ddprun: wrote the flight recorders of 3 rank(s) to "],
+    );
+    let verdicts: Vec<String> = std::fs::read_dir(&dumps)
+        .unwrap()
+        .flatten()
+        .filter_map(|d| std::fs::read_to_string(d.path().join("verdict.txt")).ok())
+        .collect();
+    assert_eq!(verdicts.len(), 1, "one dump for the failure: {verdicts:?}");
+    assert_has(&verdicts[0], &["failed: ", "rank 1"]);
+    let (code, report) = ddp_doctor_read(&dumps);
+    assert_eq!(code.code(), Some(0), "{report}");
+    assert_has(
+        &report,
+        &["3 rank(s); as of the dump:", "rank 1: ", "(process exited)"],
+    );
+}
+
 /// `ddprun doctor DIR`: its status and stdout + stderr.
 fn ddp_doctor_read(dir: &Path) -> (ExitStatus, String) {
     let out = Command::new(ddprun())

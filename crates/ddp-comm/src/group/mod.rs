@@ -257,7 +257,7 @@ impl ProcessGroup {
     pub fn init(env: &LaunchEnv, opts: GroupOptions) -> Result<Self> {
         // The flight recorder (and the progress file the launcher reads) from the start: a
         // rank stuck before its first collective still reports where it is.
-        ddp_doctor::recorder::start();
+        ddp_doctor::publisher::start();
         if env.world_size == 1 {
             let mut pg = Self::single();
             pg.timeout = opts.timeout;

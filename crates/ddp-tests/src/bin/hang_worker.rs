@@ -8,7 +8,8 @@
 //! `compute-loop` (its forward spins), `deadlock` (two threads of its own lock two mutexes in
 //! opposite orders), `sigstop` (it stops itself), `skip` (it skips the evaluation all-reduce),
 //! `extra` (it calls the evaluation all-reduce twice), `slow` (its forward takes three times
-//! as long from the first step: a straggler, the job completes). `healthy`: nobody does.
+//! as long from the first step: a straggler, the job completes), `fail` (it exits with an
+//! error). `healthy`: nobody does.
 //! Every rank sleeps `--checkpoint-ms` in its checkpoint phase, prints
 //! `END rank=R sum=BITS` (a hash of its parameters) and exits.
 
@@ -35,6 +36,7 @@ enum Scenario {
     Skip,
     Extra,
     Slow,
+    Fail,
 }
 
 #[derive(Debug, Parser)]
@@ -156,6 +158,9 @@ fn run(args: &Args) -> Result<(), String> {
         );
         if now(Scenario::Deadlock, step) {
             deadlock();
+        }
+        if now(Scenario::Fail, step) {
+            return Err(format!("rank {rank} fails at step {step} (injected)"));
         }
         if now(Scenario::Sigstop, step) {
             hang_start();
