@@ -165,9 +165,9 @@ struct Args {
     #[arg(long = "straggler-factor", default_value_t = 2.0, value_name = "X",
           value_parser = parse_factor)]
     straggler_factor: f64,
-    /// Write every rank's flight recorder and stack as JSON under DIR at every hang verdict
-    /// (and on SIGUSR1, which without this flag writes under ./ddprun-dumps). Read a dump with
-    /// `ddprun doctor DIR`.
+    /// Write every rank's flight recorder and stack as JSON under DIR at every hang verdict and
+    /// when a rank fails (and on SIGUSR1, which without this flag writes under ./ddprun-dumps).
+    /// Read a dump with `ddprun doctor DIR`.
     #[arg(long = "dump-on-hang", value_name = "DIR")]
     dump_on_hang: Option<std::path::PathBuf>,
     /// Launch nothing: read the dump(s) under DIR (written on SIGUSR1 or at a hang) and print
