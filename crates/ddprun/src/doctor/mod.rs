@@ -122,15 +122,17 @@ impl Doctor {
     }
 
     /// Whether the rank with process id `pid` is held for its stack and not yet let go: the
-    /// watch loop must not reap it with a plain wait meanwhile.
-    pub fn holds(&self, pid: u32) -> bool {
+    /// watch loop must not reap it with a plain wait meanwhile. Lets go first of every held
+    /// rank that stopped or exited since (on every pass of the watch loop, stopping included:
+    /// a held rank is never left unreaped).
+    pub fn holds(&mut self, pid: u32) -> bool {
+        self.stacks.release_stopped();
         self.stacks.holds(pid)
     }
 
     /// Reads the progress of `ranks` (this node's), tells a verdict when one is due, and
     /// writes a dump when SIGUSR1 came.
     pub fn poll(&mut self, ranks: &[Watched], notes: &FailureNotes) {
-        self.stacks.release_stopped();
         let usr1 = crate::signals::usr1_count();
         if self.checked.elapsed() < POLL_EVERY && usr1 == self.usr1_seen {
             return;
